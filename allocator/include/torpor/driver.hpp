@@ -1,0 +1,176 @@
+// The driver seam: every call torpor makes to the CUDA driver goes through `Driver`.
+//
+// Layers above (pool, sleep, symmetric) speak only this interface; they never include
+// cuda.h and nothing here knows about tags or memory classes. Implementations:
+//   - CudaDriver (cuda_driver.hpp): libcuda resolved at run time, so binaries start on a
+//     machine without a GPU.
+//   - HostDriver (host_driver.hpp): the VMM API emulated on the CPU with real bytes and
+//     exact accounting; CI's backend.
+//   - FaultInjectingDriver (fault_injecting_driver.hpp): fails the Nth call of a kind.
+//
+// Semantics follow the CUDA VMM API: a reservation is address space only; a physical handle
+// is memory on one device; map places (part of) a handle at an address inside a reservation;
+// set_access must be called before the mapping is touched; releasing a handle that is still
+// mapped is allowed and the memory lives until its last mapping is unmapped. Every method
+// reports failure by throwing driver_error (code = CUresult value).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace torpor {
+
+// A virtual address in the unified address space (device memory on the GPU; ordinary CPU
+// addresses under HostDriver).
+using device_ptr = std::uintptr_t;
+
+// Opaque handles. Zero is never a valid value.
+struct PhysicalHandle {
+  std::uint64_t value = 0;
+  explicit operator bool() const noexcept { return value != 0; }
+  friend bool operator==(PhysicalHandle, PhysicalHandle) = default;
+};
+
+struct MulticastHandle {
+  std::uint64_t value = 0;
+  explicit operator bool() const noexcept { return value != 0; }
+  friend bool operator==(MulticastHandle, MulticastHandle) = default;
+};
+
+struct Stream {
+  std::uint64_t value = 0;  // 0 is not a stream; use Driver::stream_create
+  int device = 0;
+  explicit operator bool() const noexcept { return value != 0; }
+};
+
+struct Event {
+  std::uint64_t value = 0;
+  int device = 0;
+  explicit operator bool() const noexcept { return value != 0; }
+};
+
+struct DeviceProperties {
+  int ordinal = 0;
+  std::string name;
+  std::size_t total_bytes = 0;
+  bool vmm_supported = false;
+  bool posix_fd_handles_supported = false;
+  std::size_t granularity = 0;      // minimum granularity for create/map
+  bool multicast_attribute = false; // CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED
+};
+
+struct MemoryInfo {
+  std::size_t free_bytes = 0;
+  std::size_t total_bytes = 0;
+};
+
+// Kinds of driver call, used by fault injection and by the probe's reports.
+enum class DriverCall : int {
+  reserve,
+  free_reservation,
+  create,
+  release,
+  map,
+  unmap,
+  set_access,
+  export_handle,
+  import_handle,
+  host_alloc,
+  host_free,
+  stream_create,
+  stream_destroy,
+  copy,
+  fill,
+  stream_synchronize,
+  device_synchronize,
+  event_create,
+  event_destroy,
+  event_record,
+  stream_wait_event,
+  event_synchronize,
+  multicast_create,
+  multicast_add_device,
+  multicast_bind,
+  multicast_unbind,
+  multicast_release,
+  count_
+};
+
+std::string_view to_string(DriverCall c) noexcept;
+
+class Driver {
+ public:
+  virtual ~Driver() = default;
+
+  // "cuda" or "host" (a decorator reports its inner driver's name).
+  virtual std::string_view backend_name() const noexcept = 0;
+
+  // --- devices -------------------------------------------------------------------------
+  virtual int device_count() = 0;
+  virtual DeviceProperties device_properties(int device) = 0;
+  virtual bool can_access_peer(int device, int peer) = 0;
+  virtual MemoryInfo memory_info(int device) = 0;
+  // True when every multicast entry point (create, add device, bind, unbind, granularity)
+  // resolved in the driver library. Says nothing about the device or the kill switches.
+  virtual bool multicast_entry_points() = 0;
+
+  // --- virtual address space -----------------------------------------------------------
+  // Reserve `bytes` (a multiple of the granularity) aligned to `alignment`.
+  virtual device_ptr reserve(std::size_t bytes, std::size_t alignment) = 0;
+  // Give back a whole reservation; nothing may be mapped inside it.
+  virtual void free_reservation(device_ptr va, std::size_t bytes) = 0;
+
+  // --- physical memory ------------------------------------------------------------------
+  // `exportable`: the handle can later be exported as a POSIX file descriptor.
+  virtual PhysicalHandle create(int device, std::size_t bytes, bool exportable) = 0;
+  virtual void release(PhysicalHandle handle) = 0;
+  virtual void map(device_ptr va, std::size_t bytes, PhysicalHandle handle, std::size_t handle_offset) = 0;
+  // Unmap exactly one earlier mapping [va, va + bytes).
+  virtual void unmap(device_ptr va, std::size_t bytes) = 0;
+  // Read/write access for every device in `devices`, over mapped memory [va, va + bytes)
+  // (one call for a contiguous range of several mappings).
+  virtual void set_access(device_ptr va, std::size_t bytes, std::span<const int> devices) = 0;
+
+  // --- sharing between processes ---------------------------------------------------------
+  // A new file descriptor owned by the caller.
+  virtual int export_fd(PhysicalHandle handle) = 0;
+  // A new handle referring to the exported memory; `fd` stays owned by the caller.
+  virtual PhysicalHandle import_fd(int fd) = 0;
+
+  // --- multicast (NVLS). Reach these only after the collective multicast decision. --------
+  virtual std::size_t multicast_granularity(std::span<const int> devices, std::size_t bytes) = 0;
+  virtual MulticastHandle multicast_create(std::span<const int> devices, std::size_t bytes) = 0;
+  virtual void multicast_add_device(MulticastHandle mc, int device) = 0;
+  virtual void multicast_bind(MulticastHandle mc, std::size_t mc_offset, PhysicalHandle memory,
+                              std::size_t memory_offset, std::size_t bytes) = 0;
+  virtual void multicast_unbind(MulticastHandle mc, int device, std::size_t mc_offset, std::size_t bytes) = 0;
+  virtual void multicast_release(MulticastHandle mc) = 0;
+  // A multicast object is mapped like physical memory: map(va, bytes, as_physical(mc), 0).
+  virtual PhysicalHandle as_physical(MulticastHandle mc) = 0;
+
+  // --- host memory ------------------------------------------------------------------------
+  // Page-locked host memory usable as a copy source/target at full link speed.
+  virtual void* host_alloc(std::size_t bytes) = 0;
+  virtual void host_free(void* p) = 0;
+
+  // --- streams, copies, events --------------------------------------------------------------
+  virtual Stream stream_create(int device) = 0;
+  virtual void stream_destroy(Stream s) = 0;
+  // Any direction: host and device pointers share one address space.
+  virtual void copy_async(void* dst, const void* src, std::size_t bytes, Stream s) = 0;
+  virtual void fill_async(device_ptr dst, std::uint8_t value, std::size_t bytes, Stream s) = 0;
+  virtual void stream_synchronize(Stream s) = 0;
+  // Waits for all work on the device, from any stream of this process.
+  virtual void device_synchronize(int device) = 0;
+  virtual Event event_create(int device) = 0;
+  virtual void event_destroy(Event e) = 0;
+  virtual void event_record(Event e, Stream s) = 0;
+  virtual void stream_wait_event(Stream s, Event e) = 0;
+  virtual void event_synchronize(Event e) = 0;
+};
+
+}  // namespace torpor

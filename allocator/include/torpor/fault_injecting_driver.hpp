@@ -1,0 +1,88 @@
+// FaultInjectingDriver: a decorator over any Driver that makes chosen calls fail, so tests can
+// prove that every failure inside sleep, wake or allocate leaves the pool consistent.
+//
+//   FaultInjectingDriver faulty(host);
+//   faulty.fail_nth(DriverCall::map, 3);      // the 3rd map from now fails, once
+//   faulty.fail_from(DriverCall::create, 1);  // every create fails until clear()
+//
+// A failing call throws driver_error with the requested code and does not reach the inner
+// driver, so the inner driver's state is exactly what it would be after a real failure that
+// changed nothing. calls(kind) counts calls made (failed ones included).
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <mutex>
+
+#include "torpor/driver.hpp"
+#include "torpor/error.hpp"
+
+namespace torpor {
+
+class FaultInjectingDriver final : public Driver {
+ public:
+  explicit FaultInjectingDriver(Driver& inner) : inner_(inner) {}
+
+  void fail_nth(DriverCall kind, std::size_t n, driver_status code = driver_status::out_of_memory);
+  void fail_from(DriverCall kind, std::size_t n, driver_status code = driver_status::out_of_memory);
+  void clear();
+  std::size_t calls(DriverCall kind) const;
+  std::size_t failures() const { return failures_.load(); }
+  Driver& inner() noexcept { return inner_; }
+
+  std::string_view backend_name() const noexcept override { return inner_.backend_name(); }
+  int device_count() override { return inner_.device_count(); }
+  DeviceProperties device_properties(int d) override { return inner_.device_properties(d); }
+  bool can_access_peer(int d, int p) override { return inner_.can_access_peer(d, p); }
+  MemoryInfo memory_info(int d) override { return inner_.memory_info(d); }
+  bool multicast_entry_points() override { return inner_.multicast_entry_points(); }
+
+  device_ptr reserve(std::size_t b, std::size_t a) override;
+  void free_reservation(device_ptr va, std::size_t b) override;
+  PhysicalHandle create(int d, std::size_t b, bool e) override;
+  void release(PhysicalHandle h) override;
+  void map(device_ptr va, std::size_t b, PhysicalHandle h, std::size_t o) override;
+  void unmap(device_ptr va, std::size_t b) override;
+  void set_access(device_ptr va, std::size_t b, std::span<const int> d) override;
+  int export_fd(PhysicalHandle h) override;
+  PhysicalHandle import_fd(int fd) override;
+  std::size_t multicast_granularity(std::span<const int> d, std::size_t b) override {
+    return inner_.multicast_granularity(d, b);
+  }
+  MulticastHandle multicast_create(std::span<const int> d, std::size_t b) override;
+  void multicast_add_device(MulticastHandle mc, int d) override;
+  void multicast_bind(MulticastHandle mc, std::size_t mo, PhysicalHandle h, std::size_t o, std::size_t b) override;
+  void multicast_unbind(MulticastHandle mc, int d, std::size_t mo, std::size_t b) override;
+  void multicast_release(MulticastHandle mc) override;
+  PhysicalHandle as_physical(MulticastHandle mc) override { return inner_.as_physical(mc); }
+  void* host_alloc(std::size_t b) override;
+  void host_free(void* p) override;
+  Stream stream_create(int d) override;
+  void stream_destroy(Stream s) override;
+  void copy_async(void* dst, const void* src, std::size_t b, Stream s) override;
+  void fill_async(device_ptr dst, std::uint8_t v, std::size_t b, Stream s) override;
+  void stream_synchronize(Stream s) override;
+  void device_synchronize(int d) override;
+  Event event_create(int d) override;
+  void event_destroy(Event e) override;
+  void event_record(Event e, Stream s) override;
+  void stream_wait_event(Stream s, Event e) override;
+  void event_synchronize(Event e) override;
+
+ private:
+  struct Rule {
+    std::size_t first = 0;  // 0 = no rule; else the call number (1-based, since the rule was set) that fails
+    bool repeat = false;
+    driver_status code = driver_status::out_of_memory;
+    std::size_t seen = 0;   // calls since the rule was set
+  };
+  void before(DriverCall kind);
+
+  Driver& inner_;
+  mutable std::mutex mu_;
+  std::array<Rule, static_cast<std::size_t>(DriverCall::count_)> rules_{};
+  std::array<std::size_t, static_cast<std::size_t>(DriverCall::count_)> calls_{};
+  std::atomic<std::size_t> failures_{0};
+};
+
+}  // namespace torpor

@@ -1,0 +1,154 @@
+// HostDriver: the CUDA VMM API emulated on the CPU with real bytes. CI's backend and the
+// embedded default when no GPU is usable.
+//
+//   reserve      mmap(PROT_NONE, MAP_NORESERVE)
+//   create       memfd_create + ftruncate (one memfd per physical handle)
+//   map          mmap(MAP_SHARED | MAP_FIXED) of the memfd, PROT_NONE until set_access
+//   set_access   mprotect(PROT_READ | PROT_WRITE)
+//   unmap        the span goes back to PROT_NONE anonymous memory: the hole stays reserved,
+//                and touching it faults, as touching a sleeping address does on a GPU
+//   export       a dup of the memfd (passable to another process with SCM_RIGHTS)
+//   multicast    an object with membership and bindings; a multicast store is fanned out in
+//                software to every bound buffer (multicast_store)
+//
+// It keeps exact accounting (live handles, live physical bytes per device, mapped bytes, host
+// bytes) and raises driver_error on misuse: unmap of a span that is not exactly one mapping,
+// release of an unknown handle, mapping over a mapping, copies touching unmapped memory,
+// binding multicast memory before every device was added, and so on. Physical memory lives
+// while a handle or a mapping refers to it, as on the GPU.
+//
+// Device work is synchronous: a copy is done when copy_async returns.
+#pragma once
+
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "torpor/driver.hpp"
+
+namespace torpor {
+
+struct HostDriverOptions {
+  int devices = 8;
+  std::size_t device_bytes = std::size_t{16} << 30;  // emulated memory per device
+  std::size_t granularity = std::size_t{2} << 20;
+  bool multicast_attribute = true;                  // what the emulated devices report
+  bool peer_access = true;                          // every device can access every other
+};
+
+// Exact accounting, for tests and `torpor probe`.
+struct HostDriverCounters {
+  std::size_t live_handles = 0;          // created or imported handles not yet released
+  std::size_t live_physical_bytes = 0;   // memory created here and still alive (handle or mapping)
+  std::size_t mapped_bytes = 0;          // bytes currently mapped, any handle
+  std::size_t mappings = 0;
+  std::size_t reservations = 0;
+  std::size_t reserved_bytes = 0;
+  std::size_t host_bytes = 0;            // host_alloc'ed and not freed
+  std::size_t streams = 0;
+  std::size_t events = 0;
+  std::size_t multicast_objects = 0;
+};
+
+class HostDriver final : public Driver {
+ public:
+  explicit HostDriver(HostDriverOptions options = {});
+  ~HostDriver() override;
+  HostDriver(const HostDriver&) = delete;
+  HostDriver& operator=(const HostDriver&) = delete;
+
+  std::string_view backend_name() const noexcept override { return "host"; }
+
+  int device_count() override;
+  DeviceProperties device_properties(int device) override;
+  bool can_access_peer(int device, int peer) override;
+  MemoryInfo memory_info(int device) override;
+  bool multicast_entry_points() override { return true; }
+
+  device_ptr reserve(std::size_t bytes, std::size_t alignment) override;
+  void free_reservation(device_ptr va, std::size_t bytes) override;
+
+  PhysicalHandle create(int device, std::size_t bytes, bool exportable) override;
+  void release(PhysicalHandle handle) override;
+  void map(device_ptr va, std::size_t bytes, PhysicalHandle handle, std::size_t handle_offset) override;
+  void unmap(device_ptr va, std::size_t bytes) override;
+  void set_access(device_ptr va, std::size_t bytes, std::span<const int> devices) override;
+
+  int export_fd(PhysicalHandle handle) override;
+  PhysicalHandle import_fd(int fd) override;
+
+  std::size_t multicast_granularity(std::span<const int> devices, std::size_t bytes) override;
+  MulticastHandle multicast_create(std::span<const int> devices, std::size_t bytes) override;
+  void multicast_add_device(MulticastHandle mc, int device) override;
+  void multicast_bind(MulticastHandle mc, std::size_t mc_offset, PhysicalHandle memory, std::size_t memory_offset,
+                      std::size_t bytes) override;
+  void multicast_unbind(MulticastHandle mc, int device, std::size_t mc_offset, std::size_t bytes) override;
+  void multicast_release(MulticastHandle mc) override;
+  PhysicalHandle as_physical(MulticastHandle mc) override;
+
+  void* host_alloc(std::size_t bytes) override;
+  void host_free(void* p) override;
+
+  Stream stream_create(int device) override;
+  void stream_destroy(Stream s) override;
+  void copy_async(void* dst, const void* src, std::size_t bytes, Stream s) override;
+  void fill_async(device_ptr dst, std::uint8_t value, std::size_t bytes, Stream s) override;
+  void stream_synchronize(Stream s) override;
+  void device_synchronize(int device) override;
+  Event event_create(int device) override;
+  void event_destroy(Event e) override;
+  void event_record(Event e, Stream s) override;
+  void stream_wait_event(Stream s, Event e) override;
+  void event_synchronize(Event e) override;
+
+  // --- emulation extras (not part of the seam) ---------------------------------------------
+  HostDriverCounters counters() const;
+  std::size_t live_physical_bytes(int device) const;
+  // The software fan-out of a multicast store: `bytes` from `src` land at `mc_va + i` in every
+  // buffer bound to the multicast object mapped at mc_va (what multimem.st does on a GPU).
+  void multicast_store(device_ptr mc_va, const void* src, std::size_t bytes);
+  const HostDriverOptions& options() const noexcept { return options_; }
+
+ private:
+  struct Memory;
+  struct Multicast;
+  struct HandleEntry {
+    std::shared_ptr<Memory> memory;        // set for physical memory
+    std::shared_ptr<Multicast> multicast;  // set for a multicast object
+  };
+  struct Mapping {
+    std::size_t bytes = 0;
+    std::shared_ptr<Memory> memory;
+    std::shared_ptr<Multicast> multicast;
+    std::size_t offset = 0;
+    bool accessible = false;
+  };
+  struct Counters;
+
+  void check_device(int device, const char* call) const;
+  void check_aligned(std::size_t v, const char* what, const char* call) const;
+  // Throws unless [p, p + n) is either entirely outside every reservation or entirely
+  // covered by accessible mappings. Caller holds mu_.
+  void check_accessible(const void* p, std::size_t n, const char* call) const;
+  const HandleEntry& entry(PhysicalHandle h, const char* call) const;
+  std::shared_ptr<Multicast> multicast_of(MulticastHandle mc, const char* call) const;
+  void require_stream(Stream s, const char* call) const;
+
+  HostDriverOptions options_;
+  mutable std::mutex mu_;
+  std::shared_ptr<Counters> counters_;
+  std::uint64_t next_id_ = 1;
+  std::map<device_ptr, std::size_t> reservations_;  // base -> bytes
+  std::map<device_ptr, Mapping> mappings_;          // va -> mapping
+  std::unordered_map<std::uint64_t, HandleEntry> handles_;
+  std::unordered_map<void*, std::size_t> host_blocks_;
+  std::set<std::uint64_t> streams_;
+  std::set<std::uint64_t> events_;
+};
+
+}  // namespace torpor

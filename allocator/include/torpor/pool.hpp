@@ -1,0 +1,189 @@
+// Pool: one device's sleep-mode-aware allocator.
+//
+// One VA reservation per device; physical memory in chunks (one driver handle each, a
+// multiple of the granularity) mapped at fixed addresses inside it. Allocations above
+// `small_limit` get a chunk of their own; smaller ones are carved (256-byte aligned) out of
+// slabs that hold a single (tag, class) pair. Carving from a mapped slab makes no driver call.
+//
+// Every byte of an allocation has a class: parameter (reloadable weights), state (must
+// survive bit-exact) or cache (recomputable). allocate() sets one class for the whole
+// allocation; mark() reclassifies a sub-range (the PyTorch embedding marks parameters inside
+// segments). sleep(level, tags) releases the physical memory of every chunk of those tags and
+// keeps, in a persistent host store, only the bytes that must survive:
+//
+//   class       level 1    level 2
+//   parameter   offload    discard (offload if its name matches a preserve glob)
+//   state       offload    offload
+//   cache       discard    discard
+//
+// wake_up(tags) maps new physical memory at the very same addresses and restores the bytes.
+// Failures inside sleep or wake leave each chunk either awake with its bytes or asleep with
+// its backup; the call throws and can be repeated once the cause is gone.
+//
+// All methods are thread-safe (one mutex; sleep and wake hold it for their duration).
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "torpor/driver.hpp"
+
+namespace torpor {
+
+enum class MemoryClass : std::uint8_t { parameter = 0, state = 1, cache = 2 };
+inline constexpr std::size_t memory_class_count = 3;
+std::string_view to_string(MemoryClass c) noexcept;
+// Throws invalid_argument naming the accepted names.
+MemoryClass parse_memory_class(std::string_view name);
+
+// What a discarded range holds after wake: whatever the new memory had (none), zeros, or
+// 0xFF bytes, which read as NaN in fp32, fp16 and bf16, so a forgotten weight reload shows.
+enum class FillOnWake : std::uint8_t { none, zero, poison };
+std::string_view to_string(FillOnWake f) noexcept;
+FillOnWake parse_fill_on_wake(std::string_view name);
+inline constexpr std::uint8_t poison_byte = 0xFF;
+
+struct PoolOptions {
+  int device = 0;
+  std::size_t va_bytes = 0;      // VA reservation; 0 = twice the device's memory
+  std::size_t slab_bytes = 0;    // sub-allocation chunk size; 0 = the granularity
+  std::size_t small_limit = 0;   // allocations up to this are sub-allocated; 0 = slab_bytes / 2
+  FillOnWake fill_on_wake = FillOnWake::none;
+  bool exportable = false;       // physical memory exportable as POSIX fds (symmetric memory)
+  std::vector<int> peer_devices; // devices that get access besides `device`
+};
+
+inline constexpr std::string_view default_tag = "default";
+
+struct AllocationOptions {
+  std::string tag{default_tag};
+  MemoryClass memory_class = MemoryClass::state;
+  std::string name;  // matched against preserve globs
+};
+
+struct AllocationInfo {
+  device_ptr base = 0;
+  std::size_t bytes = 0;
+  std::size_t offset = 0;  // of the queried pointer
+  std::string tag;
+  MemoryClass memory_class = MemoryClass::state;  // at the queried pointer
+  std::string name;                               // at the queried pointer
+  bool asleep = false;
+};
+
+struct ClassStats {
+  std::size_t allocated_bytes = 0;
+  std::size_t offloaded_bytes = 0;  // held in the host store now
+  std::size_t discarded_bytes = 0;  // asleep without a copy now
+};
+
+struct TagStats {
+  std::string tag;
+  bool asleep = false;
+  int level = 0;                    // deepest level of a sleeping chunk, 0 when awake
+  std::size_t chunks = 0;
+  std::size_t allocations = 0;
+  std::size_t reserved_bytes = 0;   // VA spans of the chunks
+  std::size_t mapped_bytes = 0;     // physical memory held now
+  std::size_t offloaded_bytes = 0;
+  std::size_t discarded_bytes = 0;
+  std::array<ClassStats, memory_class_count> classes{};
+};
+
+struct PoolStats {
+  int device = 0;
+  std::string backend;
+  std::size_t va_bytes = 0;
+  std::size_t va_used_bytes = 0;
+  std::size_t granularity = 0;
+  std::size_t mapped_bytes = 0;
+  std::size_t cached_bytes = 0;          // mapped empty slabs kept for the fast path (trim() frees)
+  std::size_t chunks = 0;
+  std::size_t allocations = 0;
+  std::size_t host_store_bytes = 0;      // capacity held
+  std::size_t host_store_used_bytes = 0;
+  std::size_t pending_releases = 0;      // handles whose release failed and will be retried
+  std::vector<TagStats> tags;            // sorted by tag
+};
+
+// What one sleep or wake did.
+struct TransitionReport {
+  struct Phase {
+    std::string name;
+    double seconds = 0;
+  };
+  std::string operation;  // "sleep" or "wake_up"
+  int level = 0;
+  std::vector<std::string> tags;
+  std::size_t chunks = 0;             // chunks that changed state
+  std::size_t bytes_offloaded = 0;    // copied device -> host by this call
+  std::size_t bytes_discarded = 0;    // allocated bytes released without a copy
+  std::size_t bytes_released = 0;     // physical memory given back
+  std::size_t bytes_mapped = 0;       // physical memory created (wake)
+  std::size_t bytes_restored = 0;     // copied host -> device
+  std::size_t bytes_filled = 0;       // discarded bytes filled on wake
+  double seconds = 0;
+  std::vector<Phase> phases;
+};
+
+class Pool {
+ public:
+  // The driver must outlive the pool.
+  explicit Pool(Driver& driver, PoolOptions options = {});
+  ~Pool();
+  Pool(const Pool&) = delete;
+  Pool& operator=(const Pool&) = delete;
+
+  void* allocate(std::size_t bytes, const AllocationOptions& options = {});
+  void deallocate(void* ptr);
+  // Reclassify [ptr, ptr + bytes), which must lie inside one allocation. An empty name keeps
+  // the allocation's name.
+  void mark(void* ptr, std::size_t bytes, MemoryClass memory_class, std::string_view name = {});
+  std::optional<AllocationInfo> find(const void* ptr) const;
+  PoolStats stats() const;
+  // Parameters whose name matches one of these globs (fnmatch) are offloaded by level 2.
+  void set_preserve(std::vector<std::string> globs);
+  std::vector<std::string> preserve() const;
+
+  // level 0: nothing; 1 and 2: see the table above. Empty `tags` = every known tag.
+  TransitionReport sleep(int level, std::span<const std::string> tags = {});
+  TransitionReport wake_up(std::span<const std::string> tags = {});
+  bool asleep(std::string_view tag) const;
+  std::vector<std::string> tags() const;
+
+  // Synchronous copy through the pool's stream, any direction (host <-> pool memory). For
+  // tests, tools and embeddings that have no stream of their own.
+  void copy(void* dst, const void* src, std::size_t bytes);
+
+  // Unmaps cached empty slabs. Returns the bytes released.
+  std::size_t trim();
+  // Gives unused host store blocks back. Returns the bytes released.
+  std::size_t release_host_store();
+
+  Driver& driver() const noexcept { return driver_; }
+  int device() const noexcept { return options_.device; }
+  device_ptr va_base() const noexcept { return va_base_; }
+  std::size_t va_bytes() const noexcept { return options_.va_bytes; }
+  std::size_t granularity() const noexcept { return granularity_; }
+  const PoolOptions& options() const noexcept { return options_; }
+
+  struct State;  // internals, defined in pool_state.hpp
+
+ private:
+  Driver& driver_;
+  PoolOptions options_;
+  std::size_t granularity_ = 0;
+  device_ptr va_base_ = 0;
+  std::unique_ptr<State> state_;
+};
+
+std::string to_json(const PoolStats& stats, int indent = -1);
+std::string to_json(const TransitionReport& report, int indent = -1);
+
+}  // namespace torpor

@@ -1,0 +1,93 @@
+/* torpor C API: sleep-mode-aware GPU memory pools, for embedding from C, Python (ctypes) or
+ * any engine. No C++ exception crosses this boundary: every function returns a status and,
+ * on failure, torpor_last_error() returns the message (thread-local, valid until the next
+ * call on the same thread).
+ *
+ *   torpor_pool_options o; torpor_pool_options_init(&o);
+ *   torpor_pool_t pool; torpor_pool_create(&o, &pool);
+ *   void* w; torpor_alloc(pool, 1 << 20, "weights", TORPOR_CLASS_PARAMETER, "layer0.w", &w);
+ *   const char* tags[] = {"weights"};
+ *   torpor_sleep(pool, 2, NULL, 0);      // all tags
+ *   torpor_wake_up(pool, tags, 1);       // weights only
+ *   torpor_pool_destroy(pool);
+ */
+#ifndef TORPOR_TORPOR_H
+#define TORPOR_TORPOR_H
+
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct torpor_pool_s* torpor_pool_t;
+
+typedef enum torpor_status {
+  TORPOR_OK = 0,
+  TORPOR_ERROR_INVALID_ARGUMENT = 1, /* bad size, pointer, tag, class, level ... */
+  TORPOR_ERROR_INVALID_STATE = 2,    /* e.g. allocate into a sleeping tag */
+  TORPOR_ERROR_OUT_OF_MEMORY = 3,    /* device, VA or host backing store */
+  TORPOR_ERROR_DRIVER = 4,           /* a CUDA driver call failed */
+  TORPOR_ERROR_TIMEOUT = 5,
+  TORPOR_ERROR_INVALID_HANDLE = 6,   /* pool handle destroyed or never created */
+  TORPOR_ERROR_INTERNAL = 7
+} torpor_status;
+
+typedef enum torpor_class {
+  TORPOR_CLASS_PARAMETER = 0, /* reloadable weights: offloaded at level 1, discarded at level 2 */
+  TORPOR_CLASS_STATE = 1,     /* must survive bit-exact: always offloaded */
+  TORPOR_CLASS_CACHE = 2      /* recomputable: always discarded */
+} torpor_class;
+
+typedef enum torpor_backend { TORPOR_BACKEND_AUTO = 0, TORPOR_BACKEND_HOST = 1, TORPOR_BACKEND_CUDA = 2 } torpor_backend;
+
+typedef enum torpor_fill { TORPOR_FILL_NONE = 0, TORPOR_FILL_ZERO = 1, TORPOR_FILL_POISON = 2 } torpor_fill;
+
+typedef struct torpor_pool_options {
+  int device;             /* default 0 */
+  int backend;            /* torpor_backend; default AUTO (TORPOR_BACKEND, else cuda if usable, else host) */
+  size_t va_bytes;        /* 0 = twice the device's memory */
+  int fill_on_wake;       /* torpor_fill; default NONE */
+  int exportable;         /* physical memory exportable as POSIX fds; default 0 */
+} torpor_pool_options;
+
+void torpor_pool_options_init(torpor_pool_options* options);
+
+torpor_status torpor_pool_create(const torpor_pool_options* options, torpor_pool_t* out);
+torpor_status torpor_pool_destroy(torpor_pool_t pool);
+
+/* tag NULL = "default"; name may be NULL. */
+torpor_status torpor_alloc(torpor_pool_t pool, size_t bytes, const char* tag, int memory_class, const char* name,
+                           void** out);
+torpor_status torpor_free(torpor_pool_t pool, void* ptr);
+/* Reclassify [ptr, ptr + bytes) inside one allocation; name NULL or "" keeps the name. */
+torpor_status torpor_mark(torpor_pool_t pool, void* ptr, size_t bytes, int memory_class, const char* name);
+/* Parameters matching one of the globs are offloaded (not discarded) by level 2. */
+torpor_status torpor_set_preserve(torpor_pool_t pool, const char* const* globs, size_t count);
+
+/* tags NULL / count 0 = all known tags. */
+torpor_status torpor_sleep(torpor_pool_t pool, int level, const char* const* tags, size_t count);
+torpor_status torpor_wake_up(torpor_pool_t pool, const char* const* tags, size_t count);
+
+/* JSON documents. Writes at most `capacity` bytes (NUL included) to `buffer` and the full
+ * size needed (NUL included) to *needed; call again with a larger buffer if it did not fit. */
+torpor_status torpor_stats_json(torpor_pool_t pool, char* buffer, size_t capacity, size_t* needed);
+/* The report of the pool's last sleep or wake_up. */
+torpor_status torpor_last_report_json(torpor_pool_t pool, char* buffer, size_t capacity, size_t* needed);
+/* "cuda" or "host". */
+const char* torpor_pool_backend(torpor_pool_t pool);
+
+/* Base address and size of the allocation containing ptr; TORPOR_ERROR_INVALID_ARGUMENT if none. */
+torpor_status torpor_find(torpor_pool_t pool, const void* ptr, void** base, size_t* bytes);
+
+/* Copies between host memory and pool memory (through the pool's driver; any direction). */
+torpor_status torpor_copy(torpor_pool_t pool, void* dst, const void* src, size_t bytes);
+
+const char* torpor_last_error(void);
+const char* torpor_status_name(torpor_status status);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TORPOR_TORPOR_H */

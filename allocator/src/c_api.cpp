@@ -1,0 +1,287 @@
+// The C API over Pool. Pool handles are registry ids, never pointers to freed memory, so a
+// call on a destroyed pool is reported (TORPOR_ERROR_INVALID_HANDLE) instead of crashing.
+// A call holds a shared_ptr to its pool, so destroy racing another call is safe.
+#include "torpor/torpor.h"
+
+#include <fmt/format.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "torpor/backend.hpp"
+#include "torpor/error.hpp"
+#include "torpor/pool.hpp"
+
+namespace {
+
+using namespace torpor;
+
+struct CPool {
+  DriverSelection driver;
+  std::unique_ptr<Pool> pool;
+  std::mutex report_mu;
+  std::string last_report = "{}";
+};
+
+struct Registry {
+  std::mutex mu;
+  std::uintptr_t next = 1;
+  std::map<std::uintptr_t, std::shared_ptr<CPool>> pools;
+};
+
+// Never destroyed: pools may be used from other static destructors at exit.
+Registry& registry() {
+  static Registry* r = new Registry;
+  return *r;
+}
+
+thread_local std::string last_error;
+
+torpor_status fail(torpor_status s, std::string message) {
+  last_error = std::move(message);
+  return s;
+}
+
+template <typename F>
+torpor_status guarded(const char* fn, F&& f) {
+  try {
+    f();
+    return TORPOR_OK;
+  } catch (const invalid_argument& e) {
+    return fail(TORPOR_ERROR_INVALID_ARGUMENT, fmt::format("{}: {}", fn, e.what()));
+  } catch (const invalid_state& e) {
+    return fail(TORPOR_ERROR_INVALID_STATE, fmt::format("{}: {}", fn, e.what()));
+  } catch (const out_of_memory& e) {
+    return fail(TORPOR_ERROR_OUT_OF_MEMORY, fmt::format("{}: {}", fn, e.what()));
+  } catch (const timeout_error& e) {
+    return fail(TORPOR_ERROR_TIMEOUT, fmt::format("{}: {}", fn, e.what()));
+  } catch (const driver_error& e) {
+    return fail(e.is_out_of_memory() ? TORPOR_ERROR_OUT_OF_MEMORY : TORPOR_ERROR_DRIVER,
+                fmt::format("{}: {}", fn, e.what()));
+  } catch (const std::bad_alloc&) {
+    return fail(TORPOR_ERROR_OUT_OF_MEMORY, fmt::format("{}: host out of memory", fn));
+  } catch (const std::exception& e) {
+    return fail(TORPOR_ERROR_INTERNAL, fmt::format("{}: {}", fn, e.what()));
+  } catch (...) {
+    return fail(TORPOR_ERROR_INTERNAL, fmt::format("{}: unknown exception", fn));
+  }
+}
+
+struct bad_handle {};
+
+std::shared_ptr<CPool> lookup(torpor_pool_t handle) {
+  Registry& r = registry();
+  std::lock_guard lock(r.mu);
+  auto it = r.pools.find(reinterpret_cast<std::uintptr_t>(handle));
+  if (it == r.pools.end()) throw bad_handle{};
+  return it->second;
+}
+
+template <typename F>
+torpor_status with_pool(const char* fn, torpor_pool_t handle, F&& f) {
+  std::shared_ptr<CPool> p;
+  try {
+    p = lookup(handle);
+  } catch (const bad_handle&) {
+    return fail(TORPOR_ERROR_INVALID_HANDLE,
+                fmt::format("{}: pool handle {} is not a live pool (destroyed, or never created)", fn,
+                            static_cast<void*>(handle)));
+  }
+  return guarded(fn, [&] { f(*p); });
+}
+
+MemoryClass to_class(int c) {
+  if (c < 0 || c >= static_cast<int>(memory_class_count))
+    throw invalid_argument(fmt::format("unknown memory class {} (expected 0 = TORPOR_CLASS_PARAMETER, "
+                                       "1 = TORPOR_CLASS_STATE, 2 = TORPOR_CLASS_CACHE)",
+                                       c));
+  return static_cast<MemoryClass>(c);
+}
+
+std::vector<std::string> to_strings(const char* const* v, std::size_t n, const char* what) {
+  std::vector<std::string> out;
+  if (n > 0 && v == nullptr) throw invalid_argument(fmt::format("{} is NULL but count is {}", what, n));
+  for (std::size_t i = 0; i < n; ++i) {
+    if (v[i] == nullptr) throw invalid_argument(fmt::format("{}[{}] is NULL", what, i));
+    out.emplace_back(v[i]);
+  }
+  return out;
+}
+
+torpor_status write_out(const std::string& text, char* buffer, std::size_t capacity, std::size_t* needed) {
+  if (needed != nullptr) *needed = text.size() + 1;
+  if (buffer != nullptr && capacity > 0) {
+    std::size_t n = std::min(capacity - 1, text.size());
+    text.copy(buffer, n);
+    buffer[n] = '\0';
+  }
+  return TORPOR_OK;
+}
+
+}  // namespace
+
+extern "C" {
+
+void torpor_pool_options_init(torpor_pool_options* o) {
+  if (o == nullptr) return;
+  *o = torpor_pool_options{};
+  o->device = 0;
+  o->backend = TORPOR_BACKEND_AUTO;
+  o->va_bytes = 0;
+  o->fill_on_wake = TORPOR_FILL_NONE;
+  o->exportable = 0;
+}
+
+torpor_status torpor_pool_create(const torpor_pool_options* options, torpor_pool_t* out) {
+  return guarded("torpor_pool_create", [&] {
+    if (out == nullptr) throw invalid_argument("out is NULL");
+    *out = nullptr;
+    torpor_pool_options o;
+    torpor_pool_options_init(&o);
+    if (options != nullptr) o = *options;
+    Backend b;
+    switch (o.backend) {
+      case TORPOR_BACKEND_AUTO: b = Backend::automatic; break;
+      case TORPOR_BACKEND_HOST: b = Backend::host; break;
+      case TORPOR_BACKEND_CUDA: b = Backend::cuda; break;
+      default: throw invalid_argument(fmt::format("unknown backend {} (0 auto, 1 host, 2 cuda)", o.backend));
+    }
+    if (o.fill_on_wake < TORPOR_FILL_NONE || o.fill_on_wake > TORPOR_FILL_POISON)
+      throw invalid_argument(fmt::format("unknown fill_on_wake {} (0 none, 1 zero, 2 poison)", o.fill_on_wake));
+    auto cp = std::make_shared<CPool>();
+    cp->driver = shared_driver(b);
+    PoolOptions po;
+    po.device = o.device;
+    po.va_bytes = o.va_bytes;
+    po.fill_on_wake = static_cast<FillOnWake>(o.fill_on_wake);
+    po.exportable = o.exportable != 0;
+    cp->pool = std::make_unique<Pool>(*cp->driver.driver, po);
+    Registry& r = registry();
+    std::lock_guard lock(r.mu);
+    std::uintptr_t id = r.next++;
+    r.pools[id] = std::move(cp);
+    *out = reinterpret_cast<torpor_pool_t>(id);
+  });
+}
+
+torpor_status torpor_pool_destroy(torpor_pool_t handle) {
+  std::shared_ptr<CPool> p;
+  {
+    Registry& r = registry();
+    std::lock_guard lock(r.mu);
+    auto it = r.pools.find(reinterpret_cast<std::uintptr_t>(handle));
+    if (it == r.pools.end())
+      return fail(TORPOR_ERROR_INVALID_HANDLE,
+                  fmt::format("torpor_pool_destroy: pool handle {} is not a live pool (destroyed twice?)",
+                              static_cast<void*>(handle)));
+    p = std::move(it->second);
+    r.pools.erase(it);
+  }
+  // The pool is destroyed when the last in-flight call on it returns.
+  return TORPOR_OK;
+}
+
+torpor_status torpor_alloc(torpor_pool_t pool, size_t bytes, const char* tag, int memory_class, const char* name,
+                           void** out) {
+  return with_pool("torpor_alloc", pool, [&](CPool& p) {
+    if (out == nullptr) throw invalid_argument("out is NULL");
+    *out = nullptr;
+    AllocationOptions o;
+    o.tag = tag != nullptr ? tag : std::string(default_tag);
+    o.memory_class = to_class(memory_class);
+    o.name = name != nullptr ? name : "";
+    *out = p.pool->allocate(bytes, o);
+  });
+}
+
+torpor_status torpor_free(torpor_pool_t pool, void* ptr) {
+  return with_pool("torpor_free", pool, [&](CPool& p) { p.pool->deallocate(ptr); });
+}
+
+torpor_status torpor_mark(torpor_pool_t pool, void* ptr, size_t bytes, int memory_class, const char* name) {
+  return with_pool("torpor_mark", pool, [&](CPool& p) {
+    p.pool->mark(ptr, bytes, to_class(memory_class), name != nullptr ? name : "");
+  });
+}
+
+torpor_status torpor_set_preserve(torpor_pool_t pool, const char* const* globs, size_t count) {
+  return with_pool("torpor_set_preserve", pool,
+                   [&](CPool& p) { p.pool->set_preserve(to_strings(globs, count, "globs")); });
+}
+
+torpor_status torpor_sleep(torpor_pool_t pool, int level, const char* const* tags, size_t count) {
+  return with_pool("torpor_sleep", pool, [&](CPool& p) {
+    auto t = to_strings(tags, count, "tags");
+    TransitionReport r = p.pool->sleep(level, t);
+    std::lock_guard lock(p.report_mu);
+    p.last_report = to_json(r);
+  });
+}
+
+torpor_status torpor_wake_up(torpor_pool_t pool, const char* const* tags, size_t count) {
+  return with_pool("torpor_wake_up", pool, [&](CPool& p) {
+    auto t = to_strings(tags, count, "tags");
+    TransitionReport r = p.pool->wake_up(t);
+    std::lock_guard lock(p.report_mu);
+    p.last_report = to_json(r);
+  });
+}
+
+torpor_status torpor_stats_json(torpor_pool_t pool, char* buffer, size_t capacity, size_t* needed) {
+  return with_pool("torpor_stats_json", pool,
+                   [&](CPool& p) { write_out(to_json(p.pool->stats()), buffer, capacity, needed); });
+}
+
+torpor_status torpor_last_report_json(torpor_pool_t pool, char* buffer, size_t capacity, size_t* needed) {
+  return with_pool("torpor_last_report_json", pool, [&](CPool& p) {
+    std::lock_guard lock(p.report_mu);
+    write_out(p.last_report, buffer, capacity, needed);
+  });
+}
+
+const char* torpor_pool_backend(torpor_pool_t pool) {
+  try {
+    auto p = lookup(pool);
+    return p->driver.backend == Backend::cuda ? "cuda" : "host";
+  } catch (...) {
+    last_error = "torpor_pool_backend: pool handle is not a live pool";
+    return nullptr;
+  }
+}
+
+torpor_status torpor_find(torpor_pool_t pool, const void* ptr, void** base, size_t* bytes) {
+  return with_pool("torpor_find", pool, [&](CPool& p) {
+    auto info = p.pool->find(ptr);
+    if (!info) throw invalid_argument(fmt::format("{} is not inside any allocation of this pool", ptr));
+    if (base != nullptr) *base = reinterpret_cast<void*>(info->base);
+    if (bytes != nullptr) *bytes = info->bytes;
+  });
+}
+
+torpor_status torpor_copy(torpor_pool_t pool, void* dst, const void* src, size_t bytes) {
+  return with_pool("torpor_copy", pool, [&](CPool& p) {
+    if (bytes > 0 && (dst == nullptr || src == nullptr)) throw invalid_argument("NULL pointer");
+    p.pool->copy(dst, src, bytes);
+  });
+}
+
+const char* torpor_last_error(void) { return last_error.c_str(); }
+
+const char* torpor_status_name(torpor_status s) {
+  switch (s) {
+    case TORPOR_OK: return "TORPOR_OK";
+    case TORPOR_ERROR_INVALID_ARGUMENT: return "TORPOR_ERROR_INVALID_ARGUMENT";
+    case TORPOR_ERROR_INVALID_STATE: return "TORPOR_ERROR_INVALID_STATE";
+    case TORPOR_ERROR_OUT_OF_MEMORY: return "TORPOR_ERROR_OUT_OF_MEMORY";
+    case TORPOR_ERROR_DRIVER: return "TORPOR_ERROR_DRIVER";
+    case TORPOR_ERROR_TIMEOUT: return "TORPOR_ERROR_TIMEOUT";
+    case TORPOR_ERROR_INVALID_HANDLE: return "TORPOR_ERROR_INVALID_HANDLE";
+    case TORPOR_ERROR_INTERNAL: return "TORPOR_ERROR_INTERNAL";
+  }
+  return "TORPOR_ERROR_UNKNOWN";
+}
+
+}  // extern "C"

@@ -1,0 +1,105 @@
+#include "torpor/fault_injecting_driver.hpp"
+
+#include <fmt/format.h>
+
+namespace torpor {
+
+void FaultInjectingDriver::fail_nth(DriverCall kind, std::size_t n, driver_status code) {
+  if (n == 0) throw invalid_argument("fail_nth: n counts from 1");
+  std::lock_guard lock(mu_);
+  rules_[static_cast<std::size_t>(kind)] = Rule{n, false, code, 0};
+}
+
+void FaultInjectingDriver::fail_from(DriverCall kind, std::size_t n, driver_status code) {
+  if (n == 0) throw invalid_argument("fail_from: n counts from 1");
+  std::lock_guard lock(mu_);
+  rules_[static_cast<std::size_t>(kind)] = Rule{n, true, code, 0};
+}
+
+void FaultInjectingDriver::clear() {
+  std::lock_guard lock(mu_);
+  rules_.fill(Rule{});
+}
+
+std::size_t FaultInjectingDriver::calls(DriverCall kind) const {
+  std::lock_guard lock(mu_);
+  return calls_[static_cast<std::size_t>(kind)];
+}
+
+void FaultInjectingDriver::before(DriverCall kind) {
+  driver_status code;
+  {
+    std::lock_guard lock(mu_);
+    auto i = static_cast<std::size_t>(kind);
+    ++calls_[i];
+    Rule& r = rules_[i];
+    if (r.first == 0) return;
+    ++r.seen;
+    bool fail = r.repeat ? r.seen >= r.first : r.seen == r.first;
+    if (!fail) return;
+    code = r.code;
+    if (!r.repeat) r = Rule{};
+  }
+  ++failures_;
+  throw_driver_error(static_cast<int>(code), std::string(to_string(kind)).c_str(),
+                     fmt::format("{} (injected)", to_string(code)));
+}
+
+#define TORPOR_FORWARD(kind, expr) \
+  before(DriverCall::kind);        \
+  return inner_.expr
+
+device_ptr FaultInjectingDriver::reserve(std::size_t b, std::size_t a) { TORPOR_FORWARD(reserve, reserve(b, a)); }
+void FaultInjectingDriver::free_reservation(device_ptr va, std::size_t b) {
+  TORPOR_FORWARD(free_reservation, free_reservation(va, b));
+}
+PhysicalHandle FaultInjectingDriver::create(int d, std::size_t b, bool e) { TORPOR_FORWARD(create, create(d, b, e)); }
+void FaultInjectingDriver::release(PhysicalHandle h) { TORPOR_FORWARD(release, release(h)); }
+void FaultInjectingDriver::map(device_ptr va, std::size_t b, PhysicalHandle h, std::size_t o) {
+  TORPOR_FORWARD(map, map(va, b, h, o));
+}
+void FaultInjectingDriver::unmap(device_ptr va, std::size_t b) { TORPOR_FORWARD(unmap, unmap(va, b)); }
+void FaultInjectingDriver::set_access(device_ptr va, std::size_t b, std::span<const int> d) {
+  TORPOR_FORWARD(set_access, set_access(va, b, d));
+}
+int FaultInjectingDriver::export_fd(PhysicalHandle h) { TORPOR_FORWARD(export_handle, export_fd(h)); }
+PhysicalHandle FaultInjectingDriver::import_fd(int fd) { TORPOR_FORWARD(import_handle, import_fd(fd)); }
+MulticastHandle FaultInjectingDriver::multicast_create(std::span<const int> d, std::size_t b) {
+  TORPOR_FORWARD(multicast_create, multicast_create(d, b));
+}
+void FaultInjectingDriver::multicast_add_device(MulticastHandle mc, int d) {
+  TORPOR_FORWARD(multicast_add_device, multicast_add_device(mc, d));
+}
+void FaultInjectingDriver::multicast_bind(MulticastHandle mc, std::size_t mo, PhysicalHandle h, std::size_t o,
+                                          std::size_t b) {
+  TORPOR_FORWARD(multicast_bind, multicast_bind(mc, mo, h, o, b));
+}
+void FaultInjectingDriver::multicast_unbind(MulticastHandle mc, int d, std::size_t mo, std::size_t b) {
+  TORPOR_FORWARD(multicast_unbind, multicast_unbind(mc, d, mo, b));
+}
+void FaultInjectingDriver::multicast_release(MulticastHandle mc) {
+  TORPOR_FORWARD(multicast_release, multicast_release(mc));
+}
+void* FaultInjectingDriver::host_alloc(std::size_t b) { TORPOR_FORWARD(host_alloc, host_alloc(b)); }
+void FaultInjectingDriver::host_free(void* p) { TORPOR_FORWARD(host_free, host_free(p)); }
+Stream FaultInjectingDriver::stream_create(int d) { TORPOR_FORWARD(stream_create, stream_create(d)); }
+void FaultInjectingDriver::stream_destroy(Stream s) { TORPOR_FORWARD(stream_destroy, stream_destroy(s)); }
+void FaultInjectingDriver::copy_async(void* dst, const void* src, std::size_t b, Stream s) {
+  TORPOR_FORWARD(copy, copy_async(dst, src, b, s));
+}
+void FaultInjectingDriver::fill_async(device_ptr dst, std::uint8_t v, std::size_t b, Stream s) {
+  TORPOR_FORWARD(fill, fill_async(dst, v, b, s));
+}
+void FaultInjectingDriver::stream_synchronize(Stream s) { TORPOR_FORWARD(stream_synchronize, stream_synchronize(s)); }
+void FaultInjectingDriver::device_synchronize(int d) { TORPOR_FORWARD(device_synchronize, device_synchronize(d)); }
+Event FaultInjectingDriver::event_create(int d) { TORPOR_FORWARD(event_create, event_create(d)); }
+void FaultInjectingDriver::event_destroy(Event e) { TORPOR_FORWARD(event_destroy, event_destroy(e)); }
+void FaultInjectingDriver::event_record(Event e, Stream s) { TORPOR_FORWARD(event_record, event_record(e, s)); }
+void FaultInjectingDriver::stream_wait_event(Stream s, Event e) {
+  TORPOR_FORWARD(stream_wait_event, stream_wait_event(s, e));
+}
+void FaultInjectingDriver::event_synchronize(Event e) { TORPOR_FORWARD(event_synchronize, event_synchronize(e)); }
+
+#undef TORPOR_FORWARD
+
+}  // namespace torpor

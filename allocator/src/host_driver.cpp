@@ -1,0 +1,636 @@
+// HostDriver: see host_driver.hpp for the mapping of VMM calls onto memfd/mmap.
+//
+// Invariants (all under mu_):
+//   - every Mapping lies inside one reservation and no two mappings overlap;
+//   - a Memory object is alive while a handle entry or a mapping holds it; its destructor
+//     closes the memfd and takes its bytes off the owning device's live count;
+//   - a reservation can only be freed when nothing is mapped inside it.
+#include "torpor/host_driver.hpp"
+
+#include <fmt/format.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+
+#include "torpor/error.hpp"
+#include "torpor/log.hpp"
+
+namespace torpor {
+
+namespace {
+
+constexpr int k_invalid = static_cast<int>(driver_status::invalid_value);
+constexpr int k_oom = static_cast<int>(driver_status::out_of_memory);
+constexpr int k_invalid_device = static_cast<int>(driver_status::invalid_device);
+
+[[noreturn]] void misuse(const char* call, const std::string& what) { throw_driver_error(k_invalid, call, what); }
+
+std::string errno_text(const char* what) { return fmt::format("{}: {}", what, std::strerror(errno)); }
+
+void* anon_none(void* at, std::size_t bytes) {
+  int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | (at != nullptr ? MAP_FIXED : 0);
+  return ::mmap(at, bytes, PROT_NONE, flags, -1, 0);
+}
+
+// 2048 handles need 2048 memfds; the default soft limit (1024) is too low for the scenarios
+// the benches run, so raise it to the hard limit once.
+void raise_fd_limit_once() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    rlimit rl{};
+    if (::getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+      rl.rlim_cur = rl.rlim_max;
+      if (::setrlimit(RLIMIT_NOFILE, &rl) != 0) log::debug("HostDriver: could not raise RLIMIT_NOFILE");
+    }
+  });
+}
+
+}  // namespace
+
+struct HostDriver::Counters {
+  explicit Counters(int devices) : live(static_cast<std::size_t>(devices)) {}
+  std::vector<std::atomic<std::size_t>> live;  // live physical bytes per device
+};
+
+struct HostDriver::Memory {
+  int fd = -1;
+  std::size_t bytes = 0;
+  int device = -1;  // owning device in this driver; -1 when imported from another process
+  bool exportable = false;
+  dev_t st_dev = 0;
+  ino_t st_ino = 0;
+  std::shared_ptr<Counters> counters;
+  Memory() = default;
+  Memory(const Memory&) = delete;
+  Memory& operator=(const Memory&) = delete;
+  ~Memory() {
+    if (fd >= 0) ::close(fd);
+    if (device >= 0 && counters) counters->live[static_cast<std::size_t>(device)] -= bytes;
+  }
+};
+
+struct HostDriver::Multicast {
+  std::size_t bytes = 0;
+  std::vector<int> devices;  // the devices named at creation
+  std::set<int> added;
+  struct Binding {
+    std::shared_ptr<Memory> memory;
+    std::size_t memory_offset = 0;
+    std::size_t mc_offset = 0;
+    std::size_t bytes = 0;
+  };
+  std::map<int, std::vector<Binding>> bindings;  // device -> bindings
+};
+
+std::string_view to_string(DriverCall c) noexcept {
+  switch (c) {
+    case DriverCall::reserve: return "reserve";
+    case DriverCall::free_reservation: return "free_reservation";
+    case DriverCall::create: return "create";
+    case DriverCall::release: return "release";
+    case DriverCall::map: return "map";
+    case DriverCall::unmap: return "unmap";
+    case DriverCall::set_access: return "set_access";
+    case DriverCall::export_handle: return "export_handle";
+    case DriverCall::import_handle: return "import_handle";
+    case DriverCall::host_alloc: return "host_alloc";
+    case DriverCall::host_free: return "host_free";
+    case DriverCall::stream_create: return "stream_create";
+    case DriverCall::stream_destroy: return "stream_destroy";
+    case DriverCall::copy: return "copy";
+    case DriverCall::fill: return "fill";
+    case DriverCall::stream_synchronize: return "stream_synchronize";
+    case DriverCall::device_synchronize: return "device_synchronize";
+    case DriverCall::event_create: return "event_create";
+    case DriverCall::event_destroy: return "event_destroy";
+    case DriverCall::event_record: return "event_record";
+    case DriverCall::stream_wait_event: return "stream_wait_event";
+    case DriverCall::event_synchronize: return "event_synchronize";
+    case DriverCall::multicast_create: return "multicast_create";
+    case DriverCall::multicast_add_device: return "multicast_add_device";
+    case DriverCall::multicast_bind: return "multicast_bind";
+    case DriverCall::multicast_unbind: return "multicast_unbind";
+    case DriverCall::multicast_release: return "multicast_release";
+    case DriverCall::count_: break;
+  }
+  return "?";
+}
+
+HostDriver::HostDriver(HostDriverOptions options)
+    : options_(options), counters_(std::make_shared<Counters>(std::max(options.devices, 0))) {
+  if (options_.devices < 1) throw invalid_argument("HostDriver needs at least one device");
+  if (options_.granularity == 0 || (options_.granularity & (options_.granularity - 1)) != 0 ||
+      options_.granularity % static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)) != 0)
+    throw invalid_argument(fmt::format("HostDriver granularity {} must be a power of two and a multiple of the page size",
+                                       options_.granularity));
+  raise_fd_limit_once();
+}
+
+HostDriver::~HostDriver() {
+  // Leaks are the pool's bug, not ours to hide: report them, then give the memory back.
+  std::lock_guard lock(mu_);
+  if (!mappings_.empty() || !handles_.empty() || !reservations_.empty())
+    log::debug("HostDriver destroyed with {} mappings, {} handles, {} reservations live", mappings_.size(),
+               handles_.size(), reservations_.size());
+  mappings_.clear();
+  handles_.clear();
+  for (auto& [base, bytes] : reservations_) ::munmap(reinterpret_cast<void*>(base), bytes);
+  for (auto& [p, bytes] : host_blocks_) ::munmap(p, bytes);
+}
+
+void HostDriver::check_device(int device, const char* call) const {
+  if (device < 0 || device >= options_.devices)
+    throw_driver_error(k_invalid_device, call,
+                       fmt::format("device {} does not exist (HostDriver emulates {})", device, options_.devices));
+}
+
+void HostDriver::check_aligned(std::size_t v, const char* what, const char* call) const {
+  if (v % options_.granularity != 0)
+    misuse(call, fmt::format("{} {:#x} is not a multiple of the granularity {:#x}", what, v, options_.granularity));
+}
+
+int HostDriver::device_count() { return options_.devices; }
+
+DeviceProperties HostDriver::device_properties(int device) {
+  check_device(device, "cuDeviceGetAttribute");
+  DeviceProperties p;
+  p.ordinal = device;
+  p.name = fmt::format("HostDriver emulated device {}", device);
+  p.total_bytes = options_.device_bytes;
+  p.vmm_supported = true;
+  p.posix_fd_handles_supported = true;
+  p.granularity = options_.granularity;
+  p.multicast_attribute = options_.multicast_attribute;
+  return p;
+}
+
+bool HostDriver::can_access_peer(int device, int peer) {
+  check_device(device, "cuDeviceCanAccessPeer");
+  check_device(peer, "cuDeviceCanAccessPeer");
+  return device != peer && options_.peer_access;
+}
+
+MemoryInfo HostDriver::memory_info(int device) {
+  check_device(device, "cuMemGetInfo");
+  std::size_t live = counters_->live[static_cast<std::size_t>(device)].load();
+  return {options_.device_bytes - std::min(live, options_.device_bytes), options_.device_bytes};
+}
+
+device_ptr HostDriver::reserve(std::size_t bytes, std::size_t alignment) {
+  const char* call = "cuMemAddressReserve";
+  if (bytes == 0) misuse(call, "size 0");
+  check_aligned(bytes, "size", call);
+  alignment = std::max(alignment, options_.granularity);
+  if ((alignment & (alignment - 1)) != 0) misuse(call, fmt::format("alignment {:#x} is not a power of two", alignment));
+  void* raw = anon_none(nullptr, bytes + alignment);
+  if (raw == MAP_FAILED) throw_driver_error(k_oom, call, errno_text("mmap of the reservation"));
+  auto base = reinterpret_cast<std::uintptr_t>(raw);
+  std::uintptr_t aligned = (base + alignment - 1) & ~(alignment - 1);
+  // Trim the slack on both sides so the reservation is exactly [aligned, aligned + bytes).
+  if (aligned > base) ::munmap(raw, aligned - base);
+  std::size_t tail = (base + bytes + alignment) - (aligned + bytes);
+  if (tail > 0) ::munmap(reinterpret_cast<void*>(aligned + bytes), tail);
+  std::lock_guard lock(mu_);
+  reservations_[aligned] = bytes;
+  return aligned;
+}
+
+void HostDriver::free_reservation(device_ptr va, std::size_t bytes) {
+  const char* call = "cuMemAddressFree";
+  std::lock_guard lock(mu_);
+  auto it = reservations_.find(va);
+  if (it == reservations_.end() || it->second != bytes)
+    misuse(call, fmt::format("[{:#x}, +{:#x}) is not a reservation", va, bytes));
+  auto m = mappings_.lower_bound(va);
+  if (m != mappings_.end() && m->first < va + bytes)
+    misuse(call, fmt::format("reservation {:#x} still has a mapping at {:#x}; unmap first", va, m->first));
+  ::munmap(reinterpret_cast<void*>(va), bytes);
+  reservations_.erase(it);
+}
+
+PhysicalHandle HostDriver::create(int device, std::size_t bytes, bool exportable) {
+  const char* call = "cuMemCreate";
+  check_device(device, call);
+  if (bytes == 0) misuse(call, "size 0");
+  check_aligned(bytes, "size", call);
+  auto& live = counters_->live[static_cast<std::size_t>(device)];
+  // Reserve the bytes first so two threads cannot both pass the capacity check.
+  std::size_t before = live.fetch_add(bytes);
+  if (before + bytes > options_.device_bytes) {
+    live -= bytes;
+    throw_driver_error(k_oom, call,
+                       fmt::format("device {} has {} of {} bytes free, {} requested", device,
+                                   options_.device_bytes - std::min(before, options_.device_bytes),
+                                   options_.device_bytes, bytes));
+  }
+  auto mem = std::make_shared<Memory>();
+  mem->bytes = bytes;
+  mem->exportable = exportable;
+  mem->counters = counters_;
+  mem->fd = ::memfd_create("torpor-physical", MFD_CLOEXEC);
+  if (mem->fd < 0) {
+    live -= bytes;
+    mem->counters.reset();
+    throw_driver_error(errno == EMFILE ? k_oom : k_invalid, call,
+                       errno_text("memfd_create (raise `ulimit -n` if this says too many open files)"));
+  }
+  mem->device = device;  // from here the destructor gives the bytes back
+  if (::ftruncate(mem->fd, static_cast<off_t>(bytes)) != 0) throw_driver_error(k_oom, call, errno_text("ftruncate"));
+  struct stat st{};
+  ::fstat(mem->fd, &st);
+  mem->st_dev = st.st_dev;
+  mem->st_ino = st.st_ino;
+  std::lock_guard lock(mu_);
+  std::uint64_t id = next_id_++;
+  handles_[id] = HandleEntry{mem, nullptr};
+  return PhysicalHandle{id};
+}
+
+const HostDriver::HandleEntry& HostDriver::entry(PhysicalHandle h, const char* call) const {
+  auto it = handles_.find(h.value);
+  if (it == handles_.end()) misuse(call, fmt::format("unknown handle {} (released twice?)", h.value));
+  return it->second;
+}
+
+void HostDriver::release(PhysicalHandle handle) {
+  std::lock_guard lock(mu_);
+  entry(handle, "cuMemRelease");
+  // The memory itself lives on while a mapping refers to it.
+  handles_.erase(handle.value);
+}
+
+void HostDriver::map(device_ptr va, std::size_t bytes, PhysicalHandle handle, std::size_t handle_offset) {
+  const char* call = "cuMemMap";
+  if (bytes == 0) misuse(call, "size 0");
+  check_aligned(va, "address", call);
+  check_aligned(bytes, "size", call);
+  check_aligned(handle_offset, "offset", call);
+  std::lock_guard lock(mu_);
+  const HandleEntry& e = entry(handle, call);
+  auto r = reservations_.upper_bound(va);
+  if (r == reservations_.begin() || (--r, va + bytes > r->first + r->second))
+    misuse(call, fmt::format("[{:#x}, +{:#x}) is not inside one reservation", va, bytes));
+  auto next = mappings_.lower_bound(va);
+  if (next != mappings_.end() && next->first < va + bytes)
+    misuse(call, fmt::format("[{:#x}, +{:#x}) overlaps the mapping at {:#x}", va, bytes, next->first));
+  if (next != mappings_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second.bytes > va)
+      misuse(call, fmt::format("[{:#x}, +{:#x}) overlaps the mapping at {:#x}", va, bytes, prev->first));
+  }
+  Mapping m;
+  m.bytes = bytes;
+  m.offset = handle_offset;
+  if (e.memory) {
+    if (handle_offset + bytes > e.memory->bytes)
+      misuse(call, fmt::format("offset {:#x} + size {:#x} exceeds the handle's {:#x} bytes", handle_offset, bytes,
+                               e.memory->bytes));
+    void* p = ::mmap(reinterpret_cast<void*>(va), bytes, PROT_NONE, MAP_SHARED | MAP_FIXED, e.memory->fd,
+                     static_cast<off_t>(handle_offset));
+    if (p == MAP_FAILED) throw_driver_error(k_oom, call, errno_text("mmap of the memfd"));
+    m.memory = e.memory;
+  } else {
+    if (e.multicast->added.size() != e.multicast->devices.size())
+      misuse(call, "multicast object mapped before every device was added");
+    if (handle_offset + bytes > e.multicast->bytes) misuse(call, "mapping exceeds the multicast object");
+    // A multicast VA stays PROT_NONE: only multicast_store (multimem.st) may write through it.
+    m.multicast = e.multicast;
+  }
+  mappings_[va] = std::move(m);
+}
+
+void HostDriver::unmap(device_ptr va, std::size_t bytes) {
+  const char* call = "cuMemUnmap";
+  std::lock_guard lock(mu_);
+  auto it = mappings_.find(va);
+  if (it == mappings_.end() || it->second.bytes != bytes)
+    misuse(call, fmt::format("[{:#x}, +{:#x}) is not exactly one mapping", va, bytes));
+  if (anon_none(reinterpret_cast<void*>(va), bytes) == MAP_FAILED)
+    throw_driver_error(k_invalid, call, errno_text("mmap PROT_NONE over the mapping"));
+  mappings_.erase(it);  // may free the memory if its handle was released already
+}
+
+void HostDriver::set_access(device_ptr va, std::size_t bytes, std::span<const int> devices) {
+  const char* call = "cuMemSetAccess";
+  if (devices.empty()) misuse(call, "no device named");
+  for (int d : devices) check_device(d, call);
+  std::lock_guard lock(mu_);
+  // The range must be covered, without holes, by whole mappings.
+  device_ptr at = va;
+  auto it = mappings_.find(va);
+  std::vector<std::map<device_ptr, Mapping>::iterator> covered;
+  while (at < va + bytes) {
+    if (it == mappings_.end() || it->first != at)
+      misuse(call, fmt::format("[{:#x}, +{:#x}) is not fully mapped (hole at {:#x})", va, bytes, at));
+    covered.push_back(it);
+    at += it->second.bytes;
+    ++it;
+  }
+  if (at != va + bytes) misuse(call, fmt::format("[{:#x}, +{:#x}) ends inside a mapping", va, bytes));
+  for (auto& c : covered) {
+    if (c->second.memory &&
+        ::mprotect(reinterpret_cast<void*>(c->first), c->second.bytes, PROT_READ | PROT_WRITE) != 0)
+      throw_driver_error(k_invalid, call, errno_text("mprotect"));
+    c->second.accessible = true;
+  }
+}
+
+int HostDriver::export_fd(PhysicalHandle handle) {
+  const char* call = "cuMemExportToShareableHandle";
+  std::lock_guard lock(mu_);
+  const HandleEntry& e = entry(handle, call);
+  if (!e.memory) misuse(call, "multicast objects are exported by the multicast layer, not as fds here");
+  if (!e.memory->exportable) misuse(call, "handle was not created exportable");
+  int fd = ::fcntl(e.memory->fd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) throw_driver_error(k_oom, call, errno_text("dup"));
+  return fd;
+}
+
+PhysicalHandle HostDriver::import_fd(int fd) {
+  const char* call = "cuMemImportFromShareableHandle";
+  struct stat st{};
+  if (fd < 0 || ::fstat(fd, &st) != 0) misuse(call, fmt::format("fd {} is not open", fd));
+  if (st.st_size <= 0 || static_cast<std::size_t>(st.st_size) % options_.granularity != 0)
+    misuse(call, fmt::format("fd {} is not exported physical memory (size {})", fd, st.st_size));
+  std::lock_guard lock(mu_);
+  // Memory exported by this same driver (ranks that are threads): share the object, so the
+  // accounting sees one piece of memory kept alive by two handles.
+  std::shared_ptr<Memory> mem;
+  for (auto& [id, e] : handles_)
+    if (e.memory && e.memory->st_dev == st.st_dev && e.memory->st_ino == st.st_ino) mem = e.memory;
+  for (auto& [va, m] : mappings_)
+    if (!mem && m.memory && m.memory->st_dev == st.st_dev && m.memory->st_ino == st.st_ino) mem = m.memory;
+  if (!mem) {
+    mem = std::make_shared<Memory>();
+    mem->fd = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (mem->fd < 0) throw_driver_error(k_oom, call, errno_text("dup"));
+    mem->bytes = static_cast<std::size_t>(st.st_size);
+    mem->exportable = true;
+    mem->st_dev = st.st_dev;
+    mem->st_ino = st.st_ino;
+  }
+  std::uint64_t id = next_id_++;
+  handles_[id] = HandleEntry{mem, nullptr};
+  return PhysicalHandle{id};
+}
+
+std::shared_ptr<HostDriver::Multicast> HostDriver::multicast_of(MulticastHandle mc, const char* call) const {
+  auto it = handles_.find(mc.value);
+  if (it == handles_.end() || !it->second.multicast)
+    misuse(call, fmt::format("unknown multicast handle {}", mc.value));
+  return it->second.multicast;
+}
+
+std::size_t HostDriver::multicast_granularity(std::span<const int> devices, std::size_t) {
+  for (int d : devices) check_device(d, "cuMulticastGetGranularity");
+  return options_.granularity;
+}
+
+MulticastHandle HostDriver::multicast_create(std::span<const int> devices, std::size_t bytes) {
+  const char* call = "cuMulticastCreate";
+  if (!options_.multicast_attribute) throw_driver_error(static_cast<int>(driver_status::not_supported), call,
+                                                        "the emulated devices report no multicast support");
+  if (devices.empty()) misuse(call, "no devices");
+  for (int d : devices) check_device(d, call);
+  if (bytes == 0) misuse(call, "size 0");
+  check_aligned(bytes, "size", call);
+  auto mc = std::make_shared<Multicast>();
+  mc->bytes = bytes;
+  mc->devices.assign(devices.begin(), devices.end());
+  std::lock_guard lock(mu_);
+  std::uint64_t id = next_id_++;
+  handles_[id] = HandleEntry{nullptr, mc};
+  return MulticastHandle{id};
+}
+
+void HostDriver::multicast_add_device(MulticastHandle mc, int device) {
+  const char* call = "cuMulticastAddDevice";
+  check_device(device, call);
+  std::lock_guard lock(mu_);
+  auto m = multicast_of(mc, call);
+  if (std::find(m->devices.begin(), m->devices.end(), device) == m->devices.end())
+    misuse(call, fmt::format("device {} was not named when the multicast object was created", device));
+  if (!m->added.insert(device).second) misuse(call, fmt::format("device {} added twice", device));
+}
+
+void HostDriver::multicast_bind(MulticastHandle mc, std::size_t mc_offset, PhysicalHandle memory,
+                                std::size_t memory_offset, std::size_t bytes) {
+  const char* call = "cuMulticastBindMem";
+  check_aligned(mc_offset, "multicast offset", call);
+  check_aligned(memory_offset, "memory offset", call);
+  check_aligned(bytes, "size", call);
+  std::lock_guard lock(mu_);
+  auto m = multicast_of(mc, call);
+  // As on the GPU: memory can be bound only once every participating device was added.
+  if (m->added.size() != m->devices.size())
+    misuse(call, fmt::format("bind before every device was added ({} of {} added)", m->added.size(),
+                             m->devices.size()));
+  const HandleEntry& e = entry(memory, call);
+  if (!e.memory) misuse(call, "memory handle is a multicast object");
+  int device = e.memory->device;
+  if (device < 0) misuse(call, "memory imported from another process cannot be bound here");
+  if (!m->added.count(device)) misuse(call, fmt::format("memory lives on device {}, not a member", device));
+  if (mc_offset + bytes > m->bytes || memory_offset + bytes > e.memory->bytes) misuse(call, "range out of bounds");
+  auto& list = m->bindings[device];
+  for (auto& b : list)
+    if (mc_offset < b.mc_offset + b.bytes && b.mc_offset < mc_offset + bytes)
+      misuse(call, fmt::format("device {} already has memory bound at multicast offset {:#x}", device, b.mc_offset));
+  list.push_back({e.memory, memory_offset, mc_offset, bytes});
+}
+
+void HostDriver::multicast_unbind(MulticastHandle mc, int device, std::size_t mc_offset, std::size_t bytes) {
+  const char* call = "cuMulticastUnbind";
+  std::lock_guard lock(mu_);
+  auto m = multicast_of(mc, call);
+  auto& list = m->bindings[device];
+  auto it = std::find_if(list.begin(), list.end(),
+                         [&](const Multicast::Binding& b) { return b.mc_offset == mc_offset && b.bytes == bytes; });
+  if (it == list.end())
+    misuse(call, fmt::format("no binding of device {} at multicast offset {:#x} size {:#x}", device, mc_offset, bytes));
+  list.erase(it);
+}
+
+void HostDriver::multicast_release(MulticastHandle mc) {
+  std::lock_guard lock(mu_);
+  multicast_of(mc, "cuMemRelease(multicast)");
+  handles_.erase(mc.value);
+}
+
+PhysicalHandle HostDriver::as_physical(MulticastHandle mc) { return PhysicalHandle{mc.value}; }
+
+void HostDriver::multicast_store(device_ptr mc_va, const void* src, std::size_t bytes) {
+  const char* call = "multimem.st";
+  std::lock_guard lock(mu_);
+  auto it = mappings_.upper_bound(mc_va);
+  if (it == mappings_.begin()) misuse(call, fmt::format("{:#x} is not a multicast address", mc_va));
+  --it;
+  const Mapping& m = it->second;
+  if (!m.multicast || mc_va + bytes > it->first + m.bytes)
+    misuse(call, fmt::format("[{:#x}, +{}) is not inside one multicast mapping", mc_va, bytes));
+  if (!m.accessible) misuse(call, "multicast mapping has no access set");
+  std::size_t off = m.offset + (mc_va - it->first);
+  for (auto& [device, list] : m.multicast->bindings) {
+    for (auto& b : list) {
+      if (off < b.mc_offset || off + bytes > b.mc_offset + b.bytes) continue;
+      auto pos = static_cast<off_t>(b.memory_offset + (off - b.mc_offset));
+      if (::pwrite(b.memory->fd, src, bytes, pos) != static_cast<ssize_t>(bytes))
+        throw_driver_error(k_invalid, call, errno_text("pwrite fan-out"));
+    }
+  }
+}
+
+void* HostDriver::host_alloc(std::size_t bytes) {
+  const char* call = "cuMemHostAlloc";
+  if (bytes == 0) misuse(call, "size 0");
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) throw_driver_error(k_oom, call, errno_text("mmap"));
+  std::lock_guard lock(mu_);
+  host_blocks_[p] = bytes;
+  return p;
+}
+
+void HostDriver::host_free(void* p) {
+  std::lock_guard lock(mu_);
+  auto it = host_blocks_.find(p);
+  if (it == host_blocks_.end()) misuse("cuMemFreeHost", fmt::format("{} was not returned by host_alloc", p));
+  ::munmap(p, it->second);
+  host_blocks_.erase(it);
+}
+
+void HostDriver::require_stream(Stream s, const char* call) const {
+  if (!streams_.count(s.value)) misuse(call, fmt::format("unknown stream {}", s.value));
+}
+
+Stream HostDriver::stream_create(int device) {
+  check_device(device, "cuStreamCreate");
+  std::lock_guard lock(mu_);
+  std::uint64_t id = next_id_++;
+  streams_.insert(id);
+  return Stream{id, device};
+}
+
+void HostDriver::stream_destroy(Stream s) {
+  std::lock_guard lock(mu_);
+  require_stream(s, "cuStreamDestroy");
+  streams_.erase(s.value);
+}
+
+void HostDriver::check_accessible(const void* p, std::size_t n, const char* call) const {
+  auto lo = reinterpret_cast<device_ptr>(p);
+  device_ptr hi = lo + n;
+  auto r = reservations_.upper_bound(lo);
+  bool inside = false;
+  if (r != reservations_.begin()) {
+    auto prev = std::prev(r);
+    inside = lo < prev->first + prev->second;
+  }
+  if (!inside) {
+    if (r != reservations_.end() && r->first < hi)
+      misuse(call, fmt::format("[{:#x}, +{}) runs from host memory into a reservation", lo, n));
+    return;  // ordinary host memory
+  }
+  auto it = mappings_.upper_bound(lo);
+  if (it == mappings_.begin()) misuse(call, fmt::format("{:#x} is not mapped (asleep or freed?)", lo));
+  --it;
+  device_ptr at = lo;
+  while (at < hi) {
+    if (it == mappings_.end() || it->first > at || it->first + it->second.bytes <= at)
+      misuse(call, fmt::format("{:#x} is not mapped (asleep or freed?)", at));
+    if (!it->second.accessible || !it->second.memory)
+      misuse(call, fmt::format("{:#x} is mapped without access (or is a multicast address)", at));
+    at = it->first + it->second.bytes;
+    ++it;
+  }
+}
+
+void HostDriver::copy_async(void* dst, const void* src, std::size_t bytes, Stream s) {
+  const char* call = "cuMemcpyAsync";
+  {
+    std::lock_guard lock(mu_);
+    require_stream(s, call);
+    check_accessible(src, bytes, call);
+    check_accessible(dst, bytes, call);
+  }
+  if (bytes > 0) std::memmove(dst, src, bytes);
+}
+
+void HostDriver::fill_async(device_ptr dst, std::uint8_t value, std::size_t bytes, Stream s) {
+  const char* call = "cuMemsetD8Async";
+  {
+    std::lock_guard lock(mu_);
+    require_stream(s, call);
+    check_accessible(reinterpret_cast<void*>(dst), bytes, call);
+  }
+  if (bytes > 0) std::memset(reinterpret_cast<void*>(dst), value, bytes);
+}
+
+void HostDriver::stream_synchronize(Stream s) {
+  std::lock_guard lock(mu_);
+  require_stream(s, "cuStreamSynchronize");
+}
+
+void HostDriver::device_synchronize(int device) { check_device(device, "cuCtxSynchronize"); }
+
+Event HostDriver::event_create(int device) {
+  check_device(device, "cuEventCreate");
+  std::lock_guard lock(mu_);
+  std::uint64_t id = next_id_++;
+  events_.insert(id);
+  return Event{id, device};
+}
+
+void HostDriver::event_destroy(Event e) {
+  std::lock_guard lock(mu_);
+  if (!events_.erase(e.value)) misuse("cuEventDestroy", fmt::format("unknown event {}", e.value));
+}
+
+void HostDriver::event_record(Event e, Stream s) {
+  std::lock_guard lock(mu_);
+  require_stream(s, "cuEventRecord");
+  if (!events_.count(e.value)) misuse("cuEventRecord", fmt::format("unknown event {}", e.value));
+}
+
+void HostDriver::stream_wait_event(Stream s, Event e) {
+  std::lock_guard lock(mu_);
+  require_stream(s, "cuStreamWaitEvent");
+  if (!events_.count(e.value)) misuse("cuStreamWaitEvent", fmt::format("unknown event {}", e.value));
+}
+
+void HostDriver::event_synchronize(Event e) {
+  std::lock_guard lock(mu_);
+  if (!events_.count(e.value)) misuse("cuEventSynchronize", fmt::format("unknown event {}", e.value));
+}
+
+HostDriverCounters HostDriver::counters() const {
+  std::lock_guard lock(mu_);
+  HostDriverCounters c;
+  for (auto& [id, e] : handles_) {
+    if (e.memory) ++c.live_handles;
+    else ++c.multicast_objects;
+  }
+  for (auto& l : counters_->live) c.live_physical_bytes += l.load();
+  for (auto& [va, m] : mappings_) {
+    c.mapped_bytes += m.bytes;
+    ++c.mappings;
+  }
+  c.reservations = reservations_.size();
+  for (auto& [b, n] : reservations_) c.reserved_bytes += n;
+  for (auto& [p, n] : host_blocks_) c.host_bytes += n;
+  c.streams = streams_.size();
+  c.events = events_.size();
+  return c;
+}
+
+std::size_t HostDriver::live_physical_bytes(int device) const {
+  check_device(device, "live_physical_bytes");
+  return counters_->live[static_cast<std::size_t>(device)].load();
+}
+
+}  // namespace torpor

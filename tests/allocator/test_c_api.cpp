@@ -1,0 +1,108 @@
+// The C API over the host backend: status codes, messages, JSON documents, byte survival.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "torpor/torpor.h"
+
+namespace {
+
+struct CPoolFixture : ::testing::Test {
+  void SetUp() override {
+    torpor_pool_options o;
+    torpor_pool_options_init(&o);
+    o.backend = TORPOR_BACKEND_HOST;
+    o.fill_on_wake = TORPOR_FILL_POISON;
+    o.va_bytes = std::size_t{1} << 30;
+    ASSERT_EQ(torpor_pool_create(&o, &pool), TORPOR_OK) << torpor_last_error();
+  }
+  void TearDown() override {
+    if (pool) EXPECT_EQ(torpor_pool_destroy(pool), TORPOR_OK);
+  }
+  std::string stats() {
+    size_t needed = 0;
+    EXPECT_EQ(torpor_stats_json(pool, nullptr, 0, &needed), TORPOR_OK);
+    std::string s(needed, '\0');
+    EXPECT_EQ(torpor_stats_json(pool, s.data(), s.size(), &needed), TORPOR_OK);
+    s.resize(needed - 1);
+    return s;
+  }
+  torpor_pool_t pool = nullptr;
+};
+
+TEST_F(CPoolFixture, SleepWakeKeepsStateAndReportsJson) {
+  EXPECT_STREQ(torpor_pool_backend(pool), "host");
+  void *w = nullptr, *s = nullptr;
+  ASSERT_EQ(torpor_alloc(pool, 4096, "weights", TORPOR_CLASS_PARAMETER, "w0", &w), TORPOR_OK);
+  ASSERT_EQ(torpor_alloc(pool, 4096, "weights", TORPOR_CLASS_STATE, "flags", &s), TORPOR_OK);
+  std::vector<unsigned char> src(4096);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<unsigned char>(i * 7 + 1);
+  ASSERT_EQ(torpor_copy(pool, w, src.data(), 4096), TORPOR_OK);
+  ASSERT_EQ(torpor_copy(pool, s, src.data(), 4096), TORPOR_OK);
+  ASSERT_EQ(torpor_sleep(pool, 2, nullptr, 0), TORPOR_OK) << torpor_last_error();
+  size_t needed = 0;
+  char buf[4096];
+  ASSERT_EQ(torpor_last_report_json(pool, buf, sizeof buf, &needed), TORPOR_OK);
+  EXPECT_NE(std::string(buf).find("\"bytes_offloaded\":4096"), std::string::npos) << buf;
+  EXPECT_NE(stats().find("\"asleep\":true"), std::string::npos);
+  const char* tags[] = {"weights"};
+  ASSERT_EQ(torpor_wake_up(pool, tags, 1), TORPOR_OK) << torpor_last_error();
+  std::vector<unsigned char> back(4096);
+  ASSERT_EQ(torpor_copy(pool, back.data(), s, 4096), TORPOR_OK);
+  EXPECT_EQ(back, src);
+  ASSERT_EQ(torpor_copy(pool, back.data(), w, 4096), TORPOR_OK);
+  EXPECT_EQ(back, std::vector<unsigned char>(4096, 0xFF)) << "level 2 discards parameters; poison fill";
+  void* base = nullptr;
+  size_t bytes = 0;
+  ASSERT_EQ(torpor_find(pool, static_cast<char*>(s) + 100, &base, &bytes), TORPOR_OK);
+  EXPECT_EQ(base, s);
+  EXPECT_EQ(bytes, 4096u);
+  EXPECT_EQ(torpor_free(pool, w), TORPOR_OK);
+  EXPECT_EQ(torpor_free(pool, s), TORPOR_OK);
+}
+
+TEST_F(CPoolFixture, ErrorsAreStatusCodesWithMessages) {
+  void* p = nullptr;
+  EXPECT_EQ(torpor_alloc(pool, 0, "t", TORPOR_CLASS_STATE, nullptr, &p), TORPOR_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(torpor_last_error()).find("torpor_alloc: allocate: size 0"), std::string::npos)
+      << torpor_last_error();
+  EXPECT_EQ(torpor_alloc(pool, 10, "t", 9, nullptr, &p), TORPOR_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(torpor_last_error()).find("unknown memory class 9"), std::string::npos);
+  EXPECT_EQ(torpor_sleep(pool, 5, nullptr, 0), TORPOR_ERROR_INVALID_ARGUMENT);
+  const char* bad[] = {"nope"};
+  EXPECT_EQ(torpor_wake_up(pool, bad, 1), TORPOR_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(torpor_sleep(pool, 1, nullptr, 1), TORPOR_ERROR_INVALID_ARGUMENT) << "NULL tags with a count";
+  ASSERT_EQ(torpor_alloc(pool, 10, "kv", TORPOR_CLASS_CACHE, nullptr, &p), TORPOR_OK);
+  ASSERT_EQ(torpor_sleep(pool, 1, nullptr, 0), TORPOR_OK);
+  void* q = nullptr;
+  EXPECT_EQ(torpor_alloc(pool, 10, "kv", TORPOR_CLASS_CACHE, nullptr, &q), TORPOR_ERROR_INVALID_STATE);
+  EXPECT_EQ(q, nullptr);
+  EXPECT_STREQ(torpor_status_name(TORPOR_ERROR_INVALID_STATE), "TORPOR_ERROR_INVALID_STATE");
+  ASSERT_EQ(torpor_wake_up(pool, nullptr, 0), TORPOR_OK);
+  EXPECT_EQ(torpor_free(pool, p), TORPOR_OK);
+  EXPECT_EQ(torpor_free(pool, p), TORPOR_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(torpor_last_error()).find("double free"), std::string::npos);
+}
+
+TEST_F(CPoolFixture, MarkAndPreserveThroughTheCApi) {
+  void* seg = nullptr;
+  ASSERT_EQ(torpor_alloc(pool, 8192, "weights", TORPOR_CLASS_STATE, nullptr, &seg), TORPOR_OK);
+  ASSERT_EQ(torpor_mark(pool, seg, 4096, TORPOR_CLASS_PARAMETER, "embed.weight"), TORPOR_OK);
+  ASSERT_EQ(torpor_mark(pool, static_cast<char*>(seg) + 4096, 4096, TORPOR_CLASS_PARAMETER, "lm_head.weight"),
+            TORPOR_OK);
+  const char* globs[] = {"embed.*"};
+  ASSERT_EQ(torpor_set_preserve(pool, globs, 1), TORPOR_OK);
+  std::vector<unsigned char> src(8192, 0x3C);
+  ASSERT_EQ(torpor_copy(pool, seg, src.data(), src.size()), TORPOR_OK);
+  ASSERT_EQ(torpor_sleep(pool, 2, nullptr, 0), TORPOR_OK);
+  ASSERT_EQ(torpor_wake_up(pool, nullptr, 0), TORPOR_OK);
+  std::vector<unsigned char> back(8192);
+  ASSERT_EQ(torpor_copy(pool, back.data(), seg, back.size()), TORPOR_OK);
+  EXPECT_EQ(back[0], 0x3C) << "preserved parameter kept";
+  EXPECT_EQ(back[4096], 0xFF) << "other parameter discarded";
+  EXPECT_EQ(torpor_free(pool, seg), TORPOR_OK);
+}
+
+}  // namespace

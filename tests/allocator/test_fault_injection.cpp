@@ -1,0 +1,229 @@
+// Fault injection: fail each kind of driver call at each position inside sleep and inside
+// wake. After every failure the pool must be consistent (each chunk awake with its bytes or
+// asleep with its backup, nothing leaked, the driver's live memory equal to what the pool
+// says is mapped), and calling again once the fault is gone must succeed with every byte
+// that had to survive intact.
+#include <gtest/gtest.h>
+
+#include "support/backends.hpp"
+#include "torpor/error.hpp"
+#include "torpor/fault_injecting_driver.hpp"
+
+namespace torpor::test {
+namespace {
+
+template <typename B>
+class FaultTest : public BackendTest<B> {};
+TYPED_TEST_SUITE(FaultTest, Backends, BackendNames);
+
+struct Item {
+  void* p;
+  std::size_t n;
+  MemoryClass cls;
+  std::vector<std::uint8_t> bytes;
+};
+
+// Several chunks in two tags: dedicated chunks and slabs, all three classes, a mixed chunk.
+std::vector<Item> build(Pool& pool, std::size_t g) {
+  std::mt19937_64 rng(11);
+  struct Spec {
+    std::size_t n;
+    const char* tag;
+    MemoryClass cls;
+  } specs[] = {{3 * g, "weights", MemoryClass::parameter}, {2 * g + 10, "weights", MemoryClass::state},
+               {1000, "weights", MemoryClass::state},      {2000, "weights", MemoryClass::state},
+               {700, "weights", MemoryClass::parameter},   {2 * g, "kv_cache", MemoryClass::cache},
+               {g + 1, "kv_cache", MemoryClass::state}};
+  std::vector<Item> items;
+  for (const Spec& s : specs) {
+    Item it{pool.allocate(s.n, {s.tag, s.cls, "x"}), s.n, s.cls, random_bytes(rng, s.n)};
+    write(pool, it.p, it.bytes);
+    items.push_back(std::move(it));
+  }
+  // A mixed chunk: parameters marked inside a state allocation.
+  pool.mark(items[1].p, g, MemoryClass::parameter, "x");
+  return items;
+}
+
+bool survives_level2(const Item& it, std::size_t off, std::size_t g, std::size_t index) {
+  if (index == 1) return off >= g;  // the mixed chunk: [0, g) is parameter
+  return it.cls == MemoryClass::state;
+}
+
+// Every awake item holds its bytes (level-2 survivors exactly; discarded bytes are poison).
+void check_items(Pool& pool, const std::vector<Item>& items, std::size_t g, bool slept_level2) {
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    const Item& it = items[i];
+    auto info = pool.find(it.p);
+    ASSERT_TRUE(info);
+    ASSERT_EQ(info->base, reinterpret_cast<device_ptr>(it.p));
+    if (info->asleep) continue;
+    auto v = read(pool, it.p, it.n);
+    for (std::size_t k = 0; k < it.n; ++k) {
+      bool keep = !slept_level2 || survives_level2(it, k, g, i);
+      ASSERT_EQ(v[k], keep ? it.bytes[k] : poison_byte) << "item " << i << " byte " << k;
+    }
+  }
+}
+
+void check_accounting(Pool& pool, HostDriver* host) {
+  if (host == nullptr) return;
+  PoolStats st = pool.stats();
+  ASSERT_EQ(host->live_physical_bytes(0), st.mapped_bytes) << "live device memory must be exactly what the pool maps";
+}
+
+void check_clean(HostDriver* host) {
+  if (host == nullptr) return;
+  HostDriverCounters c = host->counters();
+  EXPECT_EQ(c.live_handles, 0u);
+  EXPECT_EQ(c.live_physical_bytes, 0u);
+  EXPECT_EQ(c.mappings, 0u);
+  EXPECT_EQ(c.reservations, 0u);
+  EXPECT_EQ(c.host_bytes, 0u);
+}
+
+const DriverCall sleep_kinds[] = {DriverCall::device_synchronize, DriverCall::host_alloc, DriverCall::copy,
+                                  DriverCall::stream_synchronize, DriverCall::unmap,     DriverCall::release};
+const DriverCall wake_kinds[] = {DriverCall::create, DriverCall::map,  DriverCall::set_access,
+                                 DriverCall::copy,   DriverCall::fill, DriverCall::stream_synchronize};
+
+PoolOptions options() {
+  PoolOptions o;
+  o.va_bytes = std::size_t{256} << 20;
+  o.fill_on_wake = FillOnWake::poison;
+  return o;
+}
+
+TYPED_TEST(FaultTest, EveryFailureInsideSleepLeavesThePoolConsistent) {
+  std::size_t g = this->granularity();
+  for (DriverCall kind : sleep_kinds) {
+    // How many calls of this kind a clean sleep makes.
+    std::size_t count;
+    {
+      FaultInjectingDriver probe(this->driver());
+      Pool pool(probe, options());
+      build(pool, g);
+      std::size_t before = probe.calls(kind);
+      pool.sleep(2);
+      count = probe.calls(kind) - before;
+    }
+    ASSERT_GT(count, 0u) << to_string(kind);
+    for (std::size_t k = 1; k <= count; ++k) {
+      SCOPED_TRACE(::testing::Message() << to_string(kind) << " #" << k << " of " << count);
+      FaultInjectingDriver faulty(this->driver());
+      {
+        Pool pool(faulty, options());
+        auto items = build(pool, g);
+        faulty.fail_nth(kind, k);
+        bool threw = false;
+        try {
+          pool.sleep(2);
+        } catch (const error&) {
+          threw = true;
+        }
+        // A failed release is deferred, not thrown: the chunk is unmapped and asleep either way.
+        EXPECT_EQ(threw, kind != DriverCall::release);
+        EXPECT_EQ(faulty.failures(), 1u);
+        if (kind == DriverCall::release) EXPECT_EQ(pool.stats().pending_releases, 1u);
+        else check_accounting(pool, this->host());
+        check_items(pool, items, g, false);  // awake chunks still hold every byte
+        faulty.clear();
+        pool.sleep(2);  // the retry succeeds
+        EXPECT_EQ(pool.stats().mapped_bytes, 0u);
+        EXPECT_EQ(pool.stats().pending_releases, 0u);
+        check_accounting(pool, this->host());
+        pool.wake_up();
+        check_items(pool, items, g, true);
+        check_accounting(pool, this->host());
+      }
+      check_clean(this->host());
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
+
+TYPED_TEST(FaultTest, EveryFailureInsideWakeLeavesThePoolConsistent) {
+  std::size_t g = this->granularity();
+  for (DriverCall kind : wake_kinds) {
+    std::size_t count;
+    {
+      FaultInjectingDriver probe(this->driver());
+      Pool pool(probe, options());
+      build(pool, g);
+      pool.sleep(2);
+      std::size_t before = probe.calls(kind);
+      pool.wake_up();
+      count = probe.calls(kind) - before;
+    }
+    ASSERT_GT(count, 0u) << to_string(kind);
+    for (std::size_t k = 1; k <= count; ++k) {
+      SCOPED_TRACE(::testing::Message() << to_string(kind) << " #" << k << " of " << count);
+      FaultInjectingDriver faulty(this->driver());
+      {
+        Pool pool(faulty, options());
+        auto items = build(pool, g);
+        pool.sleep(2);
+        faulty.fail_nth(kind, k);
+        EXPECT_THROW(pool.wake_up(), error);
+        EXPECT_EQ(faulty.failures(), 1u);
+        check_accounting(pool, this->host());
+        check_items(pool, items, g, true);  // woken chunks are complete, the rest still asleep
+        faulty.clear();
+        pool.wake_up();
+        for (const Item& it : items) EXPECT_FALSE(pool.find(it.p)->asleep);
+        check_items(pool, items, g, true);
+        check_accounting(pool, this->host());
+        EXPECT_FALSE(pool.asleep("weights"));
+      }
+      check_clean(this->host());
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
+
+TYPED_TEST(FaultTest, OutOfMemoryOnWakeIsTypedAndRetryable) {
+  std::size_t g = this->granularity();
+  FaultInjectingDriver faulty(this->driver());
+  Pool pool(faulty, options());
+  auto items = build(pool, g);
+  pool.sleep(1);
+  faulty.fail_from(DriverCall::create, 3);  // the trainer still holds the memory
+  try {
+    pool.wake_up();
+    FAIL() << "expected out_of_memory";
+  } catch (const out_of_memory& e) {
+    EXPECT_NE(std::string(e.what()).find("out of memory"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(pool.asleep("weights") || pool.asleep("kv_cache"));
+  faulty.clear();
+  pool.wake_up();
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    if (items[i].cls == MemoryClass::cache) continue;
+    EXPECT_EQ(read(pool, items[i].p, items[i].n), items[i].bytes) << "item " << i;
+  }
+}
+
+TYPED_TEST(FaultTest, FailuresInAllocateAndDeallocateChangeNothing) {
+  std::size_t g = this->granularity();
+  for (DriverCall kind : {DriverCall::create, DriverCall::map, DriverCall::set_access}) {
+    FaultInjectingDriver faulty(this->driver());
+    {
+      Pool pool(faulty, options());
+      faulty.fail_nth(kind, 1);
+      EXPECT_THROW(pool.allocate(2 * g, {"weights", MemoryClass::state, ""}), error) << to_string(kind);
+      PoolStats st = pool.stats();
+      EXPECT_EQ(st.chunks, 0u);
+      EXPECT_EQ(st.va_used_bytes, 0u);
+      check_accounting(pool, this->host());
+      void* p = pool.allocate(2 * g, {"weights", MemoryClass::state, ""});
+      faulty.fail_nth(DriverCall::unmap, 1);
+      EXPECT_THROW(pool.deallocate(p), error);
+      ASSERT_TRUE(pool.find(p)) << "a failed free keeps the allocation";
+      pool.deallocate(p);
+    }
+    check_clean(this->host());
+  }
+}
+
+}  // namespace
+}  // namespace torpor::test

@@ -1,0 +1,113 @@
+// Backends for typed test suites: every pool/sleep test runs once per backend. The host
+// backend always runs; the cuda backend skips, saying why, when no usable GPU is present.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "torpor/driver.hpp"
+#include "torpor/host_driver.hpp"
+#include "torpor/pool.hpp"
+#ifdef TORPOR_HAVE_CUDA
+#include "torpor/cuda_driver.hpp"
+#endif
+
+namespace torpor::test {
+
+struct HostBackend {
+  static constexpr const char* name = "host";
+  // Small emulated devices and a small granularity keep the suite fast; semantics are the same.
+  static HostDriverOptions options() {
+    HostDriverOptions o;
+    o.devices = 2;
+    o.device_bytes = std::size_t{512} << 20;
+    o.granularity = std::size_t{64} << 10;
+    return o;
+  }
+  static std::shared_ptr<Driver> open(std::string& skip) {
+    (void)skip;
+    return std::make_shared<HostDriver>(options());
+  }
+};
+
+struct CudaBackend {
+  static constexpr const char* name = "cuda";
+  static std::shared_ptr<Driver> open(std::string& skip) {
+#ifdef TORPOR_HAVE_CUDA
+    std::string why;
+    auto d = CudaDriver::open(&why);
+    if (!d) {
+      skip = "no usable GPU: " + why;
+      return nullptr;
+    }
+    if (!d->device_properties(0).vmm_supported) {
+      skip = "device 0 lacks VMM support";
+      return nullptr;
+    }
+    return std::shared_ptr<Driver>(std::move(d));
+#else
+    skip = "built without the CUDA backend (TORPOR_CUDA=OFF)";
+    return nullptr;
+#endif
+  }
+};
+
+using Backends = ::testing::Types<HostBackend, CudaBackend>;
+
+struct BackendNames {
+  template <typename T>
+  static std::string GetName(int) {
+    return T::name;
+  }
+};
+
+// Fixture base: opens the backend's driver or skips with the reason.
+template <typename B>
+class BackendTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string skip;
+    driver_ = B::open(skip);
+    if (!driver_) GTEST_SKIP() << skip;
+  }
+  Driver& driver() { return *driver_; }
+  HostDriver* host() { return dynamic_cast<HostDriver*>(driver_.get()); }
+  std::size_t granularity() { return driver_->device_properties(0).granularity; }
+  PoolOptions small_pool(FillOnWake fill = FillOnWake::none) {
+    PoolOptions o;
+    o.va_bytes = std::size_t{256} << 20;
+    o.fill_on_wake = fill;
+    return o;
+  }
+  std::shared_ptr<Driver> driver_;
+};
+
+inline std::vector<std::uint8_t> random_bytes(std::mt19937_64& rng, std::size_t n) {
+  std::vector<std::uint8_t> v(n);
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    std::uint64_t x = rng();
+    std::memcpy(v.data() + i, &x, 8);
+  }
+  for (; i < n; ++i) v[i] = static_cast<std::uint8_t>(rng());
+  return v;
+}
+
+inline void write(Pool& pool, void* p, const std::vector<std::uint8_t>& bytes) {
+  pool.copy(p, bytes.data(), bytes.size());
+}
+
+inline std::vector<std::uint8_t> read(Pool& pool, const void* p, std::size_t n) {
+  std::vector<std::uint8_t> v(n);
+  pool.copy(v.data(), p, n);
+  return v;
+}
+
+inline void* at(void* p, std::size_t off) { return static_cast<std::byte*>(p) + off; }
+
+}  // namespace torpor::test

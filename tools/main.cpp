@@ -1,0 +1,23 @@
+// torpor: the command-line tool. `torpor probe` reports what torpor sees on this machine.
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
+#include <exception>
+
+#include "commands.hpp"
+
+int main(int argc, char** argv) {
+  CLI::App app{"torpor: a sleep-mode-aware GPU memory pool allocator on CUDA virtual memory"};
+  app.require_subcommand(1);
+  int exit_code = 0;
+  torpor::cli::add_probe(app, exit_code);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "torpor: {}\n", e.what());
+    return 1;
+  }
+  return exit_code;
+}

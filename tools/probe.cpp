@@ -1,0 +1,140 @@
+// `torpor probe`: backend in use and why, devices, VMM support, granularity, peer access,
+// multicast attribute and whether multicast would be used (and if not, why), host memory.
+// The multicast decision here is per device plus the AND over all devices of this machine;
+// the collective decision across ranks is the symmetric layer's.
+#include <fmt/format.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+#include "commands.hpp"
+#include "torpor/backend.hpp"
+#include "torpor/multicast_policy.hpp"
+
+namespace torpor::cli {
+
+namespace {
+
+struct HostMemory {
+  std::size_t total = 0;
+  std::size_t available = 0;
+};
+
+HostMemory read_meminfo() {
+  HostMemory m;
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  std::size_t kib;
+  std::string unit;
+  while (in >> key >> kib) {
+    std::getline(in, unit);
+    if (key == "MemTotal:") m.total = kib * 1024;
+    if (key == "MemAvailable:") m.available = kib * 1024;
+  }
+  return m;
+}
+
+nlohmann::json probe_json(Backend requested) {
+  DriverSelection sel = open_driver(requested);
+  Driver& d = *sel.driver;
+  nlohmann::json j;
+  j["backend"] = std::string(to_string(sel.backend));
+  j["reason"] = sel.reason;
+  j["cuda_backend_built"] = cuda_backend_built();
+  int n = d.device_count();
+  bool all_multicast = n > 0;
+  std::string multicast_reason;
+  j["devices"] = nlohmann::json::array();
+  for (int i = 0; i < n; ++i) {
+    DeviceProperties p = d.device_properties(i);
+    MemoryInfo mi = d.memory_info(i);
+    MulticastProbe mc = probe_multicast(d, i);
+    if (!mc.usable && all_multicast) {
+      all_multicast = false;
+      multicast_reason = mc.reason;
+    }
+    j["devices"].push_back({{"ordinal", i},
+                            {"name", p.name},
+                            {"total_bytes", p.total_bytes},
+                            {"free_bytes", mi.free_bytes},
+                            {"vmm_supported", p.vmm_supported},
+                            {"posix_fd_handles", p.posix_fd_handles_supported},
+                            {"granularity", p.granularity},
+                            {"multicast_attribute", p.multicast_attribute},
+                            {"multicast_usable", mc.usable},
+                            {"multicast_reason", mc.reason}});
+  }
+  nlohmann::json peers = nlohmann::json::array();
+  for (int i = 0; i < n; ++i) {
+    nlohmann::json row = nlohmann::json::array();
+    for (int k = 0; k < n; ++k) row.push_back(i == k ? true : d.can_access_peer(i, k));
+    peers.push_back(row);
+  }
+  j["peer_access"] = peers;
+  auto kill = multicast_kill_switch();
+  j["multicast"] = {{"would_use", all_multicast},
+                    {"reason", all_multicast ? std::string() : multicast_reason},
+                    {"entry_points", d.multicast_entry_points()},
+                    {"kill_switch", kill ? *kill : std::string()}};
+  HostMemory hm = read_meminfo();
+  j["host_memory"] = {{"total_bytes", hm.total}, {"available_bytes", hm.available}};
+  return j;
+}
+
+void print_human(const nlohmann::json& j) {
+  fmt::print("backend    {} ({})\n", j["backend"].get<std::string>(), j["reason"].get<std::string>());
+  fmt::print("devices    {}\n", j["devices"].size());
+  for (const auto& dev : j["devices"]) {
+    fmt::print("  [{}] {}: {} total, {} free, VMM {}, granularity {}, POSIX fd handles {}, multicast attribute {}\n",
+               dev["ordinal"].get<int>(), dev["name"].get<std::string>(),
+               format_bytes(dev["total_bytes"].get<std::size_t>()), format_bytes(dev["free_bytes"].get<std::size_t>()),
+               dev["vmm_supported"].get<bool>() ? "yes" : "NO", format_bytes(dev["granularity"].get<std::size_t>()),
+               dev["posix_fd_handles"].get<bool>() ? "yes" : "no", dev["multicast_attribute"].get<bool>() ? 1 : 0);
+  }
+  const auto& peers = j["peer_access"];
+  if (peers.size() > 1) {
+    fmt::print("peer access (row can access column)\n     ");
+    for (std::size_t k = 0; k < peers.size(); ++k) fmt::print("{:>3}", k);
+    fmt::print("\n");
+    for (std::size_t i = 0; i < peers.size(); ++i) {
+      fmt::print("  {:>3}", i);
+      for (std::size_t k = 0; k < peers.size(); ++k)
+        fmt::print("{:>3}", i == k ? "-" : (peers[i][k].get<bool>() ? "Y" : "n"));
+      fmt::print("\n");
+    }
+  }
+  const auto& mc = j["multicast"];
+  if (mc["would_use"].get<bool>())
+    fmt::print("multicast  would be used (every device supports it, entry points present, no kill switch)\n");
+  else
+    fmt::print("multicast  would NOT be used: {}\n", mc["reason"].get<std::string>());
+  fmt::print("host       {} total, {} available\n", format_bytes(j["host_memory"]["total_bytes"].get<std::size_t>()),
+             format_bytes(j["host_memory"]["available_bytes"].get<std::size_t>()));
+}
+
+}  // namespace
+
+void add_probe(CLI::App& app, int& exit_code) {
+  auto* cmd = app.add_subcommand("probe", "Report the backend, devices, VMM support, peer access and multicast decision");
+  struct Options {
+    std::string backend = "auto";
+    bool json = false;
+  };
+  auto opts = std::make_shared<Options>();
+  cmd->add_option("--backend", opts->backend, "auto (TORPOR_BACKEND, else cuda if usable, else host), host or cuda")
+      ->check(CLI::IsMember({"auto", "host", "cuda"}));
+  cmd->add_flag("--json", opts->json, "Print one JSON document instead of the human-readable report");
+  cmd->callback([opts, &exit_code] {
+    nlohmann::json j = probe_json(parse_backend(opts->backend));
+    if (opts->json)
+      fmt::print("{}\n", j.dump(2));
+    else
+      print_human(j);
+    exit_code = 0;
+  });
+}
+
+}  // namespace torpor::cli
