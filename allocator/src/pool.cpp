@@ -225,7 +225,7 @@ bool Pool::State::survives(const Segment& s, int level) const {
   return true;
 }
 
-std::vector<std::string> Pool::State::resolve_tags(std::span<const std::string> requested,
+std::vector<std::string> Pool::State::resolve_tags(const std::vector<std::string>& requested,
                                                     const char* operation) const {
   std::vector<std::string> out;
   if (requested.empty()) {

@@ -109,7 +109,7 @@ struct Pool::State {
   bool preserved(const Segment& s) const;
   // Whether the bytes of a segment survive a sleep at `level`.
   bool survives(const Segment& s, int level) const;
-  std::vector<std::string> resolve_tags(std::span<const std::string> requested, const char* operation) const;
+  std::vector<std::string> resolve_tags(const std::vector<std::string>& requested, const char* operation) const;
 };
 
 }  // namespace torpor

@@ -70,7 +70,7 @@ void for_each_discarded(const Chunk& c, F&& f) {
 
 }  // namespace
 
-TransitionReport Pool::sleep(int level, std::span<const std::string> requested) {
+TransitionReport Pool::sleep(int level, const std::vector<std::string>& requested) {
   if (level < 0 || level > 2)
     throw invalid_argument(fmt::format("sleep: level {} is not 0, 1 or 2", level));
   State& s = *state_;
@@ -209,7 +209,7 @@ TransitionReport Pool::sleep(int level, std::span<const std::string> requested) 
   return r;
 }
 
-TransitionReport Pool::wake_up(std::span<const std::string> requested) {
+TransitionReport Pool::wake_up(const std::vector<std::string>& requested) {
   State& s = *state_;
   std::lock_guard lock(s.mu);
   std::vector<std::string> tags = s.resolve_tags(requested, "wake_up");

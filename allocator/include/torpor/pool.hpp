@@ -152,8 +152,8 @@ class Pool {
   std::vector<std::string> preserve() const;
 
   // level 0: nothing; 1 and 2: see the table above. Empty `tags` = every known tag.
-  TransitionReport sleep(int level, std::span<const std::string> tags = {});
-  TransitionReport wake_up(std::span<const std::string> tags = {});
+  TransitionReport sleep(int level, const std::vector<std::string>& tags = {});
+  TransitionReport wake_up(const std::vector<std::string>& tags = {});
   bool asleep(std::string_view tag) const;
   std::vector<std::string> tags() const;
 

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Builds torpor on a GPU machine and runs the GPU tests and benches in one go. Used with the
+# device tool (`run`), whose $OUT folder comes back; elsewhere OUT defaults to ./gpu-out.
+#
+#   scripts/gpu_run.sh [stage ...]     stages: probe tests bench-sleep (default: probe tests)
+#
+# The multicast kill switches are always set: these machines are shared, and a multicast
+# object can take their GPUs out of service. torpor honours every one of them.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export TORPOR_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(probe tests)
+status=0
+
+{
+  echo "commit: ${TORPOR_COMMIT:-unknown}"
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  nvcc --version | tail -1
+  cmake --version | head -1
+} > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+
+cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release > "$OUT/configure.log" 2>&1 &&
+  cmake --build build-gpu -j "$(nproc)" > "$OUT/build.log" 2>&1 || {
+    echo "build failed"; tail -40 "$OUT/configure.log" "$OUT/build.log"; exit 1; }
+
+for stage in "${stages[@]}"; do
+  case "$stage" in
+    probe)
+      build-gpu/tools/torpor probe --json > "$OUT/probe.json" || status=1
+      build-gpu/tools/torpor probe || status=1
+      ;;
+    tests)
+      # Host-backend tests in parallel; cuda-typed tests one at a time, since some of them
+      # read the device's free memory.
+      ctest --test-dir build-gpu -j 8 -E '/cuda' --output-on-failure > "$OUT/ctest-host.log" 2>&1 || status=1
+      build-gpu/tests/torpor_tests --gtest_filter='*/cuda.*' --gtest_brief=0 > "$OUT/gtest-cuda.log" 2>&1 || status=1
+      grep -E "tests passed|tests failed" "$OUT/ctest-host.log"
+      grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$OUT/gtest-cuda.log" | sort | uniq -c | sort -rn | head -40
+      tail -3 "$OUT/gtest-cuda.log"
+      ;;
+    bench-sleep)
+      build-gpu/bench/torpor_bench_sleep --json "$OUT/bench-sleep.json" 2>&1 | tee "$OUT/bench-sleep.txt" || status=1
+      ;;
+    *) echo "unknown stage $stage"; status=2 ;;
+  esac
+done
+exit $status

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs what torpor needs from Debian (or Ubuntu): compiler, CMake, Ninja and the dev
+# packages. The CUDA toolkit (nvcc, cuda.h) is expected where NVIDIA installs it
+# (/usr/local/cuda); without it torpor builds the host backend alone.
+set -euo pipefail
+packages=(g++ cmake ninja-build libfmt-dev libcli11-dev nlohmann-json3-dev libgtest-dev libgmock-dev
+          libbenchmark-dev python3 python3-pytest)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+sudo=""
+[ "$(id -u)" -ne 0 ] && sudo="sudo"
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get install -y --no-install-recommends "${missing[@]}" ||
+  { $sudo apt-get update && $sudo apt-get install -y --no-install-recommends "${missing[@]}"; }
