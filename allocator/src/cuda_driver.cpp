@@ -1,13 +1,15 @@
 // CudaDriver: the seam over libcuda, resolved at run time.
 //
-// dlopen("libcuda.so.1") then cuGetProcAddress for every entry point, asking for the ABI of
-// the cuda.h we compiled against (CUDA_VERSION), so `decltype(&cuX)` matches what the
-// driver returns. Calls that need a context bind the device's primary context (shared with
+// dlopen("libcuda.so.1") then cuGetProcAddress for every entry point, each pinned to one
+// explicit ABI version with the matching PFN_cuX_vNNNN type from cudaTypedefs.h. Asking for
+// "the newest" is wrong: CUDA 13 answers "cuCtxSynchronize" with a variant that takes a
+// context argument. Calls that need a context bind the device's primary context (shared with
 // the CUDA runtime, so memory from a torpor pool is usable by cudart kernels). Every CUresult
 // is checked and turned into driver_error naming the call and its arguments.
 #include "torpor/cuda_driver.hpp"
 
 #include <cuda.h>
+#include <cudaTypedefs.h>
 #include <dlfcn.h>
 #include <fmt/format.h>
 
@@ -22,57 +24,57 @@ namespace torpor {
 
 // Required entry points: CudaDriver::open fails when one is missing.
 #define TORPOR_CUDA_REQUIRED(X)        \
-  X(cuInit)                            \
-  X(cuDriverGetVersion)                \
-  X(cuGetErrorName)                    \
-  X(cuGetErrorString)                  \
-  X(cuDeviceGetCount)                  \
-  X(cuDeviceGet)                       \
-  X(cuDeviceGetName)                   \
-  X(cuDeviceTotalMem)                  \
-  X(cuDeviceGetAttribute)              \
-  X(cuDeviceCanAccessPeer)             \
-  X(cuDevicePrimaryCtxRetain)          \
-  X(cuDevicePrimaryCtxRelease)         \
-  X(cuCtxSetCurrent)                   \
-  X(cuCtxGetCurrent)                   \
-  X(cuCtxSynchronize)                  \
-  X(cuMemGetInfo)                      \
-  X(cuMemGetAllocationGranularity)     \
-  X(cuMemAddressReserve)               \
-  X(cuMemAddressFree)                  \
-  X(cuMemCreate)                       \
-  X(cuMemRelease)                      \
-  X(cuMemMap)                          \
-  X(cuMemUnmap)                        \
-  X(cuMemSetAccess)                    \
-  X(cuMemExportToShareableHandle)      \
-  X(cuMemImportFromShareableHandle)    \
-  X(cuMemHostAlloc)                    \
-  X(cuMemFreeHost)                     \
-  X(cuStreamCreate)                    \
-  X(cuStreamDestroy)                   \
-  X(cuMemcpyAsync)                     \
-  X(cuMemsetD8Async)                   \
-  X(cuStreamSynchronize)               \
-  X(cuEventCreate)                     \
-  X(cuEventDestroy)                    \
-  X(cuEventRecord)                     \
-  X(cuStreamWaitEvent)                 \
-  X(cuEventSynchronize)
+  X(cuInit, 2000)                            \
+  X(cuDriverGetVersion, 2020)                \
+  X(cuGetErrorName, 6000)                    \
+  X(cuGetErrorString, 6000)                  \
+  X(cuDeviceGetCount, 2000)                  \
+  X(cuDeviceGet, 2000)                       \
+  X(cuDeviceGetName, 2000)                   \
+  X(cuDeviceTotalMem, 3020)                  \
+  X(cuDeviceGetAttribute, 2000)              \
+  X(cuDeviceCanAccessPeer, 4000)             \
+  X(cuDevicePrimaryCtxRetain, 7000)          \
+  X(cuDevicePrimaryCtxRelease, 11000)         \
+  X(cuCtxSetCurrent, 4000)                   \
+  X(cuCtxGetCurrent, 4000)                   \
+  X(cuCtxSynchronize, 2000)                  \
+  X(cuMemGetInfo, 3020)                      \
+  X(cuMemGetAllocationGranularity, 10020)     \
+  X(cuMemAddressReserve, 10020)               \
+  X(cuMemAddressFree, 10020)                  \
+  X(cuMemCreate, 10020)                       \
+  X(cuMemRelease, 10020)                      \
+  X(cuMemMap, 10020)                          \
+  X(cuMemUnmap, 10020)                        \
+  X(cuMemSetAccess, 10020)                    \
+  X(cuMemExportToShareableHandle, 10020)      \
+  X(cuMemImportFromShareableHandle, 10020)    \
+  X(cuMemHostAlloc, 2020)                    \
+  X(cuMemFreeHost, 2000)                     \
+  X(cuStreamCreate, 2000)                    \
+  X(cuStreamDestroy, 4000)                   \
+  X(cuMemcpyAsync, 4000)                     \
+  X(cuMemsetD8Async, 3020)                   \
+  X(cuStreamSynchronize, 2000)               \
+  X(cuEventCreate, 2000)                     \
+  X(cuEventDestroy, 4000)                    \
+  X(cuEventRecord, 2000)                     \
+  X(cuStreamWaitEvent, 3020)                 \
+  X(cuEventSynchronize, 2000)
 
 // Optional: multicast needs a recent driver; absence only means "no multicast".
 #define TORPOR_CUDA_OPTIONAL(X) \
-  X(cuMulticastCreate)          \
-  X(cuMulticastAddDevice)       \
-  X(cuMulticastBindMem)         \
-  X(cuMulticastUnbind)          \
-  X(cuMulticastGetGranularity)
+  X(cuMulticastCreate, 12010)          \
+  X(cuMulticastAddDevice, 12010)       \
+  X(cuMulticastBindMem, 12010)         \
+  X(cuMulticastUnbind, 12010)          \
+  X(cuMulticastGetGranularity, 12010)
 
 struct CudaDriver::Impl {
   void* lib = nullptr;
   int version = 0;
-#define TORPOR_DECLARE(name) decltype(&name) name##_ = nullptr;
+#define TORPOR_DECLARE(name, version) PFN_##name##_v##version name##_ = nullptr;
   TORPOR_CUDA_REQUIRED(TORPOR_DECLARE)
   TORPOR_CUDA_OPTIONAL(TORPOR_DECLARE)
 #undef TORPOR_DECLARE
@@ -157,16 +159,16 @@ std::unique_ptr<CudaDriver> CudaDriver::open(std::string* why_not) {
   if (get_proc == nullptr)
     return fail("libcuda.so.1 has no cuGetProcAddress_v2: the NVIDIA driver is older than CUDA 12; update the driver");
   std::string missing;
-  auto resolve = [&](const char* name, void** slot, bool required) {
+  auto resolve = [&](const char* name, int version, void** slot, bool required) {
     CUdriverProcAddressQueryResult status{};
-    CUresult r = get_proc(name, slot, CUDA_VERSION, CU_GET_PROC_ADDRESS_DEFAULT, &status);
+    CUresult r = get_proc(name, slot, version, CU_GET_PROC_ADDRESS_DEFAULT, &status);
     if (r != CUDA_SUCCESS || status != CU_GET_PROC_ADDRESS_SUCCESS) {
       *slot = nullptr;
       if (required) missing += fmt::format("{}{}", missing.empty() ? "" : ", ", name);
     }
   };
-#define TORPOR_RESOLVE_REQUIRED(name) resolve(#name, reinterpret_cast<void**>(&impl->name##_), true);
-#define TORPOR_RESOLVE_OPTIONAL(name) resolve(#name, reinterpret_cast<void**>(&impl->name##_), false);
+#define TORPOR_RESOLVE_REQUIRED(name, version) resolve(#name, version, reinterpret_cast<void**>(&impl->name##_), true);
+#define TORPOR_RESOLVE_OPTIONAL(name, version) resolve(#name, version, reinterpret_cast<void**>(&impl->name##_), false);
   TORPOR_CUDA_REQUIRED(TORPOR_RESOLVE_REQUIRED)
   TORPOR_CUDA_OPTIONAL(TORPOR_RESOLVE_OPTIONAL)
 #undef TORPOR_RESOLVE_REQUIRED
