@@ -1,6 +1,8 @@
 // Sleep and wake semantics: DESIGN.md's table, exactly. Typed over backends.
 #include <gtest/gtest.h>
 
+#include <cstdio>
+
 #include "support/backends.hpp"
 #include "torpor/error.hpp"
 #include "torpor/host_store.hpp"
@@ -191,6 +193,9 @@ TYPED_TEST(SleepTest, SleepReturnsTheMappedMemoryToTheDevice) {
   std::size_t free_before = this->driver().memory_info(0).free_bytes;
   pool.sleep(2);
   std::size_t free_asleep = this->driver().memory_info(0).free_bytes;
+  double returned = (static_cast<double>(free_asleep) - static_cast<double>(free_before)) / static_cast<double>(mapped);
+  std::printf("memory returned by sleep(2): %.6f of %zu mapped bytes (cuMemGetInfo)\n", returned, mapped);
+  this->RecordProperty("returned_fraction", std::to_string(returned));
   EXPECT_GE(static_cast<double>(free_asleep) - static_cast<double>(free_before), 0.999 * static_cast<double>(mapped))
       << "cuMemGetInfo must show the memory returned";
   EXPECT_EQ(pool.stats().mapped_bytes, 0u);
