@@ -20,6 +20,7 @@ std::string to_json(const PoolStats& st, int indent) {
   j["host_store_bytes"] = st.host_store_bytes;
   j["host_store_used_bytes"] = st.host_store_used_bytes;
   j["pending_releases"] = st.pending_releases;
+  j["address_ranges_bytes"] = st.address_ranges_bytes;
   j["tags"] = nlohmann::json::object();
   for (const auto& t : st.tags) {
     nlohmann::json x;

@@ -501,6 +501,18 @@ std::optional<AllocationInfo> Pool::find(const void* ptr) const {
   return AllocationInfo{a.base, a.bytes, off, a.chunk->tag, seg.cls, seg.name, !a.chunk->awake};
 }
 
+std::optional<ChunkInfo> Pool::chunk_info(const void* ptr) const {
+  State& s = *state_;
+  auto p = reinterpret_cast<device_ptr>(ptr);
+  std::lock_guard lock(s.mu);
+  auto up = s.allocations.upper_bound(p);
+  if (up == s.allocations.begin()) return std::nullopt;
+  const Allocation& a = *std::prev(up)->second;
+  if (p >= a.base + a.bytes) return std::nullopt;
+  const Chunk& c = *a.chunk;
+  return ChunkInfo{c.va, c.bytes, a.offset, c.awake, !c.slab, c.handle};
+}
+
 PoolStats Pool::stats() const {
   State& s = *state_;
   std::lock_guard lock(s.mu);
@@ -513,6 +525,7 @@ PoolStats Pool::stats() const {
   st.host_store_bytes = s.host.capacity();
   st.host_store_used_bytes = s.host.used();
   st.pending_releases = s.pending_release.size();
+  for (auto& [va, n] : s.address_ranges) st.address_ranges_bytes += n;
   std::map<std::string, TagStats, std::less<>> by_tag;
   for (auto& [t, ts] : s.tags) {
     TagStats& x = by_tag[t];
@@ -599,6 +612,44 @@ std::size_t Pool::trim() {
   }
   s.retry_pending_releases();
   return released;
+}
+
+device_ptr Pool::reserve_address_range(std::size_t bytes) {
+  if (bytes == 0) throw invalid_argument("reserve_address_range: size 0");
+  State& s = *state_;
+  std::lock_guard lock(s.mu);
+  std::size_t rounded = align_up(bytes, granularity_);
+  auto off = s.va.allocate(rounded, granularity_);
+  if (!off)
+    throw out_of_memory(fmt::format("reserve_address_range: {} bytes do not fit in the pool's VA reservation "
+                                    "({} free, largest hole {}); raise PoolOptions::va_bytes",
+                                    rounded, s.va.free_bytes(), s.va.largest_free()));
+  device_ptr va = va_base_ + *off;
+  s.address_ranges[va] = rounded;
+  return va;
+}
+
+void Pool::release_address_range(device_ptr va) {
+  State& s = *state_;
+  std::lock_guard lock(s.mu);
+  auto it = s.address_ranges.find(va);
+  if (it == s.address_ranges.end())
+    throw invalid_argument(fmt::format("release_address_range: {} is not a range from reserve_address_range", hex(va)));
+  s.va.free(va - va_base_, it->second);
+  s.address_ranges.erase(it);
+}
+
+void Pool::add_observer(SleepObserver* observer) {
+  if (observer == nullptr) throw invalid_argument("add_observer: null observer");
+  std::lock_guard lock(state_->mu);
+  auto& v = state_->observers;
+  if (std::find(v.begin(), v.end(), observer) == v.end()) v.push_back(observer);
+}
+
+void Pool::remove_observer(SleepObserver* observer) {
+  std::lock_guard lock(state_->mu);
+  auto& v = state_->observers;
+  v.erase(std::remove(v.begin(), v.end(), observer), v.end());
 }
 
 void Pool::copy(void* dst, const void* src, std::size_t bytes) {

@@ -86,6 +86,8 @@ struct Pool::State {
   std::map<std::string, TagState, std::less<>> tags;
   std::vector<std::string> preserve;
   std::vector<PhysicalHandle> pending_release;
+  std::map<device_ptr, std::size_t> address_ranges;  // reserve_address_range spans
+  std::vector<SleepObserver*> observers;
   std::deque<device_ptr> recently_freed;  // for "double free" messages
   std::unordered_set<device_ptr> recently_freed_set;
 

@@ -73,9 +73,66 @@ void for_each_discarded(const Chunk& c, F&& f) {
 TransitionReport Pool::sleep(int level, const std::vector<std::string>& requested) {
   if (level < 0 || level > 2)
     throw invalid_argument(fmt::format("sleep: level {} is not 0, 1 or 2", level));
+  std::vector<std::string> tags;
+  std::vector<SleepObserver*> observers;
+  {
+    std::lock_guard lock(state_->mu);
+    tags = state_->resolve_tags(requested, "sleep");
+    if (level > 0) observers = state_->observers;
+  }
+  std::size_t notified = 0;
+  try {
+    for (SleepObserver* o : observers) {
+      o->before_sleep(*this, level, tags);
+      ++notified;
+    }
+    TransitionReport r = sleep_tags(level, tags);
+    for (SleepObserver* o : observers) o->after_sleep(*this, level, tags, true);
+    return r;
+  } catch (...) {
+    for (std::size_t i = 0; i < notified; ++i) {
+      try {
+        observers[i]->after_sleep(*this, level, tags, false);
+      } catch (const std::exception& e) {
+        log::error("sleep: an observer failed to recover after a failed sleep: {}", e.what());
+      }
+    }
+    throw;
+  }
+}
+
+TransitionReport Pool::wake_up(const std::vector<std::string>& requested) {
+  std::vector<std::string> tags;
+  std::vector<SleepObserver*> observers;
+  {
+    std::lock_guard lock(state_->mu);
+    tags = state_->resolve_tags(requested, "wake_up");
+    observers = state_->observers;
+  }
+  std::size_t notified = 0;
+  try {
+    for (SleepObserver* o : observers) {
+      o->before_wake(*this, tags);
+      ++notified;
+    }
+    TransitionReport r = wake_tags(tags);
+    for (SleepObserver* o : observers) o->after_wake(*this, tags, true);
+    return r;
+  } catch (...) {
+    for (std::size_t i = 0; i < notified; ++i) {
+      try {
+        observers[i]->after_wake(*this, tags, false);
+      } catch (const std::exception& e) {
+        log::error("wake_up: an observer failed to recover after a failed wake: {}", e.what());
+      }
+    }
+    throw;
+  }
+}
+
+TransitionReport Pool::sleep_tags(int level, const std::vector<std::string>& tags) {
   State& s = *state_;
   std::lock_guard lock(s.mu);
-  std::vector<std::string> tags = s.resolve_tags(requested, "sleep");
   TransitionReport r;
   r.operation = "sleep";
   r.level = level;
@@ -209,10 +266,9 @@ TransitionReport Pool::sleep(int level, const std::vector<std::string>& requeste
   return r;
 }
 
-TransitionReport Pool::wake_up(const std::vector<std::string>& requested) {
+TransitionReport Pool::wake_tags(const std::vector<std::string>& tags) {
   State& s = *state_;
   std::lock_guard lock(s.mu);
-  std::vector<std::string> tags = s.resolve_tags(requested, "wake_up");
   TransitionReport r;
   r.operation = "wake_up";
   r.tags = tags;

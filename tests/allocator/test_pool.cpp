@@ -1,5 +1,6 @@
 // Pool allocation, classes, tags, stats: typed over backends.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include "support/backends.hpp"
 #include "torpor/error.hpp"
@@ -143,6 +144,99 @@ TYPED_TEST(PoolTest, ExhaustedDeviceMemoryIsOutOfMemoryNamingTheTag) {
   }
   EXPECT_EQ(pool.stats().chunks, 0u);
   EXPECT_EQ(pool.stats().va_used_bytes, 0u) << "the failed allocation gave its VA back";
+}
+
+}  // namespace
+}  // namespace torpor::test
+
+namespace torpor::test {
+namespace {
+
+TYPED_TEST(PoolTest, ChunkInfoFollowsSleepAndWake) {
+  PoolOptions o = this->small_pool();
+  o.exportable = true;
+  Pool pool(this->driver(), o);
+  std::size_t g = this->granularity();
+  void* big = pool.allocate(2 * g, {"weights", MemoryClass::state, "slots"});
+  void* small = pool.allocate(100, {"weights", MemoryClass::state, ""});
+  auto c = pool.chunk_info(at(big, 10));
+  ASSERT_TRUE(c);
+  EXPECT_EQ(c->va, reinterpret_cast<device_ptr>(big));
+  EXPECT_EQ(c->bytes, 2 * g);
+  EXPECT_TRUE(c->dedicated);
+  EXPECT_TRUE(c->awake);
+  EXPECT_TRUE(static_cast<bool>(c->handle));
+  int fd = this->driver().export_fd(c->handle);  // exportable pools can share their chunks
+  EXPECT_GE(fd, 0);
+  ::close(fd);
+  EXPECT_FALSE(pool.chunk_info(small)->dedicated);
+  pool.sleep(1);
+  c = pool.chunk_info(big);
+  EXPECT_FALSE(c->awake);
+  EXPECT_FALSE(static_cast<bool>(c->handle));
+  pool.wake_up();
+  auto woken = pool.chunk_info(big);
+  EXPECT_TRUE(woken->awake);
+  EXPECT_EQ(woken->va, reinterpret_cast<device_ptr>(big));
+  EXPECT_FALSE(pool.chunk_info(at(big, 2 * g + 4 * g)));
+  pool.deallocate(big);
+  pool.deallocate(small);
+}
+
+}  // namespace
+}  // namespace torpor::test
+
+namespace torpor::test {
+namespace {
+
+struct RecordingObserver : SleepObserver {
+  std::vector<std::string> events;
+  bool refuse_sleep = false;
+  void before_sleep(Pool&, int level, const std::vector<std::string>& tags) override {
+    events.push_back("before_sleep " + std::to_string(level) + " " + std::to_string(tags.size()));
+    if (refuse_sleep) throw timeout_error("peer rank 1 did not arrive");
+  }
+  void after_sleep(Pool&, int, const std::vector<std::string>&, bool ok) override {
+    events.push_back(std::string("after_sleep ") + (ok ? "ok" : "failed"));
+  }
+  void before_wake(Pool&, const std::vector<std::string>&) override { events.push_back("before_wake"); }
+  void after_wake(Pool&, const std::vector<std::string>&, bool ok) override {
+    events.push_back(std::string("after_wake ") + (ok ? "ok" : "failed"));
+  }
+};
+
+TYPED_TEST(PoolTest, ObserversSeeSleepAndWakeAndCanRefuse) {
+  Pool pool(this->driver(), this->small_pool());
+  RecordingObserver obs;
+  pool.add_observer(&obs);
+  void* p = pool.allocate(1000, {"weights", MemoryClass::state, ""});
+  pool.sleep(0);
+  pool.sleep(2);
+  pool.wake_up();
+  EXPECT_EQ(obs.events, (std::vector<std::string>{"before_sleep 2 1", "after_sleep ok", "before_wake", "after_wake ok"}));
+  obs.events.clear();
+  obs.refuse_sleep = true;
+  EXPECT_THROW(pool.sleep(1), timeout_error);
+  EXPECT_FALSE(pool.asleep("weights")) << "a refused sleep changes nothing";
+  EXPECT_EQ(obs.events, (std::vector<std::string>{"before_sleep 1 1", "after_sleep failed"}));
+  pool.remove_observer(&obs);
+  pool.sleep(1);
+  pool.wake_up();
+  pool.deallocate(p);
+}
+
+TYPED_TEST(PoolTest, AddressRangesComeFromTheReservationAndGoBack) {
+  Pool pool(this->driver(), this->small_pool());
+  device_ptr va = pool.reserve_address_range(3 * this->granularity() - 5);
+  EXPECT_GE(va, pool.va_base());
+  EXPECT_EQ(pool.stats().address_ranges_bytes, 3 * this->granularity());
+  void* p = pool.allocate(this->granularity() * 2, {"t", MemoryClass::state, ""});
+  EXPECT_TRUE(reinterpret_cast<device_ptr>(p) >= va + 3 * this->granularity() ||
+              reinterpret_cast<device_ptr>(p) + 2 * this->granularity() <= va);
+  EXPECT_THROW(pool.release_address_range(va + 1), invalid_argument);
+  pool.release_address_range(va);
+  EXPECT_EQ(pool.stats().address_ranges_bytes, 0u);
+  pool.deallocate(p);
 }
 
 }  // namespace

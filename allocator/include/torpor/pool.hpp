@@ -77,6 +77,18 @@ struct AllocationInfo {
   bool asleep = false;
 };
 
+// The physical chunk an allocation lives in, for layers that share memory between devices
+// or processes (symmetric buffers export the handle, bind it to multicast objects, and
+// re-export it after every wake: the handle changes, the VA does not).
+struct ChunkInfo {
+  device_ptr va = 0;          // chunk start (granularity-aligned)
+  std::size_t bytes = 0;      // chunk size (a multiple of the granularity)
+  std::size_t offset = 0;     // of the queried allocation inside the chunk
+  bool awake = false;
+  bool dedicated = false;     // the chunk holds this allocation alone
+  PhysicalHandle handle;      // valid while awake
+};
+
 struct ClassStats {
   std::size_t allocated_bytes = 0;
   std::size_t offloaded_bytes = 0;  // held in the host store now
@@ -109,6 +121,7 @@ struct PoolStats {
   std::size_t host_store_bytes = 0;      // capacity held
   std::size_t host_store_used_bytes = 0;
   std::size_t pending_releases = 0;      // handles whose release failed and will be retried
+  std::size_t address_ranges_bytes = 0;  // VA handed out by reserve_address_range
   std::vector<TagStats> tags;            // sorted by tag
 };
 
@@ -132,6 +145,21 @@ struct TransitionReport {
   std::vector<Phase> phases;
 };
 
+class Pool;
+
+// Layers that keep mappings of their own over pool memory (symmetric buffers: peers' imports,
+// multicast bindings) observe sleep and wake. Pool calls these outside its lock, for levels
+// 1 and 2 only, with the resolved tag list. A throw from before_* aborts the operation with
+// nothing changed in the pool; after_* run whether the operation succeeded (ok) or threw.
+class SleepObserver {
+ public:
+  virtual ~SleepObserver() = default;
+  virtual void before_sleep(Pool&, int /*level*/, const std::vector<std::string>& /*tags*/) {}
+  virtual void after_sleep(Pool&, int /*level*/, const std::vector<std::string>& /*tags*/, bool /*ok*/) {}
+  virtual void before_wake(Pool&, const std::vector<std::string>& /*tags*/) {}
+  virtual void after_wake(Pool&, const std::vector<std::string>& /*tags*/, bool /*ok*/) {}
+};
+
 class Pool {
  public:
   // The driver must outlive the pool.
@@ -146,6 +174,8 @@ class Pool {
   // the allocation's name.
   void mark(void* ptr, std::size_t bytes, MemoryClass memory_class, std::string_view name = {});
   std::optional<AllocationInfo> find(const void* ptr) const;
+  // The chunk of the allocation that contains ptr; nothing when ptr is not allocated here.
+  std::optional<ChunkInfo> chunk_info(const void* ptr) const;
   PoolStats stats() const;
   // Parameters whose name matches one of these globs (fnmatch) are offloaded by level 2.
   void set_preserve(std::vector<std::string> globs);
@@ -156,6 +186,17 @@ class Pool {
   TransitionReport wake_up(const std::vector<std::string>& tags = {});
   bool asleep(std::string_view tag) const;
   std::vector<std::string> tags() const;
+
+  // A span of the pool's VA reservation with nothing mapped, for mappings the caller makes
+  // itself (peer imports, multicast): its addresses stay fixed for the pool's life.
+  // bytes is rounded up to the granularity. Throws out_of_memory when the reservation is full.
+  device_ptr reserve_address_range(std::size_t bytes);
+  // The caller must have unmapped everything it mapped inside the span.
+  void release_address_range(device_ptr va);
+
+  // Observers are not owned; remove before destroying them.
+  void add_observer(SleepObserver* observer);
+  void remove_observer(SleepObserver* observer);
 
   // Synchronous copy through the pool's stream, any direction (host <-> pool memory). For
   // tests, tools and embeddings that have no stream of their own.
@@ -176,6 +217,10 @@ class Pool {
   struct State;  // internals, defined in pool_state.hpp
 
  private:
+  // The engine itself (sleep.cpp), without observers; tags already resolved.
+  TransitionReport sleep_tags(int level, const std::vector<std::string>& tags);
+  TransitionReport wake_tags(const std::vector<std::string>& tags);
+
   Driver& driver_;
   PoolOptions options_;
   std::size_t granularity_ = 0;
