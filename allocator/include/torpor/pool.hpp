@@ -150,7 +150,8 @@ class Pool;
 // Layers that keep mappings of their own over pool memory (symmetric buffers: peers' imports,
 // multicast bindings) observe sleep and wake. Pool calls these outside its lock, for levels
 // 1 and 2 only, with the resolved tag list. A throw from before_* aborts the operation with
-// nothing changed in the pool; after_* run whether the operation succeeded (ok) or threw.
+// nothing changed in the pool; after_* run, for every observer whose before_* returned,
+// whether the operation succeeded (ok) or threw.
 class SleepObserver {
  public:
   virtual ~SleepObserver() = default;
