@@ -100,6 +100,10 @@ void FaultInjectingDriver::stream_wait_event(Stream s, Event e) {
 }
 void FaultInjectingDriver::event_synchronize(Event e) { TORPOR_FORWARD(event_synchronize, event_synchronize(e)); }
 
+void FaultInjectingDriver::hash(std::span<const HashRange> r, Hash128* out, Stream s) {
+  TORPOR_FORWARD(hash, hash(r, out, s));
+}
+
 #undef TORPOR_FORWARD
 
 }  // namespace torpor

@@ -118,6 +118,7 @@ std::string_view to_string(DriverCall c) noexcept {
     case DriverCall::multicast_bind: return "multicast_bind";
     case DriverCall::multicast_unbind: return "multicast_unbind";
     case DriverCall::multicast_release: return "multicast_release";
+    case DriverCall::hash: return "hash";
     case DriverCall::count_: break;
   }
   return "?";
@@ -606,6 +607,16 @@ void HostDriver::stream_wait_event(Stream s, Event e) {
 void HostDriver::event_synchronize(Event e) {
   std::lock_guard lock(mu_);
   if (!events_.count(e.value)) misuse("cuEventSynchronize", fmt::format("unknown event {}", e.value));
+}
+
+void HostDriver::hash(std::span<const HashRange> ranges, Hash128* out, Stream s) {
+  const char* call = "hash";
+  {
+    std::lock_guard lock(mu_);
+    require_stream(s, call);
+    for (const HashRange& r : ranges) check_accessible(r.ptr, r.bytes, call);
+  }
+  for (std::size_t i = 0; i < ranges.size(); ++i) out[i] = content_hash::compute(ranges[i].ptr, ranges[i].bytes);
 }
 
 HostDriverCounters HostDriver::counters() const {

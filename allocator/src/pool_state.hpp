@@ -6,7 +6,10 @@
 //   - a Chunk belongs to one tag; an awake Chunk holds a handle mapped at [va, va + bytes)
 //     with access set for State::access_devices and has no backups; an asleep Chunk holds no
 //     handle, nothing is mapped at its VA, and its backups cover exactly the allocated bytes
-//     that must survive, each backup pointing at its own HostStore range;
+//     that must survive, each backup owning its own HostStore span;
+//   - retained copies (skip_unchanged) exist only on awake chunks; each owns its span and
+//     holds the content hash the bytes had when copied; a retained copy is only trusted
+//     after hashing the device bytes again;
 //   - TagState::asleep is true from the start of a sleep until every chunk of the tag woke.
 #pragma once
 
@@ -42,24 +45,32 @@ struct Allocation {
   std::map<std::size_t, Segment> segments;  // start -> segment
 };
 
-struct Backup {
-  std::size_t bytes = 0;       // device bytes kept
-  std::byte* host = nullptr;   // where they are
-  std::size_t host_bytes = 0;  // host store bytes owned (>= bytes: the store rounds up)
+// A host copy of chunk bytes [offset, offset + bytes): a backup while asleep, a retained
+// copy while awake.
+struct HostCopy {
+  std::size_t bytes = 0;
+  HostSpan span;  // span.bytes >= bytes
+  Hash128 hash;   // of the bytes when copied (valid when hashed)
+  bool hashed = false;
 };
+
+enum class ChunkKind : std::uint8_t { dedicated, small_slab, medium_slab };
 
 struct Chunk {
   device_ptr va = 0;
   std::size_t bytes = 0;
   std::string tag;
   MemoryClass cls = MemoryClass::state;  // the (tag, class) pair a slab serves
-  bool slab = false;
+  ChunkKind kind = ChunkKind::dedicated;
   PhysicalHandle handle;
   bool awake = true;
-  int level = 0;                        // when asleep
-  std::map<std::size_t, Backup> backups;  // chunk offset -> backup (asleep only)
-  RangeAllocator space;                 // slab only
+  int level = 0;                               // when asleep
+  std::map<std::size_t, HostCopy> backups;     // chunk offset -> copy (asleep only)
+  std::map<std::size_t, HostCopy> retained;    // chunk offset -> copy (awake only)
+  RangeAllocator space;                        // slabs only
   std::map<std::size_t, Allocation*> allocations;  // chunk offset -> allocation
+
+  bool slab() const noexcept { return kind != ChunkKind::dedicated; }
 };
 
 struct TagState {
@@ -69,14 +80,17 @@ struct TagState {
 
 struct Pool::State {
   State(Driver& d, const PoolOptions& o, std::size_t gran, device_ptr base)
-      : driver(d), options(o), granularity(gran), va_base(base), va(o.va_bytes), host(d) {}
+      : driver(d), options(o), granularity(gran), va_base(base), va(o.va_bytes), host(d, o.host_store_limit) {}
 
   Driver& driver;
   const PoolOptions& options;
   std::size_t granularity;
   device_ptr va_base;
   std::vector<int> access_devices;
-  Stream stream;
+  std::vector<Stream> streams;  // copy streams; streams[0] also serves copy() and hash()
+  std::vector<Event> events;    // reused across sleeps, grown on demand
+  std::byte* staging = nullptr; // pinned ring for pageable backups, allocated on first use
+  std::vector<Event> staging_events;
 
   mutable std::mutex mu;
   RangeAllocator va;  // offsets from va_base
@@ -94,24 +108,31 @@ struct Pool::State {
   // --- helpers shared by allocation and sleep -----------------------------------------------
   // A new awake chunk of `bytes` for (tag, cls): VA, create, map, set access; rolls back and
   // throws on failure (out_of_memory for device or VA exhaustion).
-  Chunk& new_chunk(std::size_t bytes, const std::string& tag, MemoryClass cls, bool slab);
+  Chunk& new_chunk(std::size_t bytes, const std::string& tag, MemoryClass cls, ChunkKind kind);
   // Create + map + set access for an existing VA span; returns the handle. Rolls back on failure.
   PhysicalHandle map_new_memory(device_ptr va, std::size_t bytes, const std::string& tag);
+  PhysicalHandle create_memory(std::size_t bytes, const std::string& tag);
   // Unmap and release an awake chunk's memory. unmap failure throws with nothing changed; a
   // release failure is kept in pending_release and logged (the chunk is unmapped either way).
   void unmap_and_release(Chunk& c);
   void release_or_defer(PhysicalHandle h) noexcept;
   // Retry deferred releases; failures stay pending (logged).
   void retry_pending_releases() noexcept;
-  // Drop a chunk with no allocations: unmaps if awake, frees backups and VA.
+  // Drop a chunk with no allocations: unmaps if awake, frees host copies and VA.
   void dispose_chunk(Chunk& c);
-  // Free the backup bytes of chunk offsets [lo, hi), splitting backups that straddle.
-  void drop_backups(Chunk& c, std::size_t lo, std::size_t hi);
-  void drop_all_backups(Chunk& c) noexcept;
+  // Free the host copies of chunk offsets [lo, hi) in `copies`, splitting those that straddle.
+  void drop_copies(std::map<std::size_t, HostCopy>& copies, std::size_t lo, std::size_t hi);
+  void drop_all_copies(std::map<std::size_t, HostCopy>& copies) noexcept;
+  void free_span(const HostSpan& span) noexcept;
   bool preserved(const Segment& s) const;
   // Whether the bytes of a segment survive a sleep at `level`.
   bool survives(const Segment& s, int level) const;
   std::vector<std::string> resolve_tags(const std::vector<std::string>& requested, const char* operation) const;
+  Event event(std::size_t i);  // the i-th reusable event, created on demand
+  // Copies between device memory and pageable host memory through the pinned staging ring,
+  // on `stream`. Returns when the bytes are in `dst` (to host) or enqueued (to device).
+  void staged_to_host(std::byte* dst, device_ptr src, std::size_t bytes, Stream stream);
+  void staged_to_device(device_ptr dst, const std::byte* src, std::size_t bytes, Stream stream);
 };
 
 }  // namespace torpor

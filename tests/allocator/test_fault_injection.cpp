@@ -16,6 +16,20 @@ template <typename B>
 class FaultTest : public BackendTest<B> {};
 TYPED_TEST_SUITE(FaultTest, Backends, BackendNames);
 
+// Shared by the typed tests below (a free function so the test bodies stay short).
+PoolOptions options_for(Driver& d) {
+  std::size_t g = d.device_properties(0).granularity;
+  PoolOptions o;
+  o.va_bytes = std::size_t{256} << 20;
+  o.fill_on_wake = FillOnWake::poison;
+  o.medium_limit = 8 * g;  // the 2g..3g allocations share medium slabs, as in production
+  o.medium_slab_min = 4 * g;
+  o.medium_slab_max = 16 * g;
+  o.copy_piece_bytes = g / 2 + 256;  // several pieces per chunk
+  o.map_group_bytes = 4 * g;         // several map groups on wake
+  return o;
+}
+
 struct Item {
   void* p;
   std::size_t n;
@@ -82,17 +96,14 @@ void check_clean(HostDriver* host) {
   EXPECT_EQ(c.host_bytes, 0u);
 }
 
-const DriverCall sleep_kinds[] = {DriverCall::device_synchronize, DriverCall::host_alloc, DriverCall::copy,
-                                  DriverCall::stream_synchronize, DriverCall::unmap,     DriverCall::release};
+const DriverCall sleep_kinds[] = {DriverCall::device_synchronize, DriverCall::hash,
+                                  DriverCall::host_alloc,         DriverCall::event_create,
+                                  DriverCall::copy,               DriverCall::event_record,
+                                  DriverCall::event_synchronize,  DriverCall::unmap,
+                                  DriverCall::release};
 const DriverCall wake_kinds[] = {DriverCall::create, DriverCall::map,  DriverCall::set_access,
                                  DriverCall::copy,   DriverCall::fill, DriverCall::stream_synchronize};
 
-PoolOptions options() {
-  PoolOptions o;
-  o.va_bytes = std::size_t{256} << 20;
-  o.fill_on_wake = FillOnWake::poison;
-  return o;
-}
 
 TYPED_TEST(FaultTest, EveryFailureInsideSleepLeavesThePoolConsistent) {
   std::size_t g = this->granularity();
@@ -101,7 +112,7 @@ TYPED_TEST(FaultTest, EveryFailureInsideSleepLeavesThePoolConsistent) {
     std::size_t count;
     {
       FaultInjectingDriver probe(this->driver());
-      Pool pool(probe, options());
+      Pool pool(probe, options_for(this->driver()));
       build(pool, g);
       std::size_t before = probe.calls(kind);
       pool.sleep(2);
@@ -112,7 +123,7 @@ TYPED_TEST(FaultTest, EveryFailureInsideSleepLeavesThePoolConsistent) {
       SCOPED_TRACE(::testing::Message() << to_string(kind) << " #" << k << " of " << count);
       FaultInjectingDriver faulty(this->driver());
       {
-        Pool pool(faulty, options());
+        Pool pool(faulty, options_for(this->driver()));
         auto items = build(pool, g);
         faulty.fail_nth(kind, k);
         bool threw = false;
@@ -148,7 +159,7 @@ TYPED_TEST(FaultTest, EveryFailureInsideWakeLeavesThePoolConsistent) {
     std::size_t count;
     {
       FaultInjectingDriver probe(this->driver());
-      Pool pool(probe, options());
+      Pool pool(probe, options_for(this->driver()));
       build(pool, g);
       pool.sleep(2);
       std::size_t before = probe.calls(kind);
@@ -160,7 +171,7 @@ TYPED_TEST(FaultTest, EveryFailureInsideWakeLeavesThePoolConsistent) {
       SCOPED_TRACE(::testing::Message() << to_string(kind) << " #" << k << " of " << count);
       FaultInjectingDriver faulty(this->driver());
       {
-        Pool pool(faulty, options());
+        Pool pool(faulty, options_for(this->driver()));
         auto items = build(pool, g);
         pool.sleep(2);
         faulty.fail_nth(kind, k);
@@ -184,7 +195,7 @@ TYPED_TEST(FaultTest, EveryFailureInsideWakeLeavesThePoolConsistent) {
 TYPED_TEST(FaultTest, OutOfMemoryOnWakeIsTypedAndRetryable) {
   std::size_t g = this->granularity();
   FaultInjectingDriver faulty(this->driver());
-  Pool pool(faulty, options());
+  Pool pool(faulty, options_for(this->driver()));
   auto items = build(pool, g);
   pool.sleep(1);
   faulty.fail_from(DriverCall::create, 3);  // the trainer still holds the memory
@@ -208,7 +219,7 @@ TYPED_TEST(FaultTest, FailuresInAllocateAndDeallocateChangeNothing) {
   for (DriverCall kind : {DriverCall::create, DriverCall::map, DriverCall::set_access}) {
     FaultInjectingDriver faulty(this->driver());
     {
-      Pool pool(faulty, options());
+      Pool pool(faulty, options_for(this->driver()));
       faulty.fail_nth(kind, 1);
       EXPECT_THROW(pool.allocate(2 * g, {"weights", MemoryClass::state, ""}), error) << to_string(kind);
       PoolStats st = pool.stats();

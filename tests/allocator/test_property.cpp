@@ -36,11 +36,8 @@ bool survives(MemoryClass c, const std::string& name, int level) {
   return level <= 1 || name.rfind("keep.", 0) == 0;  // preserve glob "keep.*"
 }
 
-void run_property(Driver& driver, HostDriver* host, std::uint64_t seed, int steps) {
+void run_property(Driver& driver, HostDriver* host, PoolOptions o, std::uint64_t seed, int steps) {
   std::mt19937_64 rng(seed);
-  PoolOptions o;
-  o.va_bytes = std::size_t{256} << 20;
-  o.fill_on_wake = FillOnWake::poison;
   const std::vector<std::string> tag_names = {"weights", "kv_cache", "default", "extra"};
   const std::size_t g = driver.device_properties(0).granularity;
   {
@@ -50,10 +47,11 @@ void run_property(Driver& driver, HostDriver* host, std::uint64_t seed, int step
     std::map<std::string, bool> tag_asleep;
     auto pick = [&](std::size_t n) { return static_cast<std::size_t>(rng() % n); };
     auto random_size = [&] {
-      switch (pick(3)) {
+      switch (pick(4)) {
         case 0: return 1 + pick(4096);
         case 1: return 1 + pick(g / 2);
-        default: return g / 2 + 1 + pick(3 * g);
+        case 2: return g / 2 + 1 + pick(3 * g);
+        default: return 1 + pick(12 * g);  // up to past medium_limit: dedicated chunks too
       }
     };
     auto random_tags = [&] {
@@ -205,7 +203,10 @@ TYPED_TEST(PropertyTest, RandomSequencesMatchTheModel) {
   int seeds = this->host() ? 12 : 3;
   for (int seed = 1; seed <= seeds; ++seed) {
     SCOPED_TRACE(::testing::Message() << "seed " << seed);
-    run_property(this->driver(), this->host(), static_cast<std::uint64_t>(seed), 300);
+    PoolOptions o = this->tiered_pool(FillOnWake::poison);
+    o.skip_unchanged = seed % 2 == 0;     // both with and without retained copies
+    o.copy_piece_bytes = 3 * 4096 + 256;  // pieces straddle allocations and chunk boundaries
+    run_property(this->driver(), this->host(), o, static_cast<std::uint64_t>(seed), 300);
     if (::testing::Test::HasFatalFailure()) return;
   }
 }

@@ -213,12 +213,19 @@ TYPED_TEST(SleepTest, HostStoreIsReusedAcrossIdenticalCycles) {
   std::size_t held = pool.stats().host_store_bytes;
   EXPECT_GT(held, 0u);
   for (int cycle = 0; cycle < 3; ++cycle) {
-    pool.sleep(1);
+    std::vector<std::uint8_t> v(16, static_cast<std::uint8_t>(cycle + 1));
+    write(pool, l.param, v);  // changed bytes: the copy must happen again
+    TransitionReport r = pool.sleep(1);
+    EXPECT_GT(r.bytes_offloaded, 0u);
     pool.wake_up();
     EXPECT_EQ(pool.stats().host_store_bytes, held) << "no per-cycle host allocation";
   }
-  EXPECT_EQ(pool.stats().host_store_used_bytes, 0u);
+  // After wake the host copies are retained (skip_unchanged); release_host_store drops them
+  // and gives every block back.
+  EXPECT_EQ(pool.stats().host_store_used_bytes > 0, pool.stats().retained_bytes > 0);
   EXPECT_EQ(pool.release_host_store(), held);
+  EXPECT_EQ(pool.stats().retained_bytes, 0u);
+  EXPECT_EQ(pool.stats().host_store_used_bytes, 0u);
   EXPECT_EQ(read(pool, l.state, l.n), l.state_bytes);
 }
 
@@ -282,7 +289,7 @@ TYPED_TEST(SleepTest, ReportsAreJson) {
   this->fill(pool, 1000);
   std::string j = to_json(pool.sleep(1));
   EXPECT_NE(j.find("\"operation\":\"sleep\""), std::string::npos) << j;
-  EXPECT_NE(j.find("\"offload\""), std::string::npos) << j;
+  EXPECT_NE(j.find("\"offload_and_release\""), std::string::npos) << j;
   j = to_json(pool.wake_up());
   EXPECT_NE(j.find("\"bytes_restored\":3000"), std::string::npos) << j;
 }

@@ -78,10 +78,21 @@ class BackendTest : public ::testing::Test {
   Driver& driver() { return *driver_; }
   HostDriver* host() { return dynamic_cast<HostDriver*>(driver_.get()); }
   std::size_t granularity() { return driver_->device_properties(0).granularity; }
+  // Small slabs and dedicated chunks only: the chunk layout a test asserts stays obvious.
   PoolOptions small_pool(FillOnWake fill = FillOnWake::none) {
     PoolOptions o;
     o.va_bytes = std::size_t{256} << 20;
     o.fill_on_wake = fill;
+    o.medium_limit = 0;
+    return o;
+  }
+  // All three size classes, medium slabs scaled to the granularity.
+  PoolOptions tiered_pool(FillOnWake fill = FillOnWake::none) {
+    PoolOptions o = small_pool(fill);
+    std::size_t g = granularity();
+    o.medium_limit = 8 * g;
+    o.medium_slab_min = 4 * g;
+    o.medium_slab_max = 16 * g;
     return o;
   }
   std::shared_ptr<Driver> driver_;

@@ -61,6 +61,7 @@ class CudaDriver final : public Driver {
   void event_record(Event e, Stream s) override;
   void stream_wait_event(Stream s, Event e) override;
   void event_synchronize(Event e) override;
+  void hash(std::span<const HashRange> ranges, Hash128* out, Stream s) override;
 
   struct Impl;
 

@@ -22,6 +22,8 @@
 #include <string_view>
 #include <vector>
 
+#include "torpor/content_hash.hpp"
+
 namespace torpor {
 
 // A virtual address in the unified address space (device memory on the GPU; ordinary CPU
@@ -51,6 +53,11 @@ struct Event {
   std::uint64_t value = 0;
   int device = 0;
   explicit operator bool() const noexcept { return value != 0; }
+};
+
+struct HashRange {
+  const void* ptr = nullptr;
+  std::size_t bytes = 0;
 };
 
 struct DeviceProperties {
@@ -97,6 +104,7 @@ enum class DriverCall : int {
   multicast_bind,
   multicast_unbind,
   multicast_release,
+  hash,
   count_
 };
 
@@ -171,6 +179,11 @@ class Driver {
   virtual void event_record(Event e, Stream s) = 0;
   virtual void stream_wait_event(Stream s, Event e) = 0;
   virtual void event_synchronize(Event e) = 0;
+
+  // --- content hashes -------------------------------------------------------------------
+  // content_hash (content_hash.hpp) of each range, computed where the bytes live (on the GPU
+  // at HBM speed), ordered after earlier work on `s`. Blocks until `out` holds the results.
+  virtual void hash(std::span<const HashRange> ranges, Hash128* out, Stream s) = 0;
 };
 
 }  // namespace torpor

@@ -68,6 +68,7 @@ class FaultInjectingDriver final : public Driver {
   void event_record(Event e, Stream s) override;
   void stream_wait_event(Stream s, Event e) override;
   void event_synchronize(Event e) override;
+  void hash(std::span<const HashRange> r, Hash128* out, Stream s) override;
 
  private:
   struct Rule {

@@ -105,6 +105,7 @@ class HostDriver final : public Driver {
   void event_record(Event e, Stream s) override;
   void stream_wait_event(Stream s, Event e) override;
   void event_synchronize(Event e) override;
+  void hash(std::span<const HashRange> ranges, Hash128* out, Stream s) override;
 
   // --- emulation extras (not part of the seam) ---------------------------------------------
   HostDriverCounters counters() const;

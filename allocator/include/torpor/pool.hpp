@@ -52,11 +52,34 @@ inline constexpr std::uint8_t poison_byte = 0xFF;
 struct PoolOptions {
   int device = 0;
   std::size_t va_bytes = 0;      // VA reservation; 0 = twice the device's memory
-  std::size_t slab_bytes = 0;    // sub-allocation chunk size; 0 = the granularity
-  std::size_t small_limit = 0;   // allocations up to this are sub-allocated; 0 = slab_bytes / 2
   FillOnWake fill_on_wake = FillOnWake::none;
   bool exportable = false;       // physical memory exportable as POSIX fds (symmetric memory)
   std::vector<int> peer_devices; // devices that get access besides `device`
+
+  // Handle-size policy: few, large handles keep VMM calls (and sleep/wake time) low.
+  //   bytes <= small_limit             carved from small slabs of slab_bytes
+  //   small_limit < bytes <= medium_limit  carved from medium slabs that grow with the
+  //                                    (tag, class): min(max(total so far, medium_slab_min),
+  //                                    medium_slab_max)
+  //   bytes > medium_limit             a chunk of its own
+  std::size_t slab_bytes = 0;        // 0 = the granularity
+  std::size_t small_limit = 0;       // 0 = slab_bytes / 2
+  std::size_t medium_limit = std::size_t{256} << 20;   // 0 disables medium slabs
+  std::size_t medium_slab_min = std::size_t{32} << 20;
+  std::size_t medium_slab_max = std::size_t{1} << 30;
+
+  // Sleep/wake engine.
+  std::size_t copy_piece_bytes = std::size_t{64} << 20;  // copies (and hashes) in pieces of at most this
+  int copy_streams = 2;                                   // streams the copies rotate over
+  std::size_t map_group_bytes = std::size_t{2} << 30;    // contiguous chunks mapped per set_access call on wake
+  // Keep host copies after wake with their device-computed hash; the next sleep hashes again
+  // and copies only the pieces whose hash changed. Costs host memory (the copies stay).
+  bool skip_unchanged = true;
+  // Page-locked host store cap in bytes (0 = none). Beyond it backups live in pageable memory,
+  // moved through a pinned staging ring of staging_slots x staging_slot_bytes.
+  std::size_t host_store_limit = 0;
+  int staging_slots = 4;
+  std::size_t staging_slot_bytes = std::size_t{8} << 20;
 };
 
 inline constexpr std::string_view default_tag = "default";
@@ -119,7 +142,9 @@ struct PoolStats {
   std::size_t chunks = 0;
   std::size_t allocations = 0;
   std::size_t host_store_bytes = 0;      // capacity held
+  std::size_t host_store_pinned_bytes = 0;
   std::size_t host_store_used_bytes = 0;
+  std::size_t retained_bytes = 0;        // host copies kept after wake (skip_unchanged)
   std::size_t pending_releases = 0;      // handles whose release failed and will be retried
   std::size_t address_ranges_bytes = 0;  // VA handed out by reserve_address_range
   std::vector<TagStats> tags;            // sorted by tag
@@ -136,6 +161,10 @@ struct TransitionReport {
   std::vector<std::string> tags;
   std::size_t chunks = 0;             // chunks that changed state
   std::size_t bytes_offloaded = 0;    // copied device -> host by this call
+  std::size_t bytes_skipped = 0;      // unchanged since the retained copy: not copied
+  std::size_t bytes_hashed = 0;       // hashed on the device
+  std::size_t bytes_staged = 0;       // moved through the pinned staging ring (host_store_limit)
+  std::size_t pieces = 0;             // copy pieces planned
   std::size_t bytes_discarded = 0;    // allocated bytes released without a copy
   std::size_t bytes_released = 0;     // physical memory given back
   std::size_t bytes_mapped = 0;       // physical memory created (wake)

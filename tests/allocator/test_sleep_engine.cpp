@@ -1,0 +1,195 @@
+// The sleep/wake engine: pipelined pieces, the pinned-store cap with its staging ring, the
+// skip-unchanged optimisation, the handle-size policy and the device content hash.
+#include <gtest/gtest.h>
+
+#include "support/backends.hpp"
+#include "torpor/content_hash.hpp"
+#include "torpor/error.hpp"
+#include "torpor/host_store.hpp"
+
+namespace torpor::test {
+namespace {
+
+template <typename B>
+class EngineTest : public BackendTest<B> {};
+TYPED_TEST_SUITE(EngineTest, Backends, BackendNames);
+
+struct Filled {
+  void* p;
+  std::vector<std::uint8_t> bytes;
+};
+
+// Allocations whose sizes sit on either side of piece and granularity boundaries.
+std::vector<Filled> straddling(Pool& pool, std::size_t piece, std::size_t g, MemoryClass cls, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<Filled> out;
+  for (std::size_t n : {piece - 1, piece, piece + 1, 2 * piece + 7, g - 1, g, g + 1, 3 * g + piece / 3}) {
+    Filled f{pool.allocate(n, {"weights", cls, "w"}), random_bytes(rng, n)};
+    write(pool, f.p, f.bytes);
+    out.push_back(std::move(f));
+  }
+  return out;
+}
+
+TYPED_TEST(EngineTest, BytesSurvivePiecesThatStraddleAllocationsAndChunks) {
+  std::size_t g = this->granularity();
+  for (bool skip : {true, false}) {
+    PoolOptions o = this->tiered_pool();
+    o.copy_piece_bytes = 4096 + 256;
+    o.copy_streams = 3;
+    o.map_group_bytes = 3 * g;
+    o.skip_unchanged = skip;
+    Pool pool(this->driver(), o);
+    auto items = straddling(pool, o.copy_piece_bytes, g, MemoryClass::state, 1);
+    for (int cycle = 0; cycle < 2; ++cycle) {
+      TransitionReport r = pool.sleep(1 + cycle % 2);
+      EXPECT_GT(r.pieces, items.size()) << "pieces are at most copy_piece_bytes";
+      pool.wake_up();
+      for (auto& f : items) ASSERT_EQ(read(pool, f.p, f.bytes.size()), f.bytes) << "skip " << skip;
+    }
+  }
+}
+
+TYPED_TEST(EngineTest, UnchangedBytesAreNotCopiedAgainAndOneChangedByteIsFound) {
+  std::size_t g = this->granularity();
+  PoolOptions o = this->small_pool();
+  o.copy_piece_bytes = g;  // one piece per granule: "exactly that range"
+  Pool pool(this->driver(), o);
+  std::mt19937_64 rng(2);
+  std::vector<Filled> items;
+  for (int i = 0; i < 6; ++i) {
+    Filled f{pool.allocate(3 * g, {"weights", MemoryClass::parameter, "w"}), random_bytes(rng, 3 * g)};
+    write(pool, f.p, f.bytes);
+    items.push_back(std::move(f));
+  }
+  TransitionReport first = pool.sleep(1);
+  EXPECT_EQ(first.bytes_offloaded, 18 * g);
+  EXPECT_EQ(first.bytes_skipped, 0u);
+  EXPECT_EQ(first.bytes_hashed, 18 * g);
+  pool.wake_up();
+  TransitionReport unchanged = pool.sleep(1);
+  EXPECT_EQ(unchanged.bytes_offloaded, 0u) << "nothing changed since the previous sleep";
+  EXPECT_EQ(unchanged.bytes_skipped, 18 * g);
+  pool.wake_up();
+  // Change one byte in the middle granule of the fourth allocation.
+  std::uint8_t flipped = static_cast<std::uint8_t>(items[3].bytes[g + 123] ^ 0x40);
+  pool.copy(at(items[3].p, g + 123), &flipped, 1);
+  items[3].bytes[g + 123] = flipped;
+  TransitionReport one = pool.sleep(1);
+  EXPECT_EQ(one.bytes_offloaded, g) << "exactly the piece holding the changed byte is copied again";
+  EXPECT_EQ(one.bytes_skipped, 17 * g);
+  pool.wake_up();
+  for (auto& f : items) EXPECT_EQ(read(pool, f.p, f.bytes.size()), f.bytes);
+}
+
+TYPED_TEST(EngineTest, SkipUnchangedCanBeTurnedOff) {
+  PoolOptions o = this->small_pool();
+  o.skip_unchanged = false;
+  Pool pool(this->driver(), o);
+  std::mt19937_64 rng(3);
+  std::size_t n = 2 * this->granularity();
+  void* p = pool.allocate(n, {"weights", MemoryClass::state, ""});
+  auto bytes = random_bytes(rng, n);
+  write(pool, p, bytes);
+  pool.sleep(1);
+  pool.wake_up();
+  EXPECT_EQ(pool.stats().retained_bytes, 0u) << "no host copy is kept after wake";
+  TransitionReport again = pool.sleep(1);
+  EXPECT_EQ(again.bytes_offloaded, n);
+  EXPECT_EQ(again.bytes_hashed, 0u);
+  pool.wake_up();
+  EXPECT_EQ(read(pool, p, n), bytes);
+}
+
+TYPED_TEST(EngineTest, BeyondTheHostStoreLimitBackupsGoThroughTheStagingRing) {
+  std::size_t g = this->granularity();
+  PoolOptions o = this->tiered_pool(FillOnWake::poison);
+  o.host_store_limit = HostStore::block_rounding;  // 2 MiB pinned, the rest pageable
+  o.staging_slots = 3;
+  o.staging_slot_bytes = 64 << 10;
+  o.copy_piece_bytes = 300000;
+  Pool pool(this->driver(), o);
+  auto items = straddling(pool, 100000, g, MemoryClass::state, 4);
+  std::mt19937_64 rng(40);
+  items.push_back(Filled{pool.allocate(40 * g + 3, {"weights", MemoryClass::state, "big"}), random_bytes(rng, 40 * g + 3)});
+  write(pool, items.back().p, items.back().bytes);
+  void* cache = pool.allocate(5 * g, {"kv_cache", MemoryClass::cache, ""});
+  std::size_t total = 0;
+  for (auto& f : items) total += f.bytes.size();
+  ASSERT_GT(total, HostStore::block_rounding) << "the scenario must exceed the pinned cap";
+  for (int cycle = 0; cycle < 3; ++cycle) {
+    // Change everything each cycle, so every byte travels through the ring again.
+    for (auto& f : items) {
+      for (auto& b : f.bytes) b = static_cast<std::uint8_t>(b * 31 + 7);
+      write(pool, f.p, f.bytes);
+    }
+    TransitionReport s = pool.sleep(2);
+    EXPECT_EQ(s.bytes_offloaded, total);
+    EXPECT_GT(s.bytes_staged, 0u);
+    PoolStats st = pool.stats();
+    EXPECT_LE(st.host_store_pinned_bytes, o.host_store_limit);
+    TransitionReport w = pool.wake_up();
+    EXPECT_GT(w.bytes_staged, 0u);
+    for (auto& f : items) ASSERT_EQ(read(pool, f.p, f.bytes.size()), f.bytes) << "cycle " << cycle;
+    auto c = read(pool, cache, 5 * g);
+    EXPECT_TRUE(std::all_of(c.begin(), c.end(), [](std::uint8_t b) { return b == poison_byte; }));
+  }
+}
+
+TYPED_TEST(EngineTest, MediumAllocationsShareGrowingSlabsAndEmptySlabsGoBack) {
+  std::size_t g = this->granularity();
+  PoolOptions o = this->tiered_pool();
+  Pool pool(this->driver(), o);
+  std::vector<void*> ps;
+  for (int i = 0; i < 8; ++i) ps.push_back(pool.allocate(2 * g, {"weights", MemoryClass::parameter, ""}));
+  PoolStats st = pool.stats();
+  // Slabs of 4g (min), then 4g, 8g: 16g mapped for 16g of allocations, in 3 handles not 8.
+  EXPECT_EQ(st.chunks, 3u);
+  EXPECT_EQ(st.mapped_bytes, 16 * g);
+  void* big = pool.allocate(9 * g, {"weights", MemoryClass::parameter, ""});  // above medium_limit
+  EXPECT_TRUE(pool.chunk_info(big)->dedicated);
+  EXPECT_FALSE(pool.chunk_info(ps[0])->dedicated);
+  for (void* p : ps) pool.deallocate(p);
+  EXPECT_EQ(pool.stats().chunks, 1u) << "empty medium slabs are released at once";
+  pool.deallocate(big);
+  EXPECT_EQ(pool.stats().mapped_bytes, 0u);
+}
+
+TYPED_TEST(EngineTest, DeviceHashEqualsTheCpuReference) {
+  Pool pool(this->driver(), this->small_pool());
+  std::size_t n = 3 * this->granularity() + 1000;
+  void* p = pool.allocate(n, {"t", MemoryClass::state, ""});
+  std::mt19937_64 rng(5);
+  auto bytes = random_bytes(rng, n);
+  write(pool, p, bytes);
+  std::vector<HashRange> ranges;
+  std::vector<Hash128> expected;
+  for (std::size_t off : {std::size_t{0}, std::size_t{1}, std::size_t{8}, std::size_t{16}, std::size_t{100}}) {
+    for (std::size_t len : {std::size_t{1}, std::size_t{7}, std::size_t{16}, std::size_t{17}, std::size_t{4096},
+                            (std::size_t{1} << 20) + 24, n - 100}) {
+      if (off + len > n) continue;
+      ranges.push_back(HashRange{at(p, off), len});
+      expected.push_back(content_hash::compute(bytes.data() + off, len));
+    }
+  }
+  std::vector<Hash128> got(ranges.size());
+  Stream s = this->driver().stream_create(0);
+  this->driver().hash(ranges, got.data(), s);
+  for (std::size_t i = 0; i < ranges.size(); ++i)
+    EXPECT_EQ(got[i], expected[i]) << "range " << i << " bytes " << ranges[i].bytes;
+  // One changed byte, and two swapped words, change the hash.
+  Hash128 before = got.back();
+  std::uint8_t x = static_cast<std::uint8_t>(bytes[500] + 1);
+  pool.copy(at(p, 500), &x, 1);
+  Hash128 after;
+  this->driver().hash(std::span<const HashRange>(&ranges.back(), 1), &after, s);
+  EXPECT_NE(after, before);
+  std::vector<std::uint8_t> swapped(bytes.begin(), bytes.begin() + 16);
+  std::swap_ranges(swapped.begin(), swapped.begin() + 8, swapped.begin() + 8);
+  EXPECT_NE(content_hash::compute(swapped.data(), 16), content_hash::compute(bytes.data(), 16));
+  this->driver().stream_destroy(s);
+  pool.deallocate(p);
+}
+
+}  // namespace
+}  // namespace torpor::test
