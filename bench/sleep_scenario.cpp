@@ -56,6 +56,7 @@ struct Options {
   bool baseline = true;
   int baseline_cycles = 2;
   std::size_t ceiling_buffer = std::size_t{2} << 30;
+  int release_threads = 2;
   std::string json;
 };
 
@@ -284,7 +285,8 @@ int run(const Options& o) {
   if (const char* c = std::getenv("TORPOR_COMMIT")) j["commit"] = c;
   j["scenario"] = {{"param_count", o.param_count}, {"param_bytes", o.param_bytes}, {"state_bytes", o.state_bytes},
                    {"state_min", o.state_min},     {"state_max", o.state_max},     {"shared", o.shared},
-                   {"cache_bytes", o.cache_bytes}, {"cache_alloc", o.cache_alloc}, {"cycles", o.cycles}};
+                   {"cache_bytes", o.cache_bytes}, {"cache_alloc", o.cache_alloc}, {"cycles", o.cycles},
+                   {"release_threads", o.release_threads}};
 
   Ceiling ceiling;
   std::vector<nlohmann::json> cycles;
@@ -292,6 +294,7 @@ int run(const Options& o) {
   {
     PoolOptions po;
     po.device = device;
+    po.release_threads = o.release_threads;
     Pool pool(d, po);
     auto t = clock_type::now();
     Scenario s = build(pool, o);
@@ -441,6 +444,8 @@ int main(int argc, char** argv) {
   app.add_option("--baseline-cycles", o.baseline_cycles, "baseline cycles (default 2)")->check(CLI::Range(1, 100));
   app.add_option_function<std::string>("--ceiling-buffer", [&](const std::string& s) { o.ceiling_buffer = parse_size(s); },
                                         "pinned buffer for the ceiling copies (default 2G)");
+  app.add_option("--release-threads", o.release_threads, "PoolOptions::release_threads (default 2)")
+      ->check(CLI::Range(1, 64));
   app.add_option("--json", o.json, "write every number to this JSON file");
   CLI11_PARSE(app, argc, argv);
   try {

@@ -48,6 +48,14 @@ for stage in "${stages[@]}"; do
       build-gpu/bench/torpor_bench_sleep --json "$OUT/bench-sleep.json" > "$OUT/bench-sleep.txt" 2>&1 || status=1
       cat "$OUT/bench-sleep.txt"
       ;;
+    bench-sleep-threads)
+      # The release-thread count, compared on the same scenario (no baseline, 3 cycles each).
+      for t in 1 4; do
+        build-gpu/bench/torpor_bench_sleep --no-baseline --cycles 3 --release-threads "$t" \
+          --json "$OUT/bench-sleep-threads$t.json" > "$OUT/bench-sleep-threads$t.txt" 2>&1 || status=1
+        echo "release threads $t:"; grep -E "^cycle|L1 sleep \(unchanged\)|L2 sleep|L2 wake" "$OUT/bench-sleep-threads$t.txt"
+      done
+      ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done

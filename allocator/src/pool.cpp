@@ -295,6 +295,8 @@ Pool::Pool(Driver& driver, PoolOptions options) : driver_(driver), options_(std:
       throw invalid_argument(fmt::format("PoolOptions::medium_limit {} exceeds medium_slab_max {}",
                                          options_.medium_limit, options_.medium_slab_max));
   }
+  if (options_.release_threads < 1 || options_.release_threads > 64)
+    throw invalid_argument(fmt::format("PoolOptions::release_threads {} must be 1..64", options_.release_threads));
   if (options_.copy_streams < 1 || options_.copy_streams > 64)
     throw invalid_argument(fmt::format("PoolOptions::copy_streams {} must be 1..64", options_.copy_streams));
   if (options_.copy_piece_bytes < HostStore::alignment)
@@ -317,6 +319,13 @@ Pool::Pool(Driver& driver, PoolOptions options) : driver_(driver), options_(std:
     state_ = std::make_unique<State>(driver_, options_, granularity_, va_base_);
     state_->access_devices = std::move(access);
     for (int i = 0; i < options_.copy_streams; ++i) state_->streams.push_back(driver_.stream_create(options_.device));
+    if (options_.skip_unchanged) {
+      // Load the hash kernels now: the device memory a first launch takes (module, local
+      // memory) belongs to the pool's setup, not to the first sleep's "memory returned".
+      HashRange none{};
+      Hash128 ignored;
+      driver_.hash(std::span<const HashRange>(&none, 1), &ignored, state_->streams[0]);
+    }
   } catch (...) {
     if (state_) {
       for (Stream st : state_->streams) {

@@ -365,17 +365,19 @@ TransitionReport Pool::sleep_tags(int level, const std::vector<std::string>& tag
   IndexQueue issued;
   std::vector<char> released(plans.size(), 0);  // 1: unmapped (release done or deferred)
   std::vector<PhysicalHandle> deferred;
+  std::mutex worker_mu;  // guards worker_error and deferred
   std::exception_ptr worker_error;
   std::atomic<bool> worker_failed{false};
-  std::thread worker([&] {
+  auto release_loop = [&] {
     while (auto k = issued.pop()) {
-      if (worker_error) continue;  // drain after a failure
+      if (worker_failed) continue;  // drain after a failure
       Chunk& c = *plans[*k].chunk;
       try {
         s.driver.event_synchronize(s.events[*k]);
         s.driver.unmap(c.va, c.bytes);
       } catch (...) {
-        worker_error = std::current_exception();
+        std::lock_guard lock(worker_mu);
+        if (!worker_error) worker_error = std::current_exception();
         worker_failed = true;
         continue;
       }
@@ -383,11 +385,16 @@ TransitionReport Pool::sleep_tags(int level, const std::vector<std::string>& tag
         s.driver.release(c.handle);
       } catch (const std::exception& e) {
         log::warn("sleep: releasing chunk {:#x} failed, will retry: {}", c.va, e.what());
+        std::lock_guard lock(worker_mu);
         deferred.push_back(c.handle);
       }
       released[*k] = 1;
     }
-  });
+  };
+  // Releasing is a driver call per chunk whose cost grows with its size; a few threads
+  // overlap them (the copies they wait for still complete in issue order).
+  std::vector<std::thread> workers;
+  for (int i = 0; i < options_.release_threads; ++i) workers.emplace_back(release_loop);
   std::exception_ptr issue_error;
   double copy_seconds = 0;
   for (std::size_t k = 0; k < plans.size() && !worker_failed; ++k) {
@@ -415,7 +422,7 @@ TransitionReport Pool::sleep_tags(int level, const std::vector<std::string>& tag
     issued.push(k);
   }
   issued.close();
-  worker.join();
+  for (auto& w : workers) w.join();
   copy_seconds = since(t);
   if (!issue_error && !worker_error) r.phases.push_back({"offload_and_release", copy_seconds});
 

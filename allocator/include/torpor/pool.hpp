@@ -71,6 +71,7 @@ struct PoolOptions {
   // Sleep/wake engine.
   std::size_t copy_piece_bytes = std::size_t{64} << 20;  // copies (and hashes) in pieces of at most this
   int copy_streams = 2;                                   // streams the copies rotate over
+  int release_threads = 2;                                // threads unmapping/releasing chunks during sleep
   std::size_t map_group_bytes = std::size_t{2} << 30;    // contiguous chunks mapped per set_access call on wake
   // Keep host copies after wake with their device-computed hash; the next sleep hashes again
   // and copies only the pieces whose hash changed. Costs host memory (the copies stay).
