@@ -43,7 +43,7 @@ def main():
     ax.bar(names, [b[1] for b in bars], color=["#2b7bba", "#2b7bba", "#c44e52", "#c44e52"][: len(bars)])
     for i, (_, v, c) in enumerate(bars):
         ax.hlines(c, i - 0.4, i + 0.4, colors="black", linestyles="dashed")
-        ax.text(i, v, f"{v:.1f} GB/s\n{100 * v / c:.0f}% of ceiling", ha="center", va="bottom", fontsize=8)
+        ax.text(i, max(v / 2, 1), f"{v:.1f} GB/s\n{100 * v / c:.0f}% of ceiling", ha="center", va="center", fontsize=8)
     ax.set_ylabel("GB/s (dashed: pinned-copy ceiling, same run)")
     gib = moved / 2**30
     ax.set_title(

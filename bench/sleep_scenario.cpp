@@ -362,9 +362,16 @@ int run(const Options& o) {
     return median(v);
   };
   auto first = [&](const char* key) { return cycles.front()[key]["wall_seconds"].get<double>(); };
-  double min_returned = 1;
-  for (auto& c : cycles)
-    for (const char* k : {"l1_sleep", "l1_sleep_unchanged", "l2_sleep"}) min_returned = std::min(min_returned, c[k]["returned"].get<double>());
+  // Memory returned, steady state (cycles 2..N) and cycle 1 apart: the first sleep creates
+  // the pinned host store, and mapping that much host memory for the GPU takes device
+  // memory for page tables (about 64 MiB for 32 GiB on the H200s), outside the pool.
+  double min_returned = 1, first_returned = 1;
+  for (std::size_t i = 0; i < cycles.size(); ++i)
+    for (const char* k : {"l1_sleep", "l1_sleep_unchanged", "l2_sleep"}) {
+      double v = cycles[i][k]["returned"].get<double>();
+      if (i == 0) first_returned = std::min(first_returned, v);
+      if (i > 0 || cycles.size() == 1) min_returned = std::min(min_returned, v);
+    }
 
   Baseline base;
   if (o.baseline) {
@@ -392,7 +399,8 @@ int run(const Options& o) {
     fmt::print("{:<34} {:>12.3f} {:>12.3f}\n", "baseline sleep (per allocation)", base.sleep_seconds.front(), median(base.sleep_seconds));
     fmt::print("{:<34} {:>12.3f} {:>12.3f}\n", "baseline wake (per allocation)", base.wake_seconds.front(), median(base.wake_seconds));
   }
-  fmt::print("minimum memory returned after a sleep: {:.5f} of mapped bytes\n", min_returned);
+  fmt::print("minimum memory returned after a sleep: {:.5f} of mapped bytes (steady), {:.5f} in cycle 1\n",
+             min_returned, first_returned);
 
   nlohmann::json targets = {
       {"l1_sleep_of_ceiling", {{"value", (moved / s1) / ceil_d2h}, {"target", ">= 0.90"}, {"met", (moved / s1) / ceil_d2h >= 0.9}}},
@@ -412,6 +420,7 @@ int run(const Options& o) {
   j["baseline"] = {{"sleep_seconds", base.sleep_seconds}, {"wake_seconds", base.wake_seconds}};
   j["targets"] = targets;
   j["moved_bytes"] = moved;
+  j["returned"] = {{"steady_min", min_returned}, {"first_cycle_min", first_returned}};
   if (!o.json.empty()) {
     std::ofstream(o.json) << j.dump(2) << "\n";
     fmt::print("wrote {}\n", o.json);
