@@ -51,6 +51,12 @@ DevicePools& device_pools() {
 thread_local std::string current_tag{"default"};
 thread_local int current_class = TORPOR_CLASS_STATE;
 thread_local unsigned long long failures = 0;
+thread_local torpor_status last_failure = TORPOR_OK;
+
+void failed(torpor_status s) {
+  ++failures;
+  last_failure = s;
+}
 
 const char* class_name(int c) {
   switch (c) {
@@ -106,26 +112,27 @@ void* torpor_torch_malloc(size_t size, int device, void* /*stream*/) {
       DevicePools& d = device_pools();
       std::lock_guard lock(d.mu);
       DevicePool* slot = nullptr;
-      if (get_or_create(d, device, &slot) != TORPOR_OK) {
+      if (torpor_status s = get_or_create(d, device, &slot); s != TORPOR_OK) {
         set_last_error(fmt::format("torpor_torch_malloc: {}", torpor_last_error()));
-        ++failures;
+        failed(s);
         torpor::log::warn("{}", torpor_last_error());
         return nullptr;
       }
       pool = slot->handle;
     }
     void* out = nullptr;
-    if (torpor_alloc(pool, size, current_tag.c_str(), current_class, nullptr, &out) != TORPOR_OK) {
+    if (torpor_status s = torpor_alloc(pool, size, current_tag.c_str(), current_class, nullptr, &out);
+        s != TORPOR_OK) {
       set_last_error(fmt::format("torpor_torch_malloc({} bytes, device {}, tag '{}', class {}): {}", size, device,
                                  current_tag, class_name(current_class), torpor_last_error()));
-      ++failures;
+      failed(s);
       torpor::log::warn("{}", torpor_last_error());
       return nullptr;
     }
     return out;
   } catch (...) {
     set_last_error("torpor_torch_malloc: host out of memory");
-    ++failures;
+    failed(TORPOR_ERROR_OUT_OF_MEMORY);
     return nullptr;
   }
 }
@@ -142,7 +149,7 @@ void torpor_torch_free(void* ptr, size_t size, int device, void* /*stream*/) {
         set_last_error(fmt::format("torpor_torch_free({}, {} bytes, device {}): torpor has no pool for device {}; "
                                    "the pointer was not allocated by torpor_torch_malloc",
                                    ptr, size, device, device));
-        ++failures;
+        failed(TORPOR_ERROR_INVALID_ARGUMENT);
         torpor::log::warn("{}", torpor_last_error());
         return;
       }
@@ -154,19 +161,19 @@ void torpor_torch_free(void* ptr, size_t size, int device, void* /*stream*/) {
       set_last_error(fmt::format("torpor_torch_free({}, {} bytes, device {}): not freed, because waiting for the "
                                  "device's work failed: {}",
                                  ptr, size, device, e.what()));
-      ++failures;
+      failed(TORPOR_ERROR_DRIVER);
       torpor::log::warn("{}", torpor_last_error());
       return;
     }
-    if (torpor_free(slot.handle, ptr) != TORPOR_OK) {
+    if (torpor_status s = torpor_free(slot.handle, ptr); s != TORPOR_OK) {
       set_last_error(fmt::format("torpor_torch_free({}, {} bytes, device {}): {}", ptr, size, device,
                                  torpor_last_error()));
-      ++failures;
+      failed(s);
       torpor::log::warn("{}", torpor_last_error());
     }
   } catch (...) {
     set_last_error("torpor_torch_free: host out of memory");
-    ++failures;
+    failed(TORPOR_ERROR_OUT_OF_MEMORY);
   }
 }
 
@@ -255,6 +262,9 @@ torpor_status torpor_torch_configure(const torpor_pool_options* options) {
   }
 }
 
-unsigned long long torpor_torch_failures(void) { return failures; }
+unsigned long long torpor_torch_failures(torpor_status* last_status) {
+  if (last_status != nullptr) *last_status = last_failure;
+  return failures;
+}
 
 }  // extern "C"

@@ -56,7 +56,7 @@ TEST(TorchAllocator, SegmentsFollowTheCurrentTagAndClass) {
   torpor_pool_t pool = host_pool();
   EXPECT_STREQ(torpor_current_tag(), "default");
   EXPECT_EQ(torpor_current_class(), TORPOR_CLASS_STATE);
-  unsigned long long failures = torpor_torch_failures();
+  unsigned long long failures = torpor_torch_failures(nullptr);
 
   ASSERT_EQ(torpor_set_current_tag("weights"), TORPOR_OK);
   void* w = torpor_torch_malloc(4 * MiB, 0, nullptr);
@@ -83,7 +83,7 @@ TEST(TorchAllocator, SegmentsFollowTheCurrentTagAndClass) {
 
   torpor_torch_free(w, 4 * MiB, 0, nullptr);
   torpor_torch_free(kv, 2 * MiB, 0, nullptr);
-  EXPECT_EQ(torpor_torch_failures(), failures) << torpor_last_error();
+  EXPECT_EQ(torpor_torch_failures(nullptr), failures) << torpor_last_error();
   EXPECT_EQ(stats(pool)["tags"]["weights"]["allocations"], 0u);
 }
 
@@ -107,7 +107,7 @@ TEST(TorchAllocator, PoolsArePerDeviceAndCreatedOnce) {
 TEST(TorchAllocator, FailuresReturnNullAndKeepTheMessage) {
   Restore restore;
   torpor_pool_t pool = host_pool();
-  unsigned long long failures = torpor_torch_failures();
+  unsigned long long failures = torpor_torch_failures(nullptr);
 
   ASSERT_EQ(torpor_set_current_tag("sleeper"), TORPOR_OK);
   void* s = torpor_torch_malloc(2 * MiB, 0, nullptr);
@@ -118,12 +118,15 @@ TEST(TorchAllocator, FailuresReturnNullAndKeepTheMessage) {
   std::string msg = torpor_last_error();
   EXPECT_NE(msg.find("torpor_torch_malloc"), std::string::npos) << msg;
   EXPECT_NE(msg.find("'sleeper' is asleep"), std::string::npos) << msg;
-  EXPECT_EQ(torpor_torch_failures(), failures + 1);
+  torpor_status last = TORPOR_OK;
+  EXPECT_EQ(torpor_torch_failures(&last), failures + 1);
+  EXPECT_EQ(last, TORPOR_ERROR_INVALID_STATE);
 
   EXPECT_EQ(torpor_torch_malloc(2 * MiB, 99, nullptr), nullptr);
   msg = torpor_last_error();
   EXPECT_NE(msg.find("device 99"), std::string::npos) << msg;
-  EXPECT_EQ(torpor_torch_failures(), failures + 2);
+  EXPECT_EQ(torpor_torch_failures(&last), failures + 2);
+  EXPECT_EQ(last, TORPOR_ERROR_INVALID_ARGUMENT);
 
   int local = 0;
   torpor_torch_free(&local, 4, 0, nullptr);
@@ -132,9 +135,9 @@ TEST(TorchAllocator, FailuresReturnNullAndKeepTheMessage) {
   torpor_torch_free(&local, 4, 7, nullptr);
   msg = torpor_last_error();
   EXPECT_NE(msg.find("no pool for device 7"), std::string::npos) << msg;
-  EXPECT_EQ(torpor_torch_failures(), failures + 4);
+  EXPECT_EQ(torpor_torch_failures(nullptr), failures + 4);
   torpor_torch_free(nullptr, 0, 0, nullptr);
-  EXPECT_EQ(torpor_torch_failures(), failures + 4) << "free(NULL) is a no-op";
+  EXPECT_EQ(torpor_torch_failures(nullptr), failures + 4) << "free(NULL) is a no-op";
 
   EXPECT_EQ(torpor_set_current_class(7), TORPOR_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(torpor_last_error()).find("unknown memory class 7"), std::string::npos);
@@ -143,7 +146,7 @@ TEST(TorchAllocator, FailuresReturnNullAndKeepTheMessage) {
 
   // The sleeping segment can still be freed (PyTorch may release it while the tag sleeps).
   torpor_torch_free(s, 2 * MiB, 0, nullptr);
-  EXPECT_EQ(torpor_torch_failures(), failures + 4) << torpor_last_error();
+  EXPECT_EQ(torpor_torch_failures(nullptr), failures + 4) << torpor_last_error();
   ASSERT_EQ(torpor_wake_up(pool, sleeper, 1), TORPOR_OK);
 }
 

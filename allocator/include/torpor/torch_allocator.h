@@ -24,7 +24,7 @@
  * No C++ exception crosses these functions. A failed torpor_torch_malloc returns NULL (PyTorch
  * then frees cached blocks, retries, and raises its out-of-memory error); a failed
  * torpor_torch_free has no way to report, so it logs a warning. Either way the message is in
- * torpor_last_error() on the calling thread and torpor_torch_failures() counts it. */
+ * torpor_last_error() on the calling thread and torpor_torch_failures() counts it, with its status. */
 #ifndef TORPOR_TORCH_ALLOCATOR_H
 #define TORPOR_TORCH_ALLOCATOR_H
 
@@ -60,8 +60,9 @@ torpor_status torpor_torch_pool(int device, torpor_pool_t* out);
  * otherwise): pools of one process do not differ. */
 torpor_status torpor_torch_configure(const torpor_pool_options* options);
 
-/* Failed torpor_torch_malloc / torpor_torch_free calls on this thread since it started. */
-unsigned long long torpor_torch_failures(void);
+/* Failed torpor_torch_malloc / torpor_torch_free calls on this thread since it started; the
+ * status of the latest goes to *last_status when last_status is not NULL (TORPOR_OK if none). */
+unsigned long long torpor_torch_failures(torpor_status* last_status);
 
 #ifdef __cplusplus
 }
