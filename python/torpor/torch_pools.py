@@ -197,7 +197,7 @@ def _mempool(torch, tag: str, device: int, memory_class: MemoryClass):
                 _state.allocator = torch.cuda.memory.CUDAPluggableAllocator(
                     _lib.library_path(), "torpor_torch_malloc", "torpor_torch_free")
                 _keep_forever(_state.allocator)
-            pool = torch.cuda.MemPool(_state.allocator.allocator())
+            pool = torch.cuda.memory.MemPool(_state.allocator.allocator())
             _keep_forever(pool)
             _state.mempools[key] = pool
         _state.classes[tag] = memory_class
@@ -232,7 +232,7 @@ def use_pool(tag: str = "default", memory_class: ClassLike | None = None, device
     failures = lib.torpor_torch_failures(None)
     oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
     try:
-        with _expandable_segments_off(torch), torch.cuda.use_mem_pool(pool, dev):
+        with _expandable_segments_off(torch), torch.cuda.memory.use_mem_pool(pool, dev):
             yield pool
     except oom as e:
         status = ctypes.c_int(0)
@@ -328,7 +328,11 @@ def _refresh_classes(device: int, tags: list[str], spans: list[_marks.Span]) -> 
             cls = _state.classes.get(tag)
         if mempool is None:
             continue  # a tag allocated through the C API directly, not by PyTorch
-        segments = [s for s in mempool.snapshot() if s.get("device", device) == device]
+        # One pool's segments on this device (filtered again in case a PyTorch version lists
+        # every pool's).
+        segments = [s for s in mempool.snapshot()
+                    if s.get("device", device) == device
+                    and tuple(s.get("segment_pool_id", mempool.id)) == tuple(mempool.id)]
         plan = _marks.plan(segments, cls, spans)
         if plan.foreign:
             warnings.warn(
