@@ -20,10 +20,12 @@ HERE = pathlib.Path(__file__).resolve().parent
 def library_to_bundle():
     env = os.environ.get("TORPOR_LIBRARY")
     if env:
-        path = pathlib.Path(env)
-        if not path.is_file():
-            raise SystemExit(f"TORPOR_LIBRARY={env} is not a file; point it at libtorpor.so or unset it")
-        return path
+        # pip runs this from python/, so a relative path may mean the repository root's.
+        for path in (pathlib.Path(env), HERE.parent / env):
+            if path.is_file():
+                return path
+        raise SystemExit(f"TORPOR_LIBRARY={env} is not a file (relative paths are tried from {os.getcwd()} and "
+                         f"{HERE.parent}); point it at libtorpor.so or unset it")
     default = HERE.parent / "build" / "allocator" / "libtorpor.so"
     return default if default.is_file() else None
 
