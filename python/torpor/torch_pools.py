@@ -56,7 +56,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from . import _lib, _marks
-from .errors import InvalidArgument, OutOfMemory, TorchUnavailable, error_for
+from .errors import InvalidArgument, InvalidState, OutOfMemory, TorchUnavailable, error_for
 from .pool import ClassLike, MemoryClass, Pool, Tags, pool_options, tag_list, to_memory_class
 
 KV_CACHE_TAG = "kv_cache"
@@ -217,14 +217,22 @@ def use_pool(tag: str = "default", memory_class: ClassLike | None = None, device
     vLLM, whose KV cache is discarded by every sleep level). Parameters inside a state tag are
     told apart by register_parameters(). device: the CUDA device (default: current); tensors
     created for other devices inside the block go to PyTorch's default pool. Yields the
-    torch.cuda.MemPool. A failed allocation raises torpor's typed error (e.g. InvalidState
-    when the tag sleeps), chained to PyTorch's out-of-memory error."""
+    torch.cuda.MemPool. Entering a sleeping tag raises InvalidState; an allocation torpor
+    refuses inside the block raises torpor's typed error (InvalidState when the tag was put to
+    sleep meanwhile, OutOfMemory, ...), chained to PyTorch's out-of-memory error."""
     torch = _cuda_torch()
     if not isinstance(tag, str) or not tag:
         raise InvalidArgument(f"use_pool: tag {tag!r} is not a non-empty string")
     cls = _default_class(tag) if memory_class is None else to_memory_class(memory_class)
     dev = _device_index(torch, device)
     pool = _mempool(torch, tag, dev, cls)
+    # PyTorch serves a request from a free block of the pool's cached segments without asking
+    # torpor: in a sleeping tag that block is unmapped, and the first kernel touching it
+    # faults. So refuse up front (a sleep inside the block is caught by torpor_torch_malloc).
+    tag_stats = Pool.torch(dev).stats()["tags"].get(tag)
+    if tag_stats is not None and tag_stats["asleep"]:
+        raise InvalidState(f"use_pool: tag '{tag}' is asleep on device {dev} (level {tag_stats['level']}); "
+                           f"wake_up(['{tag}']) before allocating in it")
     lib = _lib.lib()
     previous_tag, previous_class = lib.torpor_current_tag(), lib.torpor_current_class()
     _lib.check(lib.torpor_set_current_tag(tag.encode()))

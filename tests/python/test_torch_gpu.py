@@ -170,10 +170,16 @@ def test_sleep_returns_the_pools_memory_to_the_device(engine):
 
 
 def test_allocating_in_a_sleeping_tag_raises_invalid_state(engine):
-    torpor.sleep(1, ["kv_cache"])
     try:
-        with pytest.raises(torpor.InvalidState, match="'kv_cache' is asleep") as info:
+        torpor.sleep(1, ["kv_cache"])
+        with pytest.raises(torpor.InvalidState, match="use_pool: tag 'kv_cache' is asleep"):
             with torpor.use_pool("kv_cache"):
+                pass
+        torpor.wake_up(["kv_cache"])
+        # Put to sleep inside the block: PyTorch asks torpor for a segment, torpor refuses.
+        with pytest.raises(torpor.InvalidState, match="torpor pool 'kv_cache' .*'kv_cache' is asleep") as info:
+            with torpor.use_pool("kv_cache"):
+                torpor.sleep(1, ["kv_cache"])
                 torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
         assert isinstance(info.value.__cause__, torch.cuda.OutOfMemoryError)
     finally:

@@ -92,19 +92,29 @@ def test_sleep_2_follows_what_pytorch_did_with_the_blocks(torch):
     assert pool.read(new.data_ptr(), 32 << 10) == POISON * (32 << 10), "the replacement is a parameter"
 
 
-def test_allocating_in_a_sleeping_tag_raises_invalid_state_from_pytorchs_error(torch):
+def test_entering_a_sleeping_tag_is_refused(torch):
     with torpor.use_pool("tl.sleeper"):
-        torch.empty(MiB)
+        torch.empty(MiB)  # leaves a cached free MiB that PyTorch would hand out without asking
     torpor.sleep(1, "tl.sleeper")
-    with pytest.raises(torpor.InvalidState, match=r"PyTorch could not allocate in torpor pool 'tl.sleeper' on "
-                                                  r"device 0: .*'tl.sleeper' is asleep") as info:
+    with pytest.raises(torpor.InvalidState, match=r"use_pool: tag 'tl.sleeper' is asleep on device 0 \(level 1\); "
+                                                  r"wake_up\(\['tl.sleeper'\]\)"):
         with torpor.use_pool("tl.sleeper"):
-            torch.empty(4 * MiB)
-    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
+            pytest.fail("entered")
     assert current_tag() == ("default", torpor.MemoryClass.STATE)
     torpor.wake_up("tl.sleeper")
     with torpor.use_pool("tl.sleeper"):
-        torch.empty(4 * MiB)
+        torch.empty(MiB)
+
+
+def test_a_refused_segment_raises_torpors_error_from_pytorchs(torch):
+    with pytest.raises(torpor.InvalidState, match=r"PyTorch could not allocate in torpor pool 'tl.slept' on "
+                                                  r"device 0: .*'tl.slept' is asleep") as info:
+        with torpor.use_pool("tl.slept"):
+            torch.empty(MiB)
+            torpor.sleep(1, "tl.slept")  # inside the block: only torpor_torch_malloc can tell
+            torch.empty(4 * MiB)
+    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
+    assert current_tag() == ("default", torpor.MemoryClass.STATE)
 
 
 def test_other_errors_in_a_pool_pass_through(torch):
