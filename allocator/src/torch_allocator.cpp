@@ -75,6 +75,22 @@ torpor::Backend to_backend(int b) {
   }
 }
 
+// The status and message for the exception being handled. Only std::bad_alloc is expected
+// here (the C API calls do not throw); anything else is reported as internal.
+torpor_status from_exception(const char* fn) noexcept {
+  try {
+    throw;
+  } catch (const std::bad_alloc&) {
+    set_last_error(std::string(fn) + ": host out of memory");
+    return TORPOR_ERROR_OUT_OF_MEMORY;
+  } catch (const std::exception& e) {
+    set_last_error(std::string(fn) + ": " + e.what());
+  } catch (...) {
+    set_last_error(std::string(fn) + ": unknown exception");
+  }
+  return TORPOR_ERROR_INTERNAL;
+}
+
 bool same_options(const torpor_pool_options& a, const torpor_pool_options& b) {
   return a.backend == b.backend && a.va_bytes == b.va_bytes && a.fill_on_wake == b.fill_on_wake &&
          a.exportable == b.exportable;
@@ -131,8 +147,7 @@ void* torpor_torch_malloc(size_t size, int device, void* /*stream*/) {
     }
     return out;
   } catch (...) {
-    set_last_error("torpor_torch_malloc: host out of memory");
-    failed(TORPOR_ERROR_OUT_OF_MEMORY);
+    failed(from_exception("torpor_torch_malloc"));
     return nullptr;
   }
 }
@@ -172,8 +187,7 @@ void torpor_torch_free(void* ptr, size_t size, int device, void* /*stream*/) {
       torpor::log::warn("{}", torpor_last_error());
     }
   } catch (...) {
-    set_last_error("torpor_torch_free: host out of memory");
-    failed(TORPOR_ERROR_OUT_OF_MEMORY);
+    failed(from_exception("torpor_torch_free"));
   }
 }
 
@@ -186,8 +200,7 @@ torpor_status torpor_set_current_tag(const char* tag) {
     current_tag = tag != nullptr ? tag : "default";
     return TORPOR_OK;
   } catch (...) {
-    set_last_error("torpor_set_current_tag: host out of memory");
-    return TORPOR_ERROR_OUT_OF_MEMORY;
+    return from_exception("torpor_set_current_tag");
   }
 }
 
@@ -224,8 +237,7 @@ torpor_status torpor_torch_pool(int device, torpor_pool_t* out) {
     *out = slot->handle;
     return TORPOR_OK;
   } catch (...) {
-    set_last_error("torpor_torch_pool: host out of memory");
-    return TORPOR_ERROR_OUT_OF_MEMORY;
+    return from_exception("torpor_torch_pool");
   }
 }
 
@@ -257,8 +269,7 @@ torpor_status torpor_torch_configure(const torpor_pool_options* options) {
     d.options = o;
     return TORPOR_OK;
   } catch (...) {
-    set_last_error("torpor_torch_configure: host out of memory");
-    return TORPOR_ERROR_OUT_OF_MEMORY;
+    return from_exception("torpor_torch_configure");
   }
 }
 
