@@ -2,7 +2,7 @@
 # Builds torpor on a GPU machine and runs the GPU tests and benches in one go. Used with the
 # device tool (`run`), whose $OUT folder comes back; elsewhere OUT defaults to ./gpu-out.
 #
-#   scripts/gpu_run.sh [stage ...]     stages: probe tests bench-sleep (default: probe tests)
+#   scripts/gpu_run.sh [stage ...]     stages: probe tests bench-sleep python (default: probe tests)
 #
 # The multicast kill switches are always set: these machines are shared, and a multicast
 # object can take their GPUs out of service. torpor honours every one of them.
@@ -55,6 +55,21 @@ for stage in "${stages[@]}"; do
           --json "$OUT/bench-sleep-threads$t.json" > "$OUT/bench-sleep-threads$t.txt" 2>&1 || status=1
         echo "release threads $t:"; grep -E "^cycle|L1 sleep \(unchanged\)|L2 sleep|L2 wake" "$OUT/bench-sleep-threads$t.txt"
       done
+      ;;
+    python)
+      # The Python package with PyTorch on the GPU: each tests/python file in its own process
+      # (the PyTorch pools' options are per process; host-backend files run too), then the
+      # RL weight-update loop.
+      pyenv=(env TORPOR_LIBRARY="$PWD/build-gpu/allocator/libtorpor.so" PYTHONPATH="$PWD/python" PYTHONDONTWRITEBYTECODE=1)
+      "${pyenv[@]}" python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" 2>&1 |
+        tee -a "$OUT/machine.txt"
+      : > "$OUT/pytest.log"
+      for f in tests/python/test_*.py; do
+        "${pyenv[@]}" python3 -m pytest -v -s -rs -p no:cacheprovider "$f" >> "$OUT/pytest.log" 2>&1 || status=1
+      done
+      grep -E "^=+ .*(passed|failed|skipped|error).* in .*=+$|^(FAILED|ERROR|SKIPPED) |torpor pools mapped" "$OUT/pytest.log"
+      "${pyenv[@]}" python3 python/examples/rl_loop.py --iterations 3 --json "$OUT/rl_loop.json" 2>&1 |
+        tee "$OUT/rl_loop.txt" || status=1
       ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac

@@ -4,7 +4,7 @@
 # (/usr/local/cuda); without it torpor builds the host backend alone.
 set -euo pipefail
 packages=(g++ cmake ninja-build libfmt-dev libcli11-dev nlohmann-json3-dev libgtest-dev libgmock-dev
-          libbenchmark-dev python3 python3-pytest)
+          libbenchmark-dev python3 python3-pytest python3-pip python3-setuptools python3-wheel)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

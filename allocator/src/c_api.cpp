@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "c_api_internal.hpp"
 #include "torpor/backend.hpp"
 #include "torpor/error.hpp"
 #include "torpor/pool.hpp"
@@ -122,6 +123,10 @@ torpor_status write_out(const std::string& text, char* buffer, std::size_t capac
 }
 
 }  // namespace
+
+namespace torpor::detail {
+void set_last_error(std::string message) noexcept { last_error = std::move(message); }
+}  // namespace torpor::detail
 
 extern "C" {
 

@@ -1,0 +1,184 @@
+"""Finding and loading libtorpor.so, and the ctypes prototypes of its C API.
+
+Nothing here is compiled: ctypes binds the C API (torpor.h, torch_allocator.h) at run time,
+so one package works with any Python 3 and any PyTorch. The library is looked up in this
+order, the first hit wins:
+
+1. ``TORPOR_LIBRARY``: a path to the library. When set it must load; torpor does not fall
+   back to another copy, so a wrong path is an error rather than a surprise.
+2. The copy bundled into the package when it was installed (``torpor/_lib/libtorpor.so``).
+3. The repository's build directories when the package is used from a checkout:
+   ``build/allocator/`` then ``build-gpu/allocator/``.
+4. The system's library path (``libtorpor.so.0``, where ``cmake --install`` puts it).
+
+The library is loaded once per process, on first use, so ``import torpor`` never fails.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import pathlib
+import threading
+
+from .errors import LibraryNotFound, error_for
+
+_PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+_REPO_DIR = _PACKAGE_DIR.parent.parent  # python/torpor -> repository root, in a checkout
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_path: str | None = None
+
+
+class PoolOptions(ctypes.Structure):
+    """torpor_pool_options. The trailing reserve keeps torpor_pool_options_init inside this
+    buffer should a later library append fields (it writes the whole C struct)."""
+
+    _fields_ = [
+        ("device", ctypes.c_int),
+        ("backend", ctypes.c_int),
+        ("va_bytes", ctypes.c_size_t),
+        ("fill_on_wake", ctypes.c_int),
+        ("exportable", ctypes.c_int),
+        ("_reserved", ctypes.c_char * 256),
+    ]
+
+
+def _candidates() -> list[tuple[str, str]]:
+    """(path, where it came from) in search order, after TORPOR_LIBRARY."""
+    out = [(str(_PACKAGE_DIR / "_lib" / "libtorpor.so"), "bundled with the package")]
+    for build in ("build", "build-gpu"):
+        out.append((str(_REPO_DIR / build / "allocator" / "libtorpor.so"), f"the repository's {build}/ directory"))
+    return out
+
+
+def _load() -> tuple[ctypes.CDLL, str]:
+    env = os.environ.get("TORPOR_LIBRARY")
+    if env:
+        try:
+            return ctypes.CDLL(env), os.path.realpath(env)
+        except OSError as e:
+            raise LibraryNotFound(
+                f"TORPOR_LIBRARY={env} could not be loaded: {e}. Point it at libtorpor.so "
+                f"(e.g. build/allocator/libtorpor.so after `cmake --build build`), or unset it") from None
+    tried = []
+    for path, where in _candidates():
+        if os.path.exists(path):
+            try:
+                return ctypes.CDLL(path), os.path.realpath(path)
+            except OSError as e:
+                tried.append(f"{path} ({where}): {e}")
+        else:
+            tried.append(f"{path} ({where}): missing")
+    name = ctypes.util.find_library("torpor") or "libtorpor.so.0"
+    try:
+        lib = ctypes.CDLL(name)
+        return lib, _loaded_path(lib, name)
+    except OSError as e:
+        tried.append(f"{name} (system library path): {e}")
+    raise LibraryNotFound(
+        "libtorpor.so was not found. Build it (`cmake -S . -B build -G Ninja && cmake --build build`), "
+        "then set TORPOR_LIBRARY=/path/to/libtorpor.so or reinstall the package from a tree that has it. "
+        "Tried: " + "; ".join(tried))
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def _loaded_path(lib: ctypes.CDLL, fallback: str) -> str:
+    """The file a library loaded by name came from, by dladdr() on one of its symbols:
+    PyTorch's CUDAPluggableAllocator must open that same file."""
+    try:
+        dladdr = ctypes.CDLL(None).dladdr
+        dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+        info = _DlInfo()
+        if dladdr(ctypes.cast(lib.torpor_last_error, ctypes.c_void_p), ctypes.byref(info)) and info.dli_fname:
+            return os.path.realpath(info.dli_fname.decode())
+    except (AttributeError, OSError):
+        pass
+    return fallback
+
+
+def _prototypes(lib: ctypes.CDLL) -> None:
+    P, S, I, C = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_char_p
+    PP, PS = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)
+    CC = ctypes.POINTER(ctypes.c_char_p)
+    protos = {
+        "torpor_pool_options_init": (None, [ctypes.POINTER(PoolOptions)]),
+        "torpor_pool_create": (I, [ctypes.POINTER(PoolOptions), PP]),
+        "torpor_pool_destroy": (I, [P]),
+        "torpor_alloc": (I, [P, S, C, I, C, PP]),
+        "torpor_free": (I, [P, P]),
+        "torpor_mark": (I, [P, P, S, I, C]),
+        "torpor_set_preserve": (I, [P, CC, S]),
+        "torpor_sleep": (I, [P, I, CC, S]),
+        "torpor_wake_up": (I, [P, CC, S]),
+        "torpor_stats_json": (I, [P, ctypes.c_char_p, S, PS]),
+        "torpor_last_report_json": (I, [P, ctypes.c_char_p, S, PS]),
+        "torpor_pool_backend": (C, [P]),
+        "torpor_find": (I, [P, P, PP, PS]),
+        "torpor_copy": (I, [P, P, P, S]),
+        "torpor_last_error": (C, []),
+        "torpor_status_name": (C, [I]),
+        # torch_allocator.h
+        "torpor_torch_malloc": (P, [S, I, P]),
+        "torpor_torch_free": (None, [P, S, I, P]),
+        "torpor_set_current_tag": (I, [C]),
+        "torpor_current_tag": (C, []),
+        "torpor_set_current_class": (I, [I]),
+        "torpor_current_class": (I, []),
+        "torpor_torch_pool": (I, [I, PP]),
+        "torpor_torch_configure": (I, [ctypes.POINTER(PoolOptions)]),
+        "torpor_torch_failures": (ctypes.c_ulonglong, [ctypes.POINTER(ctypes.c_int)]),
+    }
+    for name, (restype, argtypes) in protos.items():
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            raise LibraryNotFound(
+                f"{library_path()} has no {name}: it is older than this Python package; rebuild libtorpor.so "
+                f"from the same checkout") from None
+        fn.restype = restype
+        fn.argtypes = argtypes
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded library (loaded on first call)."""
+    global _lib, _path
+    if _lib is None:
+        with _lock:
+            if _lib is None:
+                loaded, path = _load()
+                _path = path
+                _prototypes(loaded)
+                _lib = loaded
+    return _lib
+
+
+def library_path() -> str:
+    """The path of the libtorpor.so in use (loading it if needed)."""
+    lib()
+    assert _path is not None
+    return _path
+
+
+def last_error() -> str:
+    """torpor_last_error() of this thread."""
+    msg = lib().torpor_last_error()
+    return msg.decode(errors="replace") if msg else ""
+
+
+def check(status: int) -> None:
+    """Raise the typed exception for a failed C API call."""
+    if status != 0:
+        raise error_for(status, last_error())
+
+
+def encode_list(values: list[str]):
+    """A (char**, count) pair for the C API; the array keeps the bytes alive."""
+    arr = (ctypes.c_char_p * len(values))(*[v.encode() for v in values])
+    return arr, len(values)

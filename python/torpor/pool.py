@@ -1,0 +1,251 @@
+"""Pool: one device's torpor pool through the C API, without PyTorch.
+
+A Pool either owns a pool it created (``Pool(device, backend=...)``; destroyed by close())
+or wraps the pool PyTorch's pluggable allocator uses for a device (``Pool.torch(device)``;
+never destroyed, PyTorch holds segments in it). Addresses are plain ints. Every failure
+raises the typed exception of torpor's status (torpor.errors) with torpor's message.
+
+Tag lists: ``None`` means every tag of the pool, a string one tag, a list those tags; an
+empty list means no tag, so the call does nothing (vLLM's ``wake_up(tags=[])`` does the same).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import json
+from typing import Iterable, Union
+
+from . import _lib
+from .errors import InvalidArgument
+
+
+class MemoryClass(enum.IntEnum):
+    """What the bytes are (the values of torpor_class)."""
+
+    PARAMETER = 0  # reloadable weights: offloaded at level 1, discarded at level 2
+    STATE = 1      # must survive bit-exact: always offloaded
+    CACHE = 2      # recomputable (KV cache, free space): always discarded
+
+
+ClassLike = Union[MemoryClass, int, str]
+Tags = Union[None, str, Iterable[str]]
+
+_BACKENDS = {"auto": 0, "host": 1, "cuda": 2}
+_FILLS = {"none": 0, "zero": 1, "poison": 2}
+
+
+def to_memory_class(value: ClassLike) -> MemoryClass:
+    """MemoryClass from a MemoryClass, its value, or its name ("parameter", "state", "cache")."""
+    if isinstance(value, str):
+        try:
+            return MemoryClass[value.upper()]
+        except KeyError:
+            raise InvalidArgument(f"unknown memory class '{value}' (expected parameter, state or cache)") from None
+    try:
+        return MemoryClass(value)
+    except ValueError:
+        raise InvalidArgument(f"unknown memory class {value!r} (expected parameter, state or cache)") from None
+
+
+def _choice(table: dict, value: str, what: str) -> int:
+    try:
+        return table[value]
+    except KeyError:
+        raise InvalidArgument(f"unknown {what} '{value}' (expected {', '.join(table)})") from None
+
+
+def pool_options(device: int = 0, backend: str = "auto", va_bytes: int = 0, fill_on_wake: str = "none",
+                 exportable: bool = False) -> _lib.PoolOptions:
+    """torpor_pool_options, validated. backend: auto (TORPOR_BACKEND, else cuda when usable,
+    else host), host or cuda. fill_on_wake: what discarded bytes hold after wake (none, zero,
+    or poison: 0xFF bytes, NaN in fp32/fp16/bf16, so a forgotten weight reload shows)."""
+    o = _lib.PoolOptions()
+    _lib.lib().torpor_pool_options_init(ctypes.byref(o))
+    o.device = int(device)
+    o.backend = _choice(_BACKENDS, backend, "backend")
+    if va_bytes < 0:
+        raise InvalidArgument(f"va_bytes {va_bytes} is negative (0 = twice the device's memory)")
+    o.va_bytes = int(va_bytes)
+    o.fill_on_wake = _choice(_FILLS, fill_on_wake, "fill_on_wake")
+    o.exportable = 1 if exportable else 0
+    return o
+
+
+def tag_list(tags: Tags) -> list[str] | None:
+    """None (all tags) or a list of tags, from None, one string, or an iterable of strings."""
+    if tags is None:
+        return None
+    if isinstance(tags, str):
+        tags = [tags]
+    out = []
+    for t in tags:
+        if not isinstance(t, str) or not t:
+            raise InvalidArgument(f"tag {t!r} is not a non-empty string")
+        out.append(t)
+    return out
+
+
+def _json(fn, handle) -> dict:
+    """Call a (pool, buffer, capacity, needed) JSON function of the C API."""
+    needed = ctypes.c_size_t(0)
+    capacity = 4096
+    while True:
+        buf = ctypes.create_string_buffer(capacity)
+        _lib.check(fn(handle, buf, capacity, ctypes.byref(needed)))
+        if needed.value <= capacity:
+            return json.loads(buf.value.decode())
+        capacity = needed.value
+
+
+class Pool:
+    """One device's torpor pool (see the module note)."""
+
+    def __init__(self, device: int = 0, *, backend: str = "auto", va_bytes: int = 0,
+                 fill_on_wake: str = "none", exportable: bool = False):
+        o = pool_options(device, backend, va_bytes, fill_on_wake, exportable)
+        handle = ctypes.c_void_p()
+        _lib.check(_lib.lib().torpor_pool_create(ctypes.byref(o), ctypes.byref(handle)))
+        self._handle: int | None = handle.value
+        self._owned = True
+        self.device = int(device)
+
+    @classmethod
+    def torch(cls, device: int = 0) -> "Pool":
+        """The pool torpor_torch_malloc allocates in for `device`, created if needed (with the
+        options of torpor.configure). Not owned: close() leaves it alive."""
+        handle = ctypes.c_void_p()
+        _lib.check(_lib.lib().torpor_torch_pool(int(device), ctypes.byref(handle)))
+        self = cls.__new__(cls)
+        self._handle, self._owned, self.device = handle.value, False, int(device)
+        return self
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    @property
+    def handle(self) -> int:
+        if self._handle is None:
+            raise InvalidArgument(f"this torpor Pool (device {self.device}) was closed")
+        return self._handle
+
+    def close(self) -> None:
+        """Destroy an owned pool (its memory goes back). Idempotent; a no-op for Pool.torch()."""
+        if self._handle is not None and self._owned:
+            handle, self._handle = self._handle, None
+            _lib.check(_lib.lib().torpor_pool_destroy(handle))
+
+    def __enter__(self) -> "Pool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # never raise from a finalizer (the interpreter may be shutting down)
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self._handle is None else self.backend
+        return f"<torpor.Pool device={self.device} {state}{'' if self._owned else ' (torch)'}>"
+
+    # -- allocations -------------------------------------------------------------------------
+
+    @property
+    def backend(self) -> str:
+        """"cuda" or "host"."""
+        name = _lib.lib().torpor_pool_backend(self.handle)
+        if not name:
+            _lib.check(6)
+        return name.decode()
+
+    def alloc(self, nbytes: int, tag: str = "default", memory_class: ClassLike = MemoryClass.STATE,
+              name: str | None = None) -> int:
+        """Allocate `nbytes` in `tag` with one class for the whole allocation; its address."""
+        if not isinstance(tag, str) or not tag:
+            raise InvalidArgument(f"tag {tag!r} is not a non-empty string")
+        out = ctypes.c_void_p()
+        cls = to_memory_class(memory_class)
+        _lib.check(_lib.lib().torpor_alloc(self.handle, int(nbytes), tag.encode(), int(cls),
+                                           name.encode() if name else None, ctypes.byref(out)))
+        return out.value
+
+    def free(self, ptr: int) -> None:
+        _lib.check(_lib.lib().torpor_free(self.handle, ptr))
+
+    def mark(self, ptr: int, nbytes: int, memory_class: ClassLike, name: str | None = None) -> None:
+        """Reclassify [ptr, ptr + nbytes), which must lie inside one allocation. name None or
+        "" keeps the current name; names are what preserve globs match."""
+        cls = to_memory_class(memory_class)
+        _lib.check(_lib.lib().torpor_mark(self.handle, ptr, int(nbytes), int(cls), name.encode() if name else None))
+
+    def set_preserve(self, globs: Iterable[str]) -> None:
+        """Parameters whose name matches one of these fnmatch globs survive level 2 (offloaded)."""
+        globs = list(globs)
+        arr, n = _lib.encode_list(globs)
+        _lib.check(_lib.lib().torpor_set_preserve(self.handle, arr, n))
+
+    def find(self, ptr: int) -> tuple[int, int]:
+        """(base, size) of the allocation containing ptr; InvalidArgument if none."""
+        base, size = ctypes.c_void_p(), ctypes.c_size_t()
+        _lib.check(_lib.lib().torpor_find(self.handle, ptr, ctypes.byref(base), ctypes.byref(size)))
+        return base.value, size.value
+
+    def contains(self, ptr: int) -> bool:
+        """Whether ptr lies inside an allocation of this pool."""
+        status = _lib.lib().torpor_find(self.handle, ptr, None, None)
+        if status == 1:  # TORPOR_ERROR_INVALID_ARGUMENT: not inside any allocation
+            return False
+        _lib.check(status)
+        return True
+
+    # -- bytes ----------------------------------------------------------------------------
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        """Synchronous copy between host memory and pool memory, any direction."""
+        _lib.check(_lib.lib().torpor_copy(self.handle, dst, src, int(nbytes)))
+
+    def write(self, ptr: int, data: bytes) -> None:
+        """Copy host bytes into pool memory at ptr."""
+        buf = ctypes.create_string_buffer(bytes(data), len(data))
+        self.copy(ptr, ctypes.addressof(buf), len(data))
+
+    def read(self, ptr: int, nbytes: int) -> bytes:
+        """Copy nbytes of pool memory at ptr to the host."""
+        buf = ctypes.create_string_buffer(int(nbytes))
+        self.copy(ctypes.addressof(buf), ptr, nbytes)
+        return buf.raw
+
+    # -- sleep ----------------------------------------------------------------------------
+
+    def sleep(self, level: int = 1, tags: Tags = None) -> dict:
+        """Release the physical memory of `tags` (None = all), keeping what `level` keeps
+        (1: parameters and state; 2: state and preserved parameters). Returns the report."""
+        tags = tag_list(tags)
+        if tags == []:
+            return {}
+        arr, n = _lib.encode_list(tags or [])
+        _lib.check(_lib.lib().torpor_sleep(self.handle, int(level), arr if tags else None, n))
+        return self.last_report()
+
+    def wake_up(self, tags: Tags = None) -> dict:
+        """Map memory again at the same addresses for `tags` (None = all) and restore what was
+        kept. Returns the report."""
+        tags = tag_list(tags)
+        if tags == []:
+            return {}
+        arr, n = _lib.encode_list(tags or [])
+        _lib.check(_lib.lib().torpor_wake_up(self.handle, arr if tags else None, n))
+        return self.last_report()
+
+    def stats(self) -> dict:
+        """Pool statistics: mapped bytes, per tag and class (the C API's JSON document)."""
+        return _json(_lib.lib().torpor_stats_json, self.handle)
+
+    def last_report(self) -> dict:
+        """What the last sleep or wake_up did: bytes moved and time per phase."""
+        return _json(_lib.lib().torpor_last_report_json, self.handle)
+
+    def tags(self) -> list[str]:
+        return sorted(self.stats()["tags"])

@@ -1,0 +1,36 @@
+"""Shared setup for the Python package's tests: the package from this checkout (python/),
+small host-backend pools that poison discarded bytes, so "not restored" is visible."""
+
+import os
+import pathlib
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+if str(REPO / "python") not in sys.path:
+    sys.path.insert(0, str(REPO / "python"))
+
+import torpor  # noqa: E402
+
+MiB = 1 << 20
+POISON = b"\xff"
+
+
+@pytest.fixture
+def pool():
+    with torpor.Pool(0, backend="host", va_bytes=1 << 30, fill_on_wake="poison") as p:
+        yield p
+
+
+def pattern(n: int, seed: int = 1) -> bytes:
+    return bytes((i * 31 + seed * 7 + 3) % 251 for i in range(n))
+
+
+def subprocess_env(**extra) -> dict:
+    """The environment for a child Python that imports this checkout's package."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "python"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env.update(extra)
+    return env

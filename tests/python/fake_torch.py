@@ -1,0 +1,187 @@
+"""A stand-in for the part of PyTorch that torpor's embedding touches, for CI (no torch, no
+GPU). It is small on purpose and models exactly the behaviour torpor depends on:
+
+- CUDAPluggableAllocator(path, alloc_name, free_name) loads the two entry points from the
+  library and calls them for whole segments, on the allocating thread;
+- MemPool(allocator) + use_mem_pool(pool, device) route the thread's allocations to the pool;
+  a pool caches freed blocks and never returns segments while it lives (pytorch#145168);
+- when a segment allocation fails: raise OutOfMemoryError (after the retry PyTorch makes);
+- MemPool.snapshot() lists segments with their blocks and states, in address order;
+- Module.named_parameters(prefix) yields tensors with data_ptr/shape/stride/element_size.
+
+Device memory is torpor's host backend, so tensor bytes are real and readable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import types
+
+SEGMENT = 2 << 20
+ALIGN = 512
+
+_ids = itertools.count(1)
+_active: dict[int, "MemPool"] = {}  # device -> pool of the (single) allocating thread
+settings_calls: list[str] = []
+current = {"device": 0, "set_device_calls": 0}
+
+
+class OutOfMemoryError(RuntimeError):
+    pass
+
+
+class _Device:
+    def __init__(self, type_, index):
+        self.type, self.index = type_, index
+
+
+def device(spec, index=None):
+    if isinstance(spec, _Device):
+        return spec
+    type_, _, idx = str(spec).partition(":")
+    return _Device(type_, index if index is not None else (int(idx) if idx else None))
+
+
+class Tensor:
+    def __init__(self, address, nbytes, dev=0, shape=None, element_size=4, block=None):
+        self._address, self._nbytes, self._block = address, nbytes, block
+        self.device = _Device("cuda", dev)
+        self.is_cuda = True
+        self.shape = tuple(shape) if shape is not None else (nbytes // element_size,)
+        self._element_size = element_size
+
+    def data_ptr(self):
+        return self._address
+
+    def numel(self):
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def element_size(self):
+        return self._element_size
+
+    def stride(self):
+        out, acc = [], 1
+        for s in reversed(self.shape):
+            out.append(acc)
+            acc *= s
+        return tuple(reversed(out))
+
+    def free(self):
+        """What PyTorch does when the last reference goes: the block returns to its pool."""
+        if self._block is not None:
+            self._block["state"] = "inactive"
+            self._block = None
+
+
+class CPUTensor(Tensor):
+    def __init__(self, nbytes):
+        super().__init__(0x1000, nbytes)
+        self.device, self.is_cuda = _Device("cpu", None), False
+
+
+class _Pluggable:
+    def __init__(self, path, alloc_name, free_name):
+        lib = ctypes.CDLL(path)
+        self.malloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)(
+            ctypes.cast(getattr(lib, alloc_name), ctypes.c_void_p).value)
+        self.free = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)(
+            ctypes.cast(getattr(lib, free_name), ctypes.c_void_p).value)
+
+    def allocator(self):
+        return self
+
+
+class MemPool:
+    def __init__(self, allocator):
+        self.allocator = allocator
+        self.id = (0, next(_ids))
+        self.segments = []
+        self.extra_segments = []  # what a test wants snapshot() to list besides (e.g. expandable)
+
+    def allocate(self, nbytes, dev):
+        size = -(-nbytes // ALIGN) * ALIGN
+        for seg in self.segments:
+            at = seg["address"]
+            for i, b in enumerate(seg["blocks"]):
+                if b["state"] == "inactive" and b["size"] >= size:
+                    rest = b["size"] - size
+                    b.update(size=size, state="active_allocated")
+                    if rest:
+                        seg["blocks"].insert(i + 1, {"address": at + size, "size": rest, "state": "inactive"})
+                    return b["address"], b
+                at += b["size"]
+        seg_bytes = max(SEGMENT, -(-size // SEGMENT) * SEGMENT)
+        ptr = None
+        for _ in range(2):  # PyTorch frees cached blocks of other pools and retries once
+            ptr = self.allocator.malloc(seg_bytes, dev, None)
+            if ptr:
+                break
+        if not ptr:
+            raise OutOfMemoryError(f"CUDA out of memory. Tried to allocate {size} bytes")
+        block = {"address": ptr, "size": size, "state": "active_allocated"}
+        blocks = [block] + ([{"address": ptr + size, "size": seg_bytes - size, "state": "inactive"}]
+                            if seg_bytes > size else [])
+        self.segments.append({"device": dev, "address": ptr, "total_size": seg_bytes, "is_expandable": False,
+                              "segment_pool_id": self.id, "blocks": blocks})
+        return ptr, block
+
+    def snapshot(self):
+        return [dict(s, blocks=[dict(b) for b in s["blocks"]]) for s in self.segments] + self.extra_segments
+
+
+@contextlib.contextmanager
+def use_mem_pool(pool, device=None):
+    dev = current["device"] if device is None else device
+    previous = _active.get(dev)
+    _active[dev] = pool
+    try:
+        yield
+    finally:
+        if previous is None:
+            del _active[dev]
+        else:
+            _active[dev] = previous
+
+
+def empty(nbytes, shape=None, element_size=4):
+    """A CUDA tensor on the current device: in the active pool, or (outside any pool) at a
+    made-up address that no torpor pool contains, like PyTorch's default pool."""
+    dev = current["device"]
+    pool = _active.get(dev)
+    if pool is None:
+        return Tensor(0x7000_0000_0000 + next(_ids) * SEGMENT, nbytes, dev, shape, element_size)
+    address, block = pool.allocate(nbytes, dev)
+    return Tensor(address, nbytes, dev, shape, element_size, block)
+
+
+class Module:
+    def __init__(self, **params):
+        self._params = params
+
+    def named_parameters(self, prefix=""):
+        for name, p in self._params.items():
+            yield (f"{prefix}.{name}" if prefix else name), p
+
+
+def _set_device(i):
+    current["device"] = i
+    current["set_device_calls"] += 1
+
+
+cuda = types.SimpleNamespace(
+    is_available=lambda: True,
+    current_device=lambda: current["device"],
+    set_device=_set_device,
+    empty_cache=lambda: None,
+    OutOfMemoryError=OutOfMemoryError,
+    MemPool=MemPool,
+    memory=types.SimpleNamespace(CUDAPluggableAllocator=_Pluggable, MemPool=MemPool, use_mem_pool=use_mem_pool,
+                                 _set_allocator_settings=settings_calls.append),
+)
+nn = types.SimpleNamespace(Module=Module)
+_C = types.SimpleNamespace()

@@ -1,0 +1,192 @@
+"""The PyTorch embedding (torpor.use_pool, register_parameters, sleep, wake_up, stats,
+CuMemAllocator) in CI: against fake_torch, a stand-in for the few PyTorch calls it makes,
+with device memory from torpor's host backend through the real pluggable entry points.
+The real thing runs in test_torch_gpu.py on a GPU."""
+
+import sys
+
+import pytest
+
+import fake_torch
+import torpor
+from torpor import torch_pools
+from conftest import MiB, POISON, pattern
+
+
+@pytest.fixture
+def torch(monkeypatch):
+    torpor.configure(backend="host", fill_on_wake="poison", va_bytes=1 << 30)
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    monkeypatch.setattr(torch_pools, "_state", torch_pools._State())
+    yield fake_torch
+    torpor.wake_up()
+
+
+def current_tag():
+    lib = torpor._lib.lib()
+    return lib.torpor_current_tag().decode(), torpor.MemoryClass(lib.torpor_current_class())
+
+
+def test_use_pool_routes_allocations_to_its_tag_and_restores_the_thread(torch):
+    with torpor.use_pool("tl.weights"):
+        assert current_tag() == ("tl.weights", torpor.MemoryClass.STATE)
+        w = torch.empty(MiB)
+        with torpor.use_pool("tl.scratch", memory_class="cache"):
+            assert current_tag() == ("tl.scratch", torpor.MemoryClass.CACHE)
+            s = torch.empty(3 * MiB)
+        assert current_tag() == ("tl.weights", torpor.MemoryClass.STATE)
+        with torpor.use_pool("kv_cache"):
+            kv = torch.empty(MiB)
+    assert current_tag() == ("default", torpor.MemoryClass.STATE)
+    pool = torpor.pools()[0]
+    assert all(pool.contains(t.data_ptr()) for t in (w, s, kv))
+    assert not pool.contains(torch.empty(MiB).data_ptr()), "outside use_pool: PyTorch's own pool"
+    tags = torpor.stats(0)["tags"]
+    assert tags["tl.weights"]["classes"]["state"]["allocated_bytes"] == 2 * MiB  # one segment
+    assert tags["tl.scratch"]["classes"]["cache"]["allocated_bytes"] == 4 * MiB
+    assert tags["kv_cache"]["classes"]["cache"]["allocated_bytes"] >= 2 * MiB, "kv_cache is cache by default"
+
+
+def test_register_parameters_marks_named_spans_and_reports_the_rest(torch):
+    with torpor.use_pool("tl.reg"):
+        a = torch.empty(64 * 64 * 4, shape=(64, 64))
+        b = torch.empty(256 * 4, shape=(256,))
+        torch.empty(8192)  # a buffer
+    outside, cpu = torch.empty(4096), torch.CPUTensor(64)
+    module = torch.nn.Module(a=a, b=b, c=outside, d=cpu)
+    reg = torpor.register_parameters(module, preserve="tl.a", prefix="tl")
+    assert (reg.parameters, reg.nbytes, reg.outside) == (2, 16384 + 1024, ["tl.c", "tl.d"])
+    assert torpor.stats(0)["tags"]["tl.reg"]["classes"]["parameter"]["allocated_bytes"] == 17408
+    with pytest.raises(torpor.InvalidArgument, match="not a torch.nn.Module"):
+        torpor.register_parameters(object())
+    with pytest.raises(torpor.InvalidArgument, match="preserve glob '' is not a non-empty string"):
+        torpor.register_parameters(module, preserve=[""])
+
+
+def test_sleep_2_follows_what_pytorch_did_with_the_blocks(torch):
+    pool = torpor.Pool.torch(0)
+    with torpor.use_pool("tl.model"):
+        w1 = torch.empty(64 << 10)
+        rope = torch.empty(8 << 10)        # a buffer computed at load
+        temp = torch.empty(128 << 10)      # a load-time temporary
+        old = torch.empty(32 << 10)        # a parameter the loader will replace
+    module = torch.nn.Module(w1=w1, w2=old)
+    torpor.register_parameters(module)
+    with torpor.use_pool("tl.model"):
+        new = torch.empty(32 << 10)        # the loader's new storage for w2 ...
+        module._params["w2"] = new
+        old.free()
+        flags = torch.empty(32 << 10)      # ... and state that reuses the old parameter's block
+    temp.free()
+    assert flags.data_ptr() == old.data_ptr(), "the fake reuses the freed block (first fit), as PyTorch may"
+    for i, t in enumerate((w1, rope, new, flags)):
+        pool.write(t.data_ptr(), pattern(t._nbytes, i))
+
+    reports = torpor.sleep(2, "tl.model")
+    # Offloaded: rope and flags, the tails of rounded blocks; never free space or parameters.
+    assert reports[0]["bytes_offloaded"] == (8 << 10) + (32 << 10)
+    torpor.wake_up("tl.model")
+    assert pool.read(rope.data_ptr(), 8 << 10) == pattern(8 << 10, 1)
+    assert pool.read(flags.data_ptr(), 32 << 10) == pattern(32 << 10, 3), "stale parameter class was refreshed"
+    assert pool.read(w1.data_ptr(), 64 << 10) == POISON * (64 << 10)
+    assert pool.read(new.data_ptr(), 32 << 10) == POISON * (32 << 10), "the replacement is a parameter"
+
+
+def test_entering_a_sleeping_tag_is_refused(torch):
+    with torpor.use_pool("tl.sleeper"):
+        torch.empty(MiB)  # leaves a cached free MiB that PyTorch would hand out without asking
+    torpor.sleep(1, "tl.sleeper")
+    with pytest.raises(torpor.InvalidState, match=r"use_pool: tag 'tl.sleeper' is asleep on device 0 \(level 1\); "
+                                                  r"wake_up\(\['tl.sleeper'\]\)"):
+        with torpor.use_pool("tl.sleeper"):
+            pytest.fail("entered")
+    assert current_tag() == ("default", torpor.MemoryClass.STATE)
+    torpor.wake_up("tl.sleeper")
+    with torpor.use_pool("tl.sleeper"):
+        torch.empty(MiB)
+
+
+def test_a_refused_segment_raises_torpors_error_from_pytorchs(torch):
+    with pytest.raises(torpor.InvalidState, match=r"PyTorch could not allocate in torpor pool 'tl.slept' on "
+                                                  r"device 0: .*'tl.slept' is asleep") as info:
+        with torpor.use_pool("tl.slept"):
+            torch.empty(MiB)
+            torpor.sleep(1, "tl.slept")  # inside the block: only torpor_torch_malloc can tell
+            torch.empty(4 * MiB)
+    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
+    assert current_tag() == ("default", torpor.MemoryClass.STATE)
+
+
+def test_other_errors_in_a_pool_pass_through(torch):
+    with pytest.raises(torch.OutOfMemoryError, match="not torpor's"):
+        with torpor.use_pool("tl.other"):
+            raise torch.OutOfMemoryError("not torpor's")
+    with pytest.raises(KeyError):
+        with torpor.use_pool("tl.other"):
+            raise KeyError("x")
+
+
+def test_bad_calls_are_typed_errors(torch):
+    with torpor.use_pool("tl.cls"):
+        torch.empty(MiB)
+    with pytest.raises(torpor.InvalidArgument, match="tag 'tl.cls' already allocates class state"):
+        with torpor.use_pool("tl.cls", memory_class="cache"):
+            pass
+    with pytest.raises(torpor.InvalidArgument, match="level 5 is not 0, 1 or 2"):
+        torpor.sleep(5)
+    with pytest.raises(torpor.InvalidArgument, match="sleep: unknown tag 'nope'"):
+        torpor.sleep(1, ["nope"])
+    with pytest.raises(torpor.InvalidArgument, match="use_pool: tag '' is not a non-empty string"):
+        torpor.use_pool("").__enter__()
+    with pytest.raises(torpor.InvalidArgument, match="no torpor pool on device 3"):
+        torpor.stats(3)
+    assert torpor.wake_up([]) == {} and torpor.sleep(1, []) == {}
+
+
+def test_expandable_segments_are_off_inside_torpor_pools(torch, monkeypatch):
+    torch.settings_calls.clear()
+    with torpor.use_pool("tl.exp"):
+        pass
+    assert torch.settings_calls == []
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64, expandable_segments:True")
+    with torpor.use_pool("tl.exp"):
+        with torpor.use_pool("tl.exp"):
+            assert torch.settings_calls == ["expandable_segments:False"]
+        assert torch.settings_calls == ["expandable_segments:False"], "only the outermost exit turns them on"
+    assert torch.settings_calls == ["expandable_segments:False", "expandable_segments:True"]
+
+
+def test_segments_torpor_did_not_map_are_reported_at_sleep(torch):
+    with torpor.use_pool("tl.foreign") as pool:
+        torch.empty(MiB)
+    pool.extra_segments.append({"device": 0, "address": 0x7fff_0000_0000, "total_size": 2 * MiB,
+                                "is_expandable": True, "segment_pool_id": pool.id,
+                                "blocks": [{"size": 2 * MiB, "state": "active_allocated"}]})
+    with pytest.warns(RuntimeWarning, match=r"1 segment\(s\) of torpor pool 'tl.foreign' .*expandable"):
+        torpor.sleep(1, "tl.foreign")
+
+
+def test_sleep_and_wake_restore_the_current_device(torch):
+    with torpor.use_pool("tl.dev"):
+        torch.empty(MiB)
+    calls = torch.current["set_device_calls"]
+    torpor.sleep(1, "tl.dev")
+    torpor.wake_up("tl.dev")
+    assert torch.current["set_device_calls"] == calls + 2 and torch.cuda.current_device() == 0
+
+
+def test_vllm_cumem_allocator_maps_offload_tags_to_levels(torch):
+    allocator = torpor.CuMemAllocator.get_instance()
+    with allocator.use_memory_pool(tag="tl.vllm_weights"):
+        torch.empty(MiB)
+    with allocator.use_memory_pool(tag="tl.vllm_other"):
+        torch.empty(MiB)
+    assert allocator.get_current_usage() >= 4 * MiB
+    allocator.sleep(offload_tags="tl.vllm_weights")
+    tags = torpor.stats(0)["tags"]
+    assert (tags["tl.vllm_weights"]["level"], tags["tl.vllm_other"]["level"]) == (1, 2)
+    allocator.wake_up(["tl.vllm_weights"])
+    tags = torpor.stats(0)["tags"]
+    assert not tags["tl.vllm_weights"]["asleep"] and tags["tl.vllm_other"]["asleep"]
+    allocator.wake_up()
+    assert not any(t["asleep"] for t in torpor.stats(0)["tags"].values())
