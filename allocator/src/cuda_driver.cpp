@@ -151,25 +151,48 @@ struct CudaDriver::Impl {
                          fmt::format("device {} does not exist ({} present)", device, devices.size()));
   }
 
-  // Make the device's primary context current on this thread.
-  void bind(int device, const char* call) {
-    check_device(device, call);
-    CUcontext ctx;
-    {
-      std::lock_guard lock(mu);
-      auto i = static_cast<std::size_t>(device);
-      if (contexts[i] == nullptr) check(cuDevicePrimaryCtxRetain_(&contexts[i], devices[i]), "cuDevicePrimaryCtxRetain",
-                                        fmt::format("device {}", device));
-      ctx = contexts[i];
+  // While alive, the context a call needs is current on this thread; the caller's own
+  // current context (a framework's current device) comes back at the end of the call.
+  class ContextGuard {
+   public:
+    ContextGuard(const Impl* d, CUcontext previous, bool restore) : d_(d), previous_(previous), restore_(restore) {}
+    ContextGuard(const ContextGuard&) = delete;
+    ContextGuard& operator=(const ContextGuard&) = delete;
+    ~ContextGuard() {
+      if (restore_ && d_->cuCtxSetCurrent_(previous_) != CUDA_SUCCESS)
+        log::error("CudaDriver: restoring the caller's current context failed");
     }
+
+   private:
+    const Impl* d_;
+    CUcontext previous_;
+    bool restore_;
+  };
+
+  CUcontext primary(int device, const char* call) {
+    check_device(device, call);
+    std::lock_guard lock(mu);
+    auto i = static_cast<std::size_t>(device);
+    if (contexts[i] == nullptr)
+      check(cuDevicePrimaryCtxRetain_(&contexts[i], devices[i]), "cuDevicePrimaryCtxRetain", fmt::format("device {}", device));
+    return contexts[i];
+  }
+
+  // Make the device's primary context current for the duration of a call.
+  [[nodiscard]] ContextGuard bind(int device, const char* call) {
+    CUcontext ctx = primary(device, call);
+    CUcontext previous = nullptr;
+    check(cuCtxGetCurrent_(&previous), "cuCtxGetCurrent", call);
+    if (previous == ctx) return ContextGuard(this, previous, false);
     check(cuCtxSetCurrent_(ctx), "cuCtxSetCurrent", fmt::format("device {}", device));
+    return ContextGuard(this, previous, true);
   }
 
   // VA operations need some context; keep the caller's if it has one.
-  void ensure_context(const char* call) {
+  [[nodiscard]] ContextGuard ensure_context(const char* call) {
     CUcontext cur = nullptr;
-    if (cuCtxGetCurrent_(&cur) == CUDA_SUCCESS && cur != nullptr) return;
-    bind(0, call);
+    if (cuCtxGetCurrent_(&cur) == CUDA_SUCCESS && cur != nullptr) return ContextGuard(this, cur, false);
+    return bind(0, call);
   }
 
   CUmemAllocationProp prop(int device, bool exportable) const {
@@ -263,7 +286,7 @@ DeviceProperties CudaDriver::device_properties(int device) {
   p.posix_fd_handles_supported = attribute(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED);
   p.multicast_attribute = attribute(CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED);
   if (p.vmm_supported) {
-    d.bind(device, "cuMemGetAllocationGranularity");
+    auto context = d.bind(device, "cuMemGetAllocationGranularity");
     CUmemAllocationProp prop = d.prop(device, false);
     d.check(d.cuMemGetAllocationGranularity_(&p.granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
             "cuMemGetAllocationGranularity", fmt::format("device {}", device));
@@ -285,7 +308,7 @@ bool CudaDriver::can_access_peer(int device, int peer) {
 
 MemoryInfo CudaDriver::memory_info(int device) {
   Impl& d = *impl_;
-  d.bind(device, "cuMemGetInfo");
+  auto context = d.bind(device, "cuMemGetInfo");
   MemoryInfo m;
   d.check(d.cuMemGetInfo_(&m.free_bytes, &m.total_bytes), "cuMemGetInfo", fmt::format("device {}", device));
   return m;
@@ -295,7 +318,7 @@ bool CudaDriver::multicast_entry_points() { return impl_->has_multicast(); }
 
 device_ptr CudaDriver::reserve(std::size_t bytes, std::size_t alignment) {
   Impl& d = *impl_;
-  d.ensure_context("cuMemAddressReserve");
+  auto context = d.ensure_context("cuMemAddressReserve");
   CUdeviceptr p = 0;
   d.check(d.cuMemAddressReserve_(&p, bytes, alignment, 0, 0), "cuMemAddressReserve",
           fmt::format("size {:#x} alignment {:#x}", bytes, alignment));
@@ -304,14 +327,14 @@ device_ptr CudaDriver::reserve(std::size_t bytes, std::size_t alignment) {
 
 void CudaDriver::free_reservation(device_ptr va, std::size_t bytes) {
   Impl& d = *impl_;
-  d.ensure_context("cuMemAddressFree");
+  auto context = d.ensure_context("cuMemAddressFree");
   d.check(d.cuMemAddressFree_(static_cast<CUdeviceptr>(va), bytes), "cuMemAddressFree",
           fmt::format("va {:#x} size {:#x}", va, bytes));
 }
 
 PhysicalHandle CudaDriver::create(int device, std::size_t bytes, bool exportable) {
   Impl& d = *impl_;
-  d.bind(device, "cuMemCreate");
+  auto context = d.bind(device, "cuMemCreate");
   CUmemAllocationProp prop = d.prop(device, exportable);
   CUmemGenericAllocationHandle h = 0;
   d.check(d.cuMemCreate_(&h, bytes, &prop, 0), "cuMemCreate",
@@ -321,14 +344,14 @@ PhysicalHandle CudaDriver::create(int device, std::size_t bytes, bool exportable
 
 void CudaDriver::release(PhysicalHandle handle) {
   Impl& d = *impl_;
-  d.ensure_context("cuMemRelease");
+  auto context = d.ensure_context("cuMemRelease");
   d.check(d.cuMemRelease_(static_cast<CUmemGenericAllocationHandle>(handle.value)), "cuMemRelease",
           fmt::format("handle {:#x}", handle.value));
 }
 
 void CudaDriver::map(device_ptr va, std::size_t bytes, PhysicalHandle handle, std::size_t handle_offset) {
   Impl& d = *impl_;
-  d.ensure_context("cuMemMap");
+  auto context = d.ensure_context("cuMemMap");
   d.check(d.cuMemMap_(static_cast<CUdeviceptr>(va), bytes, handle_offset,
                       static_cast<CUmemGenericAllocationHandle>(handle.value), 0),
           "cuMemMap", fmt::format("va {:#x} size {:#x} handle {:#x} offset {:#x}", va, bytes, handle.value, handle_offset));
@@ -336,13 +359,13 @@ void CudaDriver::map(device_ptr va, std::size_t bytes, PhysicalHandle handle, st
 
 void CudaDriver::unmap(device_ptr va, std::size_t bytes) {
   Impl& d = *impl_;
-  d.ensure_context("cuMemUnmap");
+  auto context = d.ensure_context("cuMemUnmap");
   d.check(d.cuMemUnmap_(static_cast<CUdeviceptr>(va), bytes), "cuMemUnmap", fmt::format("va {:#x} size {:#x}", va, bytes));
 }
 
 void CudaDriver::set_access(device_ptr va, std::size_t bytes, std::span<const int> devices) {
   Impl& d = *impl_;
-  d.ensure_context("cuMemSetAccess");
+  auto context = d.ensure_context("cuMemSetAccess");
   std::vector<CUmemAccessDesc> desc;
   for (int dev : devices) {
     d.check_device(dev, "cuMemSetAccess");
@@ -358,7 +381,7 @@ void CudaDriver::set_access(device_ptr va, std::size_t bytes, std::span<const in
 
 int CudaDriver::export_fd(PhysicalHandle handle) {
   Impl& d = *impl_;
-  d.ensure_context("cuMemExportToShareableHandle");
+  auto context = d.ensure_context("cuMemExportToShareableHandle");
   int fd = -1;
   d.check(d.cuMemExportToShareableHandle_(&fd, static_cast<CUmemGenericAllocationHandle>(handle.value),
                                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
@@ -368,7 +391,7 @@ int CudaDriver::export_fd(PhysicalHandle handle) {
 
 PhysicalHandle CudaDriver::import_fd(int fd) {
   Impl& d = *impl_;
-  d.ensure_context("cuMemImportFromShareableHandle");
+  auto context = d.ensure_context("cuMemImportFromShareableHandle");
   CUmemGenericAllocationHandle h = 0;
   // The POSIX fd is passed by value, cast through a pointer-sized integer as the API requires.
   d.check(d.cuMemImportFromShareableHandle_(&h, reinterpret_cast<void*>(static_cast<std::uintptr_t>(fd)),
@@ -394,7 +417,7 @@ std::size_t CudaDriver::multicast_granularity(std::span<const int> devices, std:
   prop.size = bytes;
   prop.handleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   std::size_t g = 0;
-  d.ensure_context("cuMulticastGetGranularity");
+  auto context = d.ensure_context("cuMulticastGetGranularity");
   d.check(d.cuMulticastGetGranularity_(&g, &prop, CU_MULTICAST_GRANULARITY_RECOMMENDED), "cuMulticastGetGranularity",
           fmt::format("devices {} size {:#x}", devices.size(), bytes));
   return g;
@@ -411,7 +434,7 @@ MulticastHandle CudaDriver::multicast_create(std::span<const int> devices, std::
   prop.size = bytes;
   prop.handleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   CUmemGenericAllocationHandle h = 0;
-  d.ensure_context("cuMulticastCreate");
+  auto context = d.ensure_context("cuMulticastCreate");
   d.check(d.cuMulticastCreate_(&h, &prop), "cuMulticastCreate", fmt::format("devices {} size {:#x}", devices.size(), bytes));
   return MulticastHandle{static_cast<std::uint64_t>(h)};
 }
@@ -420,7 +443,7 @@ void CudaDriver::multicast_add_device(MulticastHandle mc, int device) {
   Impl& d = *impl_;
   refuse_if_killed("cuMulticastAddDevice");
   d.check_device(device, "cuMulticastAddDevice");
-  d.ensure_context("cuMulticastAddDevice");
+  auto context = d.ensure_context("cuMulticastAddDevice");
   d.check(d.cuMulticastAddDevice_(static_cast<CUmemGenericAllocationHandle>(mc.value),
                                   d.devices[static_cast<std::size_t>(device)]),
           "cuMulticastAddDevice", fmt::format("device {}", device));
@@ -430,7 +453,7 @@ void CudaDriver::multicast_bind(MulticastHandle mc, std::size_t mc_offset, Physi
                                 std::size_t memory_offset, std::size_t bytes) {
   Impl& d = *impl_;
   refuse_if_killed("cuMulticastBindMem");
-  d.ensure_context("cuMulticastBindMem");
+  auto context = d.ensure_context("cuMulticastBindMem");
   d.check(d.cuMulticastBindMem_(static_cast<CUmemGenericAllocationHandle>(mc.value), mc_offset,
                                 static_cast<CUmemGenericAllocationHandle>(memory.value), memory_offset, bytes, 0),
           "cuMulticastBindMem", fmt::format("mc offset {:#x} size {:#x}", mc_offset, bytes));
@@ -440,7 +463,7 @@ void CudaDriver::multicast_unbind(MulticastHandle mc, int device, std::size_t mc
   Impl& d = *impl_;
   if (!d.has_multicast()) throw_driver_error(CUDA_ERROR_NOT_SUPPORTED, "cuMulticastUnbind", "not in this driver");
   d.check_device(device, "cuMulticastUnbind");
-  d.ensure_context("cuMulticastUnbind");
+  auto context = d.ensure_context("cuMulticastUnbind");
   d.check(d.cuMulticastUnbind_(static_cast<CUmemGenericAllocationHandle>(mc.value),
                                d.devices[static_cast<std::size_t>(device)], mc_offset, bytes),
           "cuMulticastUnbind", fmt::format("device {} mc offset {:#x} size {:#x}", device, mc_offset, bytes));
@@ -448,14 +471,14 @@ void CudaDriver::multicast_unbind(MulticastHandle mc, int device, std::size_t mc
 
 void CudaDriver::multicast_release(MulticastHandle mc) {
   Impl& d = *impl_;
-  d.ensure_context("cuMemRelease");
+  auto context = d.ensure_context("cuMemRelease");
   d.check(d.cuMemRelease_(static_cast<CUmemGenericAllocationHandle>(mc.value)), "cuMemRelease(multicast)",
           fmt::format("handle {:#x}", mc.value));
 }
 
 void* CudaDriver::host_alloc(std::size_t bytes) {
   Impl& d = *impl_;
-  d.ensure_context("cuMemHostAlloc");
+  auto context = d.ensure_context("cuMemHostAlloc");
   void* p = nullptr;
   d.check(d.cuMemHostAlloc_(&p, bytes, CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc", fmt::format("size {}", bytes));
   return p;
@@ -463,13 +486,13 @@ void* CudaDriver::host_alloc(std::size_t bytes) {
 
 void CudaDriver::host_free(void* p) {
   Impl& d = *impl_;
-  d.ensure_context("cuMemFreeHost");
+  auto context = d.ensure_context("cuMemFreeHost");
   d.check(d.cuMemFreeHost_(p), "cuMemFreeHost", fmt::format("{}", p));
 }
 
 Stream CudaDriver::stream_create(int device) {
   Impl& d = *impl_;
-  d.bind(device, "cuStreamCreate");
+  auto context = d.bind(device, "cuStreamCreate");
   CUstream s = nullptr;
   d.check(d.cuStreamCreate_(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate", fmt::format("device {}", device));
   return Stream{reinterpret_cast<std::uint64_t>(s), device};
@@ -477,13 +500,13 @@ Stream CudaDriver::stream_create(int device) {
 
 void CudaDriver::stream_destroy(Stream s) {
   Impl& d = *impl_;
-  d.bind(s.device, "cuStreamDestroy");
+  auto context = d.bind(s.device, "cuStreamDestroy");
   d.check(d.cuStreamDestroy_(reinterpret_cast<CUstream>(s.value)), "cuStreamDestroy", "");
 }
 
 void CudaDriver::copy_async(void* dst, const void* src, std::size_t bytes, Stream s) {
   Impl& d = *impl_;
-  d.bind(s.device, "cuMemcpyAsync");
+  auto context = d.bind(s.device, "cuMemcpyAsync");
   d.check(d.cuMemcpyAsync_(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(src), bytes,
                            reinterpret_cast<CUstream>(s.value)),
           "cuMemcpyAsync", fmt::format("dst {} src {} size {}", dst, src, bytes));
@@ -491,26 +514,26 @@ void CudaDriver::copy_async(void* dst, const void* src, std::size_t bytes, Strea
 
 void CudaDriver::fill_async(device_ptr dst, std::uint8_t value, std::size_t bytes, Stream s) {
   Impl& d = *impl_;
-  d.bind(s.device, "cuMemsetD8Async");
+  auto context = d.bind(s.device, "cuMemsetD8Async");
   d.check(d.cuMemsetD8Async_(static_cast<CUdeviceptr>(dst), value, bytes, reinterpret_cast<CUstream>(s.value)),
           "cuMemsetD8Async", fmt::format("dst {:#x} size {}", dst, bytes));
 }
 
 void CudaDriver::stream_synchronize(Stream s) {
   Impl& d = *impl_;
-  d.bind(s.device, "cuStreamSynchronize");
+  auto context = d.bind(s.device, "cuStreamSynchronize");
   d.check(d.cuStreamSynchronize_(reinterpret_cast<CUstream>(s.value)), "cuStreamSynchronize", "");
 }
 
 void CudaDriver::device_synchronize(int device) {
   Impl& d = *impl_;
-  d.bind(device, "cuCtxSynchronize");
+  auto context = d.bind(device, "cuCtxSynchronize");
   d.check(d.cuCtxSynchronize_(), "cuCtxSynchronize", fmt::format("device {}", device));
 }
 
 Event CudaDriver::event_create(int device) {
   Impl& d = *impl_;
-  d.bind(device, "cuEventCreate");
+  auto context = d.bind(device, "cuEventCreate");
   CUevent e = nullptr;
   d.check(d.cuEventCreate_(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate", fmt::format("device {}", device));
   return Event{reinterpret_cast<std::uint64_t>(e), device};
@@ -518,33 +541,33 @@ Event CudaDriver::event_create(int device) {
 
 void CudaDriver::event_destroy(Event e) {
   Impl& d = *impl_;
-  d.bind(e.device, "cuEventDestroy");
+  auto context = d.bind(e.device, "cuEventDestroy");
   d.check(d.cuEventDestroy_(reinterpret_cast<CUevent>(e.value)), "cuEventDestroy", "");
 }
 
 void CudaDriver::event_record(Event e, Stream s) {
   Impl& d = *impl_;
-  d.bind(s.device, "cuEventRecord");
+  auto context = d.bind(s.device, "cuEventRecord");
   d.check(d.cuEventRecord_(reinterpret_cast<CUevent>(e.value), reinterpret_cast<CUstream>(s.value)), "cuEventRecord", "");
 }
 
 void CudaDriver::stream_wait_event(Stream s, Event e) {
   Impl& d = *impl_;
-  d.bind(s.device, "cuStreamWaitEvent");
+  auto context = d.bind(s.device, "cuStreamWaitEvent");
   d.check(d.cuStreamWaitEvent_(reinterpret_cast<CUstream>(s.value), reinterpret_cast<CUevent>(e.value), 0),
           "cuStreamWaitEvent", "");
 }
 
 void CudaDriver::event_synchronize(Event e) {
   Impl& d = *impl_;
-  d.bind(e.device, "cuEventSynchronize");
+  auto context = d.bind(e.device, "cuEventSynchronize");
   d.check(d.cuEventSynchronize_(reinterpret_cast<CUevent>(e.value)), "cuEventSynchronize", "");
 }
 
 void CudaDriver::hash(std::span<const HashRange> ranges, Hash128* out, Stream s) {
   Impl& d = *impl_;
   const char* call = "hash (content_hash kernel)";
-  d.bind(s.device, call);
+  auto context = d.bind(s.device, call);
   HashState& h = *d.hash_states[static_cast<std::size_t>(s.device)];
   std::lock_guard lock(h.mu);
   if (h.module == nullptr) {

@@ -106,3 +106,43 @@ TEST(MulticastPolicy, AttributeOffIsTheReason) {
 
 }  // namespace
 }  // namespace torpor
+
+#ifdef TORPOR_HAVE_CUDA
+#include <dlfcn.h>
+
+#include <thread>
+
+#include "torpor/cuda_driver.hpp"
+
+namespace torpor {
+namespace {
+
+// A framework (PyTorch) keeps its current device as the thread's current context; a torpor
+// call on another device must not leave that device current behind.
+TEST(CudaDriver, LeavesTheCallersCurrentContextAlone) {
+  std::string why;
+  auto d = CudaDriver::open(&why);
+  if (!d) GTEST_SKIP() << "no usable GPU: " << why;
+  void* lib = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  ASSERT_NE(lib, nullptr);
+  using get_current_t = int (*)(void**);
+  auto get_current = reinterpret_cast<get_current_t>(::dlsym(lib, "cuCtxGetCurrent"));
+  ASSERT_NE(get_current, nullptr);
+  std::thread([&] {
+    void* before = reinterpret_cast<void*>(1);
+    ASSERT_EQ(get_current(&before), 0);
+    Stream s = d->stream_create(d->device_count() - 1);
+    d->memory_info(0);
+    device_ptr va = d->reserve(d->device_properties(0).granularity, 0);
+    d->free_reservation(va, d->device_properties(0).granularity);
+    d->stream_destroy(s);
+    void* after = reinterpret_cast<void*>(1);
+    ASSERT_EQ(get_current(&after), 0);
+    EXPECT_EQ(after, before);
+  }).join();
+  ::dlclose(lib);
+}
+
+}  // namespace
+}  // namespace torpor
+#endif
