@@ -119,7 +119,7 @@ DriverSelection open_driver(Backend requested, const HostDriverOptions& host_opt
   why = "this build of torpor has no CUDA backend (configured with TORPOR_CUDA=OFF)";
 #endif
   if (requested == Backend::cuda)
-    throw error(fmt::format("the cuda backend was requested{} but cannot be used: {}",
+    throw unavailable(fmt::format("the cuda backend was requested{} but cannot be used: {}",
                             from_env ? " (TORPOR_BACKEND=cuda)" : "", why));
   return host(fmt::format("no usable GPU: {}", why));
 }

@@ -59,6 +59,8 @@ torpor_status guarded(const char* fn, F&& f) {
     return fail(TORPOR_ERROR_OUT_OF_MEMORY, fmt::format("{}: {}", fn, e.what()));
   } catch (const timeout_error& e) {
     return fail(TORPOR_ERROR_TIMEOUT, fmt::format("{}: {}", fn, e.what()));
+  } catch (const unavailable& e) {
+    return fail(TORPOR_ERROR_UNAVAILABLE, fmt::format("{}: {}", fn, e.what()));
   } catch (const driver_error& e) {
     return fail(e.is_out_of_memory() ? TORPOR_ERROR_OUT_OF_MEMORY : TORPOR_ERROR_DRIVER,
                 fmt::format("{}: {}", fn, e.what()));
@@ -285,6 +287,7 @@ const char* torpor_status_name(torpor_status s) {
     case TORPOR_ERROR_TIMEOUT: return "TORPOR_ERROR_TIMEOUT";
     case TORPOR_ERROR_INVALID_HANDLE: return "TORPOR_ERROR_INVALID_HANDLE";
     case TORPOR_ERROR_INTERNAL: return "TORPOR_ERROR_INTERNAL";
+    case TORPOR_ERROR_UNAVAILABLE: return "TORPOR_ERROR_UNAVAILABLE";
   }
   return "TORPOR_ERROR_UNKNOWN";
 }

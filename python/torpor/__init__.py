@@ -16,7 +16,7 @@ from . import errors
 from ._lib import last_error, library_path
 from .compat import CuMemAllocator
 from .errors import (DriverError, InternalError, InvalidArgument, InvalidHandle, InvalidState, LibraryNotFound,
-                     OutOfMemory, Timeout, TorchUnavailable, TorporError)
+                     OutOfMemory, Timeout, TorchUnavailable, TorporError, Unavailable)
 from .pool import MemoryClass, Pool
 from .torch_pools import Registration, configure, pools, register_parameters, sleep, stats, use_pool, wake_up
 
@@ -25,6 +25,6 @@ __version__ = "0.1.0"
 __all__ = [
     "CuMemAllocator", "DriverError", "InternalError", "InvalidArgument", "InvalidHandle", "InvalidState",
     "LibraryNotFound", "MemoryClass", "OutOfMemory", "Pool", "Registration", "Timeout", "TorchUnavailable",
-    "TorporError", "configure", "errors", "last_error", "library_path", "pools", "register_parameters", "sleep",
+    "TorporError", "Unavailable", "configure", "errors", "last_error", "library_path", "pools", "register_parameters", "sleep",
     "stats", "use_pool", "wake_up",
 ]

@@ -63,6 +63,12 @@ class InternalError(TorporError, RuntimeError):
     status, status_name = 7, "TORPOR_ERROR_INTERNAL"
 
 
+class Unavailable(TorporError, RuntimeError):
+    """The backend or feature is not available here (e.g. the cuda backend without a usable GPU)."""
+
+    status, status_name = 8, "TORPOR_ERROR_UNAVAILABLE"
+
+
 class LibraryNotFound(TorporError, ImportError):
     """libtorpor.so could not be found or loaded (the message lists where torpor looked)."""
 
@@ -72,7 +78,7 @@ class TorchUnavailable(TorporError, ImportError):
 
 
 _BY_STATUS = {cls.status: cls for cls in (InvalidArgument, InvalidState, OutOfMemory, DriverError,
-                                          Timeout, InvalidHandle, InternalError)}
+                                          Timeout, InvalidHandle, InternalError, Unavailable)}
 
 
 def error_for(status: int, message: str) -> TorporError:

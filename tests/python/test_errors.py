@@ -15,13 +15,20 @@ def test_the_hierarchy_mirrors_the_status_codes():
     expected = {1: (torpor.InvalidArgument, ValueError), 2: (torpor.InvalidState, RuntimeError),
                 3: (torpor.OutOfMemory, MemoryError), 4: (torpor.DriverError, RuntimeError),
                 5: (torpor.Timeout, TimeoutError), 6: (torpor.InvalidHandle, ValueError),
-                7: (torpor.InternalError, RuntimeError)}
+                7: (torpor.InternalError, RuntimeError), 8: (torpor.Unavailable, RuntimeError)}
     lib = torpor._lib.lib()
     for status, (cls, builtin) in expected.items():
         err = error_for(status, "message")
         assert type(err) is cls and isinstance(err, torpor.TorporError) and isinstance(err, builtin)
         assert err.status == status and lib.torpor_status_name(status).decode() == cls.status_name
         assert str(err) == "message"
+
+
+def test_the_cuda_backend_without_a_gpu_is_unavailable():
+    if torpor.Pool().backend == "cuda":
+        pytest.skip("a GPU is present; this checks the GPU-less path")
+    with pytest.raises(torpor.Unavailable, match="cuda backend was requested"):
+        torpor.Pool(backend="cuda")
 
 
 def test_allocating_into_a_sleeping_tag_is_invalid_state(pool):

@@ -48,6 +48,13 @@ class out_of_memory : public error {
   using error::error;
 };
 
+// A backend or feature this machine (or this build) cannot provide: the cuda backend without
+// a usable GPU, multicast where it is disabled.
+class unavailable : public error {
+ public:
+  using error::error;
+};
+
 // A bounded wait ran out (collective peer missing, device-side spin deadline).
 class timeout_error : public error {
  public:

@@ -30,7 +30,8 @@ typedef enum torpor_status {
   TORPOR_ERROR_DRIVER = 4,           /* a CUDA driver call failed */
   TORPOR_ERROR_TIMEOUT = 5,
   TORPOR_ERROR_INVALID_HANDLE = 6,   /* pool handle destroyed or never created */
-  TORPOR_ERROR_INTERNAL = 7
+  TORPOR_ERROR_INTERNAL = 7,
+  TORPOR_ERROR_UNAVAILABLE = 8       /* the backend or feature is not available here (no usable GPU, ...) */
 } torpor_status;
 
 typedef enum torpor_class {
