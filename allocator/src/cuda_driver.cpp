@@ -370,6 +370,30 @@ MulticastHandle CudaDriver::multicast_create(std::span<const int> devices, std::
   return MulticastHandle{static_cast<std::uint64_t>(h)};
 }
 
+int CudaDriver::multicast_export_fd(MulticastHandle mc) {
+  Impl& d = *impl_;
+  refuse_if_killed("cuMemExportToShareableHandle(multicast)");
+  d.ensure_context("cuMemExportToShareableHandle");
+  int fd = -1;
+  d.check(d.cuMemExportToShareableHandle_(&fd, static_cast<CUmemGenericAllocationHandle>(mc.value),
+                                          CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+          "cuMemExportToShareableHandle(multicast)", fmt::format("handle {:#x}", mc.value));
+  return fd;
+}
+
+MulticastHandle CudaDriver::multicast_import_fd(int fd) {
+  Impl& d = *impl_;
+  refuse_if_killed("cuMemImportFromShareableHandle(multicast)");
+  d.ensure_context("cuMemImportFromShareableHandle");
+  CUmemGenericAllocationHandle h = 0;
+  d.check(d.cuMemImportFromShareableHandle_(&h, reinterpret_cast<void*>(static_cast<std::uintptr_t>(fd)),
+                                            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+          "cuMemImportFromShareableHandle(multicast)", fmt::format("fd {}", fd));
+  return MulticastHandle{static_cast<std::uint64_t>(h)};
+}
+
+void CudaDriver::make_current(int device) { impl_->bind(device, "cuCtxSetCurrent"); }
+
 void CudaDriver::multicast_add_device(MulticastHandle mc, int device) {
   Impl& d = *impl_;
   refuse_if_killed("cuMulticastAddDevice");
