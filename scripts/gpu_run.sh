@@ -2,7 +2,10 @@
 # Builds torpor on a GPU machine and runs the GPU tests and benches in one go. Used with the
 # device tool (`run`), whose $OUT folder comes back; elsewhere OUT defaults to ./gpu-out.
 #
-#   scripts/gpu_run.sh [stage ...]     stages: probe tests bench-sleep (default: probe tests)
+#   scripts/gpu_run.sh [stage ...]     stages: probe tests bench-sleep symmetric (default: probe tests)
+#
+# symmetric needs two GPUs (device kind nvidia-h200-x2): two processes, one per GPU, symmetric
+# memory through sleep level 2 (`torpor symmetric-check`); it prints SKIP and the reason otherwise.
 #
 # The multicast kill switches are always set: these machines are shared, and a multicast
 # object can take their GPUs out of service. torpor honours every one of them.
@@ -45,6 +48,11 @@ for stage in "${stages[@]}"; do
       ;;
     bench-sleep)
       build-gpu/bench/torpor_bench_sleep --json "$OUT/bench-sleep.json" 2>&1 | tee "$OUT/bench-sleep.txt" || status=1
+      ;;
+    symmetric)
+      build-gpu/tools/torpor symmetric-check --backend cuda --ranks 2 --bytes 4G --json "$OUT/symmetric.json" \
+        > "$OUT/symmetric.txt" 2>&1 || status=1
+      cat "$OUT/symmetric.txt"
       ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
