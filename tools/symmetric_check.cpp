@@ -9,8 +9,13 @@
 // mapping). Multicast is never requested: the group's decision is reported only (no multicast
 // call is made to reach it).
 //
-// On the cuda backend it needs one device per rank with peer access; otherwise it prints SKIP and
-// the reason, and exits 0. The host backend runs it anywhere (CI smoke test).
+// --group nccl carries the bytes over NCCL (NcclGroup; fds still over the Unix socket);
+// --timeout-check adds a phase where the last rank stays away from a barrier: the others must
+// time out naming it, then every rank recovers and the group works again.
+//
+// On the cuda backend it needs one device per rank with peer access (and libnccl for --group
+// nccl); otherwise it prints SKIP and the reason, and exits 0. The host backend runs it anywhere
+// (CI smoke test).
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <signal.h>
@@ -29,6 +34,7 @@
 #include "torpor/error.hpp"
 #include "torpor/group.hpp"
 #include "torpor/multicast_decision.hpp"
+#include "torpor/nccl_group.hpp"
 #include "torpor/pool.hpp"
 #include "torpor/symmetric.hpp"
 
@@ -45,8 +51,10 @@ struct Options {
   int ranks = 2;
   std::string bytes = "1G";
   std::string backend = "auto";
+  std::string group = "unix";
   std::string json;
   int timeout_s = 120;
+  bool timeout_check = false;
   bool worker = false;
 };
 
@@ -81,7 +89,13 @@ int worker(const Options& o) {
   Driver& driver = *sel.driver;
   GroupOptions go;
   go.timeout = std::chrono::seconds(o.timeout_s);
-  auto group = unix_group_from_env(go);
+  auto bootstrap = unix_group_from_env(go);
+  std::unique_ptr<Group> nccl;
+  Group* group = bootstrap.get();
+  if (o.group == "nccl") {
+    nccl = std::make_unique<NcclGroup>(*bootstrap, driver, bootstrap->rank(), go);
+    group = nccl.get();
+  }
   const int rank = group->rank(), n = group->size();
   const int device = rank;
   const std::size_t bytes = parse_size(o.bytes);
@@ -146,6 +160,30 @@ int worker(const Options& o) {
   driver.host_free(stage);
   pool.deallocate(scratch);
 
+  // Optional: the last rank stays away from one barrier; the others must time out naming it,
+  // then every rank recovers the group and it works again.
+  std::string timeout_result = "not run";
+  if (o.timeout_check && n > 1) {
+    const auto t = std::chrono::seconds(o.timeout_s);
+    if (rank == n - 1) {
+      // Long enough for the others to give up (NCCL: its timeout, then the bootstrap's).
+      std::this_thread::sleep_for(o.group == "nccl" ? t * 5 / 2 : t * 3 / 2);
+      timeout_result = "absent on purpose";
+    } else {
+      try {
+        group->barrier();
+        timeout_result = "FAIL: the barrier returned without the last rank";
+      } catch (const group_timeout& e) {
+        timeout_result = e.missing() == std::vector<int>{n - 1}
+                             ? fmt::format("ok: rank {} named", n - 1)
+                             : fmt::format("FAIL: named {}: {}", format_ranks(e.missing()), e.what());
+      }
+    }
+    group->recover();
+    group->barrier();
+    if (timeout_result.rfind("FAIL", 0) != 0) timeout_result += ", recovered";
+  }
+
   std::size_t returned = free_asleep > free_before ? free_asleep - free_before : 0;
   bool memory_ok = returned >= buf.part_bytes();
   nlohmann::json j = {{"rank", rank},
@@ -165,16 +203,23 @@ int worker(const Options& o) {
                       {"addresses_unchanged", addresses},
                       {"own_bytes_intact", own_ok},
                       {"peer_bytes_intact", peers_ok},
+                      {"group", std::string(group->kind())},
+                      {"timeout_check", timeout_result},
                       {"multicast", decision.use ? std::string("used") : "not used: " + decision.reason}};
   fmt::print("{}\n", j.dump());
   std::fflush(stdout);
   group->barrier();
-  return (memory_ok && addresses && own_ok && peers_ok) ? 0 : 1;
+  bool timeout_ok = timeout_result.rfind("FAIL", 0) != 0;
+  return (memory_ok && addresses && own_ok && peers_ok && timeout_ok) ? 0 : 1;
 }
 
 // Why this machine cannot run the check on `backend`, or "".
 std::string skip_reason(const Options& o) {
   Backend b = parse_backend(o.backend);
+  if (o.group == "nccl") {
+    if (b == Backend::host) return "the nccl group needs the cuda backend";
+    if (std::string why; !NcclGroup::available(&why)) return why;
+  }
   if (b == Backend::host) return "";
   DriverSelection sel;
   try {
@@ -182,7 +227,7 @@ std::string skip_reason(const Options& o) {
   } catch (const std::exception& e) {
     return e.what();
   }
-  if (sel.backend == Backend::host) return "";  // automatic chose host: runs there
+  if (sel.backend == Backend::host) return o.group == "nccl" ? "no usable GPU for the nccl group: " + sel.reason : "";
   Driver& d = *sel.driver;
   int count = d.device_count();
   if (count < o.ranks)
@@ -207,7 +252,9 @@ int parent(const Options& o) {
     int p[2];
     if (::pipe2(p, O_CLOEXEC) != 0) throw error("pipe2 failed");
     std::vector<std::string> args = {"torpor", "symmetric-check", "--worker", "--ranks", std::to_string(o.ranks),
-                                     "--bytes", o.bytes, "--backend", o.backend, "--timeout", std::to_string(o.timeout_s)};
+                                     "--bytes", o.bytes, "--backend", o.backend, "--timeout", std::to_string(o.timeout_s),
+                                     "--group", o.group};
+    if (o.timeout_check) args.push_back("--timeout-check");
     std::vector<std::string> env_strings;
     for (char** e = environ; *e != nullptr; ++e) {
       std::string_view s(*e);
@@ -293,6 +340,10 @@ int parent(const Options& o) {
     multicast = j["multicast"].get<std::string>();
   }
   fmt::print("multicast: {}\n", multicast);
+  for (const auto& j : all)
+    if (j["timeout_check"].get<std::string>() != "not run")
+      fmt::print("timeout check ({} group), rank {}: {}\n", j["group"].get<std::string>(), j["rank"].get<int>(),
+                 j["timeout_check"].get<std::string>());
   fmt::print("{}\n", ok ? "PASS: every rank's memory returned while asleep; addresses and bytes intact after wake"
                         : "FAIL");
   if (!o.json.empty()) {
@@ -314,6 +365,10 @@ void add_symmetric_check(CLI::App& app, int& exit_code) {
   cmd->add_option("--backend", o->backend, "auto, host or cuda")->check(CLI::IsMember({"auto", "host", "cuda"}));
   cmd->add_option("--json", o->json, "Also write the results to this file");
   cmd->add_option("--timeout", o->timeout_s, "Group timeout in seconds (default 120)");
+  cmd->add_option("--group", o->group, "unix (Unix socket rendezvous) or nccl (bytes over NCCL, fds over unix)")
+      ->check(CLI::IsMember({"unix", "nccl"}));
+  cmd->add_flag("--timeout-check", o->timeout_check,
+                "Also check that a missing rank is named in a timeout and that recover() restores the group");
   cmd->add_flag("--worker", o->worker, "Internal: run as one rank (group from the environment)")->group("");
   cmd->callback([o, &exit_code] { exit_code = o->worker ? worker(*o) : parent(*o); });
 }
