@@ -7,7 +7,9 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <cstring>
 #include <latch>
@@ -15,6 +17,8 @@
 
 #include "support/processes.hpp"
 #include "torpor/group.hpp"
+#include "torpor/host_driver.hpp"
+#include "torpor/nccl_group.hpp"
 
 namespace torpor::test {
 namespace {
@@ -411,6 +415,23 @@ TEST(RendezvousTest, RoundTripsAndRejectsMalformedText) {
   EXPECT_THROW(Rendezvous::parse("/tmp/x#abc"), invalid_argument);
   rv.remove();
   EXPECT_NE(::stat(rv.directory.c_str(), &st), 0);
+}
+
+// NCCL needs a GPU; here only its refusal of the host backend can be checked. The GPU run
+// exercises it (scripts/gpu_run.sh symmetric-nccl).
+TEST(NcclGroupTest, RefusesTheHostBackendSayingWhy) {
+  HostDriver host;
+  auto groups = make_thread_group(1, fast(1s));
+  try {
+    NcclGroup g(*groups[0], host, 0, fast(1s));
+    ADD_FAILURE() << "an NCCL group over the host backend was created";
+  } catch (const error& e) {
+    std::string what = e.what();
+    std::transform(what.begin(), what.end(), what.begin(), [](unsigned char c) { return std::tolower(c); });
+    EXPECT_NE(what.find("cuda backend"), std::string::npos) << e.what();
+  }
+  std::string why;
+  if (!NcclGroup::available(&why)) EXPECT_FALSE(why.empty());
 }
 
 // ---------------------------------------------------------------------------------------------
