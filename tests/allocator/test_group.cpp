@@ -431,7 +431,9 @@ TEST(NcclGroupTest, RefusesTheHostBackendSayingWhy) {
     EXPECT_NE(what.find("cuda backend"), std::string::npos) << e.what();
   }
   std::string why;
-  if (!NcclGroup::available(&why)) EXPECT_FALSE(why.empty());
+  if (!NcclGroup::available(&why)) {
+    EXPECT_FALSE(why.empty());
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
