@@ -155,14 +155,14 @@ void HubClientGroup::recover() {
                                       who(), (timeout_ + give_up_grace()).count()),
                           {0});
     }
-    if (r->type == ReplyType::recovered) {
+    if (r->type == ReplyType::recovered && r->generation > gen_) {  // older ones are leftovers
       gen_ = r->generation;
       seq_ = 0;
       broken_.reset();
       log::info("{}: recovered, generation {}", who(), gen_);
       return;
     }
-    if (r->type == ReplyType::recover_pending)
+    if (r->type == ReplyType::recover_pending && r->generation == gen_)
       throw group_timeout(fmt::format("{}: recover() timed out after {} ms: rank(s) {} have not called recover()",
                                       who(), timeout_.count(), format_ranks(r->missing)),
                           r->missing);

@@ -179,7 +179,8 @@ Deliveries Hub::recover(int rank, std::uint64_t generation) {
 Deliveries Hub::give_up_recovery(int rank, std::uint64_t generation) {
   Deliveries out;
   if (generation != generation_ || !recovering_.count(rank)) return out;
-  recovering_.erase(rank);
+  // The rank stays counted as recovering: when the others arrive the recovery completes, and its
+  // next recover() call is answered at once with the new generation.
   Reply r;
   r.type = ReplyType::recover_pending;
   r.generation = generation_;

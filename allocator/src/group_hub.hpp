@@ -72,7 +72,8 @@ class Hub {
   // is no longer pending (its result or failure was delivered already).
   Deliveries give_up(int rank, std::uint64_t generation, std::uint64_t sequence, double waited_seconds);
   Deliveries recover(int rank, std::uint64_t generation);
-  // `rank` stops waiting for recovery; it is answered with the ranks that have not asked yet.
+  // `rank` stops waiting for recovery (it stays counted as asking); it is answered with the ranks
+  // that have not asked yet.
   Deliveries give_up_recovery(int rank, std::uint64_t generation);
   // `rank` is gone for good (its connection closed or its Group was destroyed).
   Deliveries leave(int rank);

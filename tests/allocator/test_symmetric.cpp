@@ -254,7 +254,7 @@ struct ThreadRanks {
 
 TEST(SymmetricThreadsMismatch, ARankThatDoesNotSleepIsNamedAndTheGroupRecovers) {
   constexpr int n = 4, absent = 2;
-  ThreadRanks t(n, 300ms);
+  ThreadRanks t(n, 1000ms);
   std::latch others_failed(n - 1);
   auto errors = on_threads(n, [&](int r) {
     Group& g = *t.groups[static_cast<std::size_t>(r)];
@@ -292,7 +292,7 @@ TEST(SymmetricThreadsMismatch, ARankThatDoesNotSleepIsNamedAndTheGroupRecovers) 
 
 TEST(SymmetricThreadsMismatch, ARankThatWakesAloneIsNamedAndTheGroupRecovers) {
   constexpr int n = 3, alone = 1;
-  ThreadRanks t(n, 300ms);
+  ThreadRanks t(n, 1000ms);
   std::latch alone_failed(1);
   auto errors = on_threads(n, [&](int r) {
     Group& g = *t.groups[static_cast<std::size_t>(r)];
