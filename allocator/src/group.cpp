@@ -2,6 +2,7 @@
 // group_client.hpp / group_hub.hpp for the shared machinery.
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <cerrno>

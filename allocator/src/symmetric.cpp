@@ -15,9 +15,11 @@
 #include "torpor/symmetric.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <numeric>
 #include <set>
 

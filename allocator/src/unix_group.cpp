@@ -156,7 +156,8 @@ class HubServer {
     if (!listen_) throw error(fmt::format("socket(AF_UNIX, SOCK_SEQPACKET) failed: {}", errno_text()));
     if (::bind(listen_.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0)
       throw error(fmt::format("bind of the rendezvous socket '{}' failed: {}", path_, errno_text()));
-    ::chmod(path_.c_str(), 0600);
+    if (::chmod(path_.c_str(), 0600) != 0)
+      throw error(fmt::format("chmod 0600 of the rendezvous socket '{}' failed: {}", path_, errno_text()));
     if (::listen(listen_.get(), 128) != 0)
       throw error(fmt::format("listen on '{}' failed: {}", path_, errno_text()));
     wake_.reset(::eventfd(0, EFD_CLOEXEC));
@@ -250,8 +251,10 @@ class HubServer {
                 c.uid, ::geteuid());
       return;
     }
+    // A rank that stops reading must not stall the hub: its sends time out and it is dropped.
     timeval tv{send_timeout_seconds, 0};
-    ::setsockopt(s.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    if (::setsockopt(s.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv) != 0)
+      log::warn("group hub at '{}': SO_SNDTIMEO failed ({}); a stuck rank could stall the hub", path_, errno_text());
     hellos_.push_back({std::move(s), c, clock_type::now() + hello_deadline});
   }
 
@@ -449,7 +452,8 @@ struct UnixSocketGroup::Impl final : detail::HubClientGroup {
   ~Impl() override {
     sock_.reset();     // leaving: the hub (ours or rank 0's) sees the connection close
     server_.reset();   // rank 0: stop serving, remove the socket
-    if (rank() == 0) ::rmdir(rendezvous_.directory.c_str());
+    if (rank() == 0 && ::rmdir(rendezvous_.directory.c_str()) != 0)
+      log::debug("{}: the rendezvous directory '{}' stays ({})", who(), rendezvous_.directory, errno_text());
   }
 
   std::string_view kind() const noexcept override { return "unix"; }
