@@ -13,7 +13,7 @@
 //
 // Every collective waits at most timeout() (GroupOptions, default TORPOR_GROUP_TIMEOUT_MS or
 // 60 s), then asks the rendezvous to give the collective up (it answers at once; should it not,
-// the wait ends after a second timeout). A rank that does not arrive in time makes every waiting
+// the wait ends after a second, bounded wait). A rank that does not arrive in time makes every waiting
 // rank throw group_timeout
 // (a timeout_error) naming the rank(s) that did not arrive; a rank that arrives after the others
 // gave up gets the same error at once, not a hang. Collectives are matched by order: every rank
