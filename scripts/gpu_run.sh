@@ -2,7 +2,13 @@
 # Builds torpor on a GPU machine and runs the GPU tests and benches in one go. Used with the
 # device tool (`run`), whose $OUT folder comes back; elsewhere OUT defaults to ./gpu-out.
 #
-#   scripts/gpu_run.sh [stage ...]     stages: probe tests bench-sleep python (default: probe tests)
+#   scripts/gpu_run.sh [stage ...]     stages: probe tests bench-sleep bench-sleep-threads python
+#                                      symmetric symmetric-nccl (default: probe tests)
+#
+# symmetric and symmetric-nccl need two GPUs (device kind nvidia-h200-x2): two processes, one per
+# GPU, symmetric memory through sleep level 2 (`torpor symmetric-check`), the second with the
+# bytes over NCCL and a missing-rank timeout plus recovery; they print SKIP and the reason
+# otherwise.
 #
 # The multicast kill switches are always set: these machines are shared, and a multicast
 # object can take their GPUs out of service. torpor honours every one of them.
@@ -70,6 +76,16 @@ for stage in "${stages[@]}"; do
       grep -E "^=+ .*(passed|failed|skipped|error).* in .*=+$|^(FAILED|ERROR|SKIPPED) |torpor pools mapped" "$OUT/pytest.log"
       "${pyenv[@]}" python3 python/examples/rl_loop.py --iterations 3 --json "$OUT/rl_loop.json" 2>&1 |
         tee "$OUT/rl_loop.txt" || status=1
+      ;;
+    symmetric)
+      build-gpu/tools/torpor symmetric-check --backend cuda --ranks 2 --bytes 4G --json "$OUT/symmetric.json" \
+        > "$OUT/symmetric.txt" 2>&1 || status=1
+      cat "$OUT/symmetric.txt"
+      ;;
+    symmetric-nccl)
+      build-gpu/tools/torpor symmetric-check --backend cuda --ranks 2 --bytes 1G --group nccl --timeout 10 \
+        --timeout-check --json "$OUT/symmetric-nccl.json" > "$OUT/symmetric-nccl.txt" 2>&1 || status=1
+      cat "$OUT/symmetric-nccl.txt"
       ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac

@@ -7,5 +7,6 @@
 namespace torpor::cli {
 
 void add_probe(CLI::App& app, int& exit_code);
+void add_symmetric_check(CLI::App& app, int& exit_code);
 
 }  // namespace torpor::cli

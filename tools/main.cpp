@@ -1,4 +1,5 @@
-// torpor: the command-line tool. `torpor probe` reports what torpor sees on this machine.
+// torpor: the command-line tool. `torpor probe` reports what torpor sees on this machine;
+// `torpor symmetric-check` runs symmetric memory through sleep across processes.
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -11,6 +12,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   int exit_code = 0;
   torpor::cli::add_probe(app, exit_code);
+  torpor::cli::add_symmetric_check(app, exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,7 +1,8 @@
 // `torpor probe`: backend in use and why, devices, VMM support, granularity, peer access,
 // multicast attribute and whether multicast would be used (and if not, why), host memory.
 // The multicast decision here is per device plus the AND over all devices of this machine;
-// the collective decision across ranks is the symmetric layer's.
+// the collective decision across ranks is the symmetric layer's (decide_multicast), which also
+// needs the driver to share multicast objects across processes when ranks are processes.
 #include <fmt/format.h>
 
 #include <cstdlib>
@@ -78,6 +79,7 @@ nlohmann::json probe_json(Backend requested) {
   j["multicast"] = {{"would_use", all_multicast},
                     {"reason", all_multicast ? std::string() : multicast_reason},
                     {"entry_points", d.multicast_entry_points()},
+                    {"across_processes", d.multicast_shares_across_processes()},
                     {"kill_switch", kill ? *kill : std::string()}};
   HostMemory hm = read_meminfo();
   j["host_memory"] = {{"total_bytes", hm.total}, {"available_bytes", hm.available}};
@@ -107,9 +109,13 @@ void print_human(const nlohmann::json& j) {
     }
   }
   const auto& mc = j["multicast"];
-  if (mc["would_use"].get<bool>())
+  if (mc["would_use"].get<bool>()) {
     fmt::print("multicast  would be used (every device supports it, entry points present, no kill switch)\n");
-  else
+    if (!mc["across_processes"].get<bool>())
+      fmt::print("           by ranks that are threads of one process only: the {} backend cannot share a multicast "
+                 "object between processes\n",
+                 j["backend"].get<std::string>());
+  } else
     fmt::print("multicast  would NOT be used: {}\n", mc["reason"].get<std::string>());
   fmt::print("host       {} total, {} available\n", format_bytes(j["host_memory"]["total_bytes"].get<std::size_t>()),
              format_bytes(j["host_memory"]["available_bytes"].get<std::size_t>()));

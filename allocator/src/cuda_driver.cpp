@@ -439,6 +439,34 @@ MulticastHandle CudaDriver::multicast_create(std::span<const int> devices, std::
   return MulticastHandle{static_cast<std::uint64_t>(h)};
 }
 
+int CudaDriver::multicast_export_fd(MulticastHandle mc) {
+  Impl& d = *impl_;
+  refuse_if_killed("cuMemExportToShareableHandle(multicast)");
+  auto context = d.ensure_context("cuMemExportToShareableHandle");
+  int fd = -1;
+  d.check(d.cuMemExportToShareableHandle_(&fd, static_cast<CUmemGenericAllocationHandle>(mc.value),
+                                          CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+          "cuMemExportToShareableHandle(multicast)", fmt::format("handle {:#x}", mc.value));
+  return fd;
+}
+
+MulticastHandle CudaDriver::multicast_import_fd(int fd) {
+  Impl& d = *impl_;
+  refuse_if_killed("cuMemImportFromShareableHandle(multicast)");
+  auto context = d.ensure_context("cuMemImportFromShareableHandle");
+  CUmemGenericAllocationHandle h = 0;
+  d.check(d.cuMemImportFromShareableHandle_(&h, reinterpret_cast<void*>(static_cast<std::uintptr_t>(fd)),
+                                            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+          "cuMemImportFromShareableHandle(multicast)", fmt::format("fd {}", fd));
+  return MulticastHandle{static_cast<std::uint64_t>(h)};
+}
+
+void CudaDriver::make_current(int device) {
+  // Deliberately persistent (no guard): the caller wants this device current from now on.
+  Impl& d = *impl_;
+  d.check(d.cuCtxSetCurrent_(d.primary(device, "cuCtxSetCurrent")), "cuCtxSetCurrent", fmt::format("device {}", device));
+}
+
 void CudaDriver::multicast_add_device(MulticastHandle mc, int device) {
   Impl& d = *impl_;
   refuse_if_killed("cuMulticastAddDevice");

@@ -80,6 +80,15 @@ void FaultInjectingDriver::multicast_unbind(MulticastHandle mc, int d, std::size
 void FaultInjectingDriver::multicast_release(MulticastHandle mc) {
   TORPOR_FORWARD(multicast_release, multicast_release(mc));
 }
+std::size_t FaultInjectingDriver::multicast_granularity(std::span<const int> d, std::size_t b) {
+  TORPOR_FORWARD(multicast_granularity, multicast_granularity(d, b));
+}
+int FaultInjectingDriver::multicast_export_fd(MulticastHandle mc) {
+  TORPOR_FORWARD(multicast_export, multicast_export_fd(mc));
+}
+MulticastHandle FaultInjectingDriver::multicast_import_fd(int fd) {
+  TORPOR_FORWARD(multicast_import, multicast_import_fd(fd));
+}
 void* FaultInjectingDriver::host_alloc(std::size_t b) { TORPOR_FORWARD(host_alloc, host_alloc(b)); }
 void FaultInjectingDriver::host_free(void* p) { TORPOR_FORWARD(host_free, host_free(p)); }
 Stream FaultInjectingDriver::stream_create(int d) { TORPOR_FORWARD(stream_create, stream_create(d)); }

@@ -77,6 +77,16 @@ struct HostDriver::Memory {
 };
 
 struct HostDriver::Multicast {
+  Multicast() = default;
+  Multicast(const Multicast&) = delete;
+  Multicast& operator=(const Multicast&) = delete;
+  ~Multicast() {
+    if (token_fd >= 0) ::close(token_fd);
+  }
+  // The exported name of the object (a memfd whose inode identifies it), made on first export.
+  int token_fd = -1;
+  dev_t st_dev = 0;
+  ino_t st_ino = 0;
   std::size_t bytes = 0;
   std::vector<int> devices;  // the devices named at creation
   std::set<int> added;
@@ -119,6 +129,9 @@ std::string_view to_string(DriverCall c) noexcept {
     case DriverCall::multicast_unbind: return "multicast_unbind";
     case DriverCall::multicast_release: return "multicast_release";
     case DriverCall::hash: return "hash";
+    case DriverCall::multicast_granularity: return "multicast_granularity";
+    case DriverCall::multicast_export: return "multicast_export";
+    case DriverCall::multicast_import: return "multicast_import";
     case DriverCall::count_: break;
   }
   return "?";
@@ -465,6 +478,65 @@ void HostDriver::multicast_release(MulticastHandle mc) {
 }
 
 PhysicalHandle HostDriver::as_physical(MulticastHandle mc) { return PhysicalHandle{mc.value}; }
+
+int HostDriver::multicast_export_fd(MulticastHandle mc) {
+  const char* call = "cuMemExportToShareableHandle(multicast)";
+  std::lock_guard lock(mu_);
+  auto m = multicast_of(mc, call);
+  if (m->token_fd < 0) {
+    int fd = ::memfd_create("torpor-multicast", MFD_CLOEXEC);
+    if (fd < 0) throw_driver_error(k_oom, call, errno_text("memfd_create"));
+    struct stat st{};
+    ::fstat(fd, &st);
+    m->token_fd = fd;
+    m->st_dev = st.st_dev;
+    m->st_ino = st.st_ino;
+  }
+  int fd = ::fcntl(m->token_fd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) throw_driver_error(k_oom, call, errno_text("dup"));
+  return fd;
+}
+
+MulticastHandle HostDriver::multicast_import_fd(int fd) {
+  const char* call = "cuMemImportFromShareableHandle(multicast)";
+  struct stat st{};
+  if (fd < 0 || ::fstat(fd, &st) != 0) misuse(call, fmt::format("fd {} is not open", fd));
+  std::lock_guard lock(mu_);
+  std::shared_ptr<Multicast> found;
+  auto same = [&](const std::shared_ptr<Multicast>& m) {
+    return m && m->token_fd >= 0 && m->st_dev == st.st_dev && m->st_ino == st.st_ino;
+  };
+  for (auto& [id, e] : handles_)
+    if (same(e.multicast)) found = e.multicast;
+  for (auto& [va, m] : mappings_)
+    if (!found && same(m.multicast)) found = m.multicast;
+  if (!found)
+    throw_driver_error(static_cast<int>(driver_status::not_supported), call,
+                       fmt::format("fd {} is not a multicast object exported by this HostDriver; the emulation shares "
+                                   "multicast objects only between ranks that are threads of one driver",
+                                   fd));
+  std::uint64_t id = next_id_++;
+  handles_[id] = HandleEntry{nullptr, found};
+  return MulticastHandle{id};
+}
+
+std::optional<HostMulticastInfo> HostDriver::multicast_at(device_ptr va) const {
+  std::lock_guard lock(mu_);
+  auto it = mappings_.upper_bound(va);
+  if (it == mappings_.begin()) return std::nullopt;
+  --it;
+  if (!it->second.multicast || va >= it->first + it->second.bytes) return std::nullopt;
+  const Multicast& m = *it->second.multicast;
+  HostMulticastInfo info;
+  info.bytes = m.bytes;
+  info.devices = m.devices;
+  info.added.assign(m.added.begin(), m.added.end());
+  for (auto& [device, list] : m.bindings)
+    for (auto& b : list) info.bound_bytes[device] += b.bytes;
+  for (auto& [id, e] : handles_)
+    if (e.multicast.get() == &m) ++info.handles;
+  return info;
+}
 
 void HostDriver::multicast_store(device_ptr mc_va, const void* src, std::size_t bytes) {
   const char* call = "multimem.st";

@@ -422,7 +422,8 @@ void* Pool::allocate(std::size_t bytes, const AllocationOptions& options) {
   Chunk* chunk = nullptr;
   std::size_t offset = 0;
   std::size_t footprint = 0;
-  ChunkKind kind = bytes <= options_.small_limit                               ? ChunkKind::small_slab
+  ChunkKind kind = options.dedicated                                           ? ChunkKind::dedicated
+                   : bytes <= options_.small_limit                               ? ChunkKind::small_slab
                    : (options_.medium_limit != 0 && bytes <= options_.medium_limit) ? ChunkKind::medium_slab
                                                                                  : ChunkKind::dedicated;
   if (kind != ChunkKind::dedicated) {

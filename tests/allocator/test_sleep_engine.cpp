@@ -149,6 +149,10 @@ TYPED_TEST(EngineTest, MediumAllocationsShareGrowingSlabsAndEmptySlabsGoBack) {
   void* big = pool.allocate(9 * g, {"weights", MemoryClass::parameter, ""});  // above medium_limit
   EXPECT_TRUE(pool.chunk_info(big)->dedicated);
   EXPECT_FALSE(pool.chunk_info(ps[0])->dedicated);
+  void* own = pool.allocate(2 * g, {"weights", MemoryClass::state, "shared", /*dedicated=*/true});
+  EXPECT_TRUE(pool.chunk_info(own)->dedicated) << "asked for a chunk of its own (to export it)";
+  EXPECT_EQ(pool.chunk_info(own)->bytes, 2 * g);
+  pool.deallocate(own);
   for (void* p : ps) pool.deallocate(p);
   EXPECT_EQ(pool.stats().chunks, 1u) << "empty medium slabs are released at once";
   pool.deallocate(big);

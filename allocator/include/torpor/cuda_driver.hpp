@@ -46,6 +46,13 @@ class CudaDriver final : public Driver {
   void multicast_unbind(MulticastHandle mc, int device, std::size_t mc_offset, std::size_t bytes) override;
   void multicast_release(MulticastHandle mc) override;
   PhysicalHandle as_physical(MulticastHandle mc) override { return PhysicalHandle{mc.value}; }
+  int multicast_export_fd(MulticastHandle mc) override;
+  MulticastHandle multicast_import_fd(int fd) override;
+  bool multicast_shares_across_processes() override { return multicast_entry_points(); }
+
+  // Makes `device`'s primary context current on the calling thread: what the CUDA runtime, and
+  // libraries built on it such as NCCL, read as the current device.
+  void make_current(int device);
 
   void* host_alloc(std::size_t bytes) override;
   void host_free(void* p) override;

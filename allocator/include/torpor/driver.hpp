@@ -105,6 +105,9 @@ enum class DriverCall : int {
   multicast_unbind,
   multicast_release,
   hash,
+  multicast_granularity,
+  multicast_export,
+  multicast_import,
   count_
 };
 
@@ -159,6 +162,15 @@ class Driver {
   virtual void multicast_release(MulticastHandle mc) = 0;
   // A multicast object is mapped like physical memory: map(va, bytes, as_physical(mc), 0).
   virtual PhysicalHandle as_physical(MulticastHandle mc) = 0;
+  // Sharing one multicast object between ranks: the creator exports it as a POSIX fd, every
+  // other rank imports its own handle to the same object (then adds its device, binds, maps).
+  // The defaults say "not supported" (driver_error, CUDA_ERROR_NOT_SUPPORTED).
+  virtual int multicast_export_fd(MulticastHandle mc);
+  virtual MulticastHandle multicast_import_fd(int fd);
+  // Whether an exported multicast object can be imported by another process (CUDA: yes;
+  // HostDriver emulates multicast within one driver instance only). The symmetric layer folds
+  // this into its collective decision, so processes never start a multicast setup that fails.
+  virtual bool multicast_shares_across_processes() { return false; }
 
   // --- host memory ------------------------------------------------------------------------
   // Page-locked host memory usable as a copy source/target at full link speed.

@@ -46,15 +46,16 @@ class FaultInjectingDriver final : public Driver {
   void set_access(device_ptr va, std::size_t b, std::span<const int> d) override;
   int export_fd(PhysicalHandle h) override;
   PhysicalHandle import_fd(int fd) override;
-  std::size_t multicast_granularity(std::span<const int> d, std::size_t b) override {
-    return inner_.multicast_granularity(d, b);
-  }
+  std::size_t multicast_granularity(std::span<const int> d, std::size_t b) override;
   MulticastHandle multicast_create(std::span<const int> d, std::size_t b) override;
   void multicast_add_device(MulticastHandle mc, int d) override;
   void multicast_bind(MulticastHandle mc, std::size_t mo, PhysicalHandle h, std::size_t o, std::size_t b) override;
   void multicast_unbind(MulticastHandle mc, int d, std::size_t mo, std::size_t b) override;
   void multicast_release(MulticastHandle mc) override;
   PhysicalHandle as_physical(MulticastHandle mc) override { return inner_.as_physical(mc); }
+  int multicast_export_fd(MulticastHandle mc) override;
+  MulticastHandle multicast_import_fd(int fd) override;
+  bool multicast_shares_across_processes() override { return inner_.multicast_shares_across_processes(); }
   void* host_alloc(std::size_t b) override;
   void host_free(void* p) override;
   Stream stream_create(int d) override;

@@ -24,6 +24,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <unordered_map>
@@ -53,6 +54,15 @@ struct HostDriverCounters {
   std::size_t streams = 0;
   std::size_t events = 0;
   std::size_t multicast_objects = 0;
+};
+
+// What multicast_at() reports about the multicast object mapped at an address.
+struct HostMulticastInfo {
+  std::size_t bytes = 0;
+  std::vector<int> devices;                // named at creation
+  std::vector<int> added;                  // added so far (multicast_add_device)
+  std::map<int, std::size_t> bound_bytes;  // device -> bytes of its memory bound
+  std::size_t handles = 0;                 // live handles to the object (creator's and imports)
 };
 
 class HostDriver final : public Driver {
@@ -90,6 +100,12 @@ class HostDriver final : public Driver {
   void multicast_unbind(MulticastHandle mc, int device, std::size_t mc_offset, std::size_t bytes) override;
   void multicast_release(MulticastHandle mc) override;
   PhysicalHandle as_physical(MulticastHandle mc) override;
+  // Within this driver instance only (ranks that are threads): the fd names the object; an
+  // import from another process is refused (not_supported), and
+  // multicast_shares_across_processes() says so up front.
+  int multicast_export_fd(MulticastHandle mc) override;
+  MulticastHandle multicast_import_fd(int fd) override;
+  bool multicast_shares_across_processes() override { return false; }
 
   void* host_alloc(std::size_t bytes) override;
   void host_free(void* p) override;
@@ -113,6 +129,9 @@ class HostDriver final : public Driver {
   // The software fan-out of a multicast store: `bytes` from `src` land at `mc_va + i` in every
   // buffer bound to the multicast object mapped at mc_va (what multimem.st does on a GPU).
   void multicast_store(device_ptr mc_va, const void* src, std::size_t bytes);
+  // Membership and bindings of the multicast object mapped at va (any address inside the
+  // mapping); nothing when no multicast object is mapped there.
+  std::optional<HostMulticastInfo> multicast_at(device_ptr va) const;
   const HostDriverOptions& options() const noexcept { return options_; }
 
  private:

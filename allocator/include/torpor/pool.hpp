@@ -89,6 +89,9 @@ struct AllocationOptions {
   std::string tag{default_tag};
   MemoryClass memory_class = MemoryClass::state;
   std::string name;  // matched against preserve globs
+  // A chunk of its own whatever the size: for memory whose handle is shared with other
+  // devices or processes (exporting a slab would share its neighbours too).
+  bool dedicated = false;
 };
 
 struct AllocationInfo {

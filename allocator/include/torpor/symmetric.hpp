@@ -1,0 +1,171 @@
+// Symmetric memory that survives sleep: one buffer per rank, every rank mapping every peer's
+// buffer at a fixed address, optionally bound to one multicast (NVLS) object.
+//
+// A SymmetricHeap is one rank's view: its Pool (exportable, this rank's device), its Group, and
+// the buffers allocated collectively through it. Each buffer's part on this rank is a pool
+// allocation of class `state` in a dedicated chunk (so exporting the chunk shares nothing else);
+// the other ranks import it (POSIX fd over the group) and map it at addresses reserved in their
+// own pools; access is set for the importing device. A device-side peer table (a `state`
+// allocation in the heap's table tag, "weights" by default) holds size() + 1 uint64 values: the
+// address of every rank's part as seen from this rank, then the multicast address (or 0).
+//
+// Sleep and wake of the pool are collective for the tags that hold symmetric buffers (the heap
+// observes its pool, so pool.sleep() / pool.wake_up() do this by themselves):
+//   sleep: wait for this device's work (its writes into peers), agree with every rank on the
+//          operation (a rank that does not join within the group's timeout is named in a
+//          group_timeout on every other rank and nothing changes), unbind and release multicast,
+//          unmap and release the imports of peers (otherwise a peer's memory is never freed),
+//          then the pool offloads this rank's bytes and releases its memory;
+//   wake:  agree; the pool re-creates and restores this rank's memory; every rank re-exports,
+//          all-gathers, re-imports and maps at the same peer addresses; multicast is re-created
+//          and re-bound at the same address.
+// Every address (local, peer, table, multicast) is the same after wake. Sleep and wake are
+// idempotent and collective: a rank that sleeps or wakes alone gets a group_timeout naming the
+// ranks that did not join; after it, recover the group (Group::recover on every rank) and call
+// the operation again on every rank. A failure after the agreement (out of memory on one rank's
+// wake, a driver error) fails the operation on every rank, naming the rank; imports are all or
+// none, so calling the operation again on every rank, once the cause is gone, completes it.
+//
+// Multicast: a buffer asks for it with SymmetricBufferOptions::multicast; the first such buffer
+// makes the group decide (decide_multicast: per-rank probe, collective AND). When the group says
+// no, the buffer is unicast, no multicast call is made, and rank 0 logs one warning naming the
+// cause and the rank.
+//
+// Threading: one thread per rank drives its heap (collective calls must be made in the same order
+// on every rank). Destroy the heap before its pool and group. free() and the destructor are local
+// (a peer keeps this rank's old memory alive until it frees its own buffer too).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "torpor/driver.hpp"
+#include "torpor/group.hpp"
+#include "torpor/multicast_decision.hpp"
+#include "torpor/pool.hpp"
+
+namespace torpor {
+
+struct SymmetricHeapOptions {
+  std::string table_tag = "weights";  // where peer tables live (class state)
+};
+
+struct SymmetricBufferOptions {
+  std::string tag = "weights";  // the pool tag of this rank's part (class state)
+  std::string name;             // allocation name (the table is named name + ".peers")
+  bool multicast = false;       // bind a multicast object when the group can use one
+};
+
+class SymmetricBuffer {
+ public:
+  std::uint64_t id() const noexcept { return id_; }  // same on every rank
+  std::size_t bytes() const noexcept { return bytes_; }
+  std::size_t part_bytes() const noexcept { return part_bytes_; }  // per rank, whole chunks
+  const std::string& tag() const noexcept { return tag_; }
+  const std::string& name() const noexcept { return name_; }
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return static_cast<int>(peer_va_.size()); }
+
+  void* local() const noexcept { return local_; }
+  // Rank r's part as mapped on this rank (local() for this rank). Valid while peers_mapped().
+  void* peer(int r) const;
+  // size() + 1 uint64 in device memory: peer(0), ..., peer(size() - 1), multicast address or 0.
+  void* peer_table() const noexcept { return table_; }
+  // The multicast mapping of this buffer, or nullptr (not asked for, or the group said no).
+  void* multicast_address() const noexcept { return mc_ ? reinterpret_cast<void*>(mc_->va) : nullptr; }
+  bool peers_mapped() const noexcept;
+
+ private:
+  friend class SymmetricHeap;
+  struct Import {
+    PhysicalHandle handle;
+    bool mapped = false;
+  };
+  struct Multicast {
+    device_ptr range = 0;  // reserved span (with alignment slack)
+    device_ptr va = 0;     // aligned mapping address inside it
+    std::size_t bytes = 0;
+    MulticastHandle handle;
+    bool added = false;
+    bool bound = false;
+    bool mapped = false;
+  };
+
+  std::uint64_t id_ = 0;
+  std::size_t bytes_ = 0;
+  std::size_t part_bytes_ = 0;
+  std::string tag_;
+  std::string name_;
+  int rank_ = 0;
+  void* local_ = nullptr;
+  void* table_ = nullptr;
+  device_ptr peer_range_ = 0;
+  std::vector<device_ptr> peer_va_;  // by rank
+  std::vector<Import> imports_;      // by rank (own entry unused)
+  std::optional<Multicast> mc_;
+};
+
+class SymmetricHeap final : private SleepObserver {
+ public:
+  // Collective. The pool must be exportable (PoolOptions::exportable) and on this rank's device.
+  SymmetricHeap(Pool& pool, Group& group, SymmetricHeapOptions options = {});
+  ~SymmetricHeap() override;
+  SymmetricHeap(const SymmetricHeap&) = delete;
+  SymmetricHeap& operator=(const SymmetricHeap&) = delete;
+
+  // Collective: every rank with the same bytes and options. All ranks succeed or all throw.
+  SymmetricBuffer& allocate(std::size_t bytes, const SymmetricBufferOptions& options = {});
+  // Local; see the note above.
+  void free(SymmetricBuffer& buffer);
+
+  std::vector<SymmetricBuffer*> buffers() const;
+  // The group's decision, once a buffer has asked for multicast.
+  std::optional<MulticastDecision> multicast_decision() const;
+  Pool& pool() const noexcept { return pool_; }
+  Group& group() const noexcept { return group_; }
+
+ private:
+  void before_sleep(Pool&, int level, const std::vector<std::string>& tags) override;
+  void before_wake(Pool&, const std::vector<std::string>& tags) override;
+  void after_wake(Pool&, const std::vector<std::string>& tags, bool ok) override;
+
+  std::vector<SymmetricBuffer*> in_tags(const std::vector<std::string>& tags) const;
+  // All-gathers `request` (+ per-rank `extra`); throws invalid_state on every rank when the
+  // requests differ. Returns every rank's extra.
+  std::vector<std::string> agree(const std::string& operation, const std::string& request, const std::string& extra);
+  // Runs fn here, then every rank learns every outcome: returns only when all succeeded.
+  template <typename F>
+  void step(const std::string& what, F&& fn);
+
+  // Imports and maps every peer part not mapped yet; fd_by_rank[r] is rank r's exported part.
+  void import_peers(SymmetricBuffer& b, const std::vector<int>& fd_by_rank);
+  void drop_imports(SymmetricBuffer& b);
+  void setup_multicast(SymmetricBuffer& b);
+  void teardown_multicast(SymmetricBuffer& b);
+  void write_table(SymmetricBuffer& b);
+  PhysicalHandle own_handle(const SymmetricBuffer& b) const;
+  // Local release of everything a buffer holds; logs failures, never throws.
+  void release_local(SymmetricBuffer& b) noexcept;
+  std::string who() const;
+
+  Pool& pool_;
+  Driver& driver_;
+  Group& group_;
+  SymmetricHeapOptions options_;
+  std::vector<int> devices_;  // by rank
+  bool one_process_ = false;
+  mutable std::mutex mu_;
+  std::map<std::uint64_t, std::unique_ptr<SymmetricBuffer>> buffers_;
+  std::uint64_t next_id_ = 1;
+  std::optional<MulticastDecision> decision_;
+  // Between before_wake and after_wake: the buffers to re-import (every rank has the same list).
+  std::optional<std::vector<std::uint64_t>> wake_work_;
+};
+
+}  // namespace torpor

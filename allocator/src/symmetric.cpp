@@ -1,0 +1,579 @@
+// SymmetricHeap: peer mappings at fixed addresses, collective sleep/wake, multicast binding.
+// The contract is in symmetric.hpp; this note is about how the code keeps it.
+//
+// Invariants (under mu_):
+//   - a buffer's imports are all or none: after any failed step every rank drops the imports of
+//     the buffers that step touched, so "needs import" is the same question on every rank;
+//   - a peer's import is mapped exactly at peer_va_[r], which never changes; the address ranges
+//     are released only when the buffer is freed;
+//   - a multicast binding is either complete (added, bound, mapped on this rank) or torn down;
+//     its address never changes;
+//   - every collective step is agreed: a step runs locally, then every rank learns every rank's
+//     outcome (step()), so all ranks continue or all ranks throw, and nothing waits for a rank that
+//     already failed. Only a rank that does not arrive at all makes the others wait, for the
+//     group's timeout, after which they throw group_timeout naming it.
+#include "torpor/symmetric.hpp"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <numeric>
+#include <set>
+
+#include "torpor/error.hpp"
+#include "torpor/log.hpp"
+#include "torpor/range_allocator.hpp"
+
+namespace torpor {
+
+namespace {
+
+std::vector<std::byte> to_bytes(std::string_view s) {
+  auto b = std::as_bytes(std::span(s.data(), s.size()));
+  return {b.begin(), b.end()};
+}
+
+std::string from_bytes(const std::vector<std::byte>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size());
+}
+
+std::string one_line(std::string s) {
+  std::replace(s.begin(), s.end(), '\n', ' ');
+  return s;
+}
+
+std::string ids_of(const std::vector<SymmetricBuffer*>& bs) {
+  std::vector<std::uint64_t> ids;
+  for (auto* b : bs) ids.push_back(b->id());
+  return fmt::format("[{}]", fmt::join(ids, ", "));
+}
+
+// Runs fn and keeps the first exception, so a cleanup can try every piece.
+template <typename F>
+void attempt(std::exception_ptr& first, F&& fn) {
+  try {
+    fn();
+  } catch (...) {
+    if (!first) first = std::current_exception();
+  }
+}
+
+}  // namespace
+
+void* SymmetricBuffer::peer(int r) const {
+  if (r < 0 || r >= size())
+    throw invalid_argument(fmt::format("SymmetricBuffer::peer: rank {} is outside [0, {})", r, size()));
+  return reinterpret_cast<void*>(peer_va_[static_cast<std::size_t>(r)]);
+}
+
+bool SymmetricBuffer::peers_mapped() const noexcept {
+  for (std::size_t r = 0; r < imports_.size(); ++r)
+    if (static_cast<int>(r) != rank_ && !imports_[r].mapped) return false;
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+SymmetricHeap::SymmetricHeap(Pool& pool, Group& group, SymmetricHeapOptions options)
+    : pool_(pool), driver_(pool.driver()), group_(group), options_(std::move(options)) {
+  std::string problem;
+  if (!pool_.options().exportable)
+    problem = "its pool is not exportable (create it with PoolOptions::exportable = true)";
+  else if (options_.table_tag.empty())
+    problem = "SymmetricHeapOptions::table_tag is empty";
+  std::string mine = fmt::format("{} {} {}", pool_.device(), ::getpid(), one_line(problem));
+  std::vector<std::vector<std::byte>> all;
+  try {
+    all = group_.all_gather(to_bytes(mine));
+  } catch (const group_timeout& e) {
+    throw group_timeout(fmt::format("{}: creating the symmetric heap (collective): {}", who(), e.what()), e.missing());
+  }
+  std::set<long> pids;
+  std::string problems;
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    std::string s = from_bytes(all[r]);
+    int device = 0;
+    long pid = 0;
+    int used = 0;
+    if (std::sscanf(s.c_str(), "%d %ld %n", &device, &pid, &used) < 2)
+      throw error(fmt::format("{}: malformed heap announcement from rank {}", who(), r));
+    devices_.push_back(device);
+    pids.insert(pid);
+    if (static_cast<std::size_t>(used) < s.size()) problems += fmt::format("; rank {}: {}", r, s.substr(static_cast<std::size_t>(used)));
+  }
+  if (!problems.empty())
+    throw invalid_argument(fmt::format("{}: cannot create the symmetric heap{}", who(), problems));
+  one_process_ = pids.size() == 1;
+  if (one_process_) {
+    // Ranks that are threads of one process must each have a device of their own.
+    std::vector<int> sorted = devices_;
+    std::sort(sorted.begin(), sorted.end());
+    if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
+      throw invalid_argument(fmt::format("{}: ranks of one process share a device (devices by rank: [{}]); give every "
+                                         "rank its own device",
+                                         who(), fmt::join(devices_, ", ")));
+  }
+  pool_.add_observer(this);
+}
+
+SymmetricHeap::~SymmetricHeap() {
+  try {
+    pool_.remove_observer(this);
+  } catch (const std::exception& e) {
+    log::error("{}: removing the sleep observer failed: {}", who(), e.what());
+  }
+  std::lock_guard lock(mu_);
+  for (auto& [id, b] : buffers_) release_local(*b);
+  buffers_.clear();
+}
+
+std::string SymmetricHeap::who() const {
+  return fmt::format("symmetric heap rank {} of {} (device {})", group_.rank(), group_.size(), pool_.device());
+}
+
+std::vector<SymmetricBuffer*> SymmetricHeap::buffers() const {
+  std::lock_guard lock(mu_);
+  std::vector<SymmetricBuffer*> out;
+  for (auto& [id, b] : buffers_) out.push_back(b.get());
+  return out;
+}
+
+std::optional<MulticastDecision> SymmetricHeap::multicast_decision() const {
+  std::lock_guard lock(mu_);
+  return decision_;
+}
+
+std::vector<SymmetricBuffer*> SymmetricHeap::in_tags(const std::vector<std::string>& tags) const {
+  std::vector<SymmetricBuffer*> out;
+  for (auto& [id, b] : buffers_)
+    if (std::find(tags.begin(), tags.end(), b->tag_) != tags.end()) out.push_back(b.get());
+  return out;
+}
+
+std::vector<std::string> SymmetricHeap::agree(const std::string& operation, const std::string& request,
+                                              const std::string& extra) {
+  auto all = group_.all_gather(to_bytes(one_line(request) + "\n" + extra));
+  std::vector<std::string> requests, extras;
+  for (auto& a : all) {
+    std::string s = from_bytes(a);
+    auto nl = s.find('\n');
+    requests.push_back(s.substr(0, nl));
+    extras.push_back(nl == std::string::npos ? std::string() : s.substr(nl + 1));
+  }
+  if (std::adjacent_find(requests.begin(), requests.end(), std::not_equal_to<>()) != requests.end()) {
+    std::string text;
+    for (std::size_t r = 0; r < requests.size(); ++r)
+      text += fmt::format("{}rank {}: {}", r == 0 ? "" : "; ", r, requests[r]);
+    throw invalid_state(fmt::format("{}: ranks disagree on the collective {} ({}); nothing was changed: call it on "
+                                    "every rank with the same arguments",
+                                    who(), operation, text));
+  }
+  return extras;
+}
+
+template <typename F>
+void SymmetricHeap::step(const std::string& what, F&& fn) {
+  std::exception_ptr failure;
+  std::string message;
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    failure = std::current_exception();
+    message = e.what();
+  }
+  std::vector<std::vector<std::byte>> all;
+  try {
+    all = group_.all_gather(to_bytes(failure ? "1" + message : std::string("0")));
+  } catch (...) {
+    if (failure) log::error("{}: {} failed here ({}) and the group could not be told", who(), what, message);
+    throw;
+  }
+  std::vector<int> failed;
+  std::string detail;
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    std::string s = from_bytes(all[r]);
+    if (!s.empty() && s[0] == '1') {
+      failed.push_back(static_cast<int>(r));
+      detail += fmt::format("; rank {}: {}", r, s.substr(1));
+    }
+  }
+  if (failure) std::rethrow_exception(failure);
+  if (!failed.empty())
+    throw error(fmt::format("{}: {} failed on rank(s) {}{}", who(), what, format_ranks(failed), detail));
+}
+
+PhysicalHandle SymmetricHeap::own_handle(const SymmetricBuffer& b) const {
+  auto ci = pool_.chunk_info(b.local_);
+  if (!ci || !ci->awake || !ci->handle)
+    throw invalid_state(fmt::format("{}: symmetric buffer {} is asleep on this rank (tag '{}'); wake it first", who(),
+                                    b.id_, b.tag_));
+  return ci->handle;
+}
+
+void SymmetricHeap::import_peers(SymmetricBuffer& b, const std::vector<int>& fd_by_rank) {
+  const int me = group_.rank();
+  const int device = pool_.device();
+  for (int r = 0; r < group_.size(); ++r) {
+    auto& imp = b.imports_[static_cast<std::size_t>(r)];
+    if (r == me || imp.mapped) continue;
+    int fd = fd_by_rank[static_cast<std::size_t>(r)];
+    if (fd < 0) throw error(fmt::format("{}: rank {} sent no handle for symmetric buffer {}", who(), r, b.id_));
+    if (!imp.handle) imp.handle = driver_.import_fd(fd);
+    device_ptr va = b.peer_va_[static_cast<std::size_t>(r)];
+    driver_.map(va, b.part_bytes_, imp.handle, 0);
+    imp.mapped = true;
+    try {
+      driver_.set_access(va, b.part_bytes_, std::span(&device, 1));
+    } catch (...) {
+      try {
+        driver_.unmap(va, b.part_bytes_);
+        imp.mapped = false;
+      } catch (const std::exception& e) {
+        log::error("{}: unmapping rank {}'s part of buffer {} after a failed set_access: {}", who(), r, b.id_, e.what());
+      }
+      throw;
+    }
+  }
+}
+
+void SymmetricHeap::drop_imports(SymmetricBuffer& b) {
+  std::exception_ptr first;
+  for (std::size_t r = 0; r < b.imports_.size(); ++r) {
+    auto& imp = b.imports_[r];
+    if (imp.mapped)
+      attempt(first, [&] {
+        driver_.unmap(b.peer_va_[r], b.part_bytes_);
+        imp.mapped = false;
+      });
+    // A handle whose mapping could not be removed is kept: releasing it would not free anything.
+    if (imp.handle && !imp.mapped)
+      attempt(first, [&] {
+        driver_.release(imp.handle);
+        imp.handle = {};
+      });
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+void SymmetricHeap::teardown_multicast(SymmetricBuffer& b) {
+  if (!b.mc_) return;
+  auto& m = *b.mc_;
+  const int device = pool_.device();
+  std::exception_ptr first;
+  if (m.mapped)
+    attempt(first, [&] {
+      driver_.unmap(m.va, m.bytes);
+      m.mapped = false;
+    });
+  if (m.bound)
+    attempt(first, [&] {
+      driver_.multicast_unbind(m.handle, device, 0, m.bytes);
+      m.bound = false;
+    });
+  if (m.handle && !m.mapped && !m.bound)
+    attempt(first, [&] {
+      driver_.multicast_release(m.handle);
+      m.handle = {};
+      m.added = false;
+    });
+  if (first) std::rethrow_exception(first);
+}
+
+void SymmetricHeap::setup_multicast(SymmetricBuffer& b) {
+  auto& m = *b.mc_;
+  const bool root = group_.rank() == 0;
+  const int device = pool_.device();
+  try {
+    // Rank 0 creates the object for every rank's device and shares it; each rank then adds its
+    // own device. Binding is legal only once every device was added (the driver checks), so the
+    // steps are agreed one by one.
+    UniqueFd fd;
+    step("creating the multicast object", [&] {
+      teardown_multicast(b);  // what an earlier failure may have left; nothing otherwise
+      if (!root) return;
+      m.handle = driver_.multicast_create(devices_, m.bytes);
+      fd.reset(driver_.multicast_export_fd(m.handle));
+    });
+    std::vector<int> mine;
+    if (root) mine.push_back(fd.get());
+    auto fds = group_.all_gather_fds(mine);
+    step("joining the multicast object", [&] {
+      if (!root) {
+        if (fds[0].size() != 1) throw error(fmt::format("{}: rank 0 shared no multicast object", who()));
+        m.handle = driver_.multicast_import_fd(fds[0][0].get());
+      }
+      driver_.multicast_add_device(m.handle, device);
+      m.added = true;
+    });
+    step("binding to the multicast object", [&] {
+      driver_.multicast_bind(m.handle, 0, own_handle(b), 0, m.bytes);
+      m.bound = true;
+      driver_.map(m.va, m.bytes, driver_.as_physical(m.handle), 0);
+      m.mapped = true;
+      driver_.set_access(m.va, m.bytes, std::span(&device, 1));
+    });
+  } catch (...) {
+    try {
+      teardown_multicast(b);
+    } catch (const std::exception& e) {
+      log::error("{}: tearing down a half-made multicast binding of buffer {}: {}", who(), b.id_, e.what());
+    }
+    throw;
+  }
+}
+
+void SymmetricHeap::write_table(SymmetricBuffer& b) {
+  std::vector<std::uint64_t> t;
+  for (device_ptr va : b.peer_va_) t.push_back(va);
+  t.push_back(b.mc_ ? b.mc_->va : 0);
+  pool_.copy(b.table_, t.data(), t.size() * sizeof(std::uint64_t));
+}
+
+void SymmetricHeap::release_local(SymmetricBuffer& b) noexcept {
+  try {
+    teardown_multicast(b);
+  } catch (const std::exception& e) {
+    log::error("{}: releasing the multicast binding of buffer {}: {}", who(), b.id_, e.what());
+  }
+  try {
+    drop_imports(b);
+  } catch (const std::exception& e) {
+    log::error("{}: releasing the peer mappings of buffer {}: {}", who(), b.id_, e.what());
+  }
+  try {
+    if (b.mc_ && b.mc_->range && !b.mc_->mapped) {
+      pool_.release_address_range(b.mc_->range);
+      b.mc_->range = 0;
+    }
+    bool any_mapped = std::any_of(b.imports_.begin(), b.imports_.end(), [](auto& i) { return i.mapped; });
+    if (b.peer_range_ && !any_mapped) {
+      pool_.release_address_range(b.peer_range_);
+      b.peer_range_ = 0;
+    }
+    if (b.table_) {
+      pool_.deallocate(b.table_);
+      b.table_ = nullptr;
+    }
+    if (b.local_) {
+      pool_.deallocate(b.local_);
+      b.local_ = nullptr;
+    }
+  } catch (const std::exception& e) {
+    log::error("{}: freeing symmetric buffer {}: {}", who(), b.id_, e.what());
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// allocate / free
+
+SymmetricBuffer& SymmetricHeap::allocate(std::size_t bytes, const SymmetricBufferOptions& o) {
+  std::lock_guard lock(mu_);
+  const int n = group_.size();
+  const int me = group_.rank();
+  std::string request = fmt::format("allocate bytes {} tag '{}' multicast {}", bytes, o.tag, o.multicast);
+  auto context = [&](const group_timeout& e) {
+    return group_timeout(fmt::format("{}: symmetric allocate ({}): {}", who(), request, e.what()), e.missing());
+  };
+  try {
+    agree("allocate", request, "");
+  } catch (const group_timeout& e) {
+    throw context(e);
+  }
+  // Every rank asked the same, so every rank throws the same here.
+  if (bytes == 0) throw invalid_argument(fmt::format("{}: symmetric allocate of 0 bytes", who()));
+  if (o.tag.empty()) throw invalid_argument(fmt::format("{}: symmetric allocate with an empty tag", who()));
+
+  auto b = std::make_unique<SymmetricBuffer>();
+  b->bytes_ = bytes;
+  b->tag_ = o.tag;
+  b->name_ = o.name;
+  b->rank_ = me;
+  b->peer_va_.assign(static_cast<std::size_t>(n), 0);
+  b->imports_.resize(static_cast<std::size_t>(n));
+  try {
+    bool use_multicast = false;
+    if (o.multicast) {
+      if (!decision_) decision_ = decide_multicast(group_, driver_, pool_.device());
+      use_multicast = decision_->use;
+    }
+    const std::size_t granularity = pool_.granularity();
+    std::size_t alignment = granularity;
+    if (use_multicast)
+      step("querying the multicast granularity", [&] {
+        alignment = std::lcm(granularity, driver_.multicast_granularity(devices_, bytes));
+      });
+    // Large enough for a chunk of its own: exporting it must share nothing else.
+    b->part_bytes_ = align_up(std::max(bytes, pool_.options().small_limit + 1), alignment);
+
+    step("allocating this rank's part", [&] {
+      b->local_ = pool_.allocate(b->part_bytes_, {o.tag, MemoryClass::state, o.name, /*dedicated=*/true});
+      auto ci = pool_.chunk_info(b->local_);
+      if (!ci || !ci->dedicated || ci->offset != 0 || ci->bytes != b->part_bytes_)
+        throw error(fmt::format("{}: the pool placed symmetric buffer part ({} bytes) inside a shared chunk; it must "
+                                "have a chunk of its own",
+                                who(), b->part_bytes_));
+      std::string table_name = (o.name.empty() ? fmt::format("symmetric.{}", next_id_) : o.name) + ".peers";
+      b->table_ = pool_.allocate((static_cast<std::size_t>(n) + 1) * sizeof(std::uint64_t),
+                                 {options_.table_tag, MemoryClass::state, table_name});
+      b->peer_range_ = pool_.reserve_address_range(static_cast<std::size_t>(n) * b->part_bytes_);
+      for (int r = 0; r < n; ++r)
+        b->peer_va_[static_cast<std::size_t>(r)] =
+            r == me ? reinterpret_cast<device_ptr>(b->local_) : b->peer_range_ + static_cast<std::size_t>(r) * b->part_bytes_;
+      if (use_multicast) {
+        SymmetricBuffer::Multicast m;
+        m.bytes = b->part_bytes_;
+        std::size_t slack = alignment > granularity ? alignment : 0;
+        m.range = pool_.reserve_address_range(m.bytes + slack);
+        m.va = align_up(m.range, alignment);
+        b->mc_ = m;
+      }
+    });
+
+    UniqueFd fd;
+    step("exporting this rank's part", [&] { fd.reset(driver_.export_fd(own_handle(*b))); });
+    int raw = fd.get();
+    auto fds = group_.all_gather_fds(std::span(&raw, 1));
+    std::vector<int> by_rank;
+    for (auto& f : fds) by_rank.push_back(f.size() == 1 ? f[0].get() : -1);
+    step("mapping the peers' parts", [&] { import_peers(*b, by_rank); });
+    if (b->mc_) setup_multicast(*b);
+    step("writing the peer table", [&] { write_table(*b); });
+  } catch (const group_timeout& e) {
+    release_local(*b);
+    throw context(e);
+  } catch (...) {
+    release_local(*b);
+    throw;
+  }
+  b->id_ = next_id_++;
+  SymmetricBuffer& ref = *b;
+  buffers_[ref.id_] = std::move(b);
+  log::debug("{}: symmetric buffer {} of {} bytes ({} per rank) in tag '{}'{}", who(), ref.id_, bytes, ref.part_bytes_,
+             ref.tag_, ref.mc_ ? ", multicast" : "");
+  return ref;
+}
+
+void SymmetricHeap::free(SymmetricBuffer& buffer) {
+  std::lock_guard lock(mu_);
+  auto it = buffers_.find(buffer.id_);
+  if (it == buffers_.end() || it->second.get() != &buffer)
+    throw invalid_argument(fmt::format("{}: free of a symmetric buffer this heap does not hold", who()));
+  release_local(*it->second);
+  buffers_.erase(it);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Collective sleep and wake (the pool calls these around its own work)
+
+void SymmetricHeap::before_sleep(Pool&, int level, const std::vector<std::string>& tags) {
+  std::lock_guard lock(mu_);
+  auto affected = in_tags(tags);
+  if (affected.empty()) return;
+  std::string request = fmt::format("sleep level {} of symmetric buffers {}", level, ids_of(affected));
+  try {
+    // This device's writes into peers' memory must land before any peer copies its bytes out.
+    driver_.device_synchronize(pool_.device());
+    agree("sleep", request, "");
+  } catch (const group_timeout& e) {
+    throw group_timeout(fmt::format("{}: collective {}: {}", who(), request, e.what()), e.missing());
+  }
+  // Every rank now lets go of what keeps the others' memory alive; then the pool releases ours.
+  std::exception_ptr first;
+  for (SymmetricBuffer* b : affected) {
+    attempt(first, [&] { teardown_multicast(*b); });
+    attempt(first, [&] { drop_imports(*b); });
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+void SymmetricHeap::before_wake(Pool&, const std::vector<std::string>& tags) {
+  std::lock_guard lock(mu_);
+  wake_work_.reset();
+  auto affected = in_tags(tags);
+  if (affected.empty()) return;
+  std::string request = fmt::format("wake_up of symmetric buffers {}", ids_of(affected));
+  std::string needs;
+  for (SymmetricBuffer* b : affected) {
+    bool complete = b->peers_mapped() && (!b->mc_ || (b->mc_->mapped && b->mc_->bound));
+    needs += complete ? '0' : '1';
+  }
+  std::vector<std::string> all;
+  try {
+    all = agree("wake_up", request, needs);
+  } catch (const group_timeout& e) {
+    throw group_timeout(fmt::format("{}: collective {}: {}", who(), request, e.what()), e.missing());
+  }
+  std::vector<std::uint64_t> work;
+  for (std::size_t i = 0; i < affected.size(); ++i)
+    if (std::any_of(all.begin(), all.end(), [&](const std::string& s) { return i < s.size() && s[i] == '1'; }))
+      work.push_back(affected[i]->id_);
+  wake_work_ = std::move(work);
+}
+
+void SymmetricHeap::after_wake(Pool&, const std::vector<std::string>&, bool ok) {
+  // Inside Pool::wake_up's handler when !ok: the pool's own exception says why.
+  std::string pool_failure = "the pool's wake_up failed on this rank";
+  if (!ok) {
+    try {
+      if (auto p = std::current_exception()) std::rethrow_exception(p);
+    } catch (const std::exception& e) {
+      pool_failure = fmt::format("the pool's wake_up failed on this rank: {}", e.what());
+    } catch (...) {
+    }
+  }
+  std::lock_guard lock(mu_);
+  if (!wake_work_) return;  // nothing symmetric in these tags, or after_wake already ran
+  std::vector<SymmetricBuffer*> work;
+  for (std::uint64_t id : *wake_work_)
+    if (auto it = buffers_.find(id); it != buffers_.end()) work.push_back(it->second.get());
+  wake_work_.reset();
+  if (work.empty()) return;
+  std::string request = fmt::format("wake_up of symmetric buffers {}", ids_of(work));
+  try {
+    step("waking the pool", [&] {
+      if (!ok) throw error(pool_failure);
+    });
+    std::vector<UniqueFd> own;
+    std::vector<int> raw;
+    step("exporting this rank's parts", [&] {
+      for (SymmetricBuffer* b : work) {
+        own.emplace_back(driver_.export_fd(own_handle(*b)));
+        raw.push_back(own.back().get());
+      }
+    });
+    auto fds = group_.all_gather_fds(raw);
+    try {
+      step("mapping the peers' parts", [&] {
+        for (std::size_t i = 0; i < work.size(); ++i) {
+          std::vector<int> by_rank;
+          for (auto& f : fds) by_rank.push_back(i < f.size() ? f[i].get() : -1);
+          import_peers(*work[i], by_rank);
+        }
+      });
+    } catch (...) {
+      for (SymmetricBuffer* b : work) {
+        try {
+          drop_imports(*b);
+        } catch (const std::exception& e) {
+          log::error("{}: dropping the peer mappings of buffer {} after a failed wake: {}", who(), b->id_, e.what());
+        }
+      }
+      throw;
+    }
+    for (SymmetricBuffer* b : work) {
+      if (!b->mc_) continue;
+      setup_multicast(*b);
+    }
+  } catch (const group_timeout& e) {
+    if (!ok) return;  // the pool rethrows its own error
+    throw group_timeout(fmt::format("{}: collective {}: {}", who(), request, e.what()), e.missing());
+  } catch (...) {
+    if (!ok) return;
+    throw;
+  }
+}
+
+}  // namespace torpor

@@ -1,0 +1,376 @@
+// `torpor symmetric-check`: symmetric memory across processes, one per device, end to end.
+//
+// The parent makes a rendezvous and starts --ranks copies of this program (one process per
+// device, the vLLM layout), then prints one row per rank. Every rank allocates one symmetric
+// buffer, writes its slice of every rank's buffer through its peer mappings (a device-to-device
+// copy into the peer-mapped address: NVLink on a GPU machine), sleeps at level 2 together with the
+// others, measures the device memory returned (cuMemGetInfo on cuda), wakes, and checks that every
+// address is unchanged and every byte is as written (own part, and read back through every peer
+// mapping). Multicast is never requested: the group's decision is reported only (no multicast
+// call is made to reach it).
+//
+// --group nccl carries the bytes over NCCL (NcclGroup; fds still over the Unix socket);
+// --timeout-check adds a phase where the last rank stays away from a barrier: the others must
+// time out naming it, then every rank recovers and the group works again.
+//
+// On the cuda backend it needs one device per rank with peer access (and libnccl for --group
+// nccl); otherwise it prints SKIP and the reason, and exits 0. The host backend runs it anywhere
+// (CI smoke test).
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "commands.hpp"
+#include "torpor/backend.hpp"
+#include "torpor/error.hpp"
+#include "torpor/group.hpp"
+#include "torpor/multicast_decision.hpp"
+#include "torpor/nccl_group.hpp"
+#include "torpor/pool.hpp"
+#include "torpor/symmetric.hpp"
+
+extern char** environ;
+
+namespace torpor::cli {
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+double since(clock_type::time_point t) { return std::chrono::duration<double>(clock_type::now() - t).count(); }
+
+struct Options {
+  int ranks = 2;
+  std::string bytes = "1G";
+  std::string backend = "auto";
+  std::string group = "unix";
+  std::string json;
+  int timeout_s = 120;
+  bool timeout_check = false;
+  bool worker = false;
+};
+
+std::uint64_t mix(std::uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// The bytes `writer` puts into `owner`'s buffer: 64-bit words, distinct per (writer, owner, word).
+void fill_pattern(std::uint64_t* out, std::size_t words, std::size_t first_word, int writer, int owner) {
+  std::uint64_t seed = mix(static_cast<std::uint64_t>(writer) * 1000003u + static_cast<std::uint64_t>(owner) + 1);
+  for (std::size_t i = 0; i < words; ++i) out[i] = mix(seed ^ (first_word + i));
+}
+
+// Compares `bytes` of device memory at `src` with the pattern, through a host staging buffer.
+bool matches(Pool& pool, const void* src, std::size_t bytes, int writer, int owner, std::uint64_t* stage,
+             std::size_t stage_bytes, std::vector<std::uint64_t>& expect) {
+  for (std::size_t off = 0; off < bytes; off += stage_bytes) {
+    std::size_t n = std::min(stage_bytes, bytes - off);
+    pool.copy(stage, static_cast<const std::byte*>(src) + off, n);
+    expect.resize(n / 8);
+    fill_pattern(expect.data(), n / 8, off / 8, writer, owner);
+    if (std::memcmp(stage, expect.data(), n) != 0) return false;
+  }
+  return true;
+}
+
+int worker(const Options& o) {
+  DriverSelection sel = open_driver(parse_backend(o.backend));
+  Driver& driver = *sel.driver;
+  GroupOptions go;
+  go.timeout = std::chrono::seconds(o.timeout_s);
+  auto bootstrap = unix_group_from_env(go);
+  std::unique_ptr<Group> nccl;
+  Group* group = bootstrap.get();
+  if (o.group == "nccl") {
+    nccl = std::make_unique<NcclGroup>(*bootstrap, driver, bootstrap->rank(), go);
+    group = nccl.get();
+  }
+  const int rank = group->rank(), n = group->size();
+  const int device = rank;
+  const std::size_t bytes = parse_size(o.bytes);
+
+  PoolOptions po;
+  po.device = device;
+  po.exportable = true;
+  Pool pool(driver, po);
+  SymmetricHeap heap(pool, *group);
+  MulticastDecision decision = decide_multicast(*group, driver, device);
+  SymmetricBuffer& buf = heap.allocate(bytes, {"weights", "symmetric-check", false});
+  const std::size_t slice = buf.part_bytes() / static_cast<std::size_t>(n) / 8 * 8;
+  const std::size_t stage_bytes = std::min<std::size_t>(slice, std::size_t{64} << 20);
+  auto* stage = static_cast<std::uint64_t*>(driver.host_alloc(stage_bytes));
+  std::vector<std::uint64_t> expect;
+  void* scratch = pool.allocate(slice, {"scratch", MemoryClass::cache, "source"});
+
+  // Peer writes: fill the scratch slice (on this device) for each owner, then copy it into the
+  // owner's part through the peer mapping: a device-to-device copy over the link.
+  double copy_seconds = 0;
+  for (int p = 0; p < n; ++p) {
+    for (std::size_t off = 0; off < slice; off += stage_bytes) {
+      std::size_t k = std::min(stage_bytes, slice - off);
+      fill_pattern(stage, k / 8, off / 8, rank, p);
+      pool.copy(static_cast<std::byte*>(scratch) + off, stage, k);
+    }
+    auto t = clock_type::now();
+    pool.copy(static_cast<std::byte*>(buf.peer(p)) + static_cast<std::size_t>(rank) * slice, scratch, slice);
+    if (p != rank) copy_seconds += since(t);
+  }
+  group->barrier();
+  std::vector<void*> peers_before;
+  for (int p = 0; p < n; ++p) peers_before.push_back(buf.peer(p));
+  void* local_before = buf.local();
+  void* table_before = buf.peer_table();
+
+  std::size_t free_before = driver.memory_info(device).free_bytes;
+  auto t_sleep = clock_type::now();
+  TransitionReport sr = pool.sleep(2);
+  double sleep_seconds = since(t_sleep);
+  group->barrier();  // every rank asleep, every import gone
+  std::size_t free_asleep = driver.memory_info(device).free_bytes;
+  group->barrier();
+  auto t_wake = clock_type::now();
+  pool.wake_up();
+  double wake_seconds = since(t_wake);
+
+  bool addresses = buf.local() == local_before && buf.peer_table() == table_before;
+  for (int p = 0; p < n; ++p) addresses = addresses && buf.peer(p) == peers_before[static_cast<std::size_t>(p)];
+  std::vector<std::uint64_t> table(static_cast<std::size_t>(n) + 1);
+  pool.copy(table.data(), buf.peer_table(), table.size() * 8);
+  for (int p = 0; p < n; ++p) addresses = addresses && table[static_cast<std::size_t>(p)] == reinterpret_cast<std::uint64_t>(buf.peer(p));
+
+  bool own_ok = true, peers_ok = true;
+  for (int w = 0; w < n; ++w)
+    own_ok = own_ok && matches(pool, static_cast<std::byte*>(buf.local()) + static_cast<std::size_t>(w) * slice, slice, w,
+                               rank, stage, stage_bytes, expect);
+  for (int p = 0; p < n; ++p)
+    peers_ok = peers_ok && matches(pool, static_cast<std::byte*>(buf.peer(p)) + static_cast<std::size_t>(rank) * slice,
+                                   slice, rank, p, stage, stage_bytes, expect);
+  group->barrier();
+  driver.host_free(stage);
+  pool.deallocate(scratch);
+
+  // Optional: the last rank stays away from one barrier; the others must time out naming it,
+  // then every rank recovers the group and it works again.
+  std::string timeout_result = "not run";
+  if (o.timeout_check && n > 1) {
+    const auto t = std::chrono::seconds(o.timeout_s);
+    if (rank == n - 1) {
+      // Long enough for the others to give up (NCCL: its timeout, then the bootstrap's).
+      std::this_thread::sleep_for(o.group == "nccl" ? t * 5 / 2 : t * 3 / 2);
+      timeout_result = "absent on purpose";
+    } else {
+      try {
+        group->barrier();
+        timeout_result = "FAIL: the barrier returned without the last rank";
+      } catch (const group_timeout& e) {
+        timeout_result = e.missing() == std::vector<int>{n - 1}
+                             ? fmt::format("ok: rank {} named", n - 1)
+                             : fmt::format("FAIL: named {}: {}", format_ranks(e.missing()), e.what());
+      }
+    }
+    group->recover();
+    group->barrier();
+    if (timeout_result.rfind("FAIL", 0) != 0) timeout_result += ", recovered";
+  }
+
+  std::size_t returned = free_asleep > free_before ? free_asleep - free_before : 0;
+  bool memory_ok = returned >= buf.part_bytes();
+  nlohmann::json j = {{"rank", rank},
+                      {"device", device},
+                      {"device_name", driver.device_properties(device).name},
+                      {"backend", std::string(driver.backend_name())},
+                      {"part_bytes", buf.part_bytes()},
+                      {"peer_copy_bytes", slice * static_cast<std::size_t>(n - 1)},
+                      {"peer_copy_seconds", copy_seconds},
+                      {"free_before", free_before},
+                      {"free_asleep", free_asleep},
+                      {"returned", returned},
+                      {"released_by_pool", sr.bytes_released},
+                      {"sleep_seconds", sleep_seconds},
+                      {"wake_seconds", wake_seconds},
+                      {"memory_returned", memory_ok},
+                      {"addresses_unchanged", addresses},
+                      {"own_bytes_intact", own_ok},
+                      {"peer_bytes_intact", peers_ok},
+                      {"group", std::string(group->kind())},
+                      {"timeout_check", timeout_result},
+                      {"multicast", decision.use ? std::string("used") : "not used: " + decision.reason}};
+  fmt::print("{}\n", j.dump());
+  std::fflush(stdout);
+  group->barrier();
+  bool timeout_ok = timeout_result.rfind("FAIL", 0) != 0;
+  return (memory_ok && addresses && own_ok && peers_ok && timeout_ok) ? 0 : 1;
+}
+
+// Why this machine cannot run the check on `backend`, or "".
+std::string skip_reason(const Options& o) {
+  Backend b = parse_backend(o.backend);
+  if (o.group == "nccl") {
+    if (b == Backend::host) return "the nccl group needs the cuda backend";
+    if (std::string why; !NcclGroup::available(&why)) return why;
+  }
+  if (b == Backend::host) return "";
+  DriverSelection sel;
+  try {
+    sel = open_driver(b);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  if (sel.backend == Backend::host) return o.group == "nccl" ? "no usable GPU for the nccl group: " + sel.reason : "";
+  Driver& d = *sel.driver;
+  int count = d.device_count();
+  if (count < o.ranks)
+    return fmt::format("needs {} GPUs (one per rank), this machine has {}", o.ranks, count);
+  for (int a = 0; a < o.ranks; ++a)
+    for (int b2 = 0; b2 < o.ranks; ++b2)
+      if (a != b2 && !d.can_access_peer(a, b2)) return fmt::format("GPU {} cannot access GPU {} (no peer access)", a, b2);
+  if (!d.device_properties(0).posix_fd_handles_supported) return "GPU 0 cannot export memory as POSIX fds";
+  return "";
+}
+
+int parent(const Options& o) {
+  if (o.ranks < 1) throw invalid_argument("--ranks must be at least 1");
+  if (std::string why = skip_reason(o); !why.empty()) {
+    fmt::print("SKIP: symmetric-check on {} ranks: {}\n", o.ranks, why);
+    return 0;
+  }
+  Rendezvous rv = Rendezvous::create();
+  std::vector<pid_t> pids;
+  std::vector<int> outs;
+  for (int r = 0; r < o.ranks; ++r) {
+    int p[2];
+    if (::pipe2(p, O_CLOEXEC) != 0) throw error("pipe2 failed");
+    std::vector<std::string> args = {"torpor", "symmetric-check", "--worker", "--ranks", std::to_string(o.ranks),
+                                     "--bytes", o.bytes, "--backend", o.backend, "--timeout", std::to_string(o.timeout_s),
+                                     "--group", o.group};
+    if (o.timeout_check) args.push_back("--timeout-check");
+    std::vector<std::string> env_strings;
+    for (char** e = environ; *e != nullptr; ++e) {
+      std::string_view s(*e);
+      if (s.starts_with("TORPOR_GROUP_RENDEZVOUS=") || s.starts_with("TORPOR_RANK=") || s.starts_with("TORPOR_WORLD_SIZE="))
+        continue;
+      env_strings.emplace_back(s);
+    }
+    env_strings.push_back("TORPOR_GROUP_RENDEZVOUS=" + rv.to_string());
+    env_strings.push_back("TORPOR_RANK=" + std::to_string(r));
+    env_strings.push_back("TORPOR_WORLD_SIZE=" + std::to_string(o.ranks));
+    std::vector<char*> argv, envp;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    for (auto& e : env_strings) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, p[1], STDOUT_FILENO);
+    pid_t pid = 0;
+    int rc = ::posix_spawn(&pid, "/proc/self/exe", &fa, nullptr, argv.data(), envp.data());
+    posix_spawn_file_actions_destroy(&fa);
+    ::close(p[1]);
+    if (rc != 0) throw error(fmt::format("starting rank {} failed: {}", r, std::strerror(rc)));
+    pids.push_back(pid);
+    outs.push_back(p[0]);
+  }
+  // Collect: each rank prints one JSON line. Read while waiting so no pipe fills up.
+  std::vector<std::string> text(static_cast<std::size_t>(o.ranks));
+  std::vector<int> codes(static_cast<std::size_t>(o.ranks), -1);
+  auto deadline = clock_type::now() + std::chrono::seconds(o.timeout_s + 60);
+  int left = o.ranks;
+  for (int fd : outs) ::fcntl(fd, F_SETFL, O_NONBLOCK);
+  while (left > 0) {
+    for (int r = 0; r < o.ranks; ++r) {
+      char buf[4096];
+      ssize_t k;
+      while ((k = ::read(outs[static_cast<std::size_t>(r)], buf, sizeof buf)) > 0) text[static_cast<std::size_t>(r)].append(buf, static_cast<std::size_t>(k));
+      if (codes[static_cast<std::size_t>(r)] >= 0) continue;
+      int status = 0;
+      if (::waitpid(pids[static_cast<std::size_t>(r)], &status, WNOHANG) == pids[static_cast<std::size_t>(r)]) {
+        codes[static_cast<std::size_t>(r)] = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        --left;
+      }
+    }
+    if (left > 0 && clock_type::now() > deadline) {
+      for (int r = 0; r < o.ranks; ++r)
+        if (codes[static_cast<std::size_t>(r)] < 0) ::kill(pids[static_cast<std::size_t>(r)], SIGKILL);
+    }
+    if (left > 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  for (int fd : outs) ::close(fd);
+  rv.remove();
+
+  nlohmann::json all = nlohmann::json::array();
+  bool ok = true;
+  fmt::print("{:>4} {:>6} {:>10} {:>11} {:>12} {:>12} {:>12} {:>8} {:>8} {:>9} {:>6} {:>6}\n", "rank", "device", "part",
+             "peer GB/s", "free before", "free asleep", "returned", "sleep s", "wake s", "addresses", "own", "peers");
+  std::string multicast;
+  for (int r = 0; r < o.ranks; ++r) {
+    nlohmann::json j;
+    try {
+      auto line = text[static_cast<std::size_t>(r)];
+      auto nl = line.find('\n');
+      j = nlohmann::json::parse(line.substr(0, nl));
+    } catch (const std::exception&) {
+      fmt::print("{:>4} FAILED (exit {}): {}\n", r, codes[static_cast<std::size_t>(r)], text[static_cast<std::size_t>(r)]);
+      ok = false;
+      continue;
+    }
+    all.push_back(j);
+    double gbs = j["peer_copy_seconds"].get<double>() > 0
+                     ? static_cast<double>(j["peer_copy_bytes"].get<std::size_t>()) / j["peer_copy_seconds"].get<double>() / 1e9
+                     : 0.0;
+    auto yes = [](bool b) { return b ? "ok" : "FAIL"; };
+    fmt::print("{:>4} {:>6} {:>10} {:>11.1f} {:>12} {:>12} {:>12} {:>8.3f} {:>8.3f} {:>9} {:>6} {:>6}\n", r,
+               j["device"].get<int>(), format_bytes(j["part_bytes"].get<std::size_t>()), gbs,
+               format_bytes(j["free_before"].get<std::size_t>()), format_bytes(j["free_asleep"].get<std::size_t>()),
+               format_bytes(j["returned"].get<std::size_t>()), j["sleep_seconds"].get<double>(),
+               j["wake_seconds"].get<double>(), yes(j["addresses_unchanged"].get<bool>()),
+               yes(j["own_bytes_intact"].get<bool>()), yes(j["peer_bytes_intact"].get<bool>()));
+    if (!j["memory_returned"].get<bool>()) fmt::print("     rank {}: less memory returned than its part\n", r);
+    ok = ok && codes[static_cast<std::size_t>(r)] == 0;
+    multicast = j["multicast"].get<std::string>();
+  }
+  fmt::print("multicast: {}\n", multicast);
+  for (const auto& j : all)
+    if (j["timeout_check"].get<std::string>() != "not run")
+      fmt::print("timeout check ({} group), rank {}: {}\n", j["group"].get<std::string>(), j["rank"].get<int>(),
+                 j["timeout_check"].get<std::string>());
+  fmt::print("{}\n", ok ? "PASS: every rank's memory returned while asleep; addresses and bytes intact after wake"
+                        : "FAIL");
+  if (!o.json.empty()) {
+    std::ofstream f(o.json);
+    f << nlohmann::json{{"ranks", all}, {"pass", ok}}.dump(2) << "\n";
+  }
+  return ok ? 0 : 1;
+}
+
+}  // namespace
+
+void add_symmetric_check(CLI::App& app, int& exit_code) {
+  auto* cmd = app.add_subcommand("symmetric-check",
+                                 "Symmetric memory across processes (one per device): peer writes, sleep level 2, "
+                                 "memory returned, wake, addresses and bytes intact");
+  auto o = std::make_shared<Options>();
+  cmd->add_option("--ranks", o->ranks, "Processes, one per device (default 2)");
+  cmd->add_option("--bytes", o->bytes, "Symmetric buffer size per rank, K/M/G suffixes (default 1G)");
+  cmd->add_option("--backend", o->backend, "auto, host or cuda")->check(CLI::IsMember({"auto", "host", "cuda"}));
+  cmd->add_option("--json", o->json, "Also write the results to this file");
+  cmd->add_option("--timeout", o->timeout_s, "Group timeout in seconds (default 120)");
+  cmd->add_option("--group", o->group, "unix (Unix socket rendezvous) or nccl (bytes over NCCL, fds over unix)")
+      ->check(CLI::IsMember({"unix", "nccl"}));
+  cmd->add_flag("--timeout-check", o->timeout_check,
+                "Also check that a missing rank is named in a timeout and that recover() restores the group");
+  cmd->add_flag("--worker", o->worker, "Internal: run as one rank (group from the environment)")->group("");
+  cmd->callback([o, &exit_code] { exit_code = o->worker ? worker(*o) : parent(*o); });
+}
+
+}  // namespace torpor::cli
