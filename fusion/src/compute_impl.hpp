@@ -1,0 +1,15 @@
+// The Compute implementations' factories (compute.cpp picks one by backend).
+#pragma once
+
+#include <memory>
+
+#include "torpor/fusion/compute.hpp"
+
+namespace torpor::fusion {
+
+std::unique_ptr<Compute> make_host_compute(Driver& driver, int device);
+#ifdef TORPOR_HAVE_CUDA_KERNELS
+std::unique_ptr<Compute> make_cuda_compute(Driver& driver, int device);
+#endif
+
+}  // namespace torpor::fusion
