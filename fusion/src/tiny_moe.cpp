@@ -382,14 +382,4 @@ std::vector<SymmetricBuffer*> TinyMoeLM::tail_buffers() const {
   return out;
 }
 
-std::vector<std::int32_t> make_prompts(std::uint64_t seed, int batch, int prompt_len, int vocab) {
-  std::vector<std::int32_t> out(static_cast<std::size_t>(batch) * static_cast<std::size_t>(prompt_len));
-  const std::uint64_t h = weight_name_hash("prompts");
-  for (std::size_t i = 0; i < out.size(); ++i) {
-    float u = (weight_uniform(seed, h, i) + 1.0f) * 0.5f;  // [0, 1)
-    out[i] = std::min(vocab - 1, static_cast<int>(u * static_cast<float>(vocab)));
-  }
-  return out;
-}
-
 }  // namespace torpor::fusion

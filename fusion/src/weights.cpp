@@ -1,6 +1,8 @@
 // Dummy weights (weights.hpp): splitmix64 over (seed, name hash, index).
 #include "torpor/fusion/weights.hpp"
 
+#include <algorithm>
+
 namespace torpor::fusion {
 
 namespace {
@@ -34,6 +36,16 @@ float weight_value(const WeightVersion& v, std::uint64_t name_hash, std::uint64_
   for (int s = 1; s <= v.updates; ++s)
     x += v.update_scale * weight_uniform(mix(v.update_seed + 0x5bd1e995ull * static_cast<std::uint64_t>(s)), name_hash, index);
   return x;
+}
+
+std::vector<std::int32_t> make_prompts(std::uint64_t seed, int batch, int prompt_len, int vocab) {
+  std::vector<std::int32_t> out(static_cast<std::size_t>(batch) * static_cast<std::size_t>(prompt_len));
+  const std::uint64_t h = weight_name_hash("prompts");
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    float u = (weight_uniform(seed, h, i) + 1.0f) * 0.5f;  // [0, 1)
+    out[i] = std::min(vocab - 1, static_cast<int>(u * static_cast<float>(vocab)));
+  }
+  return out;
 }
 
 }  // namespace torpor::fusion

@@ -144,7 +144,4 @@ class TinyMoeLM {
   DecodeStats stats_;
 };
 
-// Deterministic prompts: batch x prompt_len tokens in [0, vocab).
-std::vector<std::int32_t> make_prompts(std::uint64_t seed, int batch, int prompt_len, int vocab);
-
 }  // namespace torpor::fusion

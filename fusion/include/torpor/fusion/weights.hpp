@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
+#include <vector>
 
 namespace torpor::fusion {
 
@@ -27,5 +28,8 @@ std::uint64_t weight_name_hash(std::string_view name) noexcept;
 float weight_uniform(std::uint64_t seed, std::uint64_t name_hash, std::uint64_t index) noexcept;
 // The element's value before scaling: base uniform plus the version's updates.
 float weight_value(const WeightVersion& v, std::uint64_t name_hash, std::uint64_t index) noexcept;
+
+// Deterministic prompts: batch x prompt_len tokens in [0, vocab), row-major.
+std::vector<std::int32_t> make_prompts(std::uint64_t seed, int batch, int prompt_len, int vocab);
 
 }  // namespace torpor::fusion
