@@ -8,5 +8,7 @@ namespace torpor::cli {
 
 void add_probe(CLI::App& app, int& exit_code);
 void add_symmetric_check(CLI::App& app, int& exit_code);
+void add_stress(CLI::App& app, int& exit_code);
+void add_rl_loop(CLI::App& app, int& exit_code);
 
 }  // namespace torpor::cli

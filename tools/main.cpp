@@ -1,5 +1,6 @@
 // torpor: the command-line tool. `torpor probe` reports what torpor sees on this machine;
-// `torpor symmetric-check` runs symmetric memory through sleep across processes.
+// `torpor symmetric-check` runs symmetric memory through sleep across processes; `torpor stress`
+// runs the sleep-mode test plan on a tiny MoE model; `torpor rl-loop` the RL weight-update loop.
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -13,6 +14,8 @@ int main(int argc, char** argv) {
   int exit_code = 0;
   torpor::cli::add_probe(app, exit_code);
   torpor::cli::add_symmetric_check(app, exit_code);
+  torpor::cli::add_stress(app, exit_code);
+  torpor::cli::add_rl_loop(app, exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

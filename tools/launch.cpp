@@ -1,0 +1,298 @@
+// Rank launching for the CLI (launch.hpp). Threads share one driver (the host backend's
+// multicast emulation and the cuda backend's peer access both want that); processes each open
+// their own. The launcher's only job after starting the ranks is to collect outcomes and to make
+// sure a failed run ends: it never decides success itself.
+#include "launch.hpp"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include "torpor/error.hpp"
+
+extern char** environ;
+
+namespace torpor::cli {
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+RankOutcome outcome_of(int rank, const std::function<nlohmann::json()>& fn) {
+  RankOutcome o;
+  o.rank = rank;
+  try {
+    o.result = fn();
+    o.ok = true;
+  } catch (const rank_failure& e) {
+    o.error = e.what();
+    o.result = e.partial();
+  } catch (const std::exception& e) {
+    o.error = e.what();
+  }
+  return o;
+}
+
+LaunchResult launch_threads(const LaunchOptions& o, const RankBody& body) {
+  DriverSelection sel = open_rank_driver(o.backend, o.ranks);
+  struct Shared {
+    std::mutex mu;
+    std::condition_variable cv;
+    int done = 0;
+    std::optional<clock_type::time_point> first_failure;
+    std::vector<RankOutcome> out;
+    std::vector<bool> finished;
+    std::shared_ptr<Driver> driver;
+    std::vector<std::unique_ptr<Group>> groups;
+    RankBody body;
+  };
+  // Shared with the threads, so that abandoning a thread that never returns stays safe.
+  auto sh = std::make_shared<Shared>();
+  sh->driver = sel.driver;
+  sh->groups = make_thread_group(o.ranks, o.group);
+  sh->body = body;
+  sh->out.resize(static_cast<std::size_t>(o.ranks));
+  sh->finished.assign(static_cast<std::size_t>(o.ranks), false);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < o.ranks; ++r)
+    threads.emplace_back([sh, r] {
+      RankOutcome out = outcome_of(r, [&] { return sh->body(*sh->driver, *sh->groups[static_cast<std::size_t>(r)], r); });
+      std::lock_guard lock(sh->mu);
+      if (!out.ok && !sh->first_failure) sh->first_failure = clock_type::now();
+      sh->out[static_cast<std::size_t>(r)] = std::move(out);
+      sh->finished[static_cast<std::size_t>(r)] = true;
+      ++sh->done;
+      sh->cv.notify_all();
+    });
+
+  LaunchResult result;
+  result.backend = std::string(sel.driver->backend_name());
+  std::unique_lock lock(sh->mu);
+  for (;;) {
+    if (sh->done == o.ranks) break;
+    if (sh->first_failure && clock_type::now() >= *sh->first_failure + o.failure_grace) break;
+    sh->cv.wait_for(lock, std::chrono::milliseconds(100));
+  }
+  if (sh->done == o.ranks) {
+    lock.unlock();
+    for (auto& t : threads) t.join();
+    result.ranks = sh->out;
+    return result;
+  }
+  for (int r = 0; r < o.ranks; ++r)
+    if (!sh->finished[static_cast<std::size_t>(r)]) {
+      auto& out = sh->out[static_cast<std::size_t>(r)];
+      out.rank = r;
+      out.ok = false;
+      out.error = fmt::format("still running {:.0f} s after the first failure (abandoned)",
+                              std::chrono::duration<double>(o.failure_grace).count());
+    }
+  result.ranks = sh->out;
+  result.abandoned = true;
+  lock.unlock();
+  for (auto& t : threads) t.detach();
+  return result;
+}
+
+LaunchResult launch_processes(const LaunchOptions& o) {
+  Rendezvous rv = Rendezvous::create();
+  const std::size_t n = static_cast<std::size_t>(o.ranks);
+  std::vector<pid_t> pids;
+  std::vector<int> outs;
+  auto cleanup = [&] {
+    for (int fd : outs) ::close(fd);
+    rv.remove();
+  };
+  for (int r = 0; r < o.ranks; ++r) {
+    int p[2];
+    if (::pipe2(p, O_CLOEXEC) != 0) {
+      cleanup();
+      throw error(fmt::format("starting rank {}: pipe2 failed: {}", r, std::strerror(errno)));
+    }
+    std::vector<std::string> args = {"torpor"};
+    args.insert(args.end(), o.worker_args.begin(), o.worker_args.end());
+    std::vector<std::string> env;
+    for (char** e = environ; *e != nullptr; ++e) {
+      std::string_view s(*e);
+      if (s.starts_with("TORPOR_GROUP_RENDEZVOUS=") || s.starts_with("TORPOR_RANK=") || s.starts_with("TORPOR_WORLD_SIZE="))
+        continue;
+      env.emplace_back(s);
+    }
+    env.push_back("TORPOR_GROUP_RENDEZVOUS=" + rv.to_string());
+    env.push_back("TORPOR_RANK=" + std::to_string(r));
+    env.push_back("TORPOR_WORLD_SIZE=" + std::to_string(o.ranks));
+    std::vector<char*> argv, envp;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    for (auto& e : env) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, p[1], STDOUT_FILENO);
+    pid_t pid = 0;
+    int rc = ::posix_spawn(&pid, "/proc/self/exe", &fa, nullptr, argv.data(), envp.data());
+    posix_spawn_file_actions_destroy(&fa);
+    ::close(p[1]);
+    if (rc != 0) {
+      ::close(p[0]);
+      for (pid_t q : pids) ::kill(q, SIGKILL);
+      for (pid_t q : pids) ::waitpid(q, nullptr, 0);
+      cleanup();
+      throw error(fmt::format("starting rank {} failed: {}", r, std::strerror(rc)));
+    }
+    pids.push_back(pid);
+    outs.push_back(p[0]);
+  }
+
+  std::vector<std::string> text(n);
+  std::vector<int> codes(n, -1);
+  std::vector<bool> killed(n, false);
+  std::optional<clock_type::time_point> first_failure;
+  const auto deadline = clock_type::now() + o.deadline;
+  for (int fd : outs) ::fcntl(fd, F_SETFL, O_NONBLOCK);
+  std::size_t left = n;
+  while (left > 0) {
+    for (std::size_t r = 0; r < n; ++r) {
+      char buf[4096];
+      ssize_t k;
+      while ((k = ::read(outs[r], buf, sizeof buf)) > 0) text[r].append(buf, static_cast<std::size_t>(k));
+      if (codes[r] >= 0) continue;
+      int status = 0;
+      if (::waitpid(pids[r], &status, WNOHANG) == pids[r]) {
+        codes[r] = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        if (codes[r] != 0 && !first_failure) first_failure = clock_type::now();
+        --left;
+      }
+    }
+    const auto now = clock_type::now();
+    if (left > 0 && (now > deadline || (first_failure && now > *first_failure + o.failure_grace)))
+      for (std::size_t r = 0; r < n; ++r)
+        if (codes[r] < 0 && !killed[r]) {
+          ::kill(pids[r], SIGKILL);
+          killed[r] = true;
+        }
+    if (left > 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  for (std::size_t r = 0; r < n; ++r) {
+    char buf[4096];
+    ssize_t k;
+    while ((k = ::read(outs[r], buf, sizeof buf)) > 0) text[r].append(buf, static_cast<std::size_t>(k));
+  }
+  cleanup();
+
+  LaunchResult result;
+  for (std::size_t r = 0; r < n; ++r) {
+    RankOutcome out;
+    out.rank = static_cast<int>(r);
+    // The last line that parses as JSON is the worker's report.
+    std::optional<nlohmann::json> report;
+    std::size_t start = 0;
+    while (start < text[r].size()) {
+      std::size_t nl = text[r].find('\n', start);
+      std::string line = text[r].substr(start, nl == std::string::npos ? std::string::npos : nl - start);
+      start = nl == std::string::npos ? text[r].size() : nl + 1;
+      if (line.empty() || line[0] != '{') continue;
+      try {
+        report = nlohmann::json::parse(line);
+      } catch (const std::exception&) {
+      }
+    }
+    if (report) {
+      out.ok = report->value("ok", false) && codes[r] == 0;
+      if (report->contains("result")) out.result = (*report)["result"];
+      out.error = report->value("error", std::string());
+      if (report->contains("backend")) result.backend = (*report)["backend"].get<std::string>();
+    }
+    if (killed[r])
+      out.error = first_failure && clock_type::now() < deadline
+                      ? fmt::format("killed: still running {:.0f} s after the first failure",
+                                    std::chrono::duration<double>(o.failure_grace).count())
+                      : "killed at the deadline";
+    else if (!report)
+      out.error = fmt::format("exited with status {} without a report", codes[r]);
+    else if (codes[r] != 0 && out.error.empty())
+      out.error = fmt::format("exited with status {}", codes[r]);
+    result.ranks.push_back(std::move(out));
+  }
+  return result;
+}
+
+}  // namespace
+
+DriverSelection open_rank_driver(Backend backend, int ranks) {
+  HostDriverOptions host = host_driver_options_from_env();
+  host.devices = std::max(host.devices, ranks);
+  DriverSelection sel = open_driver(backend, host);
+  if (int count = sel.driver->device_count(); count < ranks)
+    throw invalid_argument(fmt::format("{} ranks need {} devices (one per rank); the {} backend has {}{}", ranks, ranks,
+                                       sel.driver->backend_name(), count,
+                                       sel.backend == Backend::cuda ? " GPUs: pass --ranks N with N <= the GPU count" : ""));
+  return sel;
+}
+
+LaunchResult launch(const LaunchOptions& o, const RankBody& body) {
+  if (o.ranks < 1) throw invalid_argument(fmt::format("--ranks {}: at least one rank is needed", o.ranks));
+  return o.processes ? launch_processes(o) : launch_threads(o, body);
+}
+
+int run_worker(Backend backend, const GroupOptions& group_options, const RankBody& body) {
+  std::unique_ptr<Group> group;
+  nlohmann::json line;
+  try {
+    group = unix_group_from_env(group_options);
+  } catch (const std::exception& e) {
+    line = {{"ok", false}, {"error", fmt::format("joining the group: {}", e.what())}};
+    fmt::print("{}\n", line.dump());
+    std::fflush(stdout);
+    return 1;
+  }
+  const int rank = group->rank();
+  std::string backend_name;
+  RankOutcome out = outcome_of(rank, [&] {
+    DriverSelection sel = open_rank_driver(backend, group->size());
+    backend_name = std::string(sel.driver->backend_name());
+    return body(*sel.driver, *group, rank);
+  });
+  line = {{"rank", rank}, {"ok", out.ok}, {"result", out.result}, {"backend", backend_name}};
+  if (!out.ok) line["error"] = out.error;
+  fmt::print("{}\n", line.dump());
+  std::fflush(stdout);
+  if (out.ok) {
+    // Rank 0 hosts the rendezvous: everyone leaves together (a failure here changes nothing).
+    try {
+      group->barrier();
+    } catch (const std::exception&) {
+    }
+  }
+  return out.ok ? 0 : 1;
+}
+
+Progress::Progress(bool enabled) : enabled_(enabled && ::isatty(STDERR_FILENO) == 1) {}
+Progress::~Progress() { done(); }
+
+void Progress::update(const std::string& text) {
+  if (!enabled_) return;
+  std::fprintf(stderr, "\r\033[K%s", text.c_str());
+  std::fflush(stderr);
+  dirty_ = true;
+}
+
+void Progress::done() {
+  if (!enabled_ || !dirty_) return;
+  std::fprintf(stderr, "\r\033[K");
+  std::fflush(stderr);
+  dirty_ = false;
+}
+
+}  // namespace torpor::cli

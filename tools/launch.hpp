@@ -1,0 +1,90 @@
+// Running one body per rank, as threads of this process (one device each, one shared driver) or
+// as processes (one per device, the vLLM layout: this program re-executed with --worker, the
+// group from the environment through a UnixSocketGroup, one JSON line back on stdout).
+//
+// Failure handling never waits forever: every collective inside a body is bounded by the group
+// timeout and the tail's wait bound, and on top of that, once one rank has failed, the others get
+// `failure_grace` to finish; a process still running then is killed, a thread still running is
+// reported as such (launch() returns with abandoned = true and the caller must exit the process
+// without unwinding: those threads still use the driver and the group).
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "torpor/backend.hpp"
+#include "torpor/driver.hpp"
+#include "torpor/group.hpp"
+
+namespace torpor::cli {
+
+// What a rank body runs with: the driver (shared by the threads of one process), its group,
+// and its device (= its rank).
+using RankBody = std::function<nlohmann::json(Driver& driver, Group& group, int device)>;
+
+struct LaunchOptions {
+  int ranks = 1;
+  bool processes = false;
+  Backend backend = Backend::automatic;
+  GroupOptions group;
+  std::chrono::milliseconds failure_grace{std::chrono::seconds(15)};
+  // Processes only: the command line of one worker, after argv[0] (the launcher adds nothing
+  // but the environment: TORPOR_GROUP_RENDEZVOUS, TORPOR_RANK, TORPOR_WORLD_SIZE).
+  std::vector<std::string> worker_args;
+  // Processes only: a worker still running after this is killed.
+  std::chrono::seconds deadline{std::chrono::hours(1)};
+};
+
+struct RankOutcome {
+  int rank = 0;
+  bool ok = false;
+  nlohmann::json result;  // the body's result (ok), or what it reported before failing
+  std::string error;      // why not ok
+};
+
+struct LaunchResult {
+  std::vector<RankOutcome> ranks;
+  bool abandoned = false;  // threads still running (see above)
+  std::string backend;     // "host" or "cuda"
+};
+
+// The driver a launch uses: `backend`, with the host backend's emulated machine big enough for
+// `ranks` devices (TORPOR_HOST_DEVICES and TORPOR_HOST_DEVICE_MEMORY otherwise apply).
+DriverSelection open_rank_driver(Backend backend, int ranks);
+
+// Threads: runs body on every rank here. Processes: starts the workers (each calls
+// run_worker) and collects their JSON lines.
+LaunchResult launch(const LaunchOptions& options, const RankBody& body);
+
+// In a worker process: the group from the environment, the body, one JSON line on stdout
+// ({"rank", "ok", "result"} or {"rank", "ok": false, "error"}). Returns the exit code.
+int run_worker(Backend backend, const GroupOptions& group, const RankBody& body);
+
+// The error of a failed body with its partial result: a body throws this to report what it
+// measured before failing.
+class rank_failure : public std::runtime_error {
+ public:
+  rank_failure(const std::string& what, nlohmann::json partial) : std::runtime_error(what), partial_(std::move(partial)) {}
+  const nlohmann::json& partial() const noexcept { return partial_; }
+
+ private:
+  nlohmann::json partial_;
+};
+
+// A progress line on stderr, rewritten in place, when stderr is a terminal (nothing otherwise).
+class Progress {
+ public:
+  explicit Progress(bool enabled);
+  ~Progress();
+  void update(const std::string& text);
+  void done();
+
+ private:
+  bool enabled_;
+  bool dirty_ = false;
+};
+
+}  // namespace torpor::cli

@@ -1,0 +1,286 @@
+// `torpor rl-loop`: the RL weight-update loop on the tiny MoE model, over N ranks (threads or
+// processes). Each iteration:
+//   sleep(2) -> a "training phase" that takes >= --train-fraction of the device memory the sleep
+//   returned, outside every torpor pool (cudaMalloc; anonymous host memory on the host backend,
+//   capped by --train-cap), and writes all of it -> frees it -> wake_up({"weights"}) -> loads the
+//   next weight version (the seeded update applied once more) -> wake_up({"kv_cache"}) ->
+//   generate; the outputs must equal, token for token, those of a freshly built model (new
+//   compute, new tails, new allocations) loaded with the same version.
+// Time per phase per iteration; exit 0 only when every iteration matched on every rank and the
+// training phase really took its share of the returned memory.
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+
+#include "commands.hpp"
+#include "launch.hpp"
+#include "model_flags.hpp"
+#include "torpor/backend.hpp"
+#include "torpor/error.hpp"
+
+namespace torpor::cli {
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+double since(clock_type::time_point t) { return std::chrono::duration<double>(clock_type::now() - t).count(); }
+
+struct RlOptions {
+  ModelFlags model;
+  int ranks = 0;
+  bool processes = false;
+  std::string backend = "auto";
+  int iterations = 3;
+  std::uint64_t update_seed = 7;
+  float update_scale = 0.05f;
+  double train_fraction = 0.95;
+  std::string train_cap = "1G";
+  std::string json;
+  int group_timeout_s = 60;
+  bool progress = true;
+  bool worker = false;
+};
+
+nlohmann::json rl_rank(const RlOptions& o, Driver& driver, Group& group, int device) {
+  const int rank = group.rank();
+  Progress progress(rank == 0 && o.progress);
+  fusion::WeightVersion version{o.model.seed, o.update_seed, 0, o.update_scale};
+  RankEngine e(driver, group, device, o.model, FillOnWake::poison, {}, version);
+  const auto prompts = fusion::make_prompts(o.model.seed, o.model.prompts, o.model.prompt_len, o.model.config.vocab);
+  const bool host = driver.backend_name() == "host";
+  const std::size_t cap = host ? parse_size(o.train_cap) : 0;
+  auto generate = [&](fusion::TinyMoeLM& m) { return m.generate(prompts, o.model.prompts, o.model.prompt_len, o.model.new_tokens); };
+
+  nlohmann::json result = {{"rank", rank},
+                           {"device", device},
+                           {"device_name", driver.device_properties(device).name},
+                           {"backend", std::string(driver.backend_name())},
+                           {"parameter_bytes", e.model->parameter_bytes()},
+                           {"iterations", nlohmann::json::array()}};
+  auto fail = [&](const std::string& step, const std::string& mine) {
+    try {
+      agree_on_failures(group, step, mine);
+    } catch (const std::exception& ex) {
+      progress.done();
+      throw rank_failure(ex.what(), result);
+    }
+  };
+  std::vector<std::int32_t> previous;
+  {
+    std::string err;
+    try {
+      previous = generate(*e.model);
+    } catch (const std::exception& ex) {
+      err = ex.what();
+    }
+    fail("first generate", err);
+  }
+  for (int it = 1; it <= o.iterations; ++it) {
+    progress.update(fmt::format("[rl-loop] iteration {}/{}", it, o.iterations));
+    nlohmann::json row = {{"iteration", it}};
+    std::string err;
+    std::vector<std::int32_t> out, ref;
+    try {
+      const std::size_t free0 = driver.memory_info(device).free_bytes;
+      auto t = clock_type::now();
+      TransitionReport sr = e.pool.sleep(2);
+      row["sleep_s"] = since(t);
+      const std::size_t free1 = driver.memory_info(device).free_bytes;
+      const std::size_t returned = free1 > free0 ? free1 - free0 : 0;
+      row["returned"] = returned;
+      row["released"] = sr.bytes_released;
+      if (returned == 0) throw error(fmt::format("rank {}: sleep(2) returned no device memory", rank));
+
+      // The trainer: takes its share of what came back, outside the pool, and writes all of it.
+      std::size_t want = static_cast<std::size_t>(static_cast<double>(returned) * o.train_fraction) / 8 * 8;
+      std::size_t bytes = cap > 0 ? std::min(want, cap) : want;
+      t = clock_type::now();
+      void* p = e.compute->outside_allocate(bytes);
+      std::uint64_t checksum = 0;
+      try {
+        checksum = e.compute->touch(p, bytes, o.model.seed ^ static_cast<std::uint64_t>(it));
+      } catch (...) {
+        e.compute->outside_free(p, bytes);
+        throw;
+      }
+      e.compute->outside_free(p, bytes);
+      row["train_s"] = since(t);
+      row["train_bytes"] = bytes;
+      row["train_fraction"] = static_cast<double>(bytes) / static_cast<double>(returned);
+      row["train_capped"] = bytes < want;
+      row["train_checksum"] = fmt::format("{:016x}", checksum);
+
+      t = clock_type::now();
+      e.pool.wake_up({"weights"});
+      row["wake_weights_s"] = since(t);
+      version.updates = it;
+      fusion::LoadReport lr = e.model->load_weights(version);
+      row["load_s"] = lr.seconds;
+      row["loaded_bytes"] = lr.bytes_loaded;
+      t = clock_type::now();
+      e.pool.wake_up({"kv_cache"});
+      row["wake_kv_s"] = since(t);
+      t = clock_type::now();
+      out = generate(*e.model);
+      row["generate_s"] = since(t);
+    } catch (const std::exception& ex) {
+      err = ex.what();
+    }
+    fail(fmt::format("iteration {}", it), err);
+
+    // The oracle: a model built from nothing with the same weight version.
+    try {
+      auto t = clock_type::now();
+      auto compute = fusion::make_compute(driver, device);
+      fusion::TinyMoeLM fresh(e.heap, *compute, o.model.model_config(), version, o.model.model_options());
+      ref = generate(fresh);
+      row["fresh_model_s"] = since(t);
+    } catch (const std::exception& ex) {
+      err = ex.what();
+    }
+    fail(fmt::format("iteration {}: the freshly built model", it), err);
+    Comparison c = compare_outputs(ref, out, o.model.prompts);
+    Comparison changed = compare_outputs(previous, out, o.model.prompts);
+    row["matching"] = c.matching_prompts;
+    row["prompts"] = o.model.prompts;
+    row["mismatched_tokens"] = c.mismatched_tokens;
+    row["tokens_changed_by_update"] = changed.mismatched_tokens;
+    row["digest"] = digest(out);
+    previous = out;
+    result["iterations"].push_back(row);
+  }
+  progress.done();
+  return result;
+}
+
+int rl_main(RlOptions o) {
+  const Backend backend = parse_backend(o.backend);
+  if (o.ranks == 0) {
+    DriverSelection sel = open_driver(backend);
+    o.ranks = sel.backend == Backend::cuda ? sel.driver->device_count() : 2;
+  }
+  if (o.train_fraction < 0.9 || o.train_fraction > 1.0)
+    throw invalid_argument(fmt::format("--train-fraction {}: must be in [0.9, 1]", o.train_fraction));
+  GroupOptions go;
+  go.timeout = std::chrono::seconds(o.group_timeout_s);
+  LaunchOptions lo;
+  lo.ranks = o.ranks;
+  lo.processes = o.processes;
+  lo.backend = backend;
+  lo.group = go;
+  lo.failure_grace = std::chrono::milliseconds(o.model.wait_timeout_ms) + go.timeout + std::chrono::seconds(5);
+  lo.worker_args = {"rl-loop", "--worker", "--backend", o.backend, "--ranks", std::to_string(o.ranks), "--iterations",
+                    std::to_string(o.iterations), "--update-seed", std::to_string(o.update_seed), "--update-scale",
+                    fmt::format("{}", o.update_scale), "--train-fraction", fmt::format("{}", o.train_fraction),
+                    "--train-cap", o.train_cap, "--timeout", std::to_string(o.group_timeout_s)};
+  auto m = o.model.args();
+  lo.worker_args.insert(lo.worker_args.end(), m.begin(), m.end());
+  LaunchResult r = launch(lo, [&o](Driver& d, Group& g, int dev) { return rl_rank(o, d, g, dev); });
+
+  std::vector<std::string> problems;
+  nlohmann::json all = nlohmann::json::array();
+  fmt::print("{:>4} {:>4} {:>8} {:>10} {:>10} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7} {:>8}\n", "rank", "iter",
+             "sleep s", "returned", "trained", "share", "train s", "wake w s", "load s", "wake kv", "gen s", "fresh s",
+             "match", "changed");
+  for (const RankOutcome& out : r.ranks) {
+    nlohmann::json pr = out.result.is_object() ? out.result : nlohmann::json::object();
+    pr["rank"] = out.rank;
+    pr["ok"] = out.ok;
+    if (!out.ok) {
+      pr["error"] = out.error;
+      problems.push_back(fmt::format("rank {}: {}", out.rank, out.error));
+    }
+    if (pr.contains("iterations"))
+      for (const auto& row : pr["iterations"]) {
+        const int matching = row.value("matching", 0), prompts = row.value("prompts", 0);
+        const double share = row.value("train_fraction", 0.0);
+        fmt::print("{:>4} {:>4} {:>8.3f} {:>10} {:>10} {:>5.1f}% {:>8.3f} {:>8.3f} {:>8.3f} {:>8.3f} {:>8.3f} {:>8.3f} "
+                   "{:>7} {:>8}\n",
+                   out.rank, row.value("iteration", 0), row.value("sleep_s", 0.0),
+                   format_bytes(row.value("returned", std::size_t{0})), format_bytes(row.value("train_bytes", std::size_t{0})),
+                   share * 100, row.value("train_s", 0.0), row.value("wake_weights_s", 0.0), row.value("load_s", 0.0),
+                   row.value("wake_kv_s", 0.0), row.value("generate_s", 0.0), row.value("fresh_model_s", 0.0),
+                   fmt::format("{}/{}", matching, prompts), row.value("tokens_changed_by_update", std::size_t{0}));
+        if (matching != prompts)
+          problems.push_back(fmt::format("rank {} iteration {}: {}/{} prompts match the freshly built model ({} tokens "
+                                         "differ)",
+                                         out.rank, row.value("iteration", 0), matching, prompts,
+                                         row.value("mismatched_tokens", std::size_t{0})));
+        if (share < 0.9 && !row.value("train_capped", false))
+          problems.push_back(fmt::format("rank {} iteration {}: the training phase took {:.1f}% of the returned memory "
+                                         "(at least 90% required)",
+                                         out.rank, row.value("iteration", 0), share * 100));
+      }
+    all.push_back(pr);
+  }
+  if (static_cast<int>(r.ranks.size()) != o.ranks) problems.push_back("not every rank reported");
+  fmt::print("(returned: device memory given back by sleep(2), by cuMemGetInfo; trained: taken outside the pool by the "
+             "training phase{}; changed: tokens that differ from the previous iteration's output)\n",
+             r.backend == "host" ? fmt::format(", capped at {} on the host backend", o.train_cap) : "");
+  const bool pass = problems.empty();
+  if (pass)
+    fmt::print("PASS: {} iterations on {} ranks; after every weight update the outputs equal a freshly built model's, "
+               "token for token\n",
+               o.iterations, o.ranks);
+  else {
+    fmt::print("FAIL:\n");
+    for (const auto& p : problems) fmt::print("  {}\n", p);
+  }
+  if (!o.json.empty()) {
+    std::ofstream f(o.json);
+    f << nlohmann::json{{"backend", r.backend}, {"ranks", all}, {"processes", o.processes}, {"pass", pass},
+                        {"problems", problems}}
+             .dump(2)
+      << "\n";
+  }
+  std::fflush(stdout);
+  if (r.abandoned) {
+    fmt::print(stderr, "torpor rl-loop: exiting with rank threads still running\n");
+    std::fflush(stderr);
+    std::_Exit(1);
+  }
+  return pass ? 0 : 1;
+}
+
+}  // namespace
+
+void add_rl_loop(CLI::App& app, int& exit_code) {
+  auto* cmd = app.add_subcommand(
+      "rl-loop",
+      "The RL weight-update loop on the tiny MoE model: sleep(2), a training phase in the returned memory outside the "
+      "pool, wake weights, load updated weights, wake kv_cache, generate; outputs compared with a freshly built model");
+  auto o = std::make_shared<RlOptions>();
+  cmd->add_option("--iterations", o->iterations, "Weight updates")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--ranks", o->ranks, "Tensor-parallel ranks (default: every GPU on cuda, 2 on host)");
+  cmd->add_flag("--processes", o->processes, "One process per rank and device instead of threads");
+  cmd->add_option("--backend", o->backend, "auto, host or cuda")
+      ->check(CLI::IsMember({"auto", "host", "cuda"}))
+      ->capture_default_str();
+  cmd->add_option("--update-seed", o->update_seed, "Seed of the weight updates")->capture_default_str();
+  cmd->add_option("--update-scale", o->update_scale, "Size of one update, relative to the weights' scale")
+      ->capture_default_str();
+  cmd->add_option("--train-fraction", o->train_fraction, "Share of the returned memory the training phase takes (0.9 .. 1)")
+      ->capture_default_str();
+  cmd->add_option("--train-cap", o->train_cap, "Host backend only: at most this much host memory for the training phase")
+      ->capture_default_str();
+  cmd->add_option("--json", o->json, "Also write the results as JSON to this file");
+  cmd->add_option("--timeout", o->group_timeout_s, "Bound on every group wait, in seconds")->capture_default_str();
+  cmd->add_flag("--no-progress", [o](std::int64_t) { o->progress = false; }, "No progress line on the terminal");
+  add_model_flags(cmd, o->model);
+  cmd->add_flag("--worker", o->worker, "Internal: run as one rank (group from the environment)")->group("");
+  cmd->callback([o, &exit_code] {
+    if (o->worker) {
+      GroupOptions go;
+      go.timeout = std::chrono::seconds(o->group_timeout_s);
+      exit_code = run_worker(parse_backend(o->backend), go,
+                             [o](Driver& d, Group& g, int dev) { return rl_rank(*o, d, g, dev); });
+    } else {
+      exit_code = rl_main(*o);
+    }
+  });
+}
+
+}  // namespace torpor::cli

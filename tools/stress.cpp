@@ -1,0 +1,142 @@
+// `torpor stress`: the sleep-mode test plan (stress_plan.hpp) on the tiny MoE model over N ranks,
+// as threads of this process (default) or one process per device (--processes), then the table
+// and the verdict (stress_report.hpp). Exit 0 only when every output of every rank matches the
+// first one token for token and the soak shows no growth; the negative control always exits
+// non-zero (it proves the check catches lost state).
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+
+#include "commands.hpp"
+#include "launch.hpp"
+#include "stress_plan.hpp"
+#include "stress_report.hpp"
+#include "torpor/error.hpp"
+
+namespace torpor::cli {
+
+namespace {
+
+std::vector<std::string> worker_args(const StressOptions& o, int ranks) {
+  std::vector<std::string> a = {"stress", "--worker", "--backend", o.backend, "--ranks", std::to_string(ranks),
+                                "--cycles", std::to_string(o.cycles), "--fill-on-wake", o.fill, "--timeout",
+                                std::to_string(o.group_timeout_s)};
+  for (const auto& g : o.preserve) {
+    a.push_back("--preserve");
+    a.push_back(g);
+  }
+  if (!o.negative_control.empty()) {
+    a.push_back("--negative-control");
+    a.push_back(o.negative_control);
+    a.push_back("--negative-control-rank");
+    a.push_back(std::to_string(o.negative_rank));
+  }
+  auto m = o.model.args();
+  a.insert(a.end(), m.begin(), m.end());
+  return a;
+}
+
+int default_ranks(Backend backend) {
+  DriverSelection sel = open_driver(backend);
+  return sel.backend == Backend::cuda ? sel.driver->device_count() : 2;
+}
+
+int stress_main(StressOptions o) {
+  const Backend backend = parse_backend(o.backend);
+  if (o.ranks == 0) o.ranks = default_ranks(backend);
+  if (o.ranks < 1) throw invalid_argument(fmt::format("--ranks {}: at least one rank is needed", o.ranks));
+  if (o.negative_rank < 0) o.negative_rank = o.ranks - 1;
+  if (o.negative_rank >= o.ranks)
+    throw invalid_argument(fmt::format("--negative-control-rank {}: there are only {} ranks", o.negative_rank, o.ranks));
+  GroupOptions go;
+  go.timeout = std::chrono::seconds(o.group_timeout_s);
+  LaunchOptions lo;
+  lo.ranks = o.ranks;
+  lo.processes = o.processes;
+  lo.backend = backend;
+  lo.group = go;
+  // After a failure the others get the tail's wait bound plus the group's to notice.
+  lo.failure_grace = std::chrono::milliseconds(o.model.wait_timeout_ms) + go.timeout + std::chrono::seconds(5);
+  lo.worker_args = worker_args(o, o.ranks);
+  LaunchResult r = launch(lo, [&o](Driver& driver, Group& group, int device) { return stress_rank(o, driver, group, device); });
+
+  StressExpectations ex;
+  ex.ranks = o.ranks;
+  ex.cycles = o.cycles;
+  ex.soak_patterns = soak_patterns().size();
+  ex.negative_control = !o.negative_control.empty();
+  StressSummary s = summarize(r, ex);
+  s.json["processes"] = o.processes;
+  if (o.json != "-") fmt::print("{}", render(s));
+  if (!o.json.empty()) {
+    if (o.json == "-") {
+      fmt::print("{}\n", s.json.dump(2));
+    } else {
+      std::ofstream f(o.json);
+      f << s.json.dump(2) << "\n";
+      if (!f) fmt::print(stderr, "torpor stress: could not write {}\n", o.json);
+    }
+  }
+  std::fflush(stdout);
+  if (r.abandoned) {
+    // Some rank threads never returned (they still use the driver and the group): leave now.
+    fmt::print(stderr, "torpor stress: exiting with rank threads still running\n");
+    std::fflush(stderr);
+    std::_Exit(1);
+  }
+  return s.pass ? 0 : 1;
+}
+
+int stress_worker(const StressOptions& o) {
+  GroupOptions go;
+  go.timeout = std::chrono::seconds(o.group_timeout_s);
+  return run_worker(parse_backend(o.backend), go,
+                    [&o](Driver& driver, Group& group, int device) { return stress_rank(o, driver, group, device); });
+}
+
+}  // namespace
+
+void add_stress(CLI::App& app, int& exit_code) {
+  auto* cmd = app.add_subcommand(
+      "stress",
+      "The sleep-mode test plan on a tiny MoE model over N ranks: generate twice, sleep(1) + wake, twice sleep(2) + "
+      "wake weights + reload + wake kv_cache, optional soak cycles; every output compared token for token with the "
+      "first");
+  auto o = std::make_shared<StressOptions>();
+  cmd->add_option("--ranks", o->ranks, "Tensor-parallel ranks (default: every GPU on cuda, 2 on host)");
+  cmd->add_flag("--processes", o->processes, "One process per rank and device (Unix socket group) instead of threads");
+  cmd->add_option("--backend", o->backend, "auto, host or cuda")
+      ->check(CLI::IsMember({"auto", "host", "cuda"}))
+      ->capture_default_str();
+  cmd->add_option("--cycles", o->cycles, "Soak: this many more sleep/wake cycles, mixed levels and partial wakes")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--fill-on-wake", o->fill, "What discarded bytes hold on wake: poison (NaN: a missed reload shows), zero, none")
+      ->check(CLI::IsMember({"poison", "zero", "none"}))
+      ->capture_default_str();
+  cmd->add_option("--preserve", o->preserve,
+                  "Glob of parameter names kept by level 2 (offloaded) instead of reloaded; repeatable "
+                  "(e.g. 'layers.*.moe.experts.*')");
+  cmd->add_option("--negative-control", o->negative_control,
+                  "zero-flags: after the first level-2 wake, zero the tail's slots and control blocks on one rank; "
+                  "the run must then fail, naming the rank and the op (exit non-zero)")
+      ->check(CLI::IsMember({"zero-flags"}));
+  cmd->add_option("--negative-control-rank", o->negative_rank, "The rank whose tail state is zeroed (default: the last)");
+  cmd->add_option("--json", o->json, "Also write the results as JSON to this file ('-': JSON on stdout, no table)");
+  cmd->add_option("--timeout", o->group_timeout_s, "Bound on every group wait, in seconds")->capture_default_str();
+  cmd->add_flag("--no-progress", [o](std::int64_t) { o->progress = false; }, "No progress line on the terminal");
+  add_model_flags(cmd, o->model);
+  cmd->add_flag("--worker", o->worker, "Internal: run as one rank (group from the environment)")->group("");
+  cmd->callback([o, cmd, &exit_code] {
+    if (!o->negative_control.empty()) {
+      // A short wait bound, so the failure comes quickly; the group's bound just above it.
+      if (cmd->count("--wait-timeout-ms") == 0) o->model.wait_timeout_ms = 2000;
+      if (cmd->count("--timeout") == 0) o->group_timeout_s = o->model.wait_timeout_ms / 1000 + 10;
+    }
+    exit_code = o->worker ? stress_worker(*o) : stress_main(*o);
+  });
+}
+
+}  // namespace torpor::cli

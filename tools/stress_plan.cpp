@@ -1,0 +1,254 @@
+// One rank's stress plan (stress_plan.hpp). Every rank runs the same steps in the same order
+// (sleep and wake are collective through the symmetric heap, generate through the tails), and
+// after every generate the ranks exchange their outcome, so a failure on one rank ends the run
+// on every rank at the next step instead of leaving the others in a collective wait.
+#include "stress_plan.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "launch.hpp"
+#include "torpor/error.hpp"
+#include "torpor/host_driver.hpp"
+
+namespace torpor::cli {
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+double since(clock_type::time_point t) { return std::chrono::duration<double>(clock_type::now() - t).count(); }
+
+bool has_tag(const std::vector<std::string>& tags, const std::string& tag) {
+  return tags.empty() || std::find(tags.begin(), tags.end(), tag) != tags.end();
+}
+
+std::string tags_text(const std::vector<std::string>& tags) {
+  if (tags.empty()) return "all";
+  std::string s;
+  for (const auto& t : tags) s += (s.empty() ? "" : ",") + t;
+  return s;
+}
+
+class Plan {
+ public:
+  Plan(const StressOptions& o, Driver& driver, Group& group, int device)
+      : o_(o),
+        driver_(driver),
+        group_(group),
+        device_(device),
+        rank_(group.rank()),
+        progress_(group.rank() == 0 && o.progress),
+        engine_(driver, group, device, o.model, parse_fill_on_wake(o.fill), o.preserve, fusion::WeightVersion{o.model.seed}),
+        prompts_(fusion::make_prompts(o.model.seed, o.model.prompts, o.model.prompt_len, o.model.config.vocab)) {}
+
+  nlohmann::json run() {
+    auto& m = *engine_.model;
+    result_ = {{"rank", rank_},
+               {"device", device_},
+               {"device_name", driver_.device_properties(device_).name},
+               {"backend", std::string(driver_.backend_name())},
+               {"group", std::string(group_.kind())},
+               {"parameter_bytes", m.parameter_bytes()}};
+    nlohmann::json paths = nlohmann::json::array(), reasons = nlohmann::json::array();
+    int fused = 0;
+    for (auto p : m.tail_paths()) {
+      paths.push_back(fusion::to_string(p));
+      fused += p != fusion::TailPath::unfused;
+    }
+    for (const auto& r : m.tail_reasons()) reasons.push_back(r);
+    result_["tail_paths"] = paths;
+    result_["tail_reasons"] = reasons;
+    result_["fused_runners"] = fused;
+    result_["runners"] = paths.size();
+    result_["steps"] = nlohmann::json::array();
+
+    const int total = 5 + o_.cycles;
+    int n = 0;
+    step(++n, total, "generate", [&](nlohmann::json& row) { (void)row; });
+    step(++n, total, "generate again", [&](nlohmann::json&) {});
+    step(++n, total, "sleep 1, wake all", [&](nlohmann::json& row) { transition(plan_level1(), row); });
+    for (int i = 0; i < 2; ++i) {
+      step(++n, total, fmt::format("sleep 2, wake weights, reload, wake kv_cache #{}", i + 1), [&](nlohmann::json& row) {
+        transition(plan_level2(), row);
+        if (i == 0 && o_.negative_control == "zero-flags") zero_tail_state(row);
+      });
+    }
+    const auto& patterns = soak_patterns();
+    for (int c = 0; c < o_.cycles; ++c) {
+      const SleepPattern& p = patterns[static_cast<std::size_t>(c) % patterns.size()];
+      step(++n, total, fmt::format("soak {}: {}", c + 1, p.name), [&](nlohmann::json& row) {
+        row["kind"] = "soak";
+        row["cycle"] = c + 1;
+        transition(p, row);
+      });
+    }
+    progress_.done();
+    const auto& s = m.decode_stats();
+    result_["graphs"] = {{"captured", s.graphs_captured}, {"replays", s.graph_replays}, {"eager_steps", s.eager_steps}};
+    result_["reference_digest"] = digest(reference_);
+    if (o_.negative_control == "zero-flags")
+      throw rank_failure(fmt::format("negative control: the tail state of rank {} was zeroed and every output still "
+                                     "matched: the lost state went unnoticed",
+                                     negative_rank()),
+                         result_);
+    return result_;
+  }
+
+ private:
+  int negative_rank() const { return o_.negative_rank >= 0 ? o_.negative_rank : group_.size() - 1; }
+
+  // Runs `before` (a transition, or nothing), then a generate, compared with the reference.
+  template <typename F>
+  void step(int n, int total, const std::string& name, F&& before) {
+    progress_.update(fmt::format("[stress] step {}/{}: {}", n, total, name));
+    nlohmann::json row = {{"step", name}, {"kind", "plan"}, {"level", 0}};
+    std::string failure;
+    std::vector<std::int32_t> out;
+    try {
+      before(row);
+      auto t = clock_type::now();
+      const auto& m = o_.model;
+      out = engine_.model->generate(prompts_, m.prompts, m.prompt_len, m.new_tokens);
+      row["generate_s"] = since(t);
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+    if (zeroed_at_) row["seconds_since_zeroing"] = since(*zeroed_at_);
+    try {
+      agree_on_failures(group_, fmt::format("step '{}'", name), failure);
+    } catch (const std::exception& e) {
+      row["error"] = e.what();
+      result_["steps"].push_back(row);
+      result_["failed_step"] = name;
+      if (zeroed_at_) {
+        result_["negative_control"] = {{"rank", negative_rank()},
+                                       {"seconds_to_failure", since(*zeroed_at_)},
+                                       {"wait_timeout_ms", o_.model.wait_timeout_ms}};
+      }
+      progress_.done();
+      throw rank_failure(e.what(), result_);
+    }
+    if (reference_.empty()) reference_ = out;
+    Comparison c = compare_outputs(reference_, out, o_.model.prompts);
+    row["matching"] = c.matching_prompts;
+    row["prompts"] = o_.model.prompts;
+    row["mismatched_tokens"] = c.mismatched_tokens;
+    row["digest"] = digest(out);
+    measure(row);
+    result_["steps"].push_back(row);
+  }
+
+  void measure(nlohmann::json& row) {
+    PoolStats st = engine_.pool.stats();
+    row["mapped"] = st.mapped_bytes;
+    row["host_store"] = st.host_store_bytes;
+    row["device_free"] = driver_.memory_info(device_).free_bytes;
+    if (auto* host = dynamic_cast<HostDriver*>(&driver_))
+      row["live_physical"] = host->live_physical_bytes(device_);
+    else
+      row["live_physical"] = nullptr;
+  }
+
+  void transition(const SleepPattern& p, nlohmann::json& row) {
+    row["pattern"] = p.name;
+    row["level"] = p.level;
+    row["sleep_tags"] = tags_text(p.sleep_tags);
+    const std::size_t free_before = driver_.memory_info(device_).free_bytes;
+    auto t = clock_type::now();
+    TransitionReport sr = engine_.pool.sleep(p.level, p.sleep_tags);
+    row["sleep_s"] = since(t);
+    const std::size_t free_asleep = driver_.memory_info(device_).free_bytes;
+    row["offloaded"] = sr.bytes_offloaded;
+    row["skipped"] = sr.bytes_skipped;
+    row["discarded"] = sr.bytes_discarded;
+    row["released"] = sr.bytes_released;
+    row["returned"] = free_asleep > free_before ? free_asleep - free_before : 0;
+    const bool reload = p.level == 2 && has_tag(p.sleep_tags, "weights");
+    bool reloaded = false;
+    double wake_s = 0;
+    std::size_t restored = 0;
+    for (const auto& tags : p.wakes) {
+      auto tw = clock_type::now();
+      TransitionReport wr = engine_.pool.wake_up(tags);
+      wake_s += since(tw);
+      restored += wr.bytes_restored;
+      if (reload && !reloaded && has_tag(tags, "weights")) {
+        fusion::LoadReport lr = engine_.model->load_weights(fusion::WeightVersion{o_.model.seed}, o_.preserve);
+        row["reload_s"] = lr.seconds;
+        row["reloaded_bytes"] = lr.bytes_loaded;
+        row["preserved_bytes"] = lr.bytes_skipped;
+        reloaded = true;
+      }
+    }
+    row["wake_s"] = wake_s;
+    row["restored"] = restored;
+    row["wakes"] = [&] {
+      std::string s;
+      for (const auto& tags : p.wakes) s += (s.empty() ? "" : " then ") + tags_text(tags);
+      return s;
+    }();
+  }
+
+  // The negative control: zero the tail's slots and control blocks on one rank, with nothing in
+  // flight, after the first level-2 wake. The next generate must fail, naming the rank and op.
+  void zero_tail_state(nlohmann::json& row) {
+    auto buffers = engine_.model->tail_buffers();
+    if (buffers.empty())
+      throw error(fmt::format("negative control zero-flags: the tails took the unfused path ({}), which keeps no device "
+                              "state to zero; it needs the fused path",
+                              engine_.model->tail_reasons().front()));
+    const int target = negative_rank();
+    if (target >= group_.size())
+      throw invalid_argument(fmt::format("--negative-control-rank {}: there are only {} ranks", target, group_.size()));
+    group_.barrier();
+    std::size_t zeroed = 0;
+    if (rank_ == target) {
+      for (SymmetricBuffer* b : buffers) {
+        driver_.fill_async(reinterpret_cast<device_ptr>(b->local()), 0, b->bytes(), engine_.compute->stream());
+        zeroed += b->bytes();
+      }
+      engine_.compute->synchronize();
+    }
+    group_.barrier();
+    zeroed_at_ = clock_type::now();
+    row["negative_control"] = {{"zeroed_rank", target}, {"zeroed_bytes", zeroed}, {"buffers", buffers.size()}};
+  }
+
+  const StressOptions& o_;
+  Driver& driver_;
+  Group& group_;
+  int device_;
+  int rank_;
+  Progress progress_;
+  RankEngine engine_;
+  std::vector<std::int32_t> prompts_;
+  std::vector<std::int32_t> reference_;
+  std::optional<clock_type::time_point> zeroed_at_;
+  nlohmann::json result_;
+};
+
+}  // namespace
+
+SleepPattern plan_level1() { return {"sleep 1, wake all", 1, {}, {{}}}; }
+SleepPattern plan_level2() { return {"sleep 2, wake weights, reload, wake kv_cache", 2, {}, {{"weights"}, {"kv_cache"}}}; }
+
+const std::vector<SleepPattern>& soak_patterns() {
+  static const std::vector<SleepPattern> patterns = {
+      {"L1 all, wake all", 1, {}, {{}}},
+      {"L2 all, wake weights + reload, wake kv_cache", 2, {}, {{"weights"}, {"kv_cache"}}},
+      {"L1 kv_cache only, wake kv_cache", 1, {"kv_cache"}, {{"kv_cache"}}},
+      {"L2 all, wake kv_cache, wake weights + reload", 2, {}, {{"kv_cache"}, {"weights"}}},
+      {"L1 all, wake weights, wake kv_cache", 1, {}, {{"weights"}, {"kv_cache"}}},
+      {"L2 weights only, wake weights + reload", 2, {"weights"}, {{"weights"}}},
+  };
+  return patterns;
+}
+
+nlohmann::json stress_rank(const StressOptions& options, Driver& driver, Group& group, int device) {
+  Plan plan(options, driver, group, device);
+  return plan.run();
+}
+
+}  // namespace torpor::cli

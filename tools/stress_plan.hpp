@@ -1,0 +1,57 @@
+// The sleep-mode test plan of `torpor stress`, as one rank runs it:
+//   1. generate greedily (prompts x new tokens), twice: the first output is the reference;
+//   2. sleep(1) + wake_up(), generate;
+//   3. twice: sleep(2) + wake_up({"weights"}) + reload the weights from the seed (skipping
+//      preserved ones) + wake_up({"kv_cache"}), generate;
+//   then --cycles soak cycles over mixed levels and partial wakes (soak_patterns()), each
+//   followed by a generate. Every output is compared with the reference, token for token.
+// Each step becomes one JSON row (bytes from the sleep and wake TransitionReports, device memory
+// returned by cudaMemGetInfo / the host backend's equivalent, seconds, matching prompts, and the
+// live physical bytes, host store and mapped bytes after the step, for the soak's growth check).
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "model_flags.hpp"
+#include "torpor/driver.hpp"
+#include "torpor/group.hpp"
+
+namespace torpor::cli {
+
+struct StressOptions {
+  ModelFlags model;
+  int ranks = 0;  // 0 = default: every GPU on cuda, 2 on host
+  bool processes = false;
+  std::string backend = "auto";
+  int cycles = 0;
+  std::string fill = "poison";
+  std::vector<std::string> preserve;
+  std::string negative_control;  // "" or "zero-flags"
+  int negative_rank = -1;        // -1 = the last rank
+  std::string json;
+  int group_timeout_s = 60;
+  bool progress = true;  // a progress line on rank 0's stderr when it is a terminal
+  bool worker = false;
+};
+
+// A sleep/wake pattern: sleep(level, sleep_tags), then wake_up(tags) for each entry of wakes, in
+// order; when level 2 put "weights" to sleep, the weights are reloaded right after the wake that
+// brought "weights" back.
+struct SleepPattern {
+  std::string name;
+  int level = 1;
+  std::vector<std::string> sleep_tags;         // empty = every tag
+  std::vector<std::vector<std::string>> wakes;  // each: empty = every tag
+};
+
+const std::vector<SleepPattern>& soak_patterns();
+SleepPattern plan_level1();
+SleepPattern plan_level2();
+
+// One rank's run of the plan. Throws rank_failure (with the rows so far) when a step fails on
+// any rank.
+nlohmann::json stress_rank(const StressOptions& options, Driver& driver, Group& group, int device);
+
+}  // namespace torpor::cli

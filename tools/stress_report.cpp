@@ -1,0 +1,201 @@
+// Aggregation and rendering for `torpor stress` (stress_report.hpp).
+#include "stress_report.hpp"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <map>
+
+#include "torpor/backend.hpp"
+
+namespace torpor::cli {
+
+namespace {
+
+std::size_t num(const nlohmann::json& j, const char* key) {
+  auto it = j.find(key);
+  return it != j.end() && it->is_number() ? it->get<std::size_t>() : 0;
+}
+double sec(const nlohmann::json& j, const char* key) {
+  auto it = j.find(key);
+  return it != j.end() && it->is_number() ? it->get<double>() : 0.0;
+}
+
+// Growth of one metric over the soak rows of one rank, after the warm-up; "" when none.
+std::string growth(const std::vector<nlohmann::json>& soak, std::size_t warmup, const char* key, const char* what,
+                   int rank, nlohmann::json& out) {
+  if (soak.size() <= warmup) return "";
+  std::size_t base = 0, worst = 0, lo = SIZE_MAX, hi = 0;
+  int worst_cycle = 0;
+  for (std::size_t i = 0; i < soak.size(); ++i) {
+    const auto& v = soak[i][key];
+    if (!v.is_number()) return "";
+    std::size_t x = v.get<std::size_t>();
+    lo = std::min(lo, x);
+    hi = std::max(hi, x);
+    if (i < warmup) {
+      base = std::max(base, x);
+    } else if (x > worst) {
+      worst = x;
+      worst_cycle = soak[i].value("cycle", 0);
+    }
+  }
+  out[key] = {{"min", lo}, {"max", hi}, {"after_warmup_max", worst}, {"warmup_max", base}};
+  if (worst <= base) return "";
+  return fmt::format("soak: rank {}: {} grew from {} (max over the first {} cycles) to {} at cycle {}", rank, what,
+                     base, warmup, worst, worst_cycle);
+}
+
+}  // namespace
+
+StressSummary summarize(const LaunchResult& launch, const StressExpectations& expect) {
+  StressSummary s;
+  nlohmann::json& j = s.json;
+  j["backend"] = launch.backend;
+  j["ranks"] = launch.ranks.size();
+  j["cycles"] = expect.cycles;
+  j["per_rank"] = nlohmann::json::array();
+  std::vector<nlohmann::json> steps;
+  std::map<std::string, std::vector<int>> digests;
+  std::size_t soak_mismatched_tokens = 0, soak_rows = 0;
+  std::map<std::string, std::vector<int>> errors;  // the same text from several ranks is said once
+
+  for (const RankOutcome& r : launch.ranks) {
+    nlohmann::json pr = r.result.is_object() ? r.result : nlohmann::json::object();
+    pr["rank"] = r.rank;
+    pr["ok"] = r.ok;
+    if (!r.ok) {
+      pr["error"] = r.error;
+      errors[r.error].push_back(r.rank);
+    }
+    if (pr.contains("reference_digest")) digests[pr["reference_digest"].get<std::string>()].push_back(r.rank);
+    std::vector<nlohmann::json> soak;
+    if (pr.contains("steps"))
+      for (std::size_t i = 0; i < pr["steps"].size(); ++i) {
+        const auto& row = pr["steps"][i];
+        if (steps.size() <= i) steps.push_back({{"step", row.value("step", "")}, {"level", 0}, {"ranks", 0},
+                                                {"offloaded", 0}, {"skipped", 0}, {"discarded", 0}, {"released", 0},
+                                                {"returned", 0}, {"restored", 0}, {"sleep_s", 0.0}, {"wake_s", 0.0},
+                                                {"reload_s", 0.0}, {"generate_s", 0.0}, {"matching", -1},
+                                                {"prompts", 0}, {"mismatched_tokens", 0}, {"kind", row.value("kind", "plan")}});
+        auto& a = steps[i];
+        a["ranks"] = a["ranks"].get<int>() + 1;
+        a["level"] = std::max(a["level"].get<int>(), row.value("level", 0));
+        for (const char* k : {"offloaded", "skipped", "discarded", "released", "returned", "restored", "mismatched_tokens"})
+          a[k] = a[k].get<std::size_t>() + num(row, k);
+        for (const char* k : {"sleep_s", "wake_s", "reload_s", "generate_s"}) a[k] = std::max(a[k].get<double>(), sec(row, k));
+        if (row.contains("matching")) {
+          int m = row["matching"].get<int>();
+          a["matching"] = a["matching"].get<int>() < 0 ? m : std::min(a["matching"].get<int>(), m);
+          a["prompts"] = row.value("prompts", 0);
+          if (m < row.value("prompts", 0))
+            s.problems.push_back(fmt::format("step '{}': rank {}: {}/{} prompts match the first output ({} tokens differ)",
+                                             row.value("step", ""), r.rank, m, row.value("prompts", 0),
+                                             num(row, "mismatched_tokens")));
+        }
+        if (row.contains("error")) a["error"] = row["error"];
+        if (row.value("kind", "") == "soak") {
+          soak.push_back(row);
+          ++soak_rows;
+          soak_mismatched_tokens += num(row, "mismatched_tokens");
+        }
+      }
+    nlohmann::json g;
+    const std::size_t warmup = std::min<std::size_t>(static_cast<std::size_t>(expect.cycles), expect.soak_patterns);
+    for (auto [key, what] : {std::pair{"live_physical", "live physical bytes"}, std::pair{"host_store", "the host store"},
+                             std::pair{"mapped", "mapped bytes"}})
+      if (std::string p = growth(soak, warmup, key, what, r.rank, g); !p.empty()) s.problems.push_back(p);
+    if (!g.empty()) pr["soak_growth"] = g;
+    j["per_rank"].push_back(pr);
+  }
+  for (const auto& [text, ranks] : errors)
+    s.problems.insert(s.problems.begin(), fmt::format("{} {}: {}", ranks.size() == 1 ? "rank" : "ranks", fmt::join(ranks, ","), text));
+  if (digests.size() > 1) {
+    std::string text;
+    for (const auto& [d, ranks] : digests) text += fmt::format("{}{} on ranks {}", text.empty() ? "" : ", ", d, fmt::join(ranks, ","));
+    s.problems.push_back("the ranks decoded different tokens (reference digests: " + text + ")");
+  }
+  if (static_cast<int>(launch.ranks.size()) != expect.ranks)
+    s.problems.push_back(fmt::format("{} ranks reported, {} expected", launch.ranks.size(), expect.ranks));
+  if (expect.cycles > 0) {
+    j["soak"] = {{"cycles", expect.cycles}, {"rows", soak_rows}, {"mismatched_tokens", soak_mismatched_tokens}};
+  }
+  j["steps"] = steps;
+  if (expect.negative_control) {
+    // The run must fail: its success would mean the zeroed state went unnoticed.
+    if (s.problems.empty()) s.problems.push_back("negative control: the run reported no failure");
+    for (const auto& pr : j["per_rank"])
+      if (pr.contains("negative_control")) {
+        j["negative_control"] = pr["negative_control"];
+        break;
+      }
+  }
+  s.pass = s.problems.empty() && !expect.negative_control;
+  j["pass"] = s.pass;
+  j["problems"] = s.problems;
+  return s;
+}
+
+std::string render(const StressSummary& s) {
+  const auto& j = s.json;
+  std::string out;
+  out += fmt::format("{:<52} {:>5} {:>10} {:>10} {:>10} {:>8} {:>8} {:>7}\n", "step", "level", "offloaded", "discarded",
+                     "returned", "sleep s", "wake s", "match");
+  for (const auto& a : j["steps"]) {
+    const int level = a["level"].get<int>();
+    const int m = a["matching"].get<int>();
+    std::string match = a.contains("error") ? "ERROR" : (m < 0 ? "-" : fmt::format("{}/{}", m, a["prompts"].get<int>()));
+    if (level == 0)
+      out += fmt::format("{:<52} {:>5} {:>10} {:>10} {:>10} {:>8} {:>8} {:>7}\n", a["step"].get<std::string>(), "-", "-",
+                         "-", "-", "-", "-", match);
+    else
+      out += fmt::format("{:<52} {:>5} {:>10} {:>10} {:>10} {:>8.3f} {:>8.3f} {:>7}\n", a["step"].get<std::string>(), level,
+                         format_bytes(a["offloaded"].get<std::size_t>()), format_bytes(a["discarded"].get<std::size_t>()),
+                         format_bytes(a["returned"].get<std::size_t>()), a["sleep_s"].get<double>(),
+                         a["wake_s"].get<double>(), match);
+  }
+  out += "(bytes summed over the ranks; returned = device memory given back while asleep, by cuMemGetInfo; seconds: the slowest rank)\n";
+  for (const auto& pr : j["per_rank"]) {
+    if (!pr.contains("tail_paths")) continue;
+    std::string paths;
+    for (const auto& p : pr["tail_paths"]) paths += (paths.empty() ? "" : ", ") + p.get<std::string>();
+    std::string reason = pr["tail_reasons"].empty() ? "" : pr["tail_reasons"][0].get<std::string>();
+    out += fmt::format("rank {} ({} {}): {}/{} runners fused [{}]{}\n", pr["rank"].get<int>(), pr.value("backend", ""),
+                       pr.value("device_name", ""), pr.value("fused_runners", 0), pr.value("runners", 0), paths,
+                       reason.empty() ? "" : " — " + reason);
+    if (pr.contains("graphs") && pr["graphs"].value("captured", 0) > 0)
+      out += fmt::format("rank {}: CUDA graphs: {} captured, {} replays, {} eager steps\n", pr["rank"].get<int>(),
+                         pr["graphs"]["captured"].get<std::size_t>(), pr["graphs"]["replays"].get<std::size_t>(),
+                         pr["graphs"]["eager_steps"].get<std::size_t>());
+    if (pr.contains("soak_growth")) {
+      const auto& g = pr["soak_growth"];
+      std::string line = fmt::format("rank {}: soak, after each cycle:", pr["rank"].get<int>());
+      for (auto [key, what] : {std::pair{"live_physical", "live physical"}, std::pair{"host_store", "host store"},
+                               std::pair{"mapped", "mapped"}})
+        if (g.contains(key))
+          line += fmt::format(" {} {}..{}", what, format_bytes(g[key]["min"].get<std::size_t>()),
+                              format_bytes(g[key]["max"].get<std::size_t>()));
+      out += line + "\n";
+    }
+  }
+  if (j.contains("soak"))
+    out += fmt::format("soak: {} cycles, {} tokens differ from the first output\n", j["soak"]["cycles"].get<int>(),
+                       j["soak"]["mismatched_tokens"].get<std::size_t>());
+  if (j.contains("negative_control")) {
+    const auto& n = j["negative_control"];
+    out += fmt::format("negative control: the tail state of rank {} was zeroed after the first level-2 wake; the run "
+                       "failed {:.2f} s later (wait bound {} ms)\n",
+                       n["rank"].get<int>(), n["seconds_to_failure"].get<double>(), n["wait_timeout_ms"].get<int>());
+  }
+  if (s.pass) {
+    out += fmt::format("PASS: every output matches the first, token for token, on every rank ({} ranks)\n",
+                       j["ranks"].get<std::size_t>());
+  } else {
+    out += "FAIL:\n";
+    for (const auto& p : s.problems) out += "  " + p + "\n";
+  }
+  return out;
+}
+
+}  // namespace torpor::cli

@@ -1,0 +1,35 @@
+// `torpor stress`'s verdict and its table, from the ranks' JSON rows (stress_plan.hpp). Pure
+// functions of their input, so the bookkeeping is tested without running a model.
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "launch.hpp"
+
+namespace torpor::cli {
+
+struct StressSummary {
+  bool pass = false;
+  std::vector<std::string> problems;
+  nlohmann::json json;  // what --json writes
+};
+
+struct StressExpectations {
+  int ranks = 0;
+  int cycles = 0;
+  std::size_t soak_patterns = 6;  // cycles before the growth check starts (each pattern once)
+  bool negative_control = false;  // then the run must fail, and pass is always false
+};
+
+// Aggregates rows by step over the ranks (bytes summed, seconds max, matching min) and lists
+// every problem: a rank that failed, an output that differs from the reference, ranks that
+// disagree on the reference, growth of live physical bytes / host store / mapped bytes after
+// the soak's warm-up cycles.
+StressSummary summarize(const LaunchResult& launch, const StressExpectations& expect);
+
+// The table and the summary lines.
+std::string render(const StressSummary& summary);
+
+}  // namespace torpor::cli
