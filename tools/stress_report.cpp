@@ -151,11 +151,13 @@ std::string render(const StressSummary& s) {
                          "-", "-", "-", "-", match);
     else
       out += fmt::format("{:<52} {:>5} {:>10} {:>10} {:>10} {:>8.3f} {:>8.3f} {:>7}\n", a["step"].get<std::string>(), level,
-                         format_bytes(a["offloaded"].get<std::size_t>()), format_bytes(a["discarded"].get<std::size_t>()),
+                         format_bytes(a["offloaded"].get<std::size_t>() + a["skipped"].get<std::size_t>()),
+                         format_bytes(a["discarded"].get<std::size_t>()),
                          format_bytes(a["returned"].get<std::size_t>()), a["sleep_s"].get<double>(),
                          a["wake_s"].get<double>(), match);
   }
-  out += "(bytes summed over the ranks; returned = device memory given back while asleep, by cuMemGetInfo; seconds: the slowest rank)\n";
+  out += "(bytes summed over the ranks; offloaded: backed up in the host store, copied now or unchanged since the last "
+         "copy; returned: device memory given back while asleep, by cuMemGetInfo; seconds: the slowest rank)\n";
   for (const auto& pr : j["per_rank"]) {
     if (!pr.contains("tail_paths")) continue;
     std::string paths;

@@ -48,7 +48,12 @@ void require(bool ok, const std::string& what) {
   if (!ok) throw invalid_argument("TinyMoeLM: " + what);
 }
 
-void validate(const TinyMoeConfig& c) {
+void validate(const TinyMoeConfig& c, int ranks) {
+  require(c.inter > 0 && c.inter % ranks == 0,
+          fmt::format("inter = {} must be a positive multiple of the rank count {} (it is sharded over the ranks)",
+                      c.inter, ranks));
+  require(c.shared_inter >= 0 && c.shared_inter % ranks == 0,
+          fmt::format("shared_inter = {} must be 0 or a multiple of the rank count {}", c.shared_inter, ranks));
   require(c.vocab >= 2, fmt::format("vocab = {} must be at least 2", c.vocab));
   require(c.hidden > 0 && c.hidden % 64 == 0,
           fmt::format("hidden = {} must be a positive multiple of 64 (the tail's requirement)", c.hidden));
@@ -172,7 +177,7 @@ TinyMoeLM::TinyMoeLM(SymmetricHeap& heap, Compute& compute, const TinyMoeConfig&
       options_(options),
       rank_(heap.group().rank()),
       ranks_(heap.group().size()) {
-  validate(config_);
+  validate(config_, ranks_);
   const auto& c = config_;
   const std::size_t B = static_cast<std::size_t>(c.max_batch), S = static_cast<std::size_t>(c.max_seq),
                     H = static_cast<std::size_t>(c.hidden), D = static_cast<std::size_t>(c.head_dim),

@@ -1,0 +1,147 @@
+// `torpor stress`'s verdict from rank rows: every way a run can be wrong must make it fail, and a
+// clean run must pass. Rows are written by hand here; the CLI tests run the real plan.
+#include <gtest/gtest.h>
+
+#include "stress_report.hpp"
+
+namespace torpor::cli {
+namespace {
+
+nlohmann::json row(const std::string& step, int level, int matching, std::size_t live = 100, std::size_t store = 10,
+                   const std::string& kind = "plan", int cycle = 0) {
+  nlohmann::json r = {{"step", step},  {"kind", kind},      {"level", level},     {"offloaded", 5},
+                      {"skipped", 1},   {"discarded", 7},    {"released", 8},      {"returned", 8},
+                      {"sleep_s", 0.5}, {"wake_s", 0.25},    {"matching", matching}, {"prompts", 16},
+                      {"mismatched_tokens", matching == 16 ? 0 : 3}, {"live_physical", live}, {"host_store", store},
+                      {"mapped", 100}};
+  if (cycle) r["cycle"] = cycle;
+  return r;
+}
+
+RankOutcome rank(int r, std::vector<nlohmann::json> steps, const std::string& digest = "abc") {
+  RankOutcome o;
+  o.rank = r;
+  o.ok = true;
+  o.result = {{"rank", r},
+              {"steps", steps},
+              {"reference_digest", digest},
+              {"tail_paths", {"fused_unicast", "fused_unicast"}},
+              {"tail_reasons", {"fused unicast: multicast disabled", "fused unicast: multicast disabled"}},
+              {"fused_runners", 2},
+              {"runners", 2},
+              {"backend", "host"}};
+  return o;
+}
+
+std::vector<nlohmann::json> plan_rows() {
+  return {row("generate", 0, 16), row("generate again", 0, 16), row("sleep 1", 1, 16), row("sleep 2 #1", 2, 16),
+          row("sleep 2 #2", 2, 16)};
+}
+
+StressExpectations expect(int ranks, int cycles = 0) {
+  StressExpectations e;
+  e.ranks = ranks;
+  e.cycles = cycles;
+  e.soak_patterns = 2;
+  return e;
+}
+
+TEST(StressReport, CleanRunPassesAndSumsBytesOverRanks) {
+  LaunchResult l;
+  l.backend = "host";
+  l.ranks = {rank(0, plan_rows()), rank(1, plan_rows())};
+  auto s = summarize(l, expect(2));
+  EXPECT_TRUE(s.pass) << ::testing::PrintToString(s.problems);
+  EXPECT_EQ(s.json["steps"][3]["offloaded"], 10);
+  EXPECT_EQ(s.json["steps"][3]["released"], 16);
+  EXPECT_EQ(s.json["steps"][3]["matching"], 16);
+  std::string text = render(s);
+  EXPECT_NE(text.find("PASS"), std::string::npos);
+  EXPECT_NE(text.find("2/2 runners fused"), std::string::npos);
+  EXPECT_NE(text.find("16/16"), std::string::npos);
+}
+
+TEST(StressReport, OneMismatchedPromptOnOneRankFails) {
+  LaunchResult l;
+  auto bad = plan_rows();
+  bad[4] = row("sleep 2 #2", 2, 15);
+  l.ranks = {rank(0, plan_rows()), rank(1, bad)};
+  auto s = summarize(l, expect(2));
+  EXPECT_FALSE(s.pass);
+  ASSERT_EQ(s.problems.size(), 1u);
+  EXPECT_NE(s.problems[0].find("rank 1: 15/16 prompts"), std::string::npos) << s.problems[0];
+  EXPECT_EQ(s.json["steps"][4]["matching"], 15);
+  EXPECT_NE(render(s).find("FAIL"), std::string::npos);
+}
+
+TEST(StressReport, RanksDecodingDifferentTokensFail) {
+  LaunchResult l;
+  l.ranks = {rank(0, plan_rows(), "aaa"), rank(1, plan_rows(), "bbb")};
+  auto s = summarize(l, expect(2));
+  EXPECT_FALSE(s.pass);
+  EXPECT_NE(s.problems.at(0).find("different tokens"), std::string::npos);
+}
+
+TEST(StressReport, AFailedRankFailsAndTheSameErrorIsSaidOnce) {
+  LaunchResult l;
+  l.ranks = {rank(0, plan_rows()), rank(1, plan_rows())};
+  for (auto& r : l.ranks) {
+    r.ok = false;
+    r.error = "step 'x': rank 1: tail timed out";
+  }
+  auto s = summarize(l, expect(2));
+  EXPECT_FALSE(s.pass);
+  ASSERT_EQ(s.problems.size(), 1u);
+  EXPECT_EQ(s.problems[0], "ranks 0,1: step 'x': rank 1: tail timed out");
+}
+
+TEST(StressReport, MissingRanksFail) {
+  LaunchResult l;
+  l.ranks = {rank(0, plan_rows())};
+  EXPECT_FALSE(summarize(l, expect(2)).pass);
+}
+
+TEST(StressReport, SoakGrowthAfterWarmupFailsButWarmupGrowthDoesNot) {
+  auto rows = plan_rows();
+  // Warm-up (2 patterns): the host store grows from 10 to 20 on the second pattern: allowed.
+  rows.push_back(row("soak 1", 1, 16, 100, 10, "soak", 1));
+  rows.push_back(row("soak 2", 2, 16, 100, 20, "soak", 2));
+  for (int c = 3; c <= 6; ++c) rows.push_back(row("soak", 1, 16, 100, 20, "soak", c));
+  LaunchResult ok;
+  ok.ranks = {rank(0, rows)};
+  auto s = summarize(ok, expect(1, 6));
+  EXPECT_TRUE(s.pass) << ::testing::PrintToString(s.problems);
+  EXPECT_EQ(s.json["per_rank"][0]["soak_growth"]["host_store"]["max"], 20);
+
+  auto grown = rows;
+  grown[8] = row("soak", 1, 16, 164, 20, "soak", 4);  // live physical bytes grow at cycle 4
+  LaunchResult bad;
+  bad.ranks = {rank(0, grown)};
+  auto b = summarize(bad, expect(1, 6));
+  EXPECT_FALSE(b.pass);
+  ASSERT_EQ(b.problems.size(), 1u);
+  EXPECT_NE(b.problems[0].find("live physical bytes grew from 100"), std::string::npos) << b.problems[0];
+  EXPECT_NE(b.problems[0].find("cycle 4"), std::string::npos) << b.problems[0];
+}
+
+TEST(StressReport, NegativeControlNeverPasses) {
+  LaunchResult l;
+  l.ranks = {rank(0, plan_rows()), rank(1, plan_rows())};
+  auto e = expect(2);
+  e.negative_control = true;
+  auto s = summarize(l, e);
+  EXPECT_FALSE(s.pass);
+  EXPECT_NE(s.problems.at(0).find("negative control"), std::string::npos);
+
+  for (auto& r : l.ranks) {
+    r.ok = false;
+    r.error = "step 'sleep 2 #1': rank 1: timeout in the tail";
+    r.result["negative_control"] = {{"rank", 1}, {"seconds_to_failure", 2.5}, {"wait_timeout_ms", 2000}};
+  }
+  auto f = summarize(l, e);
+  EXPECT_FALSE(f.pass);
+  EXPECT_NE(render(f).find("the tail state of rank 1 was zeroed"), std::string::npos) << render(f);
+}
+
+}  // namespace
+}  // namespace torpor::cli
