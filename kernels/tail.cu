@@ -360,7 +360,7 @@ __global__ void __launch_bounds__(T) tail_residual_norm_kernel(TailParams p, con
   }
 }
 
-__global__ void fill_u16_kernel(std::uint16_t* dst, std::uint16_t value, std::size_t elements) {
+__global__ void tail_fill_u16_kernel(std::uint16_t* dst, std::uint16_t value, std::size_t elements) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < elements; i += stride)
     dst[i] = value;
@@ -386,6 +386,16 @@ void* fused_kernel(int hidden, bool multicast) {
   }
 }
 
+const void* residual_norm_kernel(int hidden) {
+  switch (vectors_per_thread(hidden)) {
+    case 1: return reinterpret_cast<const void*>(&tail_residual_norm_kernel<1>);
+    case 2: return reinterpret_cast<const void*>(&tail_residual_norm_kernel<2>);
+    case 3: return reinterpret_cast<const void*>(&tail_residual_norm_kernel<3>);
+    case 4: return reinterpret_cast<const void*>(&tail_residual_norm_kernel<4>);
+    default: throw invalid_argument("tail kernels: hidden " + std::to_string(hidden) + " is above 8192");
+  }
+}
+
 }  // namespace
 
 std::string tail_device_support(int device, bool multicast) {
@@ -404,6 +414,15 @@ std::string tail_device_support(int device, bool multicast) {
            cudaGetErrorName(e) + "; add it to CMAKE_CUDA_ARCHITECTURES";
   }
   return "";
+}
+
+void tail_preload(int hidden, bool multicast) {
+  const void* kernels[] = {fused_kernel(hidden, multicast), reinterpret_cast<const void*>(&tail_finalize_kernel),
+                           residual_norm_kernel(hidden), reinterpret_cast<const void*>(&tail_fill_u16_kernel)};
+  for (const void* k : kernels) {
+    cudaFuncAttributes attr{};
+    check(cudaFuncGetAttributes(&attr, k), "cudaFuncGetAttributes (loading the tail kernels)");
+  }
 }
 
 int tail_fused_capacity(int hidden, bool multicast) {
@@ -467,9 +486,9 @@ void launch_fill_u16(void* dst, std::uint16_t value, std::size_t elements, void*
   if (elements == 0) return;
   std::size_t blocks = (elements + T - 1) / T;
   if (blocks > 4096) blocks = 4096;
-  fill_u16_kernel<<<static_cast<unsigned>(blocks), T, 0, static_cast<cudaStream_t>(stream)>>>(
+  tail_fill_u16_kernel<<<static_cast<unsigned>(blocks), T, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<std::uint16_t*>(dst), value, elements);
-  check_launch("fill_u16_kernel");
+  check_launch("tail_fill_u16_kernel");
 }
 
 }  // namespace torpor::kernels

@@ -56,6 +56,7 @@ FusedTail::FusedTail(SymmetricHeap& heap, const TailShape& shape, const TailOpti
       cudaStream_t s = nullptr;
       TORPOR_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), who());
       stream_ = s;
+      kernels::tail_preload(shape_.hidden, multicast_);
       capacity_ = kernels::tail_fused_capacity(shape_.hidden, multicast_);
 #else
       throw unavailable("this build has no CUDA kernels");

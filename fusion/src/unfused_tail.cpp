@@ -28,6 +28,10 @@ UnfusedTail::UnfusedTail(SymmetricHeap& heap, const TailShape& shape, const Tail
     : TailBase(heap, shape, options, TailPath::unfused, std::move(reason)) {
   if (!cuda_) return;
 #if defined(TORPOR_KERNELS_CUDA)
+  {
+    DeviceGuard guard(device_);
+    kernels::tail_preload(shape_.hidden, false);
+  }
   const std::size_t bytes = static_cast<std::size_t>(shape_.max_tokens) * static_cast<std::size_t>(shape_.hidden) * sizeof(bf16);
   scratch_ = pool_.allocate(bytes, {"weights", MemoryClass::cache, "tail.scratch"});
   try {

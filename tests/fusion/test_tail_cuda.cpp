@@ -121,7 +121,7 @@ std::string open_rank(int r, const Rendezvous& rv, GpuRank& g) {
 }
 
 // Runs body in one process per GPU; a child that cannot find two GPUs reports a skip.
-std::vector<RankOutcome> on_gpus(const std::function<void(GpuRank&)>& body, std::chrono::seconds deadline = 300s) {
+std::vector<RankOutcome> on_gpus(const std::function<void(GpuRank&)>& body, std::chrono::seconds deadline = 120s) {
   const Rendezvous rv = Rendezvous::create();
   auto outcomes = run_ranks(
       ranks,
@@ -541,7 +541,7 @@ TEST(TailCuda, SanitizerSmoke) {
         require(same_bits(got.data(), b.residual_out.data(), n) && same_bits(got.data() + n, b.norm_out.data(), n),
                 "unfused kernels differ from the CPU reference");
       },
-      600s));
+      140s));
 #endif
 }
 

@@ -21,6 +21,10 @@ std::string tail_device_support(int device, bool multicast);
 // spinning receivers).
 int tail_fused_capacity(int hidden, bool multicast);
 
+// Loads every kernel the tail uses for `hidden` on the current device now (the CUDA runtime may
+// load modules lazily, at first launch), so the first call can be captured in a graph.
+void tail_preload(int hidden, bool multicast);
+
 // One fused call (see tail_protocol.hpp). `capacity` from tail_fused_capacity.
 void launch_tail_fused(const TailParams& p, int capacity, void* stream);
 
