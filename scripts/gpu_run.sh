@@ -3,12 +3,14 @@
 # device tool (`run`), whose $OUT folder comes back; elsewhere OUT defaults to ./gpu-out.
 #
 #   scripts/gpu_run.sh [stage ...]     stages: probe tests bench-sleep bench-sleep-threads python
-#                                      symmetric symmetric-nccl (default: probe tests)
+#                                      symmetric symmetric-nccl tail (default: probe tests)
 #
 # symmetric and symmetric-nccl need two GPUs (device kind nvidia-h200-x2): two processes, one per
 # GPU, symmetric memory through sleep level 2 (`torpor symmetric-check`), the second with the
 # bytes over NCCL and a missing-rank timeout plus recovery; they print SKIP and the reason
-# otherwise.
+# otherwise. tail (two GPUs too) runs the MoE tail's GPU tests (two processes, the CPU reference as
+# the oracle), the small one again under compute-sanitizer memcheck and racecheck, then the
+# fused-vs-unfused bench (bench-tail.txt, bench-tail.json).
 #
 # The multicast kill switches are always set: these machines are shared, and a multicast
 # object can take their GPUs out of service. torpor honours every one of them.
@@ -86,6 +88,21 @@ for stage in "${stages[@]}"; do
       build-gpu/tools/torpor symmetric-check --backend cuda --ranks 2 --bytes 1G --group nccl --timeout 10 \
         --timeout-check --json "$OUT/symmetric-nccl.json" > "$OUT/symmetric-nccl.txt" 2>&1 || status=1
       cat "$OUT/symmetric-nccl.txt"
+      ;;
+    tail)
+      # Each step is bounded, so a hang cannot eat the machine's time (expected: ~1 min each).
+      sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+      timeout 180 build-gpu/tests/torpor_fusion_tests --gtest_filter='TailCuda.*' > "$OUT/tail-tests.log" 2>&1 || status=1
+      grep -E "^\[ +(OK|FAILED|SKIPPED) +\]|Skipped|Failure|rank [0-9]" "$OUT/tail-tests.log" | head -40
+      tail -3 "$OUT/tail-tests.log"
+      for tool in memcheck racecheck; do
+        timeout 150 "$sanitizer" --tool "$tool" --target-processes all --error-exitcode 86 \
+          build-gpu/tests/torpor_fusion_tests --gtest_filter='TailCuda.SanitizerSmoke' > "$OUT/tail-$tool.log" 2>&1 || status=1
+        echo "compute-sanitizer $tool: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/tail-$tool.log" | sort | uniq -c | tr -s ' ' | paste -sd';')" \
+          "$(grep -cE "^\[ +OK +\] TailCuda.SanitizerSmoke" "$OUT/tail-$tool.log") passed"
+      done
+      timeout 150 build-gpu/bench/torpor_bench_tail --json "$OUT/bench-tail.json" > "$OUT/bench-tail.txt" 2>&1 || status=1
+      cat "$OUT/bench-tail.txt"
       ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac

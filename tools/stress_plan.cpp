@@ -194,26 +194,26 @@ class Plan {
   // The negative control: zero the tail's slots and control blocks on one rank, with nothing in
   // flight, after the first level-2 wake. The next generate must fail, naming the rank and op.
   void zero_tail_state(nlohmann::json& row) {
-    auto buffers = engine_.model->tail_buffers();
-    if (buffers.empty())
+    auto states = engine_.model->tail_states();
+    if (states.empty())
       throw error(fmt::format("negative control zero-flags: the tails took the unfused path ({}), which keeps no device "
                               "state to zero; it needs the fused path",
                               engine_.model->tail_reasons().front()));
     const int target = negative_rank();
-    if (target >= group_.size())
-      throw invalid_argument(fmt::format("--negative-control-rank {}: there are only {} ranks", target, group_.size()));
     group_.barrier();
     std::size_t zeroed = 0;
     if (rank_ == target) {
-      for (SymmetricBuffer* b : buffers) {
-        driver_.fill_async(reinterpret_cast<device_ptr>(b->local()), 0, b->bytes(), engine_.compute->stream());
-        zeroed += b->bytes();
+      Stream s = engine_.compute->stream();
+      for (const fusion::TailState& t : states) {
+        driver_.fill_async(reinterpret_cast<device_ptr>(t.control), 0, t.control_bytes, s);
+        driver_.fill_async(reinterpret_cast<device_ptr>(t.slots->local()), 0, t.slot_bytes, s);
+        zeroed += t.control_bytes + t.slot_bytes;
       }
       engine_.compute->synchronize();
     }
     group_.barrier();
     zeroed_at_ = clock_type::now();
-    row["negative_control"] = {{"zeroed_rank", target}, {"zeroed_bytes", zeroed}, {"buffers", buffers.size()}};
+    row["negative_control"] = {{"zeroed_rank", target}, {"zeroed_bytes", zeroed}, {"tails", states.size()}};
   }
 
   const StressOptions& o_;

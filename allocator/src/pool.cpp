@@ -242,6 +242,13 @@ bool Pool::State::survives(const Segment& s, int level) const {
   return true;
 }
 
+Allocation* Pool::State::containing(device_ptr p) const {
+  auto up = allocations.upper_bound(p);
+  if (up == allocations.begin()) return nullptr;
+  Allocation* a = std::prev(up)->second.get();
+  return p < a->base + a->bytes ? a : nullptr;
+}
+
 std::vector<std::string> Pool::State::resolve_tags(const std::vector<std::string>& requested,
                                                     const char* operation) const {
   std::vector<std::string> out;
@@ -477,14 +484,10 @@ void Pool::deallocate(void* ptr) {
   auto it = s.allocations.find(p);
   if (it == s.allocations.end()) {
     if (ptr == nullptr) throw invalid_argument("deallocate: null pointer");
-    auto up = s.allocations.upper_bound(p);
-    if (up != s.allocations.begin()) {
-      auto& a = *std::prev(up)->second;
-      if (p < a.base + a.bytes)
-        throw invalid_argument(fmt::format("deallocate: {} is inside allocation {} (+{} of {} bytes, tag '{}'); "
-                                           "pass the allocation's base address",
-                                           hex(p), hex(a.base), p - a.base, a.bytes, a.chunk->tag));
-    }
+    if (const Allocation* a = s.containing(p))
+      throw invalid_argument(fmt::format("deallocate: {} is inside allocation {} (+{} of {} bytes, tag '{}'); "
+                                         "pass the allocation's base address",
+                                         hex(p), hex(a->base), p - a->base, a->bytes, a->chunk->tag));
     if (s.recently_freed_set.count(p))
       throw invalid_argument(fmt::format("deallocate: {} was already freed (double free)", hex(p)));
     throw invalid_argument(fmt::format("deallocate: {} was not allocated by this pool (device {})", hex(p),
@@ -530,10 +533,9 @@ void Pool::mark(void* ptr, std::size_t bytes, MemoryClass memory_class, std::str
   State& s = *state_;
   auto p = reinterpret_cast<device_ptr>(ptr);
   std::lock_guard lock(s.mu);
-  auto up = s.allocations.upper_bound(p);
-  if (up == s.allocations.begin() || p >= std::prev(up)->second->base + std::prev(up)->second->bytes)
-    throw invalid_argument(fmt::format("mark: {} is not inside any allocation of this pool", hex(p)));
-  Allocation& a = *std::prev(up)->second;
+  Allocation* found = s.containing(p);
+  if (found == nullptr) throw invalid_argument(fmt::format("mark: {} is not inside any allocation of this pool", hex(p)));
+  Allocation& a = *found;
   std::size_t lo = p - a.base;
   if (bytes > a.bytes - lo)
     throw invalid_argument(fmt::format("mark: [{}, +{}) runs past the end of allocation {} ({} bytes)", hex(p), bytes,
@@ -571,10 +573,9 @@ std::optional<AllocationInfo> Pool::find(const void* ptr) const {
   State& s = *state_;
   auto p = reinterpret_cast<device_ptr>(ptr);
   std::lock_guard lock(s.mu);
-  auto up = s.allocations.upper_bound(p);
-  if (up == s.allocations.begin()) return std::nullopt;
-  const Allocation& a = *std::prev(up)->second;
-  if (p >= a.base + a.bytes) return std::nullopt;
+  const Allocation* found = s.containing(p);
+  if (found == nullptr) return std::nullopt;
+  const Allocation& a = *found;
   std::size_t off = p - a.base;
   const Segment& seg = std::prev(a.segments.upper_bound(off))->second;
   return AllocationInfo{a.base, a.bytes, off, a.chunk->tag, seg.cls, seg.name, !a.chunk->awake};
@@ -584,10 +585,9 @@ std::optional<ChunkInfo> Pool::chunk_info(const void* ptr) const {
   State& s = *state_;
   auto p = reinterpret_cast<device_ptr>(ptr);
   std::lock_guard lock(s.mu);
-  auto up = s.allocations.upper_bound(p);
-  if (up == s.allocations.begin()) return std::nullopt;
-  const Allocation& a = *std::prev(up)->second;
-  if (p >= a.base + a.bytes) return std::nullopt;
+  const Allocation* found = s.containing(p);
+  if (found == nullptr) return std::nullopt;
+  const Allocation& a = *found;
   const Chunk& c = *a.chunk;
   return ChunkInfo{c.va, c.bytes, a.offset, c.awake, c.kind == ChunkKind::dedicated, c.handle};
 }

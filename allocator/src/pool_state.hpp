@@ -127,6 +127,8 @@ struct Pool::State {
   bool preserved(const Segment& s) const;
   // Whether the bytes of a segment survive a sleep at `level`.
   bool survives(const Segment& s, int level) const;
+  // The allocation containing p (interior pointers too), or nullptr.
+  Allocation* containing(device_ptr p) const;
   std::vector<std::string> resolve_tags(const std::vector<std::string>& requested, const char* operation) const;
   Event event(std::size_t i);  // the i-th reusable event, created on demand
   // Copies between device memory and pageable host memory through the pinned staging ring,

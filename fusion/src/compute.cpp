@@ -9,7 +9,7 @@ namespace torpor::fusion {
 std::unique_ptr<Compute> make_compute(Driver& driver, int device) {
   if (driver.backend_name() == "host") return make_host_compute(driver, device);
   if (driver.backend_name() == "cuda") {
-#ifdef TORPOR_HAVE_CUDA_KERNELS
+#ifdef TORPOR_KERNELS_CUDA
     return make_cuda_compute(driver, device);
 #else
     throw unavailable("the cuda backend needs the CUDA kernels, and this build has none (configure with TORPOR_CUDA=ON)");

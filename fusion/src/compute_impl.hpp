@@ -8,7 +8,7 @@
 namespace torpor::fusion {
 
 std::unique_ptr<Compute> make_host_compute(Driver& driver, int device);
-#ifdef TORPOR_HAVE_CUDA_KERNELS
+#ifdef TORPOR_KERNELS_CUDA
 std::unique_ptr<Compute> make_cuda_compute(Driver& driver, int device);
 #endif
 

@@ -12,7 +12,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <set>
 
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
@@ -68,8 +67,7 @@ LatentMoERunner::LatentMoERunner(SymmetricHeap& heap, Compute& compute, const La
   inter_r_ = config_.inter / ranks_;
   shared_r_ = config_.shared_inter / ranks_;
 
-  // The tail first (collective); the buffers it adds to the heap are its state.
-  std::vector<SymmetricBuffer*> before = heap.buffers();
+  // The tail first (collective).
   TailShape shape;
   shape.hidden = config_.hidden;
   shape.max_tokens = config_.max_tokens;
@@ -77,9 +75,6 @@ LatentMoERunner::LatentMoERunner(SymmetricHeap& heap, Compute& compute, const La
   shape.shared_expert = config_.shared_inter > 0;
   shape.eps = config_.eps;
   tail_ = make_tail(heap, shape, options_.tail);
-  std::set<SymmetricBuffer*> old(before.begin(), before.end());
-  for (SymmetricBuffer* b : heap.buffers())
-    if (!old.contains(b)) tail_buffers_.push_back(b);
 
   try {
     const int E = config_.experts, T = config_.max_tokens, K = config_.top_k, L = config_.latent, H = config_.hidden;
@@ -185,5 +180,6 @@ void LatentMoERunner::run(int tokens, const bf16* x_norm, const bf16* residual_i
 void LatentMoERunner::check() { tail_->check(); }
 TailPath LatentMoERunner::path() const noexcept { return tail_->path(); }
 const std::string& LatentMoERunner::reason() const noexcept { return tail_->reason(); }
+std::optional<TailState> LatentMoERunner::tail_state() const { return fusion::tail_state(*tail_); }
 
 }  // namespace torpor::fusion

@@ -344,7 +344,10 @@ std::vector<std::int32_t> TinyMoeLM::generate(const std::vector<std::int32_t>& p
       compute_.synchronize();
       for (std::size_t l = 0; l < layers_.size(); ++l) layers_[l].runner->check();
     } catch (const timeout_error& e) {
+      // A tail's bounded wait ran out, or its state is gone: the same error, saying where.
       throw timeout_error(fmt::format("rank {}: decode step {} of {}: {}", rank_, s, steps, e.what()));
+    } catch (const invalid_state& e) {
+      throw invalid_state(fmt::format("rank {}: decode step {} of {}: {}", rank_, s, steps, e.what()));
     }
   }
   pool_.copy(seq.data(), seq_, seq.size() * sizeof(std::int32_t));
@@ -380,10 +383,10 @@ std::vector<std::string> TinyMoeLM::tail_reasons() const {
   return out;
 }
 
-std::vector<SymmetricBuffer*> TinyMoeLM::tail_buffers() const {
-  std::vector<SymmetricBuffer*> out;
+std::vector<TailState> TinyMoeLM::tail_states() const {
+  std::vector<TailState> out;
   for (const auto& y : layers_)
-    for (SymmetricBuffer* b : y.runner->tail_buffers()) out.push_back(b);
+    if (auto s = y.runner->tail_state()) out.push_back(*s);
   return out;
 }
 

@@ -31,11 +31,13 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "torpor/fusion/compute.hpp"
 #include "torpor/fusion/tail.hpp"
+#include "torpor/fusion/tail_state.hpp"
 #include "torpor/kernels/bf16.hpp"
 #include "torpor/pool.hpp"
 #include "torpor/symmetric.hpp"
@@ -96,9 +98,9 @@ class LatentMoERunner {
   const LatentMoEConfig& config() const noexcept { return config_; }
   int rank() const noexcept { return rank_; }
   int ranks() const noexcept { return ranks_; }
-  // The symmetric buffers the tail op allocated (its slots and control blocks; empty on a path
-  // that has none). For the stress tool's negative control.
-  const std::vector<SymmetricBuffer*>& tail_buffers() const noexcept { return tail_buffers_; }
+  // Where the tail keeps its state (control block, slots); nothing on the unfused path. For the
+  // stress tool's negative control.
+  std::optional<TailState> tail_state() const;
 
   // Scratch holding partials()'s results, for tests: [tokens][top_k] routing, this rank's
   // [tokens][top_k][hidden] expert parts and [tokens][hidden] shared part (or nullptr).
@@ -138,7 +140,6 @@ class LatentMoERunner {
   bf16* shared_lat_ = nullptr;
   bf16* shared_out_ = nullptr;
   std::unique_ptr<Tail> tail_;
-  std::vector<SymmetricBuffer*> tail_buffers_;
 };
 
 }  // namespace torpor::fusion

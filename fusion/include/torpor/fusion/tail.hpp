@@ -31,16 +31,34 @@ class SymmetricHeap;
 
 namespace torpor::fusion {
 
+// all_reduce: every rank produces every token. reduce_scatter: rank r of R produces only its
+// share, rows token_share(tokens, r, R) (outputs are still indexed [tokens][hidden]; the other
+// rows are neither read from residual_in nor written).
+enum class TailMode { all_reduce, reduce_scatter };
+const char* to_string(TailMode m) noexcept;
+
 struct TailShape {
   int hidden = 0;          // a multiple of 64, at most 8192
   int max_tokens = 128;    // per call; at least 128 supported
   int top_k = 1;
   bool shared_expert = false;
   float eps = 1e-6f;
+  TailMode mode = TailMode::all_reduce;
 };
 
+// Rows [begin, end) of `tokens` that rank `rank` of `ranks` produces in reduce_scatter mode:
+// [floor(tokens * rank / ranks), floor(tokens * (rank + 1) / ranks)); empty when tokens < ranks
+// leaves it none.
+struct TokenRange {
+  int begin = 0;
+  int end = 0;
+  int count() const noexcept { return end - begin; }
+};
+TokenRange token_share(int tokens, int rank, int ranks) noexcept;
+
 // One call's tensors: device pointers on this rank's device (CPU addresses on the host
-// backend). Inputs are only read; outputs are fully written.
+// backend). Inputs are only read; outputs are fully written (the output rows; see TailMode).
+// residual_out may be residual_in (in place). Every rank passes the same `tokens`.
 struct TailArgs {
   int tokens = 0;                       // 1 .. max_tokens
   const bf16* expert_out = nullptr;     // [tokens][top_k][hidden] this rank's partial expert outputs
@@ -63,6 +81,10 @@ struct TailOptions {
 // One rank's tail. run() enqueues on `stream` (GPU; capturable in a CUDA graph) or computes
 // before returning (host backend). check() throws timeout_error naming the rank, slot and op
 // when a bounded wait ran out in an earlier run() (call it after a sync or a graph replay).
+// On the host backend run() calls check() itself before returning. A failure is sticky: later
+// calls do nothing and check() keeps throwing until reset() on every rank.
+// Calls of one Tail must be ordered (one stream, or a graph), every rank making the same calls.
+// Destroy CUDA graphs that captured run() before the Tail (and before NCCL communicators).
 class Tail {
  public:
   virtual ~Tail() = default;

@@ -108,8 +108,8 @@ class TinyMoeLM {
   // Per layer: the tail path its runner took, and why.
   std::vector<TailPath> tail_paths() const;
   std::vector<std::string> tail_reasons() const;
-  // Every runner's tail buffers (the negative control zeroes them).
-  std::vector<SymmetricBuffer*> tail_buffers() const;
+  // Every fused runner's tail state (the negative control zeroes it); empty on the unfused path.
+  std::vector<TailState> tail_states() const;
   const DecodeStats& decode_stats() const noexcept { return stats_; }
 
  private:

@@ -1,0 +1,306 @@
+// torpor_bench_tail: the fused MoE tail against the unfused path it replaces, on two GPUs (one
+// process each, the vLLM layout), everything in CUDA graphs:
+//   fused     one kernel per call (finalize + Lamport all-reduce + residual + RMSNorm);
+//   unfused   finalize kernel, ncclAllReduce, residual + RMSNorm kernel;
+//   nccl      ncclAllReduce of the same bf16 bytes alone, for scale.
+// Each graph holds --calls-per-graph calls; a measurement replays it --replays times between two
+// events, after a barrier so both ranks start together; per-call time = elapsed / calls (the
+// larger of the two ranks is reported). The link is measured in the same run: SM stores into the
+// peer's memory through torpor's peer mapping (the fused kernel's path), one direction alone and
+// both at once. Bytes moved per call and rank: the partial sent to each peer, tokens * hidden * 2
+// * (ranks - 1).
+//
+// Targets (issue 5): fused >= 2x faster than unfused for <= 32 tokens, <= 6 us at 8 tokens.
+// Prints a table and writes --json. Needs two GPUs with peer access; prints SKIP otherwise.
+#include <CLI/CLI.hpp>
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "nccl_comm.hpp"
+#include "support/processes.hpp"
+#include "torpor/cuda_driver.hpp"
+#include "torpor/fusion/tail.hpp"
+#include "torpor/group.hpp"
+#include "torpor/kernels/tail_protocol.hpp"
+#include "torpor/pool.hpp"
+#include "torpor/symmetric.hpp"
+
+namespace torpor::bench {
+void launch_peer_store(void* dst, const void* src, std::size_t bytes, int blocks, void* stream);
+}
+
+namespace {
+
+using namespace torpor;
+using json = nlohmann::json;
+constexpr int ranks = 2;
+
+struct Options {
+  int hidden = 7168;
+  int top_k = 8;
+  std::vector<int> tokens = {1, 8, 32, 128, 512};
+  int calls_per_graph = 50;
+  int replays = 20;
+  std::string json_path;
+};
+
+void cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(fmt::format("{}: {}", what, cudaGetErrorString(e)));
+}
+
+// A graph of `calls` enqueues of fn, replayed `replays` times; returns microseconds per call.
+template <typename F>
+double time_graph(Group& g, cudaStream_t s, int calls, int replays, F fn) {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  cuda(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "begin capture");
+  for (int i = 0; i < calls; ++i) fn();
+  cuda(cudaStreamEndCapture(s, &graph), "end capture");
+  cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  cudaEvent_t a, b;
+  cuda(cudaEventCreate(&a), "event");
+  cuda(cudaEventCreate(&b), "event");
+  for (int i = 0; i < 3; ++i) cuda(cudaGraphLaunch(exec, s), "warm-up replay");
+  cuda(cudaStreamSynchronize(s), "warm-up");
+  g.barrier();
+  cuda(cudaEventRecord(a, s), "record");
+  for (int i = 0; i < replays; ++i) cuda(cudaGraphLaunch(exec, s), "replay");
+  cuda(cudaEventRecord(b, s), "record");
+  cuda(cudaEventSynchronize(b), "sync");
+  float ms = 0;
+  cuda(cudaEventElapsedTime(&ms, a, b), "elapsed");
+  // Graphs go before communicators (teardown with live graphs hung on these machines).
+  cuda(cudaGraphExecDestroy(exec), "graph exec destroy");
+  cuda(cudaGraphDestroy(graph), "graph destroy");
+  cuda(cudaEventDestroy(a), "event");
+  cuda(cudaEventDestroy(b), "event");
+  return static_cast<double>(ms) * 1000.0 / (static_cast<double>(calls) * replays);
+}
+
+// GB/s of peer stores of `bytes`; `active`: whether this rank stores (else it idles).
+double link_gbps(Group& g, cudaStream_t s, void* dst, const void* src, std::size_t bytes, bool active) {
+  int sms = 0, dev = 0;
+  cuda(cudaGetDevice(&dev), "device");
+  cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "attribute");
+  if (active) bench::launch_peer_store(dst, src, bytes, sms * 4, s);  // warm-up
+  cuda(cudaStreamSynchronize(s), "sync");
+  cudaEvent_t a, b;
+  cuda(cudaEventCreate(&a), "event");
+  cuda(cudaEventCreate(&b), "event");
+  constexpr int reps = 10;
+  g.barrier();
+  cuda(cudaEventRecord(a, s), "record");
+  if (active)
+    for (int i = 0; i < reps; ++i) bench::launch_peer_store(dst, src, bytes, sms * 4, s);
+  cuda(cudaEventRecord(b, s), "record");
+  cuda(cudaEventSynchronize(b), "sync");
+  float ms = 0;
+  cuda(cudaEventElapsedTime(&ms, a, b), "elapsed");
+  cuda(cudaEventDestroy(a), "event");
+  cuda(cudaEventDestroy(b), "event");
+  return active ? static_cast<double>(bytes) * reps / (static_cast<double>(ms) * 1e-3) / 1e9 : 0.0;
+}
+
+// Every rank's value of v, by rank.
+std::vector<double> gather(Group& g, double v) {
+  auto all = g.all_gather(std::as_bytes(std::span<const double>(&v, 1)));
+  std::vector<double> out;
+  for (auto& b : all) {
+    double x;
+    std::memcpy(&x, b.data(), sizeof x);
+    out.push_back(x);
+  }
+  return out;
+}
+
+// The slower rank's time: a collective step is as fast as its last rank.
+double slowest(Group& g, double v) {
+  auto all = gather(g, v);
+  return *std::max_element(all.begin(), all.end());
+}
+
+void fill_random(void* dst, std::size_t elements, std::uint64_t seed, float lo, float hi) {
+  std::vector<bf16> h(elements);
+  std::uint64_t z = seed;
+  for (auto& x : h) {
+    z = z * 6364136223846793005ull + 1442695040888963407ull;
+    const float u = static_cast<float>(z >> 40) * 0x1.0p-24f;
+    x = bf16::from_float(lo + (hi - lo) * u);
+    if ((x.bits & 0x7FFF) == 0) x = bf16::from_float(lo + (hi - lo) * 0.5f + 0.01f);
+  }
+  cuda(cudaMemcpy(dst, h.data(), elements * sizeof(bf16), cudaMemcpyHostToDevice), "upload");
+}
+
+void rank_main(int r, const Rendezvous& rv, const Options& o) {
+  std::string why;
+  auto driver = CudaDriver::open(&why);
+  if (!driver) {
+    if (r == 0) fmt::print("SKIP: tail bench: no usable GPU: {}\n", why);
+    return;
+  }
+  if (driver->device_count() < 2 || !driver->can_access_peer(0, 1)) {
+    if (r == 0) fmt::print("SKIP: tail bench: needs two GPUs with peer access ({} found)\n", driver->device_count());
+    return;
+  }
+  cuda(cudaSetDevice(r), "cudaSetDevice");
+  cudaStream_t s = nullptr;
+  cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  GroupOptions go;
+  go.timeout = std::chrono::seconds(120);
+  UnixSocketGroup group(rv, r, ranks, go);
+  PoolOptions po;
+  po.device = r;
+  po.exportable = true;
+  Pool pool(*driver, po);
+  SymmetricHeap heap(pool, group);
+  const int max_tokens = *std::max_element(o.tokens.begin(), o.tokens.end());
+
+  // The link, in this run.
+  const std::size_t link_bytes = std::size_t{256} << 20;
+  SymmetricBuffer& link = heap.allocate(link_bytes, {"bench", "bench.link", false});
+  void* src = pool.allocate(link_bytes, {"bench", MemoryClass::cache, "bench.link.src"});
+  cuda(cudaMemset(src, 0x3C, link_bytes), "memset");
+  const double one_way = gather(group, link_gbps(group, s, link.peer(1 - r), src, link_bytes, r == 0))[0];
+  const auto both = gather(group, link_gbps(group, s, link.peer(1 - r), src, link_bytes, true));
+
+  // The tails and their tensors.
+  fusion::TailShape shape;
+  shape.hidden = o.hidden;
+  shape.max_tokens = max_tokens;
+  shape.top_k = o.top_k;
+  shape.shared_expert = true;
+  auto fused = fusion::make_tail(heap, shape);
+  fusion::TailOptions uo;
+  uo.allow_fused = false;
+  auto unfused = fusion::make_tail(heap, shape, uo);
+  fusion::detail::NcclComm nccl(group, r);
+  const std::size_t th = static_cast<std::size_t>(max_tokens) * o.hidden;
+  auto alloc = [&](std::size_t bytes, const char* name) { return pool.allocate(bytes, {"activations", MemoryClass::state, name}); };
+  auto* expert = static_cast<bf16*>(alloc(th * o.top_k * sizeof(bf16), "expert_out"));
+  auto* shared = static_cast<bf16*>(alloc(th * sizeof(bf16), "shared_out"));
+  auto* residual = static_cast<bf16*>(alloc(th * sizeof(bf16), "residual"));
+  auto* gamma = static_cast<bf16*>(alloc(static_cast<std::size_t>(o.hidden) * sizeof(bf16), "gamma"));
+  auto* res_out = static_cast<bf16*>(alloc(th * sizeof(bf16), "residual_out"));
+  auto* norm_out = static_cast<bf16*>(alloc(th * sizeof(bf16), "norm_out"));
+  auto* scratch = static_cast<bf16*>(alloc(th * sizeof(bf16), "nccl_scratch"));
+  auto* weights = static_cast<float*>(alloc(static_cast<std::size_t>(max_tokens) * o.top_k * sizeof(float), "weights"));
+  fill_random(expert, th * o.top_k, 11 + r, -1, 1);
+  fill_random(shared, th, 12 + r, -0.5f, 0.5f);
+  fill_random(residual, th, 13, -2, 2);
+  fill_random(gamma, static_cast<std::size_t>(o.hidden), 14, 0.5f, 1.5f);
+  fill_random(scratch, th, 15, -1, 1);
+  std::vector<float> w(static_cast<std::size_t>(max_tokens) * o.top_k, 1.0f / static_cast<float>(o.top_k));
+  cuda(cudaMemcpy(weights, w.data(), w.size() * sizeof(float), cudaMemcpyHostToDevice), "upload");
+
+  json rows = json::array();
+  const Stream ts{reinterpret_cast<std::uint64_t>(s), r};
+  if (r == 0) {
+    fmt::print("tail fusion bench: 2 GPUs, hidden {}, top_k {} + shared expert, bf16, CUDA graphs of {} calls x {} replays\n",
+               o.hidden, o.top_k, o.calls_per_graph, o.replays);
+    fmt::print("path: {}\n", fused->reason());
+    fmt::print("link (SM stores to the peer's memory): {:.1f} GB/s one way alone, {:.1f} + {:.1f} GB/s both ways at once\n",
+               one_way, both[0], both[1]);
+    fmt::print("{:>6} {:>10} {:>11} {:>10} {:>8} {:>11} {:>10} {:>7}\n", "tokens", "fused us", "unfused us", "nccl us",
+               "speedup", "bytes/rank", "fused GB/s", "% link");
+  }
+  for (int t : o.tokens) {
+    fusion::TailArgs a;
+    a.tokens = t;
+    a.expert_out = expert;
+    a.topk_weights = weights;
+    a.shared_out = shared;
+    a.residual_in = residual;
+    a.gamma = gamma;
+    a.residual_out = res_out;
+    a.norm_out = norm_out;
+    const double f_us = slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { fused->run(a, ts); }));
+    fused->check();
+    const double u_us = slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { unfused->run(a, ts); }));
+    unfused->check();
+    const double n_us = slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] {
+      nccl.all_reduce_sum_bf16(scratch, static_cast<std::size_t>(t) * o.hidden, s);
+    }));
+    const double bytes = static_cast<double>(t) * o.hidden * sizeof(bf16) * (ranks - 1);
+    const double gbps = bytes / (f_us * 1e-6) / 1e9;
+    if (r == 0)
+      fmt::print("{:>6} {:>10.2f} {:>11.2f} {:>10.2f} {:>7.2f}x {:>11.0f} {:>10.1f} {:>6.1f}%\n", t, f_us, u_us, n_us,
+                 u_us / f_us, bytes, gbps, 100.0 * gbps / one_way);
+    rows.push_back({{"tokens", t}, {"fused_us", f_us}, {"unfused_us", u_us}, {"nccl_allreduce_us", n_us},
+                    {"speedup", u_us / f_us}, {"bytes_per_rank", bytes}, {"fused_gbps", gbps},
+                    {"link_fraction", gbps / one_way}});
+  }
+  if (r == 0) {
+    std::string speedups;
+    bool speed_ok = true, latency_ok = true;
+    double at8 = -1;
+    for (const auto& row : rows) {
+      const int t = row["tokens"];
+      if (t <= 32) {
+        speed_ok = speed_ok && row["speedup"].get<double>() >= 2.0;
+        speedups += fmt::format("{}{}: {:.2f}x", speedups.empty() ? "" : ", ", t, row["speedup"].get<double>());
+      }
+      if (t == 8) {
+        at8 = row["fused_us"];
+        latency_ok = at8 <= 6.0;
+      }
+    }
+    fmt::print("target >= 2x faster than unfused for <= 32 tokens: {} ({})\n", speed_ok ? "MET" : "MISSED", speedups);
+    if (at8 >= 0) fmt::print("target <= 6 us at 8 tokens: {} ({:.2f} us)\n", latency_ok ? "MET" : "MISSED", at8);
+    if (!o.json_path.empty()) {
+      cudaDeviceProp prop{};
+      cuda(cudaGetDeviceProperties(&prop, 0), "properties");
+      json j = {{"device", prop.name},
+                {"ranks", ranks},
+                {"hidden", o.hidden},
+                {"top_k", o.top_k},
+                {"shared_expert", true},
+                {"calls_per_graph", o.calls_per_graph},
+                {"replays", o.replays},
+                {"path", fused->reason()},
+                {"link_gbps_one_way", one_way},
+                {"link_gbps_both_ways", both},
+                {"rows", rows},
+                {"target_speedup_met", speed_ok},
+                {"target_8_tokens_met", latency_ok}};
+      std::ofstream(o.json_path) << j.dump(2) << "\n";
+      fmt::print("wrote {}\n", o.json_path);
+    }
+  }
+  std::fflush(stdout);
+  group.barrier();
+  for (void* p : {static_cast<void*>(expert), static_cast<void*>(shared), static_cast<void*>(residual),
+                  static_cast<void*>(gamma), static_cast<void*>(res_out), static_cast<void*>(norm_out),
+                  static_cast<void*>(scratch), static_cast<void*>(weights), src})
+    pool.deallocate(p);
+  cuda(cudaStreamDestroy(s), "stream destroy");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{"torpor_bench_tail: the fused MoE tail against the unfused path on two GPUs"};
+  app.add_option("--hidden", o.hidden, "hidden size");
+  app.add_option("--top-k", o.top_k, "experts per token");
+  app.add_option("--tokens", o.tokens, "token counts");
+  app.add_option("--calls-per-graph", o.calls_per_graph, "calls captured in one graph");
+  app.add_option("--replays", o.replays, "graph replays per measurement");
+  app.add_option("--json", o.json_path, "write the results here");
+  CLI11_PARSE(app, argc, argv);
+  // Fork before anything touches CUDA: the parent never does.
+  const Rendezvous rv = Rendezvous::create();
+  auto outcomes = test::run_ranks(ranks, [&](int r) { rank_main(r, rv, o); }, std::chrono::seconds(540));
+  rv.remove();
+  const std::string failed = test::failures(outcomes);
+  if (!failed.empty()) {
+    fmt::print(stderr, "tail bench failed:\n{}", failed);
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,29 @@
+// Where a fused tail keeps its state, for tests, tools and anyone who wants to look at it (not for
+// the hot path). The bytes follow kernels/include/torpor/kernels/tail_protocol.hpp: the control
+// block is one TailControl, the slots are this rank's part of a SymmetricBuffer laid out as
+// [3 slots][R source ranks][max_tokens][hidden] bf16.
+#pragma once
+
+#include <cstddef>
+#include <optional>
+
+#include "torpor/fusion/tail.hpp"
+
+namespace torpor {
+class SymmetricBuffer;
+}
+
+namespace torpor::fusion {
+
+struct TailState {
+  void* control = nullptr;             // device memory of this rank (CPU memory on the host backend)
+  std::size_t control_bytes = 0;
+  SymmetricBuffer* slots = nullptr;    // slots->local(): this rank's part; slots->peer_table(): the table
+  std::size_t slot_bytes = 0;          // bytes of the part the protocol uses
+  int capacity_blocks = 0;             // GPU: the fused grid's bound (0 on the host backend)
+};
+
+// The fused tail's state; nothing for the unfused path.
+std::optional<TailState> tail_state(const Tail& tail);
+
+}  // namespace torpor::fusion

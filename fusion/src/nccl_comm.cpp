@@ -1,0 +1,166 @@
+// NcclComm: see nccl_comm.hpp. Invariant: comm is a live communicator from construction to
+// destruction; every NCCL result is checked and named.
+#include "nccl_comm.hpp"
+
+#include <fmt/format.h>
+
+#include <span>
+
+#include "torpor/error.hpp"
+#include "torpor/group.hpp"
+#include "torpor/log.hpp"
+
+#if defined(TORPOR_KERNELS_CUDA) && __has_include(<nccl.h>)
+#define TORPOR_FUSION_NCCL 1
+#include <dlfcn.h>
+#include <nccl.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "cuda_runtime.hpp"
+#include "torpor/multicast_policy.hpp"
+#endif
+
+namespace torpor::fusion::detail {
+
+#ifdef TORPOR_FUSION_NCCL
+
+namespace {
+
+struct Api {
+  void* lib = nullptr;
+  std::string why_not;
+  decltype(&ncclGetUniqueId) get_unique_id = nullptr;
+  decltype(&ncclCommInitRank) init_rank = nullptr;
+  decltype(&ncclAllReduce) all_reduce = nullptr;
+  decltype(&ncclCommDestroy) destroy = nullptr;
+  decltype(&ncclCommGetAsyncError) get_async_error = nullptr;
+  decltype(&ncclGetErrorString) error_string = nullptr;
+};
+
+const Api& api() {
+  static const Api a = [] {
+    Api r;
+    const char* o = std::getenv("TORPOR_NCCL_LIBRARY");
+    const std::string name = (o != nullptr && *o != '\0') ? o : "libnccl.so.2";
+    r.lib = ::dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (r.lib == nullptr) {
+      const char* e = ::dlerror();
+      r.why_not = fmt::format("{} could not be loaded ({}); install NCCL or set TORPOR_NCCL_LIBRARY", name,
+                              e != nullptr ? e : "unknown");
+      return r;
+    }
+    std::string missing;
+    auto resolve = [&](auto& slot, const char* symbol) {
+      slot = reinterpret_cast<std::remove_reference_t<decltype(slot)>>(::dlsym(r.lib, symbol));
+      if (slot == nullptr) missing += fmt::format("{}{}", missing.empty() ? "" : ", ", symbol);
+    };
+    resolve(r.get_unique_id, "ncclGetUniqueId");
+    resolve(r.init_rank, "ncclCommInitRank");
+    resolve(r.all_reduce, "ncclAllReduce");
+    resolve(r.destroy, "ncclCommDestroy");
+    resolve(r.get_async_error, "ncclCommGetAsyncError");
+    resolve(r.error_string, "ncclGetErrorString");
+    if (!missing.empty()) {
+      r.why_not = fmt::format("{} lacks {}", name, missing);
+      ::dlclose(r.lib);
+      r.lib = nullptr;
+    }
+    return r;
+  }();
+  return a;
+}
+
+}  // namespace
+
+struct NcclComm::Impl {
+  ncclComm_t comm = nullptr;
+  int rank = 0;
+  int size = 0;
+  int device = 0;
+
+  std::string who() const { return fmt::format("tail all-reduce communicator, rank {} of {} (device {})", rank, size, device); }
+  void check(ncclResult_t r, const char* call) const {
+    if (r == ncclSuccess) return;
+    throw error(fmt::format("{}: {} failed: {} ({})", who(), call, api().error_string(r), static_cast<int>(r)));
+  }
+};
+
+bool NcclComm::available(std::string* why_not) {
+  if (api().lib != nullptr) return true;
+  if (why_not != nullptr) *why_not = api().why_not;
+  return false;
+}
+
+NcclComm::NcclComm(Group& group, int device) : impl_(std::make_unique<Impl>()) {
+  Impl& d = *impl_;
+  d.rank = group.rank();
+  d.size = group.size();
+  d.device = device;
+  // Every rank learns whether every rank can load NCCL before anyone blocks in init.
+  std::string why;
+  const bool ok = available(&why);
+  std::string mine = ok ? std::string() : why;
+  auto verdicts = group.all_gather(std::span<const std::byte>(reinterpret_cast<const std::byte*>(mine.data()), mine.size()));
+  for (std::size_t r = 0; r < verdicts.size(); ++r)
+    if (!verdicts[r].empty())
+      throw unavailable(fmt::format("{}: rank {} cannot use NCCL: {}", d.who(), r,
+                                    std::string(reinterpret_cast<const char*>(verdicts[r].data()), verdicts[r].size())));
+
+  ncclUniqueId id{};
+  if (d.rank == 0) d.check(api().get_unique_id(&id), "ncclGetUniqueId");
+  const std::span<const std::byte> id_bytes(reinterpret_cast<const std::byte*>(&id), d.rank == 0 ? sizeof id : 0);
+  auto ids = group.all_gather(id_bytes);
+  if (ids[0].size() != sizeof id) throw error(fmt::format("{}: malformed NCCL unique id from rank 0", d.who()));
+  std::memcpy(&id, ids[0].data(), sizeof id);
+
+  if (auto kill = multicast_kill_switch(); kill && std::getenv("NCCL_NVLS_ENABLE") == nullptr) {
+    ::setenv("NCCL_NVLS_ENABLE", "0", 0);
+    log::info("{}: {} is set, so NCCL_NVLS_ENABLE=0 (NCCL creates no multicast object)", d.who(), *kill);
+  }
+  DeviceGuard guard(device);
+  d.check(api().init_rank(&d.comm, d.size, id, d.rank), "ncclCommInitRank");
+}
+
+NcclComm::~NcclComm() {
+  if (impl_->comm == nullptr) return;
+  try {
+    DeviceGuard guard(impl_->device);
+    ncclResult_t r = api().destroy(impl_->comm);
+    if (r != ncclSuccess) log::error("{}: ncclCommDestroy failed: {}", impl_->who(), api().error_string(r));
+  } catch (const std::exception& e) {
+    log::error("{}: destroying the communicator: {}", impl_->who(), e.what());
+  }
+}
+
+void NcclComm::all_reduce_sum_bf16(void* buffer, std::size_t count, void* stream) {
+  impl_->check(api().all_reduce(buffer, buffer, count, ncclBfloat16, ncclSum, impl_->comm, static_cast<cudaStream_t>(stream)),
+               "ncclAllReduce");
+}
+
+void NcclComm::check() {
+  ncclResult_t async = ncclSuccess;
+  impl_->check(api().get_async_error(impl_->comm, &async), "ncclCommGetAsyncError");
+  impl_->check(async, "an earlier ncclAllReduce (asynchronous error)");
+}
+
+#else  // no NCCL in this build
+
+struct NcclComm::Impl {};
+
+bool NcclComm::available(std::string* why_not) {
+  if (why_not != nullptr) *why_not = "this build has no NCCL support (TORPOR_CUDA=OFF or nccl.h not found)";
+  return false;
+}
+NcclComm::NcclComm(Group&, int) {
+  throw unavailable("the unfused tail's all-reduce needs NCCL: this build has no NCCL support (TORPOR_CUDA=OFF or "
+                    "nccl.h not found)");
+}
+NcclComm::~NcclComm() = default;
+void NcclComm::all_reduce_sum_bf16(void*, std::size_t, void*) {}
+void NcclComm::check() {}
+
+#endif
+
+}  // namespace torpor::fusion::detail

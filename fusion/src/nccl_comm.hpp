@@ -1,0 +1,46 @@
+// NcclComm: an NCCL communicator over a Group's ranks for device buffers, used by the unfused
+// tail for its all-reduce (enqueued on the caller's stream, so it can be captured in a CUDA
+// graph). NcclGroup (allocator/) moves host bytes for the symmetric layer; this one reduces
+// device memory in place and owns nothing else.
+//
+// libnccl.so.2 is opened at run time (TORPOR_NCCL_LIBRARY overrides the name), as NcclGroup does,
+// so binaries start without it; available() says why it cannot be used. The unique id travels
+// over the Group. When a multicast kill switch is set and NCCL_NVLS_ENABLE is not, it sets
+// NCCL_NVLS_ENABLE=0 before creating the communicator, so NCCL never creates a multicast object.
+//
+// Teardown: destroy every CUDA graph that captured all_reduce() before the communicator (NCCL
+// 2.28 hung on teardown with live graphs).
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+namespace torpor {
+class Group;
+}
+
+namespace torpor::fusion::detail {
+
+class NcclComm {
+ public:
+  static bool available(std::string* why_not = nullptr);
+
+  // Collective over `group`; `device` is this rank's GPU.
+  NcclComm(Group& group, int device);
+  ~NcclComm();
+  NcclComm(const NcclComm&) = delete;
+  NcclComm& operator=(const NcclComm&) = delete;
+
+  // In-place sum of `count` bf16 at `buffer` over every rank, on `stream` (a cudaStream_t).
+  void all_reduce_sum_bf16(void* buffer, std::size_t count, void* stream);
+  // Throws error when NCCL reported an asynchronous error (a peer failed, a network error).
+  void check();
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace torpor::fusion::detail

@@ -1,0 +1,39 @@
+// Host entry points of the MoE-tail CUDA kernels (kernels/tail.cu). Built only with TORPOR_CUDA
+// (TORPOR_KERNELS_CUDA is then defined for users of torpor_kernels). Every launcher enqueues on
+// `stream` (a cudaStream_t; capturable in a CUDA graph), on the calling thread's current device,
+// and throws torpor::error naming the kernel and the CUDA error when the launch fails.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "torpor/kernels/tail_protocol.hpp"
+
+namespace torpor::kernels {
+
+// "" when the fused kernels can run on `device` (the current device), else why not: compute
+// capability below 7.0 (9.0 for multicast), or no kernel image for it in this build.
+std::string tail_device_support(int device, bool multicast);
+
+// How many blocks of the fused kernel fit on the current device at once: the fused grid never
+// exceeds it, so every block of a call is resident together (senders never wait behind
+// spinning receivers).
+int tail_fused_capacity(int hidden, bool multicast);
+
+// Loads every kernel the tail uses for `hidden` on the current device now (the CUDA runtime may
+// load modules lazily, at first launch), so the first call can be captured in a graph.
+void tail_preload(int hidden, bool multicast);
+
+// One fused call (see tail_protocol.hpp). `capacity` from tail_fused_capacity.
+void launch_tail_fused(const TailParams& p, int capacity, void* stream);
+
+// The unfused path's kernels: partial[t][*] for every row (rounded to bf16 like the fused
+// partials), and residual + RMSNorm of the output rows from the all-reduced partials.
+void launch_tail_finalize(const TailParams& p, bf16* partial, void* stream);
+void launch_tail_residual_norm(const TailParams& p, const bf16* reduced, void* stream);
+
+// Fills `elements` 16-bit words at dst (2-byte aligned) with `value`.
+void launch_fill_u16(void* dst, std::uint16_t value, std::size_t elements, void* stream);
+
+}  // namespace torpor::kernels

@@ -1,0 +1,262 @@
+// The MoE tail's Lamport protocol: memory layout, control block, error record, and the exact
+// fp32 arithmetic, shared by the CUDA kernels (kernels/tail.cu) and the CPU reference
+// (kernels/reference/tail_reference.cpp). Both include this header, so they agree bit for bit.
+//
+// Buffers (all torpor memory of class state in the "weights" tag, so they survive level-2 sleep):
+//   slots    one SymmetricBuffer; rank r's part is [3 slots][R source ranks][max_tokens][hidden]
+//            bf16. Source s stores its partial of row t into part d at [slot][s][t][*] of every
+//            destination rank d (unicast: over the peer table; multicast: one multimem store to
+//            the multicast address, which lands in every part).
+//   control  one TailControl per rank in its own memory.
+//   table    the slots' peer table: R + 1 uint64 (every rank's part as mapped here, then the
+//            multicast address or 0).
+//
+// Invariants (call s uses slot s % 3; `calls` in the control block counts finished calls):
+//   I1  Before call s, slot s % 3 of every part holds the sentinel (-0.0, 0x8000) in every element
+//       a source will store into; the reader polls until no element it needs is the sentinel.
+//   I2  Senders never store the sentinel: a partial that rounds to -0.0 is sent as +0.0. NaN is
+//       sent as is (its bits are never 0x8000), so NaN propagates instead of hanging or vanishing.
+//   I3  Clearing: at the start of call s each rank clears, in its own part, the rows of slot
+//       (s - 1) % 3 that peers stored there during call s - 1 (control.clear_*), then marks the
+//       range empty. Peers store into that slot next at call s + 2. That store is issued only
+//       after the peer has seen at least one of this rank's call-(s + 1) stores (every rank
+//       receives at least one row from every source in every call, see receive_rows), and this
+//       rank issues those only after its whole call-s kernel has finished, clears included
+//       (stream order). So no clear can overwrite a next-round store, whatever the block
+//       scheduling, with no grid-wide barrier. (The slot of call s - 2, (s + 1) % 3, was cleared
+//       during call s - 1 and is written by peers at call s + 1: also a kernel boundary away.)
+//   I4  The control block advances inside the call (GPU: the last block to arrive; CPU: the
+//       rank's thread), so CUDA graph replays advance it: calls += 1, clear range of slot s % 3
+//       = rows this rank received, clear range of slot (s - 1) % 3 = empty.
+//   I5  Every wait is bounded: past the deadline (TailParams::timeout_ns, from the first poll) the
+//       waiter writes one error record (the first failure wins) and gives up; the call's outputs
+//       are then unspecified, later calls do nothing until reset() (they see the record), and
+//       check() on the host raises timeout_error naming rank, peer, slot, token, call and op.
+//   I6  A control block whose magic is wrong (lost, zeroed) is never trusted: the call records
+//       op = control_lost and does nothing (its peers then time out waiting for it).
+//   I7  Determinism: partials are rounded to bf16 once; the reader sums the R partials of an
+//       element in rank order 0 .. R-1 in fp32, adds the residual, rounds residual_out to bf16,
+//       and RMSNorm uses that rounded value with a fixed reduction tree (tail_sum_squares). Every
+//       rank and every call computes the same bits, on the GPU and on the CPU.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "torpor/kernels/bf16.hpp"
+
+#if defined(__CUDACC__)
+#define TORPOR_HD __host__ __device__ __forceinline__
+#else
+#define TORPOR_HD inline
+#endif
+
+namespace torpor::kernels {
+
+inline constexpr int tail_slot_count = 3;
+inline constexpr std::uint16_t tail_sentinel = 0x8000;            // bf16 -0.0
+inline constexpr std::uint32_t tail_sentinel_pair = 0x80008000u;  // two sentinels in one word
+inline constexpr std::uint32_t tail_control_magic = 0x4C494154u;  // "TAIL"
+inline constexpr int tail_max_ranks = 16;
+inline constexpr int tail_max_hidden = 8192;
+inline constexpr int tail_hidden_multiple = 64;
+// One 16-byte vector = 8 bf16: the unit every thread loads, stores and polls.
+inline constexpr int tail_vector_elems = 8;
+// Threads per block, and the lane layout the row reduction follows on the GPU and the CPU.
+inline constexpr int tail_block_threads = 256;
+inline constexpr int tail_warp = 32;
+inline constexpr int tail_max_vectors_per_thread = tail_max_hidden / tail_vector_elems / tail_block_threads;  // 4
+
+// What a failed call was doing.
+enum class TailOp : std::uint32_t {
+  none = 0,
+  wait_unicast = 1,    // polling for a peer's partial stored over the peer table
+  wait_multicast = 2,  // polling for a peer's partial stored through the multicast address
+  control_lost = 3,    // the control block's magic was wrong (zeroed, lost, never initialised)
+};
+
+// Written once per failure (the first one wins: flag goes 0 -> 1 atomically), read by check().
+struct TailErrorRecord {
+  std::uint32_t flag;        // 0: no error
+  std::uint32_t op;          // TailOp
+  std::int32_t rank;         // the rank that gave up
+  std::int32_t peer;         // whose partial did not arrive (-1: not a wait)
+  std::int32_t slot;
+  std::int32_t token;        // the row it waited for (-1: not a wait)
+  std::uint64_t call;        // the control block's call count at the failing call
+  std::uint64_t waited_ns;   // how long it waited
+  std::uint32_t seen_magic;  // control_lost: the magic found
+  std::uint32_t reserved;
+};
+
+// One per rank, in its own device memory. Plain data: the kernels and the CPU reference read
+// and write it in place; reset() writes a fresh one.
+struct TailControl {
+  std::uint32_t magic;         // tail_control_magic once initialised
+  std::uint32_t arrived;       // GPU: blocks of the running call that finished (the last resets it)
+  std::uint64_t calls;         // finished calls; the next call uses slot calls % 3
+  // Rows [clear_begin, clear_end) of each slot, for every source rank, that peers stored into
+  // during its last use and that are not cleared yet (bytes to clear = rows * R * hidden * 2).
+  std::uint32_t clear_begin[tail_slot_count];
+  std::uint32_t clear_end[tail_slot_count];
+  TailErrorRecord error;
+};
+
+inline TailControl tail_fresh_control() {
+  TailControl c{};
+  c.magic = tail_control_magic;
+  return c;
+}
+
+struct TailRows {
+  int begin = 0;
+  int end = 0;
+  TORPOR_HD int count() const { return end - begin; }
+  TORPOR_HD bool contains(int t) const { return t >= begin && t < end; }
+};
+
+// Reduce-scatter split: rank r of R produces rows [floor(T r / R), floor(T (r + 1) / R)).
+TORPOR_HD TailRows tail_token_share(int tokens, int rank, int ranks) {
+  return TailRows{static_cast<int>(static_cast<long long>(tokens) * rank / ranks),
+                  static_cast<int>(static_cast<long long>(tokens) * (rank + 1) / ranks)};
+}
+// The rank whose share holds row t (the inverse of tail_token_share).
+TORPOR_HD int tail_token_owner(int t, int tokens, int ranks) {
+  return static_cast<int>((static_cast<long long>(ranks) * (t + 1) - 1) / tokens);
+}
+
+// Everything one rank's call needs, for the kernel and for the CPU reference. Tensor pointers
+// are this rank's (device memory on the GPU; CPU addresses on the host backend).
+struct TailParams {
+  const bf16* expert_out = nullptr;     // [tokens][top_k][hidden]
+  const float* topk_weights = nullptr;  // [tokens][top_k]
+  const bf16* shared_out = nullptr;     // [tokens][hidden] or nullptr
+  const bf16* residual_in = nullptr;    // [tokens][hidden]
+  const bf16* gamma = nullptr;          // [hidden]
+  bf16* residual_out = nullptr;         // [tokens][hidden]
+  bf16* norm_out = nullptr;             // [tokens][hidden]
+  int tokens = 0;
+  int hidden = 0;
+  int top_k = 1;
+  int max_tokens = 0;
+  int ranks = 0;
+  int rank = 0;
+  float eps = 1e-6f;
+  bool reduce_scatter = false;
+  bool multicast = false;
+  const std::uint64_t* peer_table = nullptr;  // ranks + 1 entries
+  TailControl* control = nullptr;
+  std::uint64_t timeout_ns = 0;
+};
+
+// Rows this rank receives (and therefore clears next call): its share in reduce-scatter mode,
+// every row otherwise. Multicast stores land in every part, so the multicast variant receives
+// every row. With fewer tokens than ranks every rank receives every row, so that each rank
+// always hears from every source in every call (invariant I3 depends on it).
+TORPOR_HD TailRows tail_receive_rows(const TailParams& p) {
+  if (p.reduce_scatter && !p.multicast && p.tokens >= p.ranks) return tail_token_share(p.tokens, p.rank, p.ranks);
+  return TailRows{0, p.tokens};
+}
+// Rows this rank writes outputs for.
+TORPOR_HD TailRows tail_output_rows(const TailParams& p) {
+  return p.reduce_scatter ? tail_token_share(p.tokens, p.rank, p.ranks) : TailRows{0, p.tokens};
+}
+// Whether `dest` receives row t from every source (same rule as tail_receive_rows).
+TORPOR_HD bool tail_receives(const TailParams& p, int dest, int t) {
+  if (p.reduce_scatter && !p.multicast && p.tokens >= p.ranks) return tail_token_owner(t, p.tokens, p.ranks) == dest;
+  return true;
+}
+
+// Element offset of [slot][source][row][col] inside one rank's part.
+TORPOR_HD std::size_t tail_slot_offset(int slot, int source, int row, int col, int ranks, int max_tokens, int hidden) {
+  return ((static_cast<std::size_t>(slot) * static_cast<std::size_t>(ranks) + static_cast<std::size_t>(source)) *
+              static_cast<std::size_t>(max_tokens) +
+          static_cast<std::size_t>(row)) *
+             static_cast<std::size_t>(hidden) +
+         static_cast<std::size_t>(col);
+}
+inline std::size_t tail_slot_bytes(int ranks, int max_tokens, int hidden) {
+  return static_cast<std::size_t>(tail_slot_count) * static_cast<std::size_t>(ranks) *
+         static_cast<std::size_t>(max_tokens) * static_cast<std::size_t>(hidden) * sizeof(bf16);
+}
+
+// --- arithmetic: explicit round-to-nearest operations, never contracted into FMAs -----------
+
+TORPOR_HD float tail_add(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+TORPOR_HD float tail_mul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+TORPOR_HD float tail_bits_to_float(std::uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+TORPOR_HD std::uint32_t tail_float_to_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+TORPOR_HD float tail_bf16_to_float(std::uint16_t b) { return tail_bits_to_float(static_cast<std::uint32_t>(b) << 16); }
+// Round to nearest even; NaN stays a quiet NaN with its sign and high payload: the same bits
+// as torpor::bf16::from_float on the host (the hardware cvt would give a canonical NaN instead).
+TORPOR_HD std::uint16_t tail_float_to_bf16(float f) {
+  std::uint32_t u = tail_float_to_bits(f);
+  if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu) != 0) return static_cast<std::uint16_t>((u >> 16) | 0x40u);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<std::uint16_t>(u >> 16);
+}
+// I2: what a sender stores for a partial element.
+TORPOR_HD std::uint16_t tail_sanitize(std::uint16_t b) { return b == tail_sentinel ? std::uint16_t{0} : b; }
+TORPOR_HD bool tail_word_has_sentinel(std::uint32_t w) {
+  return (w & 0xFFFFu) == tail_sentinel || (w >> 16) == tail_sentinel;
+}
+
+// One element of this rank's partial: (shared) + sum over k in order of weight_k * expert_k.
+// `expert` points at element [t][0][col]; consecutive k are `hidden` apart.
+TORPOR_HD float tail_partial_element(const std::uint16_t* expert, const float* weights, int top_k, int hidden,
+                                     const std::uint16_t* shared) {
+  float acc = shared != nullptr ? tail_bf16_to_float(*shared) : 0.0f;
+  for (int k = 0; k < top_k; ++k)
+    acc = tail_add(acc, tail_mul(weights[k], tail_bf16_to_float(expert[static_cast<std::size_t>(k) * hidden])));
+  return acc;
+}
+
+// The reciprocal RMS from the row's sum of squares.
+TORPOR_HD float tail_inv_rms(float sum_squares, int hidden, float eps) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sum_squares, static_cast<float>(hidden)), eps)));
+#else
+  return 1.0f / std::sqrt(sum_squares / static_cast<float>(hidden) + eps);
+#endif
+}
+
+// The row's sum of squares follows one fixed tree (the GPU block's, replayed on the CPU by
+// tail_reference.cpp): lane j of tail_block_threads sums x^2 of vectors j, j + 256, ... (elements
+// in order) from 0.0f; each warp of 32 lanes combines by xor butterfly (offsets 16, 8, 4, 2, 1:
+// v[i] = v[i] + v[i ^ m]); the warp totals are added in warp order starting from warp 0's.
+
+TORPOR_HD std::uint16_t tail_norm_element(float x, float inv_rms, std::uint16_t gamma) {
+  return tail_float_to_bf16(tail_mul(tail_mul(x, inv_rms), tail_bf16_to_float(gamma)));
+}
+
+}  // namespace torpor::kernels

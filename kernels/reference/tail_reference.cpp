@@ -1,0 +1,232 @@
+// The CPU reference of the MoE tail: the fused kernel's protocol and arithmetic on one thread per
+// rank (see tail_protocol.hpp for the invariants, tail.cu for the GPU side).
+//
+// Where the GPU spreads a phase over blocks, this runs it in order on one thread; the protocol
+// does not depend on that order (I1-I7). Peer stores are 16-bit release stores and polls are
+// acquire loads (std::atomic_ref), so the same code is correct for ranks that are threads or
+// processes sharing the slots' memory, and ThreadSanitizer sees the hand-over. Multicast stores
+// go through the hook (HostDriver::multicast_store, which writes every bound part).
+//
+// Waiting: a rank polls an element until it is no longer the sentinel; after a few spins it
+// yields, and after a millisecond it sleeps between polls, so many ranks on few cores still make
+// progress. The deadline is TailParams::timeout_ns from the first poll that had to wait.
+#include "torpor/kernels/tail_reference.hpp"
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#include "torpor/error.hpp"
+
+namespace torpor::kernels {
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+const std::uint16_t* bits(const bf16* p) { return reinterpret_cast<const std::uint16_t*>(p); }
+std::uint16_t* bits(bf16* p) { return reinterpret_cast<std::uint16_t*>(p); }
+
+void record_error(TailControl* c, TailOp op, int rank, int peer, int slot, int token, std::uint64_t call,
+                  std::uint64_t waited_ns, std::uint32_t seen_magic) {
+  std::atomic_ref<std::uint32_t> flag(c->error.flag);
+  std::uint32_t expected = 0;
+  if (!flag.compare_exchange_strong(expected, 1u)) return;
+  c->error.op = static_cast<std::uint32_t>(op);
+  c->error.rank = rank;
+  c->error.peer = peer;
+  c->error.slot = slot;
+  c->error.token = token;
+  c->error.call = call;
+  c->error.waited_ns = waited_ns;
+  c->error.seen_magic = seen_magic;
+}
+
+// The bounded wait of one call (I5).
+class Waiter {
+ public:
+  explicit Waiter(std::uint64_t timeout_ns) : timeout_(std::chrono::nanoseconds(timeout_ns)) {}
+
+  // Polls until *a is not the sentinel (true, value in out) or the deadline passed (false).
+  bool wait(const std::uint16_t* a, std::uint16_t& out) {
+    std::atomic_ref<const std::uint16_t> ref(*a);
+    for (unsigned n = 0;; ++n) {
+      out = ref.load(std::memory_order_acquire);
+      if (out != tail_sentinel) return true;
+      if (n < 64) continue;
+      const auto now = clock_type::now();
+      if (!started_) {
+        started_ = true;
+        start_ = now;
+      } else if (now - start_ > timeout_) {
+        return false;
+      }
+      if (now - start_ < std::chrono::milliseconds(1))
+        std::this_thread::yield();
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+
+  std::uint64_t waited_ns() const {
+    return started_ ? static_cast<std::uint64_t>(
+                          std::chrono::duration_cast<std::chrono::nanoseconds>(clock_type::now() - start_).count())
+                    : 0;
+  }
+
+ private:
+  std::chrono::nanoseconds timeout_;
+  bool started_ = false;
+  clock_type::time_point start_{};
+};
+
+// This rank's partial of one row, rounded and sanitised (I2).
+void partial_row(const TailParams& p, int row, std::uint16_t* out) {
+  const std::uint16_t* expert = bits(p.expert_out) + static_cast<std::size_t>(row) * p.top_k * p.hidden;
+  const float* w = p.topk_weights + static_cast<std::size_t>(row) * p.top_k;
+  const std::uint16_t* shared =
+      p.shared_out != nullptr ? bits(p.shared_out) + static_cast<std::size_t>(row) * p.hidden : nullptr;
+  for (int col = 0; col < p.hidden; ++col)
+    out[col] = tail_sanitize(tail_float_to_bf16(
+        tail_partial_element(expert + col, w, p.top_k, p.hidden, shared != nullptr ? shared + col : nullptr)));
+}
+
+// Residual + RMSNorm of one row from its fp32 sums (the kernel's row_epilogue).
+void residual_norm_row(const TailParams& p, int row, const float* sum, std::vector<float>& x) {
+  const std::size_t base = static_cast<std::size_t>(row) * p.hidden;
+  const std::uint16_t* res_in = bits(p.residual_in) + base;
+  std::uint16_t* res_out = bits(p.residual_out) + base;
+  std::uint16_t* norm_out = bits(p.norm_out) + base;
+  const std::uint16_t* gamma = bits(p.gamma);
+  x.resize(static_cast<std::size_t>(p.hidden));
+  for (int col = 0; col < p.hidden; ++col) {
+    const std::uint16_t r = tail_float_to_bf16(tail_add(tail_bf16_to_float(res_in[col]), sum[col]));
+    res_out[col] = r;  // after reading res_in[col]: residual_out may alias residual_in
+    x[static_cast<std::size_t>(col)] = tail_bf16_to_float(r);
+  }
+  const float inv = tail_inv_rms(reference_sum_squares(x.data(), p.hidden), p.hidden, p.eps);
+  for (int col = 0; col < p.hidden; ++col) norm_out[col] = tail_norm_element(x[static_cast<std::size_t>(col)], inv, gamma[col]);
+}
+
+}  // namespace
+
+float reference_sum_squares(const float* x, int hidden) {
+  constexpr int lanes = tail_block_threads;
+  std::array<float, lanes> lane{};
+  const int vectors = hidden / tail_vector_elems;
+  for (int j = 0; j < lanes; ++j)
+    for (int v = j; v < vectors; v += lanes)
+      for (int e = 0; e < tail_vector_elems; ++e) {
+        const float xi = x[v * tail_vector_elems + e];
+        lane[static_cast<std::size_t>(j)] = tail_add(lane[static_cast<std::size_t>(j)], tail_mul(xi, xi));
+      }
+  float total = 0.0f;
+  for (int w = 0; w < lanes / tail_warp; ++w) {
+    float* l = lane.data() + w * tail_warp;
+    // xor butterfly: lane 0 ends with ((l0 + l16) + (l8 + l24)) + ..., exactly as on the GPU.
+    for (int m = tail_warp / 2; m >= 1; m /= 2)
+      for (int i = 0; i < m; ++i) l[i] = tail_add(l[i], l[i + m]);
+    total = w == 0 ? l[0] : tail_add(total, l[0]);
+  }
+  return total;
+}
+
+void reference_fill_sentinel(bf16* dst, std::size_t elements) {
+  std::uint16_t* d = bits(dst);
+  for (std::size_t i = 0; i < elements; ++i) d[i] = tail_sentinel;
+}
+
+void reference_finalize(const TailParams& p, bf16* partial) {
+  for (int row = 0; row < p.tokens; ++row) partial_row(p, row, bits(partial) + static_cast<std::size_t>(row) * p.hidden);
+}
+
+void reference_residual_norm(const TailParams& p, const float* sum) {
+  const TailRows out = tail_output_rows(p);
+  std::vector<float> x;
+  for (int row = out.begin; row < out.end; ++row) residual_norm_row(p, row, sum + static_cast<std::size_t>(row) * p.hidden, x);
+}
+
+void reference_tail_fused(const TailParams& p, const ReferenceHooks& hooks) {
+  if (p.multicast && !hooks.multicast_store)
+    throw invalid_argument("reference_tail_fused: the multicast variant needs ReferenceHooks::multicast_store");
+  TailControl* c = p.control;
+
+  // 0. The control block (I6, I5).
+  const std::uint32_t magic = c->magic;
+  const std::uint64_t calls = c->calls;
+  const int slot = static_cast<int>(calls % tail_slot_count);
+  const int prev = (slot + tail_slot_count - 1) % tail_slot_count;
+  const std::uint32_t cb = c->clear_begin[prev], ce = c->clear_end[prev];
+  if (magic != tail_control_magic || cb > ce || ce > static_cast<std::uint32_t>(p.max_tokens)) {
+    record_error(c, TailOp::control_lost, p.rank, -1, -1, -1, calls, 0, magic);
+    return;
+  }
+  if (std::atomic_ref<std::uint32_t>(c->error.flag).load(std::memory_order_acquire) != 0) return;
+
+  const auto slot_at = [&](int rank, int s, int source, int row) {
+    return reinterpret_cast<std::uint16_t*>(static_cast<std::uintptr_t>(p.peer_table[rank])) +
+           tail_slot_offset(s, source, row, 0, p.ranks, p.max_tokens, p.hidden);
+  };
+
+  // 1. Clear this rank's part of the previous slot (I3). Nobody stores there before call s + 2.
+  for (int source = 0; source < p.ranks; ++source)
+    for (std::uint32_t row = cb; row < ce; ++row) {
+      std::uint16_t* d = slot_at(p.rank, prev, source, static_cast<int>(row));
+      for (int col = 0; col < p.hidden; ++col) d[col] = tail_sentinel;
+    }
+
+  // 2. Send this rank's partial rows.
+  std::vector<std::uint16_t> row_bits(static_cast<std::size_t>(p.hidden));
+  for (int row = 0; row < p.tokens; ++row) {
+    partial_row(p, row, row_bits.data());
+    if (p.multicast) {
+      const std::uint64_t mc = p.peer_table[p.ranks];
+      hooks.multicast_store(mc + tail_slot_offset(slot, p.rank, row, 0, p.ranks, p.max_tokens, p.hidden) * sizeof(bf16),
+                            row_bits.data(), row_bits.size() * sizeof(bf16));
+      continue;
+    }
+    for (int j = 0; j < p.ranks; ++j) {
+      const int d = (p.rank + j) % p.ranks;
+      if (!tail_receives(p, d, row)) continue;
+      std::uint16_t* dst = slot_at(d, slot, p.rank, row);
+      for (int col = 0; col < p.hidden; ++col)
+        std::atomic_ref<std::uint16_t>(dst[col]).store(row_bits[static_cast<std::size_t>(col)], std::memory_order_release);
+    }
+  }
+
+  // 3. Receive every row this rank receives (all of them must land before the slot is cleared
+  //    again); sum in rank order; residual + RMSNorm for the output rows.
+  const TailRows recv = tail_receive_rows(p);
+  const TailRows out = tail_output_rows(p);
+  Waiter waiter(p.timeout_ns);
+  std::vector<float> sum(static_cast<std::size_t>(p.hidden)), x;
+  bool failed = false;
+  for (int row = recv.begin; row < recv.end && !failed; ++row) {
+    for (int source = 0; source < p.ranks && !failed; ++source) {
+      const std::uint16_t* a = slot_at(p.rank, slot, source, row);
+      for (int col = 0; col < p.hidden; ++col) {
+        std::uint16_t v = 0;
+        if (!waiter.wait(a + col, v)) {
+          record_error(c, p.multicast ? TailOp::wait_multicast : TailOp::wait_unicast, p.rank, source, slot, row, calls,
+                       waiter.waited_ns(), tail_control_magic);
+          failed = true;
+          break;
+        }
+        const float f = tail_bf16_to_float(v);
+        sum[static_cast<std::size_t>(col)] = source == 0 ? f : tail_add(sum[static_cast<std::size_t>(col)], f);
+      }
+    }
+    if (!failed && out.contains(row)) residual_norm_row(p, row, sum.data(), x);
+  }
+
+  // 4. Advance the control block (I4).
+  c->clear_begin[slot] = static_cast<std::uint32_t>(recv.begin);
+  c->clear_end[slot] = static_cast<std::uint32_t>(recv.end);
+  c->clear_begin[prev] = 0;
+  c->clear_end[prev] = 0;
+  c->calls = calls + 1;
+}
+
+}  // namespace torpor::kernels

@@ -1,0 +1,494 @@
+// The MoE tail on the GPU: one fused kernel (finalize + Lamport one-shot all-reduce + residual +
+// RMSNorm), unicast and multicast variants, plus the unfused path's two kernels. The protocol,
+// layout and arithmetic live in tail_protocol.hpp (shared with the CPU reference); this file is
+// the CUDA side of it.
+//
+// Fused kernel, one call (grid <= tail_fused_capacity, so all blocks are resident together):
+//   0. thread 0 reads the control block: magic (I6), error flag (I5: a recorded error makes every
+//      later call a no-op until reset), call count -> slot, and the rows of the previous slot
+//      still to clear;
+//   1. clear (I3): every block clears its share of the previous slot's rows in this rank's part;
+//   2. send: items (row, 16-byte vector) over the whole grid; each computes 8 elements of this
+//      rank's partial in fp32 (tail_partial_element), rounds to bf16, sanitises (I2) and stores
+//      them with st.relaxed.sys to every destination that receives the row (or one multimem.st
+//      to the multicast address);
+//   3. receive: block b takes rows b, b + grid, ... of this rank's receive rows; each thread polls
+//      its vectors from every source in rank order (ld.relaxed.sys, until no lane is the
+//      sentinel, bounded by %globaltimer), sums in fp32 (I7), and for output rows writes
+//      residual_out and norm_out (block reduction with the fixed tree);
+//   4. the last block to arrive (arrival counter in the control block) advances it (I4).
+// Memory ordering: senders need no fence between clearing and sending (I3 relies on stream
+// order: the clear of call s happens a whole kernel before the store of call s + 1 that a peer
+// must see before it writes the cleared slot again). Pollers read the data with the same load
+// that checks for the sentinel, so there is no flag/data ordering to get wrong.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "torpor/error.hpp"
+#include "torpor/kernels/tail_kernels.hpp"
+
+namespace torpor::kernels {
+
+namespace {
+
+constexpr int T = tail_block_threads;
+constexpr int W = T / tail_warp;
+
+void check_launch(const char* kernel) {
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    throw error(std::string("launching ") + kernel + " failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) +
+                ")");
+}
+
+void check(cudaError_t e, const char* call) {
+  if (e != cudaSuccess)
+    throw error(std::string(call) + " failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+}
+
+__device__ __forceinline__ std::uint64_t globaltimer() {
+  std::uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Polling load: system scope, so a peer's store (over NVLink, or through multicast) is seen
+// without any cached copy in between.
+__device__ __forceinline__ uint4 load_poll(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.sys.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void store_peer(uint4* p, uint4 v) {
+  asm volatile("st.relaxed.sys.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+
+// One store to the multicast address reaches the same offset in every rank's part.
+__device__ __forceinline__ void store_multicast(void* p, uint4 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("multimem.st.relaxed.sys.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+#else
+  // Never selected below sm_90 (tail_device_support says no); trap rather than corrupt.
+  (void)p;
+  (void)v;
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ bool has_sentinel(uint4 v) {
+  return tail_word_has_sentinel(v.x) || tail_word_has_sentinel(v.y) || tail_word_has_sentinel(v.z) ||
+         tail_word_has_sentinel(v.w);
+}
+
+__device__ __forceinline__ void unpack(uint4 v, float (&out)[tail_vector_elems]) {
+  const std::uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = tail_bf16_to_float(static_cast<std::uint16_t>(w[i] & 0xFFFFu));
+    out[2 * i + 1] = tail_bf16_to_float(static_cast<std::uint16_t>(w[i] >> 16));
+  }
+}
+
+__device__ __forceinline__ uint4 pack(const std::uint16_t (&b)[tail_vector_elems]) {
+  uint4 v;
+  v.x = static_cast<std::uint32_t>(b[0]) | (static_cast<std::uint32_t>(b[1]) << 16);
+  v.y = static_cast<std::uint32_t>(b[2]) | (static_cast<std::uint32_t>(b[3]) << 16);
+  v.z = static_cast<std::uint32_t>(b[4]) | (static_cast<std::uint32_t>(b[5]) << 16);
+  v.w = static_cast<std::uint32_t>(b[6]) | (static_cast<std::uint32_t>(b[7]) << 16);
+  return v;
+}
+
+__device__ __forceinline__ uint4 load_input(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+// I5/I6: the first failure of a call (any block) writes the record; later ones leave it.
+__device__ void record_error(TailControl* c, TailOp op, int rank, int peer, int slot, int token, std::uint64_t call,
+                             std::uint64_t waited_ns, std::uint32_t seen_magic) {
+  if (atomicCAS(&c->error.flag, 0u, 1u) != 0u) return;
+  c->error.op = static_cast<std::uint32_t>(op);
+  c->error.rank = rank;
+  c->error.peer = peer;
+  c->error.slot = slot;
+  c->error.token = token;
+  c->error.call = call;
+  c->error.waited_ns = waited_ns;
+  c->error.seen_magic = seen_magic;
+  __threadfence_system();
+}
+
+// Send phase item: this rank's partial of row `row`, vector `vec`, rounded and sanitised.
+__device__ __forceinline__ uint4 partial_vector(const TailParams& p, int row, int vec) {
+  const int col = vec * tail_vector_elems;
+  float acc[tail_vector_elems];
+  if (p.shared_out != nullptr) {
+    unpack(load_input(p.shared_out + static_cast<std::size_t>(row) * p.hidden + col), acc);
+  } else {
+#pragma unroll
+    for (int j = 0; j < tail_vector_elems; ++j) acc[j] = 0.0f;
+  }
+  const float* w = p.topk_weights + static_cast<std::size_t>(row) * p.top_k;
+  const bf16* e = p.expert_out + static_cast<std::size_t>(row) * p.top_k * p.hidden + col;
+  for (int k = 0; k < p.top_k; ++k) {
+    const float wk = w[k];
+    float x[tail_vector_elems];
+    unpack(load_input(e + static_cast<std::size_t>(k) * p.hidden), x);
+#pragma unroll
+    for (int j = 0; j < tail_vector_elems; ++j) acc[j] = tail_add(acc[j], tail_mul(wk, x[j]));
+  }
+  std::uint16_t b[tail_vector_elems];
+#pragma unroll
+  for (int j = 0; j < tail_vector_elems; ++j) b[j] = tail_sanitize(tail_float_to_bf16(acc[j]));
+  return pack(b);
+}
+
+// Residual + RMSNorm of one output row, given the fp32 sums of this thread's vectors
+// (vectors threadIdx.x + v * T). Every thread of the block calls it. s_warp: W floats.
+template <int VPT>
+__device__ __forceinline__ void row_epilogue(const TailParams& p, int row, float (&x)[VPT][tail_vector_elems],
+                                             float* s_warp) {
+  const int V = p.hidden / tail_vector_elems;
+  const std::size_t base = static_cast<std::size_t>(row) * p.hidden;
+  float ss = 0.0f;
+#pragma unroll
+  for (int v = 0; v < VPT; ++v) {
+    const int vec = threadIdx.x + v * T;
+    if (vec >= V) continue;
+    float r[tail_vector_elems];
+    unpack(load_input(p.residual_in + base + vec * tail_vector_elems), r);
+    std::uint16_t out[tail_vector_elems];
+#pragma unroll
+    for (int j = 0; j < tail_vector_elems; ++j) {
+      out[j] = tail_float_to_bf16(tail_add(r[j], x[v][j]));
+      x[v][j] = tail_bf16_to_float(out[j]);
+      ss = tail_add(ss, tail_mul(x[v][j], x[v][j]));
+    }
+    *reinterpret_cast<uint4*>(p.residual_out + base + vec * tail_vector_elems) = pack(out);
+  }
+  // The fixed tree (tail_protocol.hpp): xor butterfly per warp, then warps in order.
+#pragma unroll
+  for (int m = tail_warp / 2; m >= 1; m /= 2) ss = tail_add(ss, __shfl_xor_sync(0xFFFFFFFFu, ss, m));
+  if ((threadIdx.x & (tail_warp - 1)) == 0) s_warp[threadIdx.x / tail_warp] = ss;
+  __syncthreads();
+  float total = s_warp[0];
+#pragma unroll
+  for (int w = 1; w < W; ++w) total = tail_add(total, s_warp[w]);
+  const float inv = tail_inv_rms(total, p.hidden, p.eps);
+#pragma unroll
+  for (int v = 0; v < VPT; ++v) {
+    const int vec = threadIdx.x + v * T;
+    if (vec >= V) continue;
+    const uint4 g = load_input(p.gamma + vec * tail_vector_elems);
+    const std::uint32_t gw[4] = {g.x, g.y, g.z, g.w};
+    std::uint16_t out[tail_vector_elems];
+#pragma unroll
+    for (int j = 0; j < tail_vector_elems; ++j) {
+      const std::uint16_t gj = static_cast<std::uint16_t>(j % 2 == 0 ? (gw[j / 2] & 0xFFFFu) : (gw[j / 2] >> 16));
+      out[j] = tail_norm_element(x[v][j], inv, gj);
+    }
+    *reinterpret_cast<uint4*>(p.norm_out + base + vec * tail_vector_elems) = pack(out);
+  }
+}
+
+template <int VPT, bool MULTICAST>
+__global__ void __launch_bounds__(T) tail_fused_kernel(TailParams p) {
+  __shared__ std::uint64_t s_table[tail_max_ranks + 1];
+  __shared__ std::uint64_t s_calls;
+  __shared__ int s_ok;
+  __shared__ int s_clear_begin;
+  __shared__ int s_clear_end;
+  __shared__ float s_warp[W];
+  TailControl* c = p.control;
+
+  if (threadIdx.x == 0) {
+    // 0. Read the control block. Nobody writes it during the call until every block arrived.
+    const std::uint32_t magic = *reinterpret_cast<volatile std::uint32_t*>(&c->magic);
+    const std::uint64_t calls = c->calls;
+    const int prev = static_cast<int>((calls + tail_slot_count - 1) % tail_slot_count);
+    const std::uint32_t cb = c->clear_begin[prev], ce = c->clear_end[prev];
+    int ok = 1;
+    if (magic != tail_control_magic || cb > ce || ce > static_cast<std::uint32_t>(p.max_tokens)) {
+      record_error(c, TailOp::control_lost, p.rank, -1, -1, -1, calls, 0, magic);
+      ok = 0;
+    } else if (*reinterpret_cast<volatile std::uint32_t*>(&c->error.flag) != 0u) {
+      ok = 0;  // an earlier call failed: nothing until reset()
+    }
+    s_ok = ok;
+    s_calls = calls;
+    s_clear_begin = static_cast<int>(cb);
+    s_clear_end = static_cast<int>(ce);
+  }
+  if (threadIdx.x <= p.ranks) s_table[threadIdx.x] = p.peer_table[threadIdx.x];
+  __syncthreads();
+
+  const int V = p.hidden / tail_vector_elems;
+  const int slot = static_cast<int>(s_calls % tail_slot_count);
+  const int prev = (slot + tail_slot_count - 1) % tail_slot_count;
+  const TailRows recv = tail_receive_rows(p);
+  const int gtid = blockIdx.x * T + threadIdx.x;
+  const int gstride = gridDim.x * T;
+
+  if (s_ok) {
+    // 1. Clear this rank's part of the previous slot (I3).
+    uint4* own = reinterpret_cast<uint4*>(s_table[p.rank]);
+    const int rows = s_clear_end - s_clear_begin;
+    const long long clear_items = static_cast<long long>(p.ranks) * rows * V;
+    const uint4 sentinel = make_uint4(tail_sentinel_pair, tail_sentinel_pair, tail_sentinel_pair, tail_sentinel_pair);
+    for (long long i = gtid; i < clear_items; i += gstride) {
+      const int src = static_cast<int>(i / (static_cast<long long>(rows) * V));
+      const int rem = static_cast<int>(i % (static_cast<long long>(rows) * V));
+      const int row = s_clear_begin + rem / V;
+      const int vec = rem % V;
+      own[tail_slot_offset(prev, src, row, vec * tail_vector_elems, p.ranks, p.max_tokens, p.hidden) /
+          tail_vector_elems] = sentinel;
+    }
+
+    // 2. Send this rank's partial rows.
+    const long long send_items = static_cast<long long>(p.tokens) * V;
+    for (long long i = gtid; i < send_items; i += gstride) {
+      const int row = static_cast<int>(i / V);
+      const int vec = static_cast<int>(i % V);
+      const uint4 v = partial_vector(p, row, vec);
+      const std::size_t off = tail_slot_offset(slot, p.rank, row, vec * tail_vector_elems, p.ranks, p.max_tokens, p.hidden);
+      if constexpr (MULTICAST) {
+        store_multicast(reinterpret_cast<bf16*>(s_table[p.ranks]) + off, v);
+      } else {
+        for (int j = 0; j < p.ranks; ++j) {
+          const int d = (p.rank + j) % p.ranks;  // start with self, spread the peers' links
+          if (!tail_receives(p, d, row)) continue;
+          store_peer(reinterpret_cast<uint4*>(reinterpret_cast<bf16*>(s_table[d]) + off), v);
+        }
+      }
+    }
+
+    // 3. Receive: poll, sum in rank order, residual + RMSNorm for output rows.
+    const TailRows out = tail_output_rows(p);
+    const bf16* own_part = reinterpret_cast<const bf16*>(s_table[p.rank]);
+    std::uint64_t start = 0, deadline = 0;
+    for (int r = blockIdx.x; r < recv.count(); r += gridDim.x) {
+      const int row = recv.begin + r;
+      float x[VPT][tail_vector_elems];
+      bool failed = false;
+#pragma unroll
+      for (int v = 0; v < VPT; ++v) {
+        const int vec = threadIdx.x + v * T;
+        if (vec >= V || failed) continue;
+        for (int src = 0; src < p.ranks && !failed; ++src) {
+          const uint4* a = reinterpret_cast<const uint4*>(
+              own_part + tail_slot_offset(slot, src, row, vec * tail_vector_elems, p.ranks, p.max_tokens, p.hidden));
+          uint4 got = load_poll(a);
+          while (has_sentinel(got)) {
+            const std::uint64_t now = globaltimer();
+            if (deadline == 0) {
+              start = now;
+              deadline = now + p.timeout_ns;
+            } else if (now > deadline) {
+              record_error(c, MULTICAST ? TailOp::wait_multicast : TailOp::wait_unicast, p.rank, src, slot, row, s_calls,
+                           now - start, tail_control_magic);
+              failed = true;
+              break;
+            }
+            got = load_poll(a);
+          }
+          if (failed) break;
+          float f[tail_vector_elems];
+          unpack(got, f);
+#pragma unroll
+          for (int j = 0; j < tail_vector_elems; ++j) x[v][j] = src == 0 ? f[j] : tail_add(x[v][j], f[j]);
+        }
+      }
+      // Block-uniform: a row with any missing vector is abandoned, and so is the rest.
+      if (__syncthreads_or(failed)) break;
+      if (out.contains(row)) row_epilogue<VPT>(p, row, x, s_warp);
+    }
+  }
+
+  // 4. Arrival; the last block advances the control block (I4).
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned before = atomicAdd(&c->arrived, 1u);
+    if (before == gridDim.x - 1) {
+      __threadfence();
+      if (s_ok) {
+        c->clear_begin[slot] = static_cast<std::uint32_t>(recv.begin);
+        c->clear_end[slot] = static_cast<std::uint32_t>(recv.end);
+        c->clear_begin[prev] = 0;
+        c->clear_end[prev] = 0;
+        c->calls = s_calls + 1;
+      }
+      c->arrived = 0;
+      __threadfence();
+    }
+  }
+}
+
+__global__ void __launch_bounds__(T) tail_finalize_kernel(TailParams p, bf16* partial) {
+  const int V = p.hidden / tail_vector_elems;
+  const long long items = static_cast<long long>(p.tokens) * V;
+  for (long long i = blockIdx.x * static_cast<long long>(T) + threadIdx.x; i < items;
+       i += static_cast<long long>(gridDim.x) * T) {
+    const int row = static_cast<int>(i / V);
+    const int vec = static_cast<int>(i % V);
+    *reinterpret_cast<uint4*>(partial + static_cast<std::size_t>(row) * p.hidden + vec * tail_vector_elems) =
+        partial_vector(p, row, vec);
+  }
+}
+
+template <int VPT>
+__global__ void __launch_bounds__(T) tail_residual_norm_kernel(TailParams p, const bf16* reduced) {
+  __shared__ float s_warp[W];
+  const int V = p.hidden / tail_vector_elems;
+  const TailRows out = tail_output_rows(p);
+  for (int r = blockIdx.x; r < out.count(); r += gridDim.x) {
+    const int row = out.begin + r;
+    float x[VPT][tail_vector_elems];
+#pragma unroll
+    for (int v = 0; v < VPT; ++v) {
+      const int vec = threadIdx.x + v * T;
+      if (vec < V) unpack(load_input(reduced + static_cast<std::size_t>(row) * p.hidden + vec * tail_vector_elems), x[v]);
+    }
+    row_epilogue<VPT>(p, row, x, s_warp);
+    __syncthreads();  // s_warp is rewritten by the next row
+  }
+}
+
+__global__ void tail_fill_u16_kernel(std::uint16_t* dst, std::uint16_t value, std::size_t elements) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < elements; i += stride)
+    dst[i] = value;
+}
+
+int vectors_per_thread(int hidden) {
+  const int V = hidden / tail_vector_elems;
+  return (V + T - 1) / T;
+}
+
+template <int VPT, bool MC>
+void* fused_symbol() {
+  return reinterpret_cast<void*>(&tail_fused_kernel<VPT, MC>);
+}
+
+void* fused_kernel(int hidden, bool multicast) {
+  switch (vectors_per_thread(hidden)) {
+    case 1: return multicast ? fused_symbol<1, true>() : fused_symbol<1, false>();
+    case 2: return multicast ? fused_symbol<2, true>() : fused_symbol<2, false>();
+    case 3: return multicast ? fused_symbol<3, true>() : fused_symbol<3, false>();
+    case 4: return multicast ? fused_symbol<4, true>() : fused_symbol<4, false>();
+    default: throw invalid_argument("tail kernels: hidden " + std::to_string(hidden) + " is above 8192");
+  }
+}
+
+const void* residual_norm_kernel(int hidden) {
+  switch (vectors_per_thread(hidden)) {
+    case 1: return reinterpret_cast<const void*>(&tail_residual_norm_kernel<1>);
+    case 2: return reinterpret_cast<const void*>(&tail_residual_norm_kernel<2>);
+    case 3: return reinterpret_cast<const void*>(&tail_residual_norm_kernel<3>);
+    case 4: return reinterpret_cast<const void*>(&tail_residual_norm_kernel<4>);
+    default: throw invalid_argument("tail kernels: hidden " + std::to_string(hidden) + " is above 8192");
+  }
+}
+
+}  // namespace
+
+std::string tail_device_support(int device, bool multicast) {
+  int major = 0, minor = 0;
+  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
+  check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
+  const std::string cc = std::to_string(major) + "." + std::to_string(minor);
+  if (major < 7) return "device " + std::to_string(device) + " has compute capability " + cc + "; the fused tail needs 7.0";
+  if (multicast && major < 9)
+    return "device " + std::to_string(device) + " has compute capability " + cc + "; multimem stores need 9.0";
+  cudaFuncAttributes attr{};
+  cudaError_t e = cudaFuncGetAttributes(&attr, fused_kernel(64, multicast));
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return "no fused-tail kernel image for device " + std::to_string(device) + " (compute capability " + cc + "): " +
+           cudaGetErrorName(e) + "; add it to CMAKE_CUDA_ARCHITECTURES";
+  }
+  return "";
+}
+
+void tail_preload(int hidden, bool multicast) {
+  const void* kernels[] = {fused_kernel(hidden, multicast), reinterpret_cast<const void*>(&tail_finalize_kernel),
+                           residual_norm_kernel(hidden), reinterpret_cast<const void*>(&tail_fill_u16_kernel)};
+  for (const void* k : kernels) {
+    cudaFuncAttributes attr{};
+    check(cudaFuncGetAttributes(&attr, k), "cudaFuncGetAttributes (loading the tail kernels)");
+  }
+}
+
+int tail_fused_capacity(int hidden, bool multicast) {
+  int device = 0, sms = 0, per_sm = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fused_kernel(hidden, multicast), T, 0),
+        "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  if (per_sm < 1) throw error("tail kernels: the fused kernel does not fit on device " + std::to_string(device));
+  return sms * per_sm;
+}
+
+void launch_tail_fused(const TailParams& p, int capacity, void* stream) {
+  const int V = p.hidden / tail_vector_elems;
+  const long long send_blocks = (static_cast<long long>(p.tokens) * V + T - 1) / T;
+  long long grid = send_blocks;
+  if (tail_receive_rows(p).count() > grid) grid = tail_receive_rows(p).count();
+  if (grid > capacity) grid = capacity;
+  if (grid < 1) grid = 1;
+  auto s = static_cast<cudaStream_t>(stream);
+  const dim3 g(static_cast<unsigned>(grid)), b(T);
+  switch (vectors_per_thread(p.hidden)) {
+#define TORPOR_TAIL_CASE(n)                                                        \
+  case n:                                                                          \
+    if (p.multicast) tail_fused_kernel<n, true><<<g, b, 0, s>>>(p);                \
+    else tail_fused_kernel<n, false><<<g, b, 0, s>>>(p);                           \
+    break;
+    TORPOR_TAIL_CASE(1)
+    TORPOR_TAIL_CASE(2)
+    TORPOR_TAIL_CASE(3)
+    TORPOR_TAIL_CASE(4)
+#undef TORPOR_TAIL_CASE
+    default: throw invalid_argument("tail kernels: hidden " + std::to_string(p.hidden) + " is above 8192");
+  }
+  check_launch("tail_fused_kernel");
+}
+
+void launch_tail_finalize(const TailParams& p, bf16* partial, void* stream) {
+  const int V = p.hidden / tail_vector_elems;
+  long long grid = (static_cast<long long>(p.tokens) * V + T - 1) / T;
+  if (grid < 1) grid = 1;
+  tail_finalize_kernel<<<static_cast<unsigned>(grid), T, 0, static_cast<cudaStream_t>(stream)>>>(p, partial);
+  check_launch("tail_finalize_kernel");
+}
+
+void launch_tail_residual_norm(const TailParams& p, const bf16* reduced, void* stream) {
+  const int rows = tail_output_rows(p).count();
+  if (rows == 0) return;
+  auto s = static_cast<cudaStream_t>(stream);
+  switch (vectors_per_thread(p.hidden)) {
+    case 1: tail_residual_norm_kernel<1><<<rows, T, 0, s>>>(p, reduced); break;
+    case 2: tail_residual_norm_kernel<2><<<rows, T, 0, s>>>(p, reduced); break;
+    case 3: tail_residual_norm_kernel<3><<<rows, T, 0, s>>>(p, reduced); break;
+    case 4: tail_residual_norm_kernel<4><<<rows, T, 0, s>>>(p, reduced); break;
+    default: throw invalid_argument("tail kernels: hidden " + std::to_string(p.hidden) + " is above 8192");
+  }
+  check_launch("tail_residual_norm_kernel");
+}
+
+void launch_fill_u16(void* dst, std::uint16_t value, std::size_t elements, void* stream) {
+  if (elements == 0) return;
+  std::size_t blocks = (elements + T - 1) / T;
+  if (blocks > 4096) blocks = 4096;
+  tail_fill_u16_kernel<<<static_cast<unsigned>(blocks), T, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<std::uint16_t*>(dst), value, elements);
+  check_launch("tail_fill_u16_kernel");
+}
+
+}  // namespace torpor::kernels

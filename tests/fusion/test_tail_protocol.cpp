@@ -1,0 +1,129 @@
+// The pieces of the tail protocol that both the kernels and the CPU reference rely on
+// (kernels/include/torpor/kernels/tail_protocol.hpp): the reduce-scatter split and its inverse,
+// bf16 rounding identical to the host type, the sentinel and its sanitising, the slot layout,
+// and the fixed reduction tree of the row's sum of squares.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <set>
+
+#include "tail_support.hpp"
+#include "torpor/fusion/tail.hpp"
+#include "torpor/kernels/tail_protocol.hpp"
+#include "torpor/kernels/tail_reference.hpp"
+
+namespace torpor::test {
+namespace {
+
+using namespace torpor::kernels;
+
+TEST(TailProtocol, TokenShareCoversEveryRowOnceAndOwnerIsItsInverse) {
+  for (int ranks = 1; ranks <= 16; ++ranks)
+    for (int tokens = 1; tokens <= 300; ++tokens) {
+      int next = 0;
+      for (int r = 0; r < ranks; ++r) {
+        const fusion::TokenRange share = fusion::token_share(tokens, r, ranks);
+        ASSERT_EQ(share.begin, next) << tokens << " tokens, rank " << r << " of " << ranks;
+        ASSERT_GE(share.count(), tokens >= ranks ? 1 : 0) << "every rank gets a row when there are enough";
+        ASSERT_LE(share.count(), (tokens + ranks - 1) / ranks);
+        for (int t = share.begin; t < share.end; ++t) ASSERT_EQ(tail_token_owner(t, tokens, ranks), r);
+        next = share.end;
+      }
+      ASSERT_EQ(next, tokens);
+    }
+}
+
+TEST(TailProtocol, ReceiveRowsGiveEveryRankARowFromEverySourceEachCall) {
+  // Invariant I3 needs it: every rank hears from every source in every call.
+  for (bool rs : {false, true})
+    for (bool mc : {false, true})
+      for (int ranks = 2; ranks <= 16; ++ranks)
+        for (int tokens = 1; tokens <= 40; ++tokens)
+          for (int r = 0; r < ranks; ++r) {
+            TailParams p;
+            p.tokens = tokens;
+            p.ranks = ranks;
+            p.rank = r;
+            p.reduce_scatter = rs;
+            p.multicast = mc;
+            const TailRows recv = tail_receive_rows(p);
+            ASSERT_GE(recv.count(), 1);
+            for (int t = 0; t < tokens; ++t) ASSERT_EQ(tail_receives(p, r, t), recv.contains(t));
+            const TailRows out = tail_output_rows(p);
+            ASSERT_TRUE(out.count() == 0 || (recv.contains(out.begin) && recv.contains(out.end - 1)));
+          }
+}
+
+TEST(TailProtocol, Bf16RoundingIsTheHostTypesBitForBit) {
+  Rng rng{7};
+  const float specials[] = {0.0f, -0.0f, 1.0f, -1.0f, 1e-40f, -1e-40f, 3.4e38f, std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(),
+                            1.00390625f /* a tie */, 1.01171875f /* the other tie */};
+  for (float x : specials) EXPECT_EQ(tail_float_to_bf16(x), bf16::from_float(x).bits) << x;
+  for (int i = 0; i < 1000000; ++i) {
+    const std::uint32_t u = static_cast<std::uint32_t>(rng.next());
+    float x;
+    std::memcpy(&x, &u, 4);
+    ASSERT_EQ(tail_float_to_bf16(x), bf16::from_float(x).bits) << std::hex << u;
+    const float a = tail_bf16_to_float(static_cast<std::uint16_t>(u));
+    const float b = bf16::from_bits(static_cast<std::uint16_t>(u)).to_float();
+    ASSERT_EQ(std::memcmp(&a, &b, 4), 0) << std::hex << u;
+  }
+}
+
+TEST(TailProtocol, SanitiseTurnsOnlyTheSentinelIntoPositiveZero) {
+  EXPECT_EQ(tail_sentinel, bf16_negative_zero.bits);
+  for (std::uint32_t b = 0; b <= 0xFFFF; ++b) {
+    const auto s = tail_sanitize(static_cast<std::uint16_t>(b));
+    EXPECT_EQ(s, b == 0x8000 ? 0u : b);
+    EXPECT_NE(s, tail_sentinel);
+  }
+  EXPECT_TRUE(tail_word_has_sentinel(0x80001234u));
+  EXPECT_TRUE(tail_word_has_sentinel(0x12348000u));
+  EXPECT_FALSE(tail_word_has_sentinel(0x00000000u));
+  EXPECT_FALSE(tail_word_has_sentinel(0x80018001u));  // the smallest negative denormals are data
+  EXPECT_FALSE(tail_word_has_sentinel(0x7FC07FC0u));  // NaN is data too
+}
+
+TEST(TailProtocol, SlotLayoutIsDenseAndDisjoint) {
+  const int ranks = 3, max_tokens = 5, hidden = 64;
+  std::set<std::size_t> seen;
+  for (int slot = 0; slot < tail_slot_count; ++slot)
+    for (int src = 0; src < ranks; ++src)
+      for (int row = 0; row < max_tokens; ++row)
+        for (int col = 0; col < hidden; ++col) ASSERT_TRUE(seen.insert(tail_slot_offset(slot, src, row, col, ranks, max_tokens, hidden)).second);
+  EXPECT_EQ(seen.size() * sizeof(bf16), tail_slot_bytes(ranks, max_tokens, hidden));
+  EXPECT_EQ(*seen.rbegin() + 1, seen.size());
+}
+
+// The tree: 256 lanes, lane j sums vectors j, j + 256, ...; xor butterfly per warp; warps in
+// order. Checked against an independent simulation of the GPU's shuffles, and against fp64.
+TEST(TailProtocol, SumOfSquaresFollowsTheGpuTree) {
+  for (int hidden : {64, 512, 2048, 7168, 8192}) {
+    Rng rng{static_cast<std::uint64_t>(hidden)};
+    std::vector<float> x(static_cast<std::size_t>(hidden));
+    for (auto& v : x) v = tail_bf16_to_float(tail_float_to_bf16(rng.uniform(-3.0f, 3.0f)));
+    // Simulate the block: per-lane sums, then 5 rounds of __shfl_xor on every lane at once.
+    std::vector<float> lanes(tail_block_threads, 0.0f);
+    const int vectors = hidden / 8;
+    for (int j = 0; j < tail_block_threads; ++j)
+      for (int v = j; v < vectors; v += tail_block_threads)
+        for (int e = 0; e < 8; ++e) lanes[j] = lanes[j] + x[v * 8 + e] * x[v * 8 + e];
+    for (int m = 16; m >= 1; m /= 2) {
+      std::vector<float> next(lanes.size());
+      for (std::size_t i = 0; i < lanes.size(); ++i) next[i] = lanes[i] + lanes[i ^ static_cast<std::size_t>(m)];
+      lanes = next;
+    }
+    for (std::size_t i = 0; i < lanes.size(); ++i) ASSERT_EQ(lanes[i], lanes[i & ~std::size_t{31}]) << "every lane of a warp agrees";
+    float total = lanes[0];
+    for (int w = 1; w < tail_block_threads / 32; ++w) total = total + lanes[static_cast<std::size_t>(w) * 32];
+    EXPECT_EQ(reference_sum_squares(x.data(), hidden), total) << hidden;
+    double exact = 0;
+    for (float v : x) exact += static_cast<double>(v) * v;
+    EXPECT_NEAR(total, exact, exact * 1e-5) << hidden;
+  }
+}
+
+}  // namespace
+}  // namespace torpor::test
