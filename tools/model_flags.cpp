@@ -18,6 +18,7 @@ fusion::TinyMoeOptions ModelFlags::model_options() const {
   fusion::TinyMoeOptions o;
   o.tail.wait_timeout = std::chrono::milliseconds(wait_timeout_ms);
   o.use_graphs = !no_graphs;
+  o.tail.allow_fused = !unfused;
   return o;
 }
 
@@ -31,6 +32,7 @@ std::vector<std::string> ModelFlags::args() const {
                                 "--prompt-len", std::to_string(prompt_len), "--new-tokens", std::to_string(new_tokens),
                                 "--seed", std::to_string(seed), "--wait-timeout-ms", std::to_string(wait_timeout_ms)};
   if (no_graphs) a.push_back("--no-graphs");
+  if (unfused) a.push_back("--unfused");
   return a;
 }
 
@@ -58,6 +60,9 @@ void add_model_flags(CLI::App* cmd, ModelFlags& f) {
       ->capture_default_str()
       ->group(g);
   cmd->add_flag("--no-graphs", f.no_graphs, "Run decode steps eagerly instead of replaying CUDA graphs")->group(g);
+  cmd->add_flag("--unfused", f.unfused,
+                "Take the tail's default (unfused) path even where the fused one can be built; the tokens must be the same")
+      ->group(g);
 }
 
 RankEngine::RankEngine(Driver& driver, Group& group, int device, const ModelFlags& flags, FillOnWake fill,

@@ -24,6 +24,7 @@ struct ModelFlags {
   std::uint64_t seed = 1234;
   int wait_timeout_ms = 5000;
   bool no_graphs = false;
+  bool unfused = false;  // TailOptions::allow_fused = false: the default (unfused) tail path
 
   fusion::TinyMoeConfig model_config() const;
   fusion::TinyMoeOptions model_options() const;

@@ -38,7 +38,7 @@ constexpr int batch = 4, prompt_len = 6, new_tokens = 16;
 
 struct Engine {
   Engine(HostDriver& driver, Group& group, int rank, const TinyMoeConfig& c = small_config(), WeightVersion v = {},
-         FillOnWake fill = FillOnWake::poison)
+         FillOnWake fill = FillOnWake::poison, TinyMoeOptions options = {})
       : pool(driver, [&] {
           PoolOptions o;
           o.device = rank;
@@ -49,7 +49,7 @@ struct Engine {
         }()),
         heap(pool, group),
         compute(make_compute(driver, rank)),
-        model(std::make_unique<TinyMoeLM>(heap, *compute, c, v)) {}
+        model(std::make_unique<TinyMoeLM>(heap, *compute, c, v, options)) {}
   std::vector<std::int32_t> generate() {
     return model->generate(make_prompts(5, batch, prompt_len, small_config().vocab), batch, prompt_len, new_tokens);
   }
@@ -82,6 +82,33 @@ TEST(TinyMoeThreads, GreedyDecodingIsDeterministicVariedAndTheSameOnEveryRank) {
   for (auto t : out[0]) {
     EXPECT_GE(t, 0);
     EXPECT_LT(t, small_config().vocab);
+  }
+}
+
+TEST(TinyMoeThreads, FusedAndUnfusedTailsGiveTheSameTokens) {
+  std::vector<std::vector<std::int32_t>> fused(2), unfused(2);
+  std::vector<std::vector<TailPath>> paths(2), unfused_paths(2);
+  auto errors = on_ranks(2, [&](int rank, Group& g, HostDriver& d) {
+    const auto r = static_cast<std::size_t>(rank);
+    {
+      Engine e(d, g, rank);
+      fused[r] = e.generate();
+      paths[r] = e.model->tail_paths();
+      if (e.model->tail_states().size() != 2) throw std::runtime_error("a fused tail without state");
+    }
+    TinyMoeOptions o;
+    o.tail.allow_fused = false;
+    Engine e(d, g, rank, small_config(), {}, FillOnWake::poison, o);
+    unfused[r] = e.generate();
+    unfused_paths[r] = e.model->tail_paths();
+    if (!e.model->tail_states().empty()) throw std::runtime_error("the unfused path reports fused state");
+  });
+  ASSERT_EQ(test::all_errors(errors), "");
+  for (int r = 0; r < 2; ++r) {
+    const auto i = static_cast<std::size_t>(r);
+    EXPECT_NE(paths[i][0], TailPath::unfused) << "two thread ranks on one HostDriver can build the fused tail";
+    EXPECT_EQ(unfused_paths[i], (std::vector<TailPath>{TailPath::unfused, TailPath::unfused}));
+    EXPECT_EQ(fused[i], unfused[i]) << "rank " << r;
   }
 }
 
