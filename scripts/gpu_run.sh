@@ -3,14 +3,19 @@
 # device tool (`run`), whose $OUT folder comes back; elsewhere OUT defaults to ./gpu-out.
 #
 #   scripts/gpu_run.sh [stage ...]     stages: probe tests bench-sleep bench-sleep-threads python
-#                                      symmetric symmetric-nccl tail (default: probe tests)
+#                                      symmetric symmetric-nccl tail stress (default: probe tests)
 #
 # symmetric and symmetric-nccl need two GPUs (device kind nvidia-h200-x2): two processes, one per
 # GPU, symmetric memory through sleep level 2 (`torpor symmetric-check`), the second with the
 # bytes over NCCL and a missing-rank timeout plus recovery; they print SKIP and the reason
 # otherwise. tail (two GPUs too) runs the MoE tail's GPU tests (two processes, the CPU reference as
 # the oracle), the small one again under compute-sanitizer memcheck and racecheck, then the
-# fused-vs-unfused bench (bench-tail.txt, bench-tail.json).
+# fused-vs-unfused bench (bench-tail.txt, bench-tail.json). stress (1 or 2 GPUs; nvidia-h200-x2
+# covers both) runs the runner's kernels against their CPU references, then `torpor stress` on 1
+# GPU and on every GPU (threads, then one process per GPU; CUDA graphs), the same with the
+# unfused tail (same tokens required), a 50-cycle soak on a model of a few hundred MiB per GPU
+# (per-cycle memory returned by cuMemGetInfo), the negative control (2 GPUs), and
+# `torpor rl-loop`; tables in stress-*.txt, JSON in stress-*.json and rl-loop.json.
 #
 # The multicast kill switches are always set: these machines are shared, and a multicast
 # object can take their GPUs out of service. torpor honours every one of them.
@@ -103,6 +108,44 @@ for stage in "${stages[@]}"; do
       done
       timeout 150 build-gpu/bench/torpor_bench_tail --json "$OUT/bench-tail.json" > "$OUT/bench-tail.txt" 2>&1 || status=1
       cat "$OUT/bench-tail.txt"
+      ;;
+    stress)
+      # Every step is bounded (timeout), so a hang cannot eat the machine's time.
+      t=build-gpu/tools/torpor
+      gpus=$(nvidia-smi -L | wc -l)
+      timeout 120 build-gpu/tests/torpor_fusion_tests --gtest_filter='GpuKernels.*' > "$OUT/stress-kernels.log" 2>&1 || status=1
+      grep -E "^\[ +(OK|FAILED|SKIPPED) +\]" "$OUT/stress-kernels.log"
+      run_stress() {  # name, limit, args...
+        local name=$1 limit=$2; shift 2
+        timeout "$limit" "$t" stress --backend cuda --no-progress --json "$OUT/stress-$name.json" "$@" \
+          > "$OUT/stress-$name.txt" 2>&1
+        local rc=$?
+        [ $rc -ne 0 ] && status=1
+        echo "== torpor stress $* (exit $rc)"; cat "$OUT/stress-$name.txt"
+      }
+      run_stress 1gpu 300 --ranks 1
+      if [ "$gpus" -ge 2 ]; then
+        run_stress threads 300 --ranks 2
+        run_stress processes 300 --ranks 2 --processes
+        run_stress unfused 300 --ranks 2 --processes --unfused
+        digests=$(grep -ho '"reference_digest": "[0-9a-f]*"' "$OUT/stress-processes.json" "$OUT/stress-unfused.json" | sort -u | wc -l)
+        echo "fused and unfused tails: $([ "$digests" -eq 1 ] && echo 'same tokens' || { status=1; echo 'DIFFERENT tokens'; })"
+      fi
+      ranks=$([ "$gpus" -ge 2 ] && echo 2 || echo 1)
+      run_stress soak50 600 --ranks "$ranks" --processes --cycles 50 --vocab 32768 --hidden 1024 --layers 4 \
+        --head-dim 128 --experts 16 --latent 256 --inter 2048 --shared-inter 2048
+      if [ "$gpus" -ge 2 ]; then
+        # Must fail (non-zero exit), naming the rank and the op, within the wait bound plus seconds.
+        timeout 120 "$t" stress --backend cuda --no-progress --ranks 2 --processes --negative-control zero-flags \
+          --json "$OUT/stress-negative.json" > "$OUT/stress-negative.txt" 2>&1
+        rc=$?
+        echo "== negative control (exit $rc: $([ $rc -ne 0 ] && [ $rc -ne 124 ] && echo 'failed as required' || { status=1; echo 'WRONG'; }))"
+        cat "$OUT/stress-negative.txt"
+      fi
+      timeout 300 "$t" rl-loop --backend cuda --no-progress --ranks "$ranks" --processes --iterations 3 \
+        --vocab 32768 --hidden 1024 --layers 4 --head-dim 128 --experts 16 --latent 256 --inter 2048 \
+        --shared-inter 2048 --json "$OUT/rl-loop.json" > "$OUT/rl-loop.txt" 2>&1 || status=1
+      echo "== torpor rl-loop"; cat "$OUT/rl-loop.txt"
       ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac

@@ -121,7 +121,8 @@ void add_stress(CLI::App& app, int& exit_code) {
                   "(e.g. 'layers.*.moe.experts.*')");
   cmd->add_option("--negative-control", o->negative_control,
                   "zero-flags: after the first level-2 wake, zero the tail's slots and control blocks on one rank; "
-                  "the run must then fail, naming the rank and the op (exit non-zero)")
+                  "the run must then fail, naming the rank and the op (exit non-zero); the tail's wait bound is then 2000 ms "
+                  "and the group's that plus 10 s, unless given")
       ->check(CLI::IsMember({"zero-flags"}));
   cmd->add_option("--negative-control-rank", o->negative_rank, "The rank whose tail state is zeroed (default: the last)");
   cmd->add_option("--json", o->json, "Also write the results as JSON to this file ('-': JSON on stdout, no table)");

@@ -7,7 +7,9 @@
 //   - scalars are host values read at enqueue time (alpha = 1, beta = 0), and per-step values
 //     (the position) live in device memory, so one captured step replays at every position;
 //   - capture uses cudaStreamCaptureModeThreadLocal, so other ranks' threads may keep calling
-//     the runtime while one rank captures.
+//     the runtime while one rank captures;
+//   - every call makes the compute's device current for its duration (DeviceGuard), so a rank's
+//     thread may have any device current.
 // cuBLAS results are bit-reproducible run to run on one GPU model (same handle, stream and
 // workspace), which the token-for-token comparisons of `torpor stress` rely on.
 #include <cuda_runtime.h>
@@ -16,6 +18,7 @@
 
 #include "compute_impl.hpp"
 #include "cuda_check.hpp"
+#include "cuda_runtime.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 
@@ -95,6 +98,7 @@ class CudaCompute final : public Compute {
     gemm(x, w, y, CUDA_R_32F, m, n, k);
   }
   void linear_batched(const bf16* const* x, const bf16* const* w, bf16* const* y, int count, int n, int k) override {
+    detail::DeviceGuard guard(device_);  // the caller's thread may have another device current
     // Row-major y_i[1][n] = x_i[1][k] · w_i[n][k]ᵀ is column-major y_iᵀ = w_iᵀ(op T of a k x n) · x_iᵀ.
     const float alpha = 1.f, beta = 0.f;
     check_cublas(cublasGemmBatchedEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, n, 1, k, &alpha,
@@ -107,45 +111,58 @@ class CudaCompute final : public Compute {
 
   void embed(const std::int32_t* seq, int seq_stride, const std::int32_t* pos, const bf16* tok_emb, int vocab,
              const bf16* pos_table, bf16* out, int batch, int hidden) override {
+    detail::DeviceGuard guard(device_);
     check_launch(gpu::embed(seq, seq_stride, pos, tok_emb, vocab, pos_table, out, batch, hidden, s_), "embed", "launch");
   }
   void rmsnorm(const bf16* x, const bf16* gamma, bf16* out, int rows, int hidden, float eps) override {
+    detail::DeviceGuard guard(device_);
     check_launch(gpu::rmsnorm(x, gamma, out, rows, hidden, eps, s_), "rmsnorm", "launch");
   }
   void add_rmsnorm(const bf16* a, const bf16* b, const bf16* gamma, bf16* sum_out, bf16* norm_out, int rows, int hidden,
                    float eps) override {
+    detail::DeviceGuard guard(device_);
     check_launch(gpu::add_rmsnorm(a, b, gamma, sum_out, norm_out, rows, hidden, eps, s_), "add_rmsnorm", "launch");
   }
   void attention_decode(const bf16* qkv, bf16* k_cache, bf16* v_cache, const std::int32_t* pos, bf16* out, int batch,
                         int head_dim, int max_seq) override {
+    detail::DeviceGuard guard(device_);
     check_launch(gpu::attention_decode(qkv, k_cache, v_cache, pos, out, batch, head_dim, max_seq, s_),
                  "attention_decode", "launch");
   }
   void router_topk(const float* logits, int rows, int experts, int top_k, std::int32_t* idx, float* weights) override {
+    detail::DeviceGuard guard(device_);
     check_launch(gpu::router_topk(logits, rows, experts, top_k, idx, weights, s_), "router_topk", "launch");
   }
   void silu_mul(const bf16* in, bf16* out, int rows, int inter) override {
+    detail::DeviceGuard guard(device_);
     check_launch(gpu::silu_mul(in, out, rows, inter, s_), "silu_mul", "launch");
   }
   void expert_pointers(const std::int32_t* idx, int count, int top_k, const bf16* const* gate_up_table,
                        const bf16* const* down_table, int experts, const bf16* x_lat, int latent, bf16* gate_up_out,
                        int inter, bf16* act, bf16* y_lat, const kernels::ExpertPointers& out) override {
+    detail::DeviceGuard guard(device_);
     check_launch(gpu::expert_pointers(idx, count, top_k, gate_up_table, down_table, experts, x_lat, latent, gate_up_out,
                                       inter, act, y_lat, out, s_),
                  "expert_pointers", "launch");
   }
   void argmax_next(const float* logits, int batch, int vocab, std::int32_t* seq, int seq_stride,
                    const std::int32_t* pos, const std::int32_t* prompt_len) override {
+    detail::DeviceGuard guard(device_);
     check_launch(gpu::argmax_next(logits, batch, vocab, seq, seq_stride, pos, prompt_len, s_), "argmax_next", "launch");
   }
-  void advance(std::int32_t* pos) override { check_launch(gpu::advance(pos, s_), "advance", "launch"); }
+  void advance(std::int32_t* pos) override {
+    detail::DeviceGuard guard(device_);
+    check_launch(gpu::advance(pos, s_), "advance", "launch");
+  }
 
   void synchronize() override {
+    detail::DeviceGuard guard(device_);
     check_cuda(cudaStreamSynchronize(s_), "cudaStreamSynchronize", fmt::format("compute stream of device {}", device_));
   }
 
   bool graphs() const noexcept override { return true; }
   std::unique_ptr<Graph> capture(const std::function<void()>& body) override {
+    detail::DeviceGuard guard(device_);
     check_cuda(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture",
                fmt::format("device {}", device_));
     cudaGraph_t graph = nullptr;
@@ -172,19 +189,22 @@ class CudaCompute final : public Compute {
   // recommended size costs nothing here (class cache: never copied on sleep).
   std::size_t workspace_bytes() const noexcept override { return std::size_t{32} << 20; }
   void set_workspace(void* p, std::size_t bytes) override {
+    detail::DeviceGuard guard(device_);
     check_cublas(cublasSetWorkspace(blas_, p, bytes), "cublasSetWorkspace", fmt::format("{} bytes of pool memory", bytes));
   }
 
   void* outside_allocate(std::size_t bytes) override {
+    detail::DeviceGuard guard(device_);
     void* p = nullptr;
     check_cuda(cudaMalloc(&p, bytes), "cudaMalloc", fmt::format("{} bytes outside the pool on device {}", bytes, device_));
     return p;
   }
   void outside_free(void* p, std::size_t) noexcept override {
-    cudaError_t e = cudaFree(p);
+    cudaError_t e = cudaFree(p);  // unified addressing: cudaFree finds the pointer's device itself
     if (e != cudaSuccess) log::error("cudaFree (device {}) failed: {}", device_, cudaGetErrorName(e));
   }
   std::uint64_t touch(void* p, std::size_t bytes, std::uint64_t seed) override {
+    detail::DeviceGuard guard(device_);
     unsigned long long* sum = nullptr;
     check_cuda(cudaMalloc(&sum, sizeof *sum), "cudaMalloc", "the touch checksum");
     std::uint64_t host = 0;
@@ -203,6 +223,7 @@ class CudaCompute final : public Compute {
 
  private:
   void gemm(const bf16* x, const bf16* w, void* y, cudaDataType_t ytype, int m, int n, int k) {
+    detail::DeviceGuard guard(device_);
     // Row-major y[m][n] = x[m][k] · w[n][k]ᵀ  <=>  column-major yᵀ (n x m) = op_T(w: k x n) · xᵀ (k x m).
     const float alpha = 1.f, beta = 0.f;
     check_cublas(cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &alpha, w, CUDA_R_16BF, k, x, CUDA_R_16BF, k,
