@@ -40,6 +40,8 @@ RankOutcome outcome_of(int rank, const std::function<nlohmann::json()>& fn) {
     o.result = e.partial();
   } catch (const std::exception& e) {
     o.error = e.what();
+  } catch (...) {
+    o.error = "an exception that is not a std::exception";
   }
   return o;
 }

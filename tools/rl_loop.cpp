@@ -176,6 +176,7 @@ int rl_main(RlOptions o) {
                     std::to_string(o.iterations), "--update-seed", std::to_string(o.update_seed), "--update-scale",
                     fmt::format("{}", o.update_scale), "--train-fraction", fmt::format("{}", o.train_fraction),
                     "--train-cap", o.train_cap, "--timeout", std::to_string(o.group_timeout_s)};
+  if (!o.progress) lo.worker_args.push_back("--no-progress");
   auto m = o.model.args();
   lo.worker_args.insert(lo.worker_args.end(), m.begin(), m.end());
   LaunchResult r = launch(lo, [&o](Driver& d, Group& g, int dev) { return rl_rank(o, d, g, dev); });

@@ -33,6 +33,7 @@ std::vector<std::string> worker_args(const StressOptions& o, int ranks) {
     a.push_back("--negative-control-rank");
     a.push_back(std::to_string(o.negative_rank));
   }
+  if (!o.progress) a.push_back("--no-progress");
   auto m = o.model.args();
   a.insert(a.end(), m.begin(), m.end());
   return a;
@@ -67,6 +68,7 @@ int stress_main(StressOptions o) {
   ex.cycles = o.cycles;
   ex.soak_patterns = soak_patterns().size();
   ex.negative_control = !o.negative_control.empty();
+  ex.graphs = r.backend == "cuda" && !o.model.no_graphs;
   StressSummary s = summarize(r, ex);
   s.json["processes"] = o.processes;
   if (o.json != "-") fmt::print("{}", render(s));

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 
 #include "launch.hpp"
 #include "torpor/error.hpp"

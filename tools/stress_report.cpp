@@ -101,6 +101,13 @@ StressSummary summarize(const LaunchResult& launch, const StressExpectations& ex
           soak_mismatched_tokens += num(row, "mismatched_tokens");
         }
       }
+    if (expect.graphs && r.ok && pr.contains("graphs")) {
+      const std::size_t captured = pr["graphs"].value("captured", std::size_t{0});
+      if (captured != 1)
+        s.problems.push_back(fmt::format("rank {}: {} CUDA graphs captured for one batch size (expected exactly one, "
+                                         "replayed before and after every sleep)",
+                                         r.rank, captured));
+    }
     nlohmann::json g;
     const std::size_t warmup = std::min<std::size_t>(static_cast<std::size_t>(expect.cycles), expect.soak_patterns);
     for (auto [key, what] : {std::pair{"live_physical", "live physical bytes"}, std::pair{"host_store", "the host store"},

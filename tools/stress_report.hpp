@@ -21,6 +21,7 @@ struct StressExpectations {
   int cycles = 0;
   std::size_t soak_patterns = 6;  // cycles before the growth check starts (each pattern once)
   bool negative_control = false;  // then the run must fail, and pass is always false
+  bool graphs = false;            // cuda with graphs on: exactly one graph captured per rank (one batch size)
 };
 
 // Aggregates rows by step over the ranks (bytes summed, seconds max, matching min) and lists

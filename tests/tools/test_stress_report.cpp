@@ -124,6 +124,21 @@ TEST(StressReport, SoakGrowthAfterWarmupFailsButWarmupGrowthDoesNot) {
   EXPECT_NE(b.problems[0].find("cycle 4"), std::string::npos) << b.problems[0];
 }
 
+TEST(StressReport, OnCudaExactlyOneGraphPerRank) {
+  LaunchResult l;
+  l.ranks = {rank(0, plan_rows()), rank(1, plan_rows())};
+  l.ranks[0].result["graphs"] = {{"captured", 1}, {"replays", 300}, {"eager_steps", 1}};
+  l.ranks[1].result["graphs"] = {{"captured", 2}, {"replays", 300}, {"eager_steps", 2}};
+  auto e = expect(2);
+  e.graphs = true;
+  auto s = summarize(l, e);
+  EXPECT_FALSE(s.pass);
+  ASSERT_EQ(s.problems.size(), 1u);
+  EXPECT_NE(s.problems[0].find("rank 1: 2 CUDA graphs captured"), std::string::npos) << s.problems[0];
+  e.graphs = false;  // the host backend has no graphs to count
+  EXPECT_TRUE(summarize(l, e).pass);
+}
+
 TEST(StressReport, NegativeControlNeverPasses) {
   LaunchResult l;
   l.ranks = {rank(0, plan_rows()), rank(1, plan_rows())};
