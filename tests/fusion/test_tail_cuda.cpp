@@ -84,6 +84,11 @@ void cuda(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
+// cudaMemset and pageable cudaMemcpy run on the legacy stream, which is not ordered with the
+// tail's non-blocking stream (and a pageable upload may still be in flight when it returns):
+// wait for them before the next call.
+void settle() { cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); }
+
 // One rank's GPU world: driver, group, pool, heap, a stream.
 struct GpuRank {
   std::unique_ptr<CudaDriver> driver;
@@ -172,12 +177,13 @@ struct DeviceCall {
     cuda(cudaMemcpy(shared, in.shared.data(), in.shared.size() * sizeof(bf16), cudaMemcpyHostToDevice), "upload");
     cuda(cudaMemcpy(residual, c.residual.data(), c.residual.size() * sizeof(bf16), cudaMemcpyHostToDevice), "upload");
     cuda(cudaMemcpy(gamma, c.gamma.data(), c.gamma.size() * sizeof(bf16), cudaMemcpyHostToDevice), "upload");
-    poison();
+    poison();  // settles
   }
   void poison() {  // 0xFFFF: a NaN no computation writes here
     const std::size_t th = static_cast<std::size_t>(s_.max_tokens) * s_.hidden * sizeof(bf16);
     cuda(cudaMemset(residual_out, 0xFF, th), "poison");
     cuda(cudaMemset(norm_out, 0xFF, th), "poison");
+    settle();
   }
   std::vector<bf16> outputs(int tokens) const {
     const std::size_t n = static_cast<std::size_t>(tokens) * s_.hidden;
@@ -375,6 +381,7 @@ TEST(TailCuda, NegativeControlsAreDetectedNeverAHang) {
     g.pool->wake_up();
     auto state = *fusion::tail_state(*tail);
     if (g.rank == 1) cuda(cudaMemset(state.control, 0, state.control_bytes), "zero the control block");
+    settle();
     g.group->barrier();
     const auto t0 = std::chrono::steady_clock::now();
     call(5002);
@@ -392,6 +399,7 @@ TEST(TailCuda, NegativeControlsAreDetectedNeverAHang) {
     correct(call(5003), "after reset");
 
     if (g.rank == 0) cuda(cudaMemset(state.slots->local(), 0, state.slot_bytes), "zero the slots");
+    settle();
     g.group->barrier();
     if (g.rank == 1) std::this_thread::sleep_for(300ms);
     const CallInputs c = call(5004);
