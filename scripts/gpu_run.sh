@@ -45,7 +45,8 @@ for stage in "${stages[@]}"; do
     tests)
       # Host-backend tests in parallel; cuda-typed tests one at a time, since some of them
       # read the device's free memory.
-      ctest --test-dir build-gpu -j 8 -E 'CudaBackend' --output-on-failure > "$OUT/ctest-host.log" 2>&1 || status=1
+      # (TailCuda: the tail stage runs those, one at a time, on two GPUs.)
+      ctest --test-dir build-gpu -j 8 -E 'CudaBackend|TailCuda' --output-on-failure > "$OUT/ctest-host.log" 2>&1 || status=1
       build-gpu/tests/torpor_tests --gtest_filter='*/cuda.*' --gtest_brief=0 > "$OUT/gtest-cuda.log" 2>&1 || status=1
       grep -E "tests passed|tests failed" "$OUT/ctest-host.log"
       grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$OUT/gtest-cuda.log" | sort | uniq -c | sort -rn | head -40

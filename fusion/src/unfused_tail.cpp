@@ -80,6 +80,10 @@ void UnfusedTail::run(const TailArgs& args, Stream stream) {
     return;
   }
 #if defined(TORPOR_KERNELS_CUDA)
+  if (pool_.asleep("weights"))
+    throw invalid_state(fmt::format("{}: its scratch buffer (tag 'weights') is asleep; wake the pool before calling the "
+                                    "tail",
+                                    who()));
   DeviceGuard guard(device_);
   void* s = cuda_stream(stream);
   auto* scratch = static_cast<bf16*>(scratch_);
