@@ -6,7 +6,7 @@
 // Fused kernel, one call (grid <= tail_fused_capacity, so all blocks are resident together):
 //   0. thread 0 reads the control block: magic (I6), error flag (I5: a recorded error makes every
 //      later call a no-op until reset), call count -> slot, and the rows of the previous slot
-//      still to clear;
+//      still to clear; meanwhile every thread computes its first partial (inputs only);
 //   1. clear (I3): every block clears its share of the previous slot's rows in this rank's part;
 //   2. send: items (row, 16-byte vector) over the whole grid; each computes 8 elements of this
 //      rank's partial in fp32 (tail_partial_element), rounds to bf16, sanitises (I2) and stores
@@ -232,7 +232,7 @@ __device__ __forceinline__ void row_epilogue(const TailParams& p, int row, float
 }
 
 template <int VPT, bool MULTICAST>
-__global__ void __launch_bounds__(T) tail_fused_kernel(TailParams p) {
+__global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
   __shared__ std::uint64_t s_table[tail_max_ranks + 1];
   __shared__ std::uint64_t s_calls;
   __shared__ int s_ok;
@@ -260,14 +260,19 @@ __global__ void __launch_bounds__(T) tail_fused_kernel(TailParams p) {
     s_clear_end = static_cast<int>(ce);
   }
   if (threadIdx.x <= p.ranks) s_table[threadIdx.x] = p.peer_table[threadIdx.x];
+  // This thread's first partial needs no control state: its input loads overlap thread 0's
+  // reads above instead of waiting behind the barrier (usually the only item at small tokens).
+  const int V = p.hidden / tail_vector_elems;
+  const int gtid = blockIdx.x * T + threadIdx.x;
+  const int gstride = gridDim.x * T;
+  const long long send_items = static_cast<long long>(p.tokens) * V;
+  uint4 first = make_uint4(0, 0, 0, 0);
+  if (gtid < send_items) first = partial_vector(p, gtid / V, gtid % V);
   __syncthreads();
 
-  const int V = p.hidden / tail_vector_elems;
   const int slot = static_cast<int>(s_calls % tail_slot_count);
   const int prev = (slot + tail_slot_count - 1) % tail_slot_count;
   const TailRows recv = tail_receive_rows(p);
-  const int gtid = blockIdx.x * T + threadIdx.x;
-  const int gstride = gridDim.x * T;
 
   if (s_ok) {
     // 1. Clear this rank's part of the previous slot (I3).
@@ -285,11 +290,10 @@ __global__ void __launch_bounds__(T) tail_fused_kernel(TailParams p) {
     }
 
     // 2. Send this rank's partial rows.
-    const long long send_items = static_cast<long long>(p.tokens) * V;
     for (long long i = gtid; i < send_items; i += gstride) {
       const int row = static_cast<int>(i / V);
       const int vec = static_cast<int>(i % V);
-      const uint4 v = partial_vector(p, row, vec);
+      const uint4 v = i == gtid ? first : partial_vector(p, row, vec);
       const std::size_t off = tail_slot_offset(slot, p.rank, row, vec * tail_vector_elems, p.ranks, p.max_tokens, p.hidden);
       if constexpr (MULTICAST) {
         store_multicast(reinterpret_cast<bf16*>(s_table[p.ranks]) + off, v);

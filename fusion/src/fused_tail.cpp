@@ -100,7 +100,8 @@ void FusedTail::release() noexcept {
   if (stream_ != nullptr) {
     try {
       DeviceGuard guard(device_);
-      cudaError_t e = cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
+      // Calls still in flight on any stream of this device touch the memory freed below.
+      cudaError_t e = cudaDeviceSynchronize();
       if (e == cudaSuccess) e = cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
       if (e != cudaSuccess) log::error("{}: destroying its stream: {}", who(), cudaGetErrorString(e));
     } catch (const std::exception& e) {
