@@ -4,10 +4,12 @@
 // bounds of the fp64 answer. Every suite skips, saying why, without two GPUs with peer access.
 //
 // Run by scripts/gpu_run.sh tail (also under compute-sanitizer memcheck and racecheck:
-// TailCuda.SanitizerSmoke). Children fork before anything touches CUDA (the parent never does).
+// TailCuda.SanitizerSmoke, one sanitizer per rank, see on_gpus). Children fork before anything
+// touches CUDA (the parent never does).
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -126,7 +128,31 @@ std::string open_rank(int r, const Rendezvous& rv, GpuRank& g) {
 }
 
 // Runs body in one process per GPU; a child that cannot find two GPUs reports a skip.
+//
+// With TORPOR_RANK and TORPOR_GROUP_RENDEZVOUS set, this process is that one rank of a group
+// started outside (scripts/gpu_run.sh starts each rank under its own compute-sanitizer, so the
+// checked processes are the ones running kernels, not children of a fork).
 std::vector<RankOutcome> on_gpus(const std::function<void(GpuRank&)>& body, std::chrono::seconds deadline = 120s) {
+  const char* env_rank = std::getenv("TORPOR_RANK");
+  const char* env_rv = std::getenv("TORPOR_GROUP_RENDEZVOUS");
+  if (env_rank != nullptr && env_rv != nullptr) {
+    RankOutcome o;
+    try {
+      GpuRank g;
+      std::string skip = open_rank(std::stoi(env_rank), Rendezvous::parse(env_rv), g);
+      if (!skip.empty()) {
+        o.report = "SKIP: " + skip;
+      } else {
+        body(g);
+        g.group->barrier();
+      }
+      o.exit_code = 0;
+    } catch (const std::exception& e) {
+      o.report = std::string("rank ") + env_rank + " failed: " + e.what();
+      o.exit_code = 1;
+    }
+    return {o};
+  }
   const Rendezvous rv = Rendezvous::create();
   auto outcomes = run_ranks(
       ranks,
