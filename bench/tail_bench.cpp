@@ -166,6 +166,7 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
   SymmetricBuffer& link = heap.allocate(link_bytes, {"bench", "bench.link", false});
   void* src = pool.allocate(link_bytes, {"bench", MemoryClass::cache, "bench.link.src"});
   cuda(cudaMemset(src, 0x3C, link_bytes), "memset");
+  cuda(cudaDeviceSynchronize(), "memset");  // the legacy stream is not ordered with ours
   const double one_way = gather(group, link_gbps(group, s, link.peer(1 - r), src, link_bytes, r == 0))[0];
   const auto both = gather(group, link_gbps(group, s, link.peer(1 - r), src, link_bytes, true));
 
@@ -197,6 +198,7 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
   fill_random(scratch, th, 15, -1, 1);
   std::vector<float> w(static_cast<std::size_t>(max_tokens) * o.top_k, 1.0f / static_cast<float>(o.top_k));
   cuda(cudaMemcpy(weights, w.data(), w.size() * sizeof(float), cudaMemcpyHostToDevice), "upload");
+  cuda(cudaDeviceSynchronize(), "uploads");  // pageable uploads may still be in flight
 
   json rows = json::array();
   const Stream ts{reinterpret_cast<std::uint64_t>(s), r};

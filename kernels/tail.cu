@@ -6,7 +6,7 @@
 // Fused kernel, one call (grid <= tail_fused_capacity, so all blocks are resident together):
 //   0. thread 0 reads the control block: magic (I6), error flag (I5: a recorded error makes every
 //      later call a no-op until reset), call count -> slot, and the rows of the previous slot
-//      still to clear;
+//      still to clear; meanwhile every thread computes its first partial (inputs only);
 //   1. clear (I3): every block clears its share of the previous slot's rows in this rank's part;
 //   2. send: items (row, 16-byte vector) over the whole grid; each computes 8 elements of this
 //      rank's partial in fp32 (tail_partial_element), rounds to bf16, sanitises (I2) and stores
@@ -124,24 +124,36 @@ __device__ void record_error(TailControl* c, TailOp op, int rank, int peer, int 
   __threadfence_system();
 }
 
-// Send phase item: this rank's partial of row `row`, vector `vec`, rounded and sanitised.
+// Send phase item: this rank's partial of row `row`, vector `vec`, rounded and sanitised. The
+// expert loads of a chunk are issued together (one memory latency per 8 experts, not one per
+// expert); the sum still runs in k order, as on the CPU.
 __device__ __forceinline__ uint4 partial_vector(const TailParams& p, int row, int vec) {
+  constexpr int chunk = 8;
   const int col = vec * tail_vector_elems;
-  float acc[tail_vector_elems];
-  if (p.shared_out != nullptr) {
-    unpack(load_input(p.shared_out + static_cast<std::size_t>(row) * p.hidden + col), acc);
-  } else {
-#pragma unroll
-    for (int j = 0; j < tail_vector_elems; ++j) acc[j] = 0.0f;
-  }
+  const uint4 sv = p.shared_out != nullptr ? load_input(p.shared_out + static_cast<std::size_t>(row) * p.hidden + col)
+                                           : make_uint4(0, 0, 0, 0);  // bf16 +0.0
   const float* w = p.topk_weights + static_cast<std::size_t>(row) * p.top_k;
   const bf16* e = p.expert_out + static_cast<std::size_t>(row) * p.top_k * p.hidden + col;
-  for (int k = 0; k < p.top_k; ++k) {
-    const float wk = w[k];
-    float x[tail_vector_elems];
-    unpack(load_input(e + static_cast<std::size_t>(k) * p.hidden), x);
+  float acc[tail_vector_elems];
+  unpack(sv, acc);
+  for (int k0 = 0; k0 < p.top_k; k0 += chunk) {
+    uint4 ev[chunk];
+    float wk[chunk];
 #pragma unroll
-    for (int j = 0; j < tail_vector_elems; ++j) acc[j] = tail_add(acc[j], tail_mul(wk, x[j]));
+    for (int j = 0; j < chunk; ++j) {
+      if (k0 + j < p.top_k) {
+        ev[j] = load_input(e + static_cast<std::size_t>(k0 + j) * p.hidden);
+        wk[j] = w[k0 + j];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < chunk; ++j) {
+      if (k0 + j >= p.top_k) break;
+      float x[tail_vector_elems];
+      unpack(ev[j], x);
+#pragma unroll
+      for (int i = 0; i < tail_vector_elems; ++i) acc[i] = tail_add(acc[i], tail_mul(wk[j], x[i]));
+    }
   }
   std::uint16_t b[tail_vector_elems];
 #pragma unroll
@@ -149,11 +161,34 @@ __device__ __forceinline__ uint4 partial_vector(const TailParams& p, int row, in
   return pack(b);
 }
 
-// Residual + RMSNorm of one output row, given the fp32 sums of this thread's vectors
-// (vectors threadIdx.x + v * T). Every thread of the block calls it. s_warp: W floats.
+// This thread's residual_in and gamma vectors of a row (vectors threadIdx.x + v * T), loaded
+// before the wait so their latency hides behind it.
+template <int VPT>
+struct RowInputs {
+  uint4 residual[VPT];
+  uint4 gamma[VPT];
+};
+
+template <int VPT>
+__device__ __forceinline__ RowInputs<VPT> load_row_inputs(const TailParams& p, int row) {
+  const int V = p.hidden / tail_vector_elems;
+  RowInputs<VPT> in;
+#pragma unroll
+  for (int v = 0; v < VPT; ++v) {
+    const int vec = threadIdx.x + v * T;
+    if (vec >= V) continue;
+    in.residual[v] = load_input(p.residual_in + static_cast<std::size_t>(row) * p.hidden + vec * tail_vector_elems);
+    in.gamma[v] = load_input(p.gamma + vec * tail_vector_elems);
+  }
+  return in;
+}
+
+// Residual + RMSNorm of one output row, given the fp32 sums of this thread's vectors. Every
+// thread of the block calls it. s_warp: W floats. residual_out may alias residual_in (each
+// element is read, by this thread, before it is written).
 template <int VPT>
 __device__ __forceinline__ void row_epilogue(const TailParams& p, int row, float (&x)[VPT][tail_vector_elems],
-                                             float* s_warp) {
+                                             const RowInputs<VPT>& in, float* s_warp) {
   const int V = p.hidden / tail_vector_elems;
   const std::size_t base = static_cast<std::size_t>(row) * p.hidden;
   float ss = 0.0f;
@@ -162,7 +197,7 @@ __device__ __forceinline__ void row_epilogue(const TailParams& p, int row, float
     const int vec = threadIdx.x + v * T;
     if (vec >= V) continue;
     float r[tail_vector_elems];
-    unpack(load_input(p.residual_in + base + vec * tail_vector_elems), r);
+    unpack(in.residual[v], r);
     std::uint16_t out[tail_vector_elems];
 #pragma unroll
     for (int j = 0; j < tail_vector_elems; ++j) {
@@ -185,8 +220,7 @@ __device__ __forceinline__ void row_epilogue(const TailParams& p, int row, float
   for (int v = 0; v < VPT; ++v) {
     const int vec = threadIdx.x + v * T;
     if (vec >= V) continue;
-    const uint4 g = load_input(p.gamma + vec * tail_vector_elems);
-    const std::uint32_t gw[4] = {g.x, g.y, g.z, g.w};
+    const std::uint32_t gw[4] = {in.gamma[v].x, in.gamma[v].y, in.gamma[v].z, in.gamma[v].w};
     std::uint16_t out[tail_vector_elems];
 #pragma unroll
     for (int j = 0; j < tail_vector_elems; ++j) {
@@ -198,7 +232,7 @@ __device__ __forceinline__ void row_epilogue(const TailParams& p, int row, float
 }
 
 template <int VPT, bool MULTICAST>
-__global__ void __launch_bounds__(T) tail_fused_kernel(TailParams p) {
+__global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
   __shared__ std::uint64_t s_table[tail_max_ranks + 1];
   __shared__ std::uint64_t s_calls;
   __shared__ int s_ok;
@@ -226,14 +260,19 @@ __global__ void __launch_bounds__(T) tail_fused_kernel(TailParams p) {
     s_clear_end = static_cast<int>(ce);
   }
   if (threadIdx.x <= p.ranks) s_table[threadIdx.x] = p.peer_table[threadIdx.x];
+  // This thread's first partial needs no control state: its input loads overlap thread 0's
+  // reads above instead of waiting behind the barrier (usually the only item at small tokens).
+  const int V = p.hidden / tail_vector_elems;
+  const int gtid = blockIdx.x * T + threadIdx.x;
+  const int gstride = gridDim.x * T;
+  const long long send_items = static_cast<long long>(p.tokens) * V;
+  uint4 first = make_uint4(0, 0, 0, 0);
+  if (gtid < send_items) first = partial_vector(p, gtid / V, gtid % V);
   __syncthreads();
 
-  const int V = p.hidden / tail_vector_elems;
   const int slot = static_cast<int>(s_calls % tail_slot_count);
   const int prev = (slot + tail_slot_count - 1) % tail_slot_count;
   const TailRows recv = tail_receive_rows(p);
-  const int gtid = blockIdx.x * T + threadIdx.x;
-  const int gstride = gridDim.x * T;
 
   if (s_ok) {
     // 1. Clear this rank's part of the previous slot (I3).
@@ -251,11 +290,10 @@ __global__ void __launch_bounds__(T) tail_fused_kernel(TailParams p) {
     }
 
     // 2. Send this rank's partial rows.
-    const long long send_items = static_cast<long long>(p.tokens) * V;
     for (long long i = gtid; i < send_items; i += gstride) {
       const int row = static_cast<int>(i / V);
       const int vec = static_cast<int>(i % V);
-      const uint4 v = partial_vector(p, row, vec);
+      const uint4 v = i == gtid ? first : partial_vector(p, row, vec);
       const std::size_t off = tail_slot_offset(slot, p.rank, row, vec * tail_vector_elems, p.ranks, p.max_tokens, p.hidden);
       if constexpr (MULTICAST) {
         store_multicast(reinterpret_cast<bf16*>(s_table[p.ranks]) + off, v);
@@ -274,17 +312,29 @@ __global__ void __launch_bounds__(T) tail_fused_kernel(TailParams p) {
     std::uint64_t start = 0, deadline = 0;
     for (int r = blockIdx.x; r < recv.count(); r += gridDim.x) {
       const int row = recv.begin + r;
+      const bool output = out.contains(row);
+      RowInputs<VPT> in;
+      if (output) in = load_row_inputs<VPT>(p, row);
       float x[VPT][tail_vector_elems];
       bool failed = false;
+      // Sources in rank order (I7); for each, this thread's vectors are loaded together, then
+      // only the ones still holding a sentinel are polled again.
+      for (int src = 0; src < p.ranks && !failed; ++src) {
+        uint4 got[VPT];
+        const uint4* a[VPT];
 #pragma unroll
-      for (int v = 0; v < VPT; ++v) {
-        const int vec = threadIdx.x + v * T;
-        if (vec >= V || failed) continue;
-        for (int src = 0; src < p.ranks && !failed; ++src) {
-          const uint4* a = reinterpret_cast<const uint4*>(
-              own_part + tail_slot_offset(slot, src, row, vec * tail_vector_elems, p.ranks, p.max_tokens, p.hidden));
-          uint4 got = load_poll(a);
-          while (has_sentinel(got)) {
+        for (int v = 0; v < VPT; ++v) {
+          const int vec = threadIdx.x + v * T;
+          a[v] = reinterpret_cast<const uint4*>(
+              own_part + tail_slot_offset(slot, src, row, (vec < V ? vec : 0) * tail_vector_elems, p.ranks, p.max_tokens,
+                                          p.hidden));
+          if (vec < V) got[v] = load_poll(a[v]);
+        }
+#pragma unroll
+        for (int v = 0; v < VPT; ++v) {
+          const int vec = threadIdx.x + v * T;
+          if (vec >= V || failed) continue;
+          while (has_sentinel(got[v])) {
             const std::uint64_t now = globaltimer();
             if (deadline == 0) {
               start = now;
@@ -295,18 +345,18 @@ __global__ void __launch_bounds__(T) tail_fused_kernel(TailParams p) {
               failed = true;
               break;
             }
-            got = load_poll(a);
+            got[v] = load_poll(a[v]);
           }
           if (failed) break;
           float f[tail_vector_elems];
-          unpack(got, f);
+          unpack(got[v], f);
 #pragma unroll
           for (int j = 0; j < tail_vector_elems; ++j) x[v][j] = src == 0 ? f[j] : tail_add(x[v][j], f[j]);
         }
       }
       // Block-uniform: a row with any missing vector is abandoned, and so is the rest.
       if (__syncthreads_or(failed)) break;
-      if (out.contains(row)) row_epilogue<VPT>(p, row, x, s_warp);
+      if (output) row_epilogue<VPT>(p, row, x, in, s_warp);
     }
   }
 
@@ -349,13 +399,14 @@ __global__ void __launch_bounds__(T) tail_residual_norm_kernel(TailParams p, con
   const TailRows out = tail_output_rows(p);
   for (int r = blockIdx.x; r < out.count(); r += gridDim.x) {
     const int row = out.begin + r;
+    const RowInputs<VPT> in = load_row_inputs<VPT>(p, row);
     float x[VPT][tail_vector_elems];
 #pragma unroll
     for (int v = 0; v < VPT; ++v) {
       const int vec = threadIdx.x + v * T;
       if (vec < V) unpack(load_input(reduced + static_cast<std::size_t>(row) * p.hidden + vec * tail_vector_elems), x[v]);
     }
-    row_epilogue<VPT>(p, row, x, s_warp);
+    row_epilogue<VPT>(p, row, x, in, s_warp);
     __syncthreads();  // s_warp is rewritten by the next row
   }
 }

@@ -50,7 +50,8 @@ for stage in "${stages[@]}"; do
     tests)
       # Host-backend tests in parallel; cuda-typed tests one at a time, since some of them
       # read the device's free memory.
-      ctest --test-dir build-gpu -j 8 -E 'CudaBackend' --output-on-failure > "$OUT/ctest-host.log" 2>&1 || status=1
+      # (TailCuda: the tail stage runs those, one at a time, on two GPUs.)
+      ctest --test-dir build-gpu -j 8 -E 'CudaBackend|TailCuda' --output-on-failure > "$OUT/ctest-host.log" 2>&1 || status=1
       build-gpu/tests/torpor_tests --gtest_filter='*/cuda.*' --gtest_brief=0 > "$OUT/gtest-cuda.log" 2>&1 || status=1
       grep -E "tests passed|tests failed" "$OUT/ctest-host.log"
       grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$OUT/gtest-cuda.log" | sort | uniq -c | sort -rn | head -40
@@ -100,11 +101,24 @@ for stage in "${stages[@]}"; do
       timeout 180 build-gpu/tests/torpor_fusion_tests --gtest_filter='TailCuda.*' > "$OUT/tail-tests.log" 2>&1 || status=1
       grep -E "^\[ +(OK|FAILED|SKIPPED) +\]|Skipped|Failure|rank [0-9]" "$OUT/tail-tests.log" | head -40
       tail -3 "$OUT/tail-tests.log"
+      # One sanitizer per rank (each the process that runs the kernels), meeting at a rendezvous
+      # made here: TORPOR_RANK / TORPOR_GROUP_RENDEZVOUS make the test run as that one rank.
       for tool in memcheck racecheck; do
-        timeout 150 "$sanitizer" --tool "$tool" --target-processes all --error-exitcode 86 \
-          build-gpu/tests/torpor_fusion_tests --gtest_filter='TailCuda.SanitizerSmoke' > "$OUT/tail-$tool.log" 2>&1 || status=1
-        echo "compute-sanitizer $tool: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/tail-$tool.log" | sort | uniq -c | tr -s ' ' | paste -sd';')" \
-          "$(grep -cE "^\[ +OK +\] TailCuda.SanitizerSmoke" "$OUT/tail-$tool.log") passed"
+        rv_dir=$(mktemp -d) && chmod 700 "$rv_dir"
+        rv="$rv_dir#$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')"
+        pids=()
+        for r in 0 1; do
+          TORPOR_GROUP_RENDEZVOUS="$rv" TORPOR_RANK=$r TORPOR_WORLD_SIZE=2 timeout 150 "$sanitizer" --tool "$tool" \
+            --error-exitcode 86 build-gpu/tests/torpor_fusion_tests --gtest_filter='TailCuda.SanitizerSmoke' \
+            > "$OUT/tail-$tool-rank$r.log" 2>&1 &
+          pids+=($!)
+        done
+        for p in "${pids[@]}"; do wait "$p" || status=1; done
+        rm -rf "$rv_dir"
+        for r in 0 1; do
+          echo "compute-sanitizer $tool rank $r: $(grep -hE "(ERROR|RACECHECK) SUMMARY" "$OUT/tail-$tool-rank$r.log" | tr -s ' =' ' ')" \
+            "$(grep -cE "^\[ +OK +\] TailCuda.SanitizerSmoke" "$OUT/tail-$tool-rank$r.log") passed"
+        done
       done
       timeout 150 build-gpu/bench/torpor_bench_tail --json "$OUT/bench-tail.json" > "$OUT/bench-tail.txt" 2>&1 || status=1
       cat "$OUT/bench-tail.txt"

@@ -100,7 +100,8 @@ void FusedTail::release() noexcept {
   if (stream_ != nullptr) {
     try {
       DeviceGuard guard(device_);
-      cudaError_t e = cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
+      // Calls still in flight on any stream of this device touch the memory freed below.
+      cudaError_t e = cudaDeviceSynchronize();
       if (e == cudaSuccess) e = cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
       if (e != cudaSuccess) log::error("{}: destroying its stream: {}", who(), cudaGetErrorString(e));
     } catch (const std::exception& e) {
@@ -133,6 +134,11 @@ std::size_t FusedTail::slot_bytes() const noexcept {
 
 void FusedTail::run(const TailArgs& args, Stream stream) {
   kernels::TailParams p = params(args, stream);
+  // Sleeping state faults on the host backend and is an illegal address on a GPU (which poisons
+  // the context): refuse instead.
+  if (pool_.asleep(slots_->tag()))
+    throw invalid_state(fmt::format("{}: its state (tag '{}') is asleep; wake the pool before calling the tail", who(),
+                                    slots_->tag()));
   p.multicast = multicast_;
   p.peer_table = static_cast<const std::uint64_t*>(slots_->peer_table());
   p.control = static_cast<TailControl*>(control_);

@@ -196,10 +196,15 @@ void probe_fused(SymmetricHeap& heap, const TailOptions& options, Verdict& v) {
       v.multicast_why_not = "the host multicast emulation needs the HostDriver itself (a decorator wraps it)";
   } else if (backend == "cuda") {
 #if defined(TORPOR_KERNELS_CUDA)
-    const int device = heap.pool().device();
-    DeviceGuard guard(device);
-    v.fused_why_not = kernels::tail_device_support(device, false);
-    if (v.fused_why_not.empty()) v.multicast_why_not = kernels::tail_device_support(device, true);
+    // A failure here is this rank's verdict, not a throw: the other ranks are waiting for it.
+    try {
+      const int device = heap.pool().device();
+      DeviceGuard guard(device);
+      v.fused_why_not = kernels::tail_device_support(device, false);
+      if (v.fused_why_not.empty()) v.multicast_why_not = kernels::tail_device_support(device, true);
+    } catch (const std::exception& e) {
+      v.fused_why_not = fmt::format("probing the device failed: {}", e.what());
+    }
 #else
     v.fused_why_not = "this build has no CUDA kernels (TORPOR_CUDA=OFF)";
 #endif

@@ -47,6 +47,17 @@ UnfusedTail::UnfusedTail(SymmetricHeap& heap, const TailShape& shape, const Tail
 }
 
 UnfusedTail::~UnfusedTail() {
+#if defined(TORPOR_KERNELS_CUDA)
+  if (cuda_) {
+    try {
+      DeviceGuard guard(device_);
+      cudaError_t e = cudaDeviceSynchronize();  // calls in flight use the scratch and the communicator
+      if (e != cudaSuccess) log::error("{}: waiting for calls in flight: {}", who(), cudaGetErrorString(e));
+    } catch (const std::exception& e) {
+      log::error("{}: waiting for calls in flight: {}", who(), e.what());
+    }
+  }
+#endif
   comm_.reset();
   if (scratch_ != nullptr) {
     try {
@@ -80,6 +91,10 @@ void UnfusedTail::run(const TailArgs& args, Stream stream) {
     return;
   }
 #if defined(TORPOR_KERNELS_CUDA)
+  if (pool_.asleep("weights"))
+    throw invalid_state(fmt::format("{}: its scratch buffer (tag 'weights') is asleep; wake the pool before calling the "
+                                    "tail",
+                                    who()));
   DeviceGuard guard(device_);
   void* s = cuda_stream(stream);
   auto* scratch = static_cast<bf16*>(scratch_);

@@ -2,9 +2,9 @@
 // rank (see tail_protocol.hpp for the invariants, tail.cu for the GPU side).
 //
 // Where the GPU spreads a phase over blocks, this runs it in order on one thread; the protocol
-// does not depend on that order (I1-I7). Peer stores are 16-bit release stores and polls are
-// acquire loads (std::atomic_ref), so the same code is correct for ranks that are threads or
-// processes sharing the slots' memory, and ThreadSanitizer sees the hand-over. Multicast stores
+// does not depend on that order (I1-I7). Peer stores are 64-bit release stores of 4 elements
+// and polls are acquire loads (std::atomic_ref) that check every element for the sentinel, so
+// the same code is correct for ranks that are threads or processes sharing the slots' memory. Multicast stores
 // go through the hook (HostDriver::multicast_store, which writes every bound part).
 //
 // Waiting: a rank polls an element until it is no longer the sentinel; after a few spins it
@@ -14,7 +14,9 @@
 
 #include <array>
 #include <atomic>
+#include <bit>
 #include <chrono>
+#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -23,6 +25,9 @@
 namespace torpor::kernels {
 
 namespace {
+
+// Words are built with memcpy from element arrays: element e of a word is bits [16e, 16e + 16).
+static_assert(std::endian::native == std::endian::little, "the CPU reference assumes a little-endian host");
 
 using clock_type = std::chrono::steady_clock;
 
@@ -49,12 +54,14 @@ class Waiter {
  public:
   explicit Waiter(std::uint64_t timeout_ns) : timeout_(std::chrono::nanoseconds(timeout_ns)) {}
 
-  // Polls until *a is not the sentinel (true, value in out) or the deadline passed (false).
-  bool wait(const std::uint16_t* a, std::uint16_t& out) {
-    std::atomic_ref<const std::uint16_t> ref(*a);
+  // Polls the 4-element word at a until none of its elements is the sentinel (true, the word in
+  // out) or the deadline passed (false).
+  bool wait(const std::uint64_t* a, std::uint64_t& out) {
+    std::atomic_ref<std::uint64_t> ref(*const_cast<std::uint64_t*>(a));  // only loads through it
     for (unsigned n = 0;; ++n) {
       out = ref.load(std::memory_order_acquire);
-      if (out != tail_sentinel) return true;
+      if (!tail_word_has_sentinel(static_cast<std::uint32_t>(out)) && !tail_word_has_sentinel(static_cast<std::uint32_t>(out >> 32)))
+        return true;
       if (n < 64) continue;
       const auto now = clock_type::now();
       if (!started_) {
@@ -178,6 +185,9 @@ void reference_tail_fused(const TailParams& p, const ReferenceHooks& hooks) {
     }
 
   // 2. Send this rank's partial rows.
+  // Stores and polls move 4 elements (64 bits) at a time; rows are 128-byte aligned (hidden is a
+  // multiple of 64) and every element of a word is checked, as the GPU checks its 16-byte vectors.
+  const int words = p.hidden / 4;
   std::vector<std::uint16_t> row_bits(static_cast<std::size_t>(p.hidden));
   for (int row = 0; row < p.tokens; ++row) {
     partial_row(p, row, row_bits.data());
@@ -190,9 +200,12 @@ void reference_tail_fused(const TailParams& p, const ReferenceHooks& hooks) {
     for (int j = 0; j < p.ranks; ++j) {
       const int d = (p.rank + j) % p.ranks;
       if (!tail_receives(p, d, row)) continue;
-      std::uint16_t* dst = slot_at(d, slot, p.rank, row);
-      for (int col = 0; col < p.hidden; ++col)
-        std::atomic_ref<std::uint16_t>(dst[col]).store(row_bits[static_cast<std::size_t>(col)], std::memory_order_release);
+      auto* dst = reinterpret_cast<std::uint64_t*>(slot_at(d, slot, p.rank, row));
+      for (int w = 0; w < words; ++w) {
+        std::uint64_t v;
+        std::memcpy(&v, row_bits.data() + w * 4, sizeof v);
+        std::atomic_ref<std::uint64_t>(dst[w]).store(v, std::memory_order_release);
+      }
     }
   }
 
@@ -205,17 +218,20 @@ void reference_tail_fused(const TailParams& p, const ReferenceHooks& hooks) {
   bool failed = false;
   for (int row = recv.begin; row < recv.end && !failed; ++row) {
     for (int source = 0; source < p.ranks && !failed; ++source) {
-      const std::uint16_t* a = slot_at(p.rank, slot, source, row);
-      for (int col = 0; col < p.hidden; ++col) {
-        std::uint16_t v = 0;
-        if (!waiter.wait(a + col, v)) {
+      const auto* a = reinterpret_cast<const std::uint64_t*>(slot_at(p.rank, slot, source, row));
+      for (int w = 0; w < words; ++w) {
+        std::uint64_t v = 0;
+        if (!waiter.wait(a + w, v)) {
           record_error(c, p.multicast ? TailOp::wait_multicast : TailOp::wait_unicast, p.rank, source, slot, row, calls,
                        waiter.waited_ns(), tail_control_magic);
           failed = true;
           break;
         }
-        const float f = tail_bf16_to_float(v);
-        sum[static_cast<std::size_t>(col)] = source == 0 ? f : tail_add(sum[static_cast<std::size_t>(col)], f);
+        for (int e = 0; e < 4; ++e) {
+          const float f = tail_bf16_to_float(static_cast<std::uint16_t>(v >> (16 * e)));
+          float& acc = sum[static_cast<std::size_t>(w * 4 + e)];
+          acc = source == 0 ? f : tail_add(acc, f);
+        }
       }
     }
     if (!failed && out.contains(row)) residual_norm_row(p, row, sum.data(), x);

@@ -40,9 +40,18 @@ struct ThreadWorld {
   std::vector<std::unique_ptr<Group>> groups;
 };
 
+// Options for tests that are not about timeouts: under ThreadSanitizer, 8 thread ranks on two
+// cores can take longer than the 5 s default for one 128-token call, and a slow peer would look
+// like a missing one.
+TailOptions patient() {
+  TailOptions o;
+  o.wait_timeout = 60s;
+  return o;
+}
+
 // One rank's pool, heap, tail and buffers (destroyed in reverse order).
 struct RankTail {
-  RankTail(Driver& driver, Group& group, const TailShape& shape, const TailOptions& options = {})
+  RankTail(Driver& driver, Group& group, const TailShape& shape, const TailOptions& options = patient())
       : pool(driver, tail_pool_options(group.rank())), heap(pool, group), tail(make_tail(heap, shape, options)),
         buf(shape, shape.max_tokens) {}
   Pool pool;
@@ -134,7 +143,7 @@ using Outputs = std::vector<std::vector<std::vector<bf16>>>;
 void expect_same_on_every_rank(const Outputs& out) {
   for (std::size_t r = 1; r < out.size(); ++r)
     for (std::size_t c = 0; c < out[0].size(); ++c)
-      EXPECT_EQ(out[r][c], out[0][c]) << "rank " << r << " differs from rank 0 at call " << c;
+      EXPECT_TRUE(out[r][c] == out[0][c]) << "rank " << r << " differs from rank 0 at call " << c;
 }
 
 TEST_P(TailThreads, FusedMatchesFp64WithFreshInputsAndRotatingTokenCounts) {
@@ -177,7 +186,14 @@ TEST_P(TailThreads, ReduceScatterWritesEachRanksShareOnly) {
 }
 
 // 1000 calls for every rank count: each call's outputs must be the first call's, bit for bit,
-// and the same on every rank (fixed summation order).
+// and the same on every rank (fixed summation order). Under ThreadSanitizer 100 calls: 1000 took
+// three minutes with 8 ranks on CI's two cores (the GPU suite runs 1000).
+#if defined(__SANITIZE_THREAD__)
+constexpr int determinism_calls = 100;
+#else
+constexpr int determinism_calls = 1000;
+#endif
+
 TEST_P(TailThreads, BitwiseDeterministicAcross1000Calls) {
   const int n = GetParam();
   const TailShape s = shape(256, 2, true);
@@ -191,7 +207,7 @@ TEST_P(TailThreads, BitwiseDeterministicAcross1000Calls) {
                          rt.run(p.calls[0]);
                          check_call(rt, p.expected[0], r, n, "first call");
                          const std::vector<bf16> first = rt.outputs(16);
-                         for (int i = 1; i < 1000; ++i) {
+                         for (int i = 1; i < determinism_calls; ++i) {
                            rt.tail->run(rt.buf.args(16), Stream{});
                            require(rt.outputs(16) == first, "call " + std::to_string(i) + " differs from call 0");
                          }
@@ -216,11 +232,9 @@ TEST_P(TailThreads, NegativeZeroPartialsAreSentAsPositiveZero) {
     }
   const Expected e = fp64_reference(s, c);
   ThreadWorld w(n, false);
-  TailOptions o;
-  o.wait_timeout = 2000ms;
   EXPECT_EQ(on_threads(n,
                        [&](int r) {
-                         RankTail rt(w.host, *w.groups[static_cast<std::size_t>(r)], s, o);
+                         RankTail rt(w.host, *w.groups[static_cast<std::size_t>(r)], s);
                          for (int i = 0; i < 4; ++i) {  // through every slot
                            rt.run(c);
                            check_call(rt, e, r, n, "call " + std::to_string(i));
@@ -281,6 +295,13 @@ TEST_P(TailThreads, SleepLevel2BetweenCallsNeedsNoReinitialisation) {
                              rt.pool.sleep(2);
                              g.barrier();
                              require(w.host.live_physical_bytes(r) == 0, "every byte of this device given back");
+                             bool refused = false;
+                             try {
+                               rt.run(p.calls[i]);
+                             } catch (const invalid_state& e) {
+                               refused = std::string(e.what()).find("is asleep; wake the pool") != std::string::npos;
+                             }
+                             require(refused, "a call while asleep is refused, not a fault");
                              g.barrier();
                              rt.pool.wake_up();
                              require(state.slots->peer_table() == table && state.control == fusion::tail_state(*rt.tail)->control,
@@ -337,7 +358,7 @@ TEST_P(TailThreads, AMissingRankTimesOutNamingRankSlotAndOpThenResetRecovers) {
   const Prepared p = prepare(s, n, {4, 4, 4}, 800);
   ThreadWorld w(n, false);
   TailOptions o;
-  o.wait_timeout = 300ms;
+  o.wait_timeout = 1000ms;  // the calls before the missing one finish well within it, even under TSan
   const int absent = n - 1;
   EXPECT_EQ(on_threads(n,
                        [&](int r) {
@@ -384,7 +405,7 @@ TEST_P(TailThreads, ControlBlockZeroedAfterWakeIsDetected) {
   const Prepared p = prepare(s, n, {6, 6, 6, 6, 6}, 900);
   ThreadWorld w(n, false);
   TailOptions o;
-  o.wait_timeout = 300ms;
+  o.wait_timeout = 1000ms;
   const int victim = 1;
   EXPECT_EQ(on_threads(n,
                        [&](int r) {
@@ -426,8 +447,7 @@ TEST_P(TailThreads, SlotsZeroedToPositiveZeroAreCaughtByTheResultCheck) {
   const TailShape s = shape(128, 2, true);
   const Prepared p = prepare(s, n, {8, 8, 8, 8}, 1000);
   ThreadWorld w(n, false);
-  TailOptions o;
-  o.wait_timeout = 2000ms;
+  const TailOptions o = patient();
   const int victim = 0;
   EXPECT_EQ(on_threads(n,
                        [&](int r) {

@@ -4,10 +4,12 @@
 // bounds of the fp64 answer. Every suite skips, saying why, without two GPUs with peer access.
 //
 // Run by scripts/gpu_run.sh tail (also under compute-sanitizer memcheck and racecheck:
-// TailCuda.SanitizerSmoke). Children fork before anything touches CUDA (the parent never does).
+// TailCuda.SanitizerSmoke, one sanitizer per rank, see on_gpus). Children fork before anything
+// touches CUDA (the parent never does).
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -84,6 +86,11 @@ void cuda(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
+// cudaMemset and pageable cudaMemcpy run on the legacy stream, which is not ordered with the
+// tail's non-blocking stream (and a pageable upload may still be in flight when it returns):
+// wait for them before the next call.
+void settle() { cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); }
+
 // One rank's GPU world: driver, group, pool, heap, a stream.
 struct GpuRank {
   std::unique_ptr<CudaDriver> driver;
@@ -121,7 +128,31 @@ std::string open_rank(int r, const Rendezvous& rv, GpuRank& g) {
 }
 
 // Runs body in one process per GPU; a child that cannot find two GPUs reports a skip.
+//
+// With TORPOR_RANK and TORPOR_GROUP_RENDEZVOUS set, this process is that one rank of a group
+// started outside (scripts/gpu_run.sh starts each rank under its own compute-sanitizer, so the
+// checked processes are the ones running kernels, not children of a fork).
 std::vector<RankOutcome> on_gpus(const std::function<void(GpuRank&)>& body, std::chrono::seconds deadline = 120s) {
+  const char* env_rank = std::getenv("TORPOR_RANK");
+  const char* env_rv = std::getenv("TORPOR_GROUP_RENDEZVOUS");
+  if (env_rank != nullptr && env_rv != nullptr) {
+    RankOutcome o;
+    try {
+      GpuRank g;
+      std::string skip = open_rank(std::stoi(env_rank), Rendezvous::parse(env_rv), g);
+      if (!skip.empty()) {
+        o.report = "SKIP: " + skip;
+      } else {
+        body(g);
+        g.group->barrier();
+      }
+      o.exit_code = 0;
+    } catch (const std::exception& e) {
+      o.report = std::string("rank ") + env_rank + " failed: " + e.what();
+      o.exit_code = 1;
+    }
+    return {o};
+  }
   const Rendezvous rv = Rendezvous::create();
   auto outcomes = run_ranks(
       ranks,
@@ -172,12 +203,13 @@ struct DeviceCall {
     cuda(cudaMemcpy(shared, in.shared.data(), in.shared.size() * sizeof(bf16), cudaMemcpyHostToDevice), "upload");
     cuda(cudaMemcpy(residual, c.residual.data(), c.residual.size() * sizeof(bf16), cudaMemcpyHostToDevice), "upload");
     cuda(cudaMemcpy(gamma, c.gamma.data(), c.gamma.size() * sizeof(bf16), cudaMemcpyHostToDevice), "upload");
-    poison();
+    poison();  // settles
   }
   void poison() {  // 0xFFFF: a NaN no computation writes here
     const std::size_t th = static_cast<std::size_t>(s_.max_tokens) * s_.hidden * sizeof(bf16);
     cuda(cudaMemset(residual_out, 0xFF, th), "poison");
     cuda(cudaMemset(norm_out, 0xFF, th), "poison");
+    settle();
   }
   std::vector<bf16> outputs(int tokens) const {
     const std::size_t n = static_cast<std::size_t>(tokens) * s_.hidden;
@@ -375,6 +407,7 @@ TEST(TailCuda, NegativeControlsAreDetectedNeverAHang) {
     g.pool->wake_up();
     auto state = *fusion::tail_state(*tail);
     if (g.rank == 1) cuda(cudaMemset(state.control, 0, state.control_bytes), "zero the control block");
+    settle();
     g.group->barrier();
     const auto t0 = std::chrono::steady_clock::now();
     call(5002);
@@ -392,6 +425,7 @@ TEST(TailCuda, NegativeControlsAreDetectedNeverAHang) {
     correct(call(5003), "after reset");
 
     if (g.rank == 0) cuda(cudaMemset(state.slots->local(), 0, state.slot_bytes), "zero the slots");
+    settle();
     g.group->barrier();
     if (g.rank == 1) std::this_thread::sleep_for(300ms);
     const CallInputs c = call(5004);
