@@ -145,7 +145,9 @@ class Plan {
     PoolStats st = engine_.pool.stats();
     row["mapped"] = st.mapped_bytes;
     row["host_store"] = st.host_store_bytes;
-    row["device_free"] = driver_.memory_info(device_).free_bytes;
+    const MemoryInfo mi = driver_.memory_info(device_);
+    row["device_free"] = mi.free_bytes;
+    row["device_used"] = mi.total_bytes - mi.free_bytes;  // cuMemGetInfo: every user of the device
     if (auto* host = dynamic_cast<HostDriver*>(&driver_))
       row["live_physical"] = host->live_physical_bytes(device_);
     else

@@ -113,6 +113,16 @@ StressSummary summarize(const LaunchResult& launch, const StressExpectations& ex
     for (auto [key, what] : {std::pair{"live_physical", "live physical bytes"}, std::pair{"host_store", "the host store"},
                              std::pair{"mapped", "mapped bytes"}})
       if (std::string p = growth(soak, warmup, key, what, r.rank, g); !p.empty()) s.problems.push_back(p);
+    // Device memory in use after each cycle (cuMemGetInfo): reported, not judged, since on a GPU it
+    // includes every other user of the device; live physical bytes and mapped bytes are judged.
+    if (soak.size() > 0 && soak.front()["device_used"].is_number()) {
+      std::size_t lo = SIZE_MAX, hi = 0;
+      for (const auto& row : soak) {
+        lo = std::min(lo, row["device_used"].get<std::size_t>());
+        hi = std::max(hi, row["device_used"].get<std::size_t>());
+      }
+      g["device_used"] = {{"min", lo}, {"max", hi}};
+    }
     if (!g.empty()) pr["soak_growth"] = g;
     j["per_rank"].push_back(pr);
   }
@@ -181,7 +191,7 @@ std::string render(const StressSummary& s) {
       const auto& g = pr["soak_growth"];
       std::string line = fmt::format("rank {}: soak, after each cycle:", pr["rank"].get<int>());
       for (auto [key, what] : {std::pair{"live_physical", "live physical"}, std::pair{"host_store", "host store"},
-                               std::pair{"mapped", "mapped"}})
+                               std::pair{"mapped", "mapped"}, std::pair{"device_used", "device in use"}})
         if (g.contains(key))
           line += fmt::format(" {} {}..{}", what, format_bytes(g[key]["min"].get<std::size_t>()),
                               format_bytes(g[key]["max"].get<std::size_t>()));
