@@ -477,6 +477,28 @@ TEST_P(TailThreads, SlotsZeroedToPositiveZeroAreCaughtByTheResultCheck) {
 
 INSTANTIATE_TEST_SUITE_P(Ranks, TailThreads, ::testing::Values(2, 4, 8));
 
+// The contract's extremes: hidden 64 (one vector per lane, most lanes idle) and 8192 (four per
+// lane), one token and max_tokens, both modes.
+TEST(TailThreadsShapes, SmallestAndLargestHidden) {
+  constexpr int n = 2;
+  for (int hidden : {64, 8192})
+    for (TailMode mode : {TailMode::all_reduce, TailMode::reduce_scatter}) {
+      SCOPED_TRACE("hidden " + std::to_string(hidden) + ", " + fusion::to_string(mode));
+      const TailShape s = shape(hidden, 2, true, mode);
+      const Prepared p = prepare(s, n, {1, 128, 5}, 1600 + static_cast<std::uint64_t>(hidden));
+      ThreadWorld w(n, false);
+      EXPECT_EQ(on_threads(n,
+                           [&](int r) {
+                             RankTail rt(w.host, *w.groups[static_cast<std::size_t>(r)], s);
+                             for (std::size_t i = 0; i < p.calls.size(); ++i) {
+                               rt.run(p.calls[i]);
+                               check_call(rt, p.expected[i], r, n, "call " + std::to_string(i));
+                             }
+                           }),
+                "");
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The multicast variant, through HostDriver's emulation (thread ranks sharing one driver, no
 // kill switch set): one store per row lands in every rank's part.
