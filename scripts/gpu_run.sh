@@ -137,26 +137,26 @@ for stage in "${stages[@]}"; do
         [ $rc -ne 0 ] && status=1
         echo "== torpor stress $* (exit $rc)"; cat "$OUT/stress-$name.txt"
       }
-      run_stress 1gpu 300 --ranks 1
+      run_stress 1gpu 120 --ranks 1
       if [ "$gpus" -ge 2 ]; then
-        run_stress threads 300 --ranks 2
-        run_stress processes 300 --ranks 2 --processes
-        run_stress unfused 300 --ranks 2 --processes --unfused
+        run_stress threads 120 --ranks 2
+        run_stress processes 120 --ranks 2 --processes
+        run_stress unfused 120 --ranks 2 --processes --unfused
         digests=$(grep -ho '"reference_digest": "[0-9a-f]*"' "$OUT/stress-processes.json" "$OUT/stress-unfused.json" | sort -u | wc -l)
         echo "fused and unfused tails: $([ "$digests" -eq 1 ] && echo 'same tokens' || { status=1; echo 'DIFFERENT tokens'; })"
       fi
       ranks=$([ "$gpus" -ge 2 ] && echo 2 || echo 1)
-      run_stress soak50 600 --ranks "$ranks" --processes --cycles 50 --vocab 32768 --hidden 1024 --layers 4 \
+      run_stress soak50 300 --ranks "$ranks" --processes --cycles 50 --vocab 32768 --hidden 1024 --layers 4 \
         --head-dim 128 --experts 16 --latent 256 --inter 2048 --shared-inter 2048
       if [ "$gpus" -ge 2 ]; then
         # Must fail (non-zero exit), naming the rank and the op, within the wait bound plus seconds.
-        timeout 120 "$t" stress --backend cuda --no-progress --ranks 2 --processes --negative-control zero-flags \
+        timeout 90 "$t" stress --backend cuda --no-progress --ranks 2 --processes --negative-control zero-flags \
           --json "$OUT/stress-negative.json" > "$OUT/stress-negative.txt" 2>&1
         rc=$?
         echo "== negative control (exit $rc: $([ $rc -ne 0 ] && [ $rc -ne 124 ] && echo 'failed as required' || { status=1; echo 'WRONG'; }))"
         cat "$OUT/stress-negative.txt"
       fi
-      timeout 300 "$t" rl-loop --backend cuda --no-progress --ranks "$ranks" --processes --iterations 3 \
+      timeout 240 "$t" rl-loop --backend cuda --no-progress --ranks "$ranks" --processes --iterations 3 \
         --vocab 32768 --hidden 1024 --layers 4 --head-dim 128 --experts 16 --latent 256 --inter 2048 \
         --shared-inter 2048 --json "$OUT/rl-loop.json" > "$OUT/rl-loop.txt" 2>&1 || status=1
       echo "== torpor rl-loop"; cat "$OUT/rl-loop.txt"
