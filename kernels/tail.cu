@@ -380,20 +380,27 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
   }
 }
 
-__global__ void __launch_bounds__(T) tail_finalize_kernel(TailParams p, bf16* partial) {
+// The partial is rounded to bf16 exactly as the fused kernel sends it, then stored as fp32: the
+// all-reduce then sums in fp32 like the fused kernel does, instead of rounding the sum to bf16
+// before the residual (a second rounding the fused path does not have, which changed tokens).
+static_assert(tail_vector_elems == 8, "the unfused kernels move 8 elements as two float4");
+__global__ void __launch_bounds__(T) tail_finalize_kernel(TailParams p, float* partial) {
   const int V = p.hidden / tail_vector_elems;
   const long long items = static_cast<long long>(p.tokens) * V;
   for (long long i = blockIdx.x * static_cast<long long>(T) + threadIdx.x; i < items;
        i += static_cast<long long>(gridDim.x) * T) {
     const int row = static_cast<int>(i / V);
     const int vec = static_cast<int>(i % V);
-    *reinterpret_cast<uint4*>(partial + static_cast<std::size_t>(row) * p.hidden + vec * tail_vector_elems) =
-        partial_vector(p, row, vec);
+    float x[tail_vector_elems];
+    unpack(partial_vector(p, row, vec), x);
+    auto* dst = reinterpret_cast<float4*>(partial + static_cast<std::size_t>(row) * p.hidden + vec * tail_vector_elems);
+    dst[0] = make_float4(x[0], x[1], x[2], x[3]);
+    dst[1] = make_float4(x[4], x[5], x[6], x[7]);
   }
 }
 
 template <int VPT>
-__global__ void __launch_bounds__(T) tail_residual_norm_kernel(TailParams p, const bf16* reduced) {
+__global__ void __launch_bounds__(T) tail_residual_norm_kernel(TailParams p, const float* reduced) {
   __shared__ float s_warp[W];
   const int V = p.hidden / tail_vector_elems;
   const TailRows out = tail_output_rows(p);
@@ -404,7 +411,13 @@ __global__ void __launch_bounds__(T) tail_residual_norm_kernel(TailParams p, con
 #pragma unroll
     for (int v = 0; v < VPT; ++v) {
       const int vec = threadIdx.x + v * T;
-      if (vec < V) unpack(load_input(reduced + static_cast<std::size_t>(row) * p.hidden + vec * tail_vector_elems), x[v]);
+      if (vec < V) {
+        const auto* src = reinterpret_cast<const float4*>(reduced + static_cast<std::size_t>(row) * p.hidden +
+                                                          vec * tail_vector_elems);
+        const float4 a = src[0], b = src[1];
+        x[v][0] = a.x, x[v][1] = a.y, x[v][2] = a.z, x[v][3] = a.w;
+        x[v][4] = b.x, x[v][5] = b.y, x[v][6] = b.z, x[v][7] = b.w;
+      }
     }
     row_epilogue<VPT>(p, row, x, in, s_warp);
     __syncthreads();  // s_warp is rewritten by the next row
@@ -511,7 +524,7 @@ void launch_tail_fused(const TailParams& p, int capacity, void* stream) {
   check_launch("tail_fused_kernel");
 }
 
-void launch_tail_finalize(const TailParams& p, bf16* partial, void* stream) {
+void launch_tail_finalize(const TailParams& p, float* partial, void* stream) {
   const int V = p.hidden / tail_vector_elems;
   long long grid = (static_cast<long long>(p.tokens) * V + T - 1) / T;
   if (grid < 1) grid = 1;
@@ -519,7 +532,7 @@ void launch_tail_finalize(const TailParams& p, bf16* partial, void* stream) {
   check_launch("tail_finalize_kernel");
 }
 
-void launch_tail_residual_norm(const TailParams& p, const bf16* reduced, void* stream) {
+void launch_tail_residual_norm(const TailParams& p, const float* reduced, void* stream) {
   const int rows = tail_output_rows(p).count();
   if (rows == 0) return;
   auto s = static_cast<cudaStream_t>(stream);

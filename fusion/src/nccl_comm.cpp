@@ -134,6 +134,11 @@ NcclComm::~NcclComm() {
   }
 }
 
+void NcclComm::all_reduce_sum_f32(void* buffer, std::size_t count, void* stream) {
+  impl_->check(api().all_reduce(buffer, buffer, count, ncclFloat32, ncclSum, impl_->comm, static_cast<cudaStream_t>(stream)),
+               "ncclAllReduce");
+}
+
 void NcclComm::all_reduce_sum_bf16(void* buffer, std::size_t count, void* stream) {
   impl_->check(api().all_reduce(buffer, buffer, count, ncclBfloat16, ncclSum, impl_->comm, static_cast<cudaStream_t>(stream)),
                "ncclAllReduce");
@@ -158,6 +163,7 @@ NcclComm::NcclComm(Group&, int) {
                     "nccl.h not found)");
 }
 NcclComm::~NcclComm() = default;
+void NcclComm::all_reduce_sum_f32(void*, std::size_t, void*) {}
 void NcclComm::all_reduce_sum_bf16(void*, std::size_t, void*) {}
 void NcclComm::check() {}
 

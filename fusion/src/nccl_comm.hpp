@@ -32,7 +32,9 @@ class NcclComm {
   NcclComm(const NcclComm&) = delete;
   NcclComm& operator=(const NcclComm&) = delete;
 
-  // In-place sum of `count` bf16 at `buffer` over every rank, on `stream` (a cudaStream_t).
+  // In-place sum of `count` fp32 at `buffer` over every rank, on `stream` (a cudaStream_t).
+  void all_reduce_sum_f32(void* buffer, std::size_t count, void* stream);
+  // The same for bf16 (the bench's "NCCL all-reduce alone" reference).
   void all_reduce_sum_bf16(void* buffer, std::size_t count, void* stream);
   // Throws error when NCCL reported an asynchronous error (a peer failed, a network error).
   void check();

@@ -2,9 +2,12 @@
 // it. Three steps per call:
 //   finalize   this rank's partial of every row, rounded to bf16 (the same partials the fused
 //              kernel sends);
-//   all-reduce GPU: ncclAllReduce (sum, bf16) in place on a scratch buffer, on the caller's stream
-//              (capturable); host backend: the Group's all-gather, summed in rank order in fp32,
-//              so on the host the unfused path gives bit for bit what the fused one gives;
+//   all-reduce GPU: ncclAllReduce (sum, fp32 of the bf16-rounded partials) in place on a scratch
+//              buffer, on the caller's stream (capturable): for two ranks the fp32 sum is exactly
+//              the fused kernel's (addition commutes), so both paths give the same bits; with
+//              more ranks NCCL's summation order may differ from rank order in the last bit.
+//              Host backend: the Group's all-gather, summed in rank order in fp32, bit for bit
+//              what the fused path gives;
 //   epilogue   residual + RMSNorm of the output rows with the fused kernel's arithmetic.
 // The scratch buffer is pool memory of class cache in "weights": sleep may drop its bytes, since
 // every call rewrites it before reading.
@@ -32,7 +35,7 @@ UnfusedTail::UnfusedTail(SymmetricHeap& heap, const TailShape& shape, const Tail
     DeviceGuard guard(device_);
     kernels::tail_preload(shape_.hidden, false);
   }
-  const std::size_t bytes = static_cast<std::size_t>(shape_.max_tokens) * static_cast<std::size_t>(shape_.hidden) * sizeof(bf16);
+  const std::size_t bytes = static_cast<std::size_t>(shape_.max_tokens) * static_cast<std::size_t>(shape_.hidden) * sizeof(float);
   scratch_ = pool_.allocate(bytes, {"weights", MemoryClass::cache, "tail.scratch"});
   try {
     if (ranks_ > 1) comm_ = std::make_unique<NcclComm>(group_, device_);
@@ -97,9 +100,9 @@ void UnfusedTail::run(const TailArgs& args, Stream stream) {
                                     who()));
   DeviceGuard guard(device_);
   void* s = cuda_stream(stream);
-  auto* scratch = static_cast<bf16*>(scratch_);
+  auto* scratch = static_cast<float*>(scratch_);
   kernels::launch_tail_finalize(p, scratch, s);
-  if (comm_) comm_->all_reduce_sum_bf16(scratch, elements, s);
+  if (comm_) comm_->all_reduce_sum_f32(scratch, elements, s);
   kernels::launch_tail_residual_norm(p, scratch, s);
 #endif
 }

@@ -29,9 +29,10 @@ void tail_preload(int hidden, bool multicast);
 void launch_tail_fused(const TailParams& p, int capacity, void* stream);
 
 // The unfused path's kernels: partial[t][*] for every row (rounded to bf16 like the fused
-// partials), and residual + RMSNorm of the output rows from the all-reduced partials.
-void launch_tail_finalize(const TailParams& p, bf16* partial, void* stream);
-void launch_tail_residual_norm(const TailParams& p, const bf16* reduced, void* stream);
+// partials, stored as fp32 so the all-reduce sums in fp32 as the fused kernel does), and
+// residual + RMSNorm of the output rows from the all-reduced fp32 sums.
+void launch_tail_finalize(const TailParams& p, float* partial, void* stream);
+void launch_tail_residual_norm(const TailParams& p, const float* reduced, void* stream);
 
 // Fills `elements` 16-bit words at dst (2-byte aligned) with `value`.
 void launch_fill_u16(void* dst, std::uint16_t value, std::size_t elements, void* stream);
