@@ -16,11 +16,7 @@
 // On the cuda backend it needs one device per rank with peer access (and libnccl for --group
 // nccl); otherwise it prints SKIP and the reason, and exits 0. The host backend runs it anywhere
 // (CI smoke test).
-#include <fcntl.h>
 #include <fmt/format.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -30,6 +26,7 @@
 #include <thread>
 
 #include "commands.hpp"
+#include "launch.hpp"
 #include "torpor/backend.hpp"
 #include "torpor/error.hpp"
 #include "torpor/group.hpp"
@@ -38,7 +35,6 @@
 #include "torpor/pool.hpp"
 #include "torpor/symmetric.hpp"
 
-extern char** environ;
 
 namespace torpor::cli {
 
@@ -84,20 +80,21 @@ bool matches(Pool& pool, const void* src, std::size_t bytes, int writer, int own
   return true;
 }
 
-int worker(const Options& o) {
-  DriverSelection sel = open_driver(parse_backend(o.backend));
-  Driver& driver = *sel.driver;
+GroupOptions group_options(const Options& o) {
   GroupOptions go;
   go.timeout = std::chrono::seconds(o.timeout_s);
-  auto bootstrap = unix_group_from_env(go);
+  return go;
+}
+
+// One rank's check (a RankBody for tools/launch.hpp): the result row the parent prints.
+nlohmann::json check_rank(const Options& o, Driver& driver, Group& bootstrap, int device) {
   std::unique_ptr<Group> nccl;
-  Group* group = bootstrap.get();
+  Group* group = &bootstrap;
   if (o.group == "nccl") {
-    nccl = std::make_unique<NcclGroup>(*bootstrap, driver, bootstrap->rank(), go);
+    nccl = std::make_unique<NcclGroup>(bootstrap, driver, bootstrap.rank(), group_options(o));
     group = nccl.get();
   }
   const int rank = group->rank(), n = group->size();
-  const int device = rank;
   const std::size_t bytes = parse_size(o.bytes);
 
   PoolOptions po;
@@ -206,11 +203,14 @@ int worker(const Options& o) {
                       {"group", std::string(group->kind())},
                       {"timeout_check", timeout_result},
                       {"multicast", decision.use ? std::string("used") : "not used: " + decision.reason}};
-  fmt::print("{}\n", j.dump());
-  std::fflush(stdout);
   group->barrier();
-  bool timeout_ok = timeout_result.rfind("FAIL", 0) != 0;
-  return (memory_ok && addresses && own_ok && peers_ok && timeout_ok) ? 0 : 1;
+  return j;
+}
+
+// Whether a rank's row passes every check.
+bool row_passes(const nlohmann::json& j) {
+  return j.value("memory_returned", false) && j.value("addresses_unchanged", false) && j.value("own_bytes_intact", false) &&
+         j.value("peer_bytes_intact", false) && j.value("timeout_check", std::string("FAIL")).rfind("FAIL", 0) != 0;
 }
 
 // Why this machine cannot run the check on `backend`, or "".
@@ -245,85 +245,33 @@ int parent(const Options& o) {
     fmt::print("SKIP: symmetric-check on {} ranks: {}\n", o.ranks, why);
     return 0;
   }
-  Rendezvous rv = Rendezvous::create();
-  std::vector<pid_t> pids;
-  std::vector<int> outs;
-  for (int r = 0; r < o.ranks; ++r) {
-    int p[2];
-    if (::pipe2(p, O_CLOEXEC) != 0) throw error("pipe2 failed");
-    std::vector<std::string> args = {"torpor", "symmetric-check", "--worker", "--ranks", std::to_string(o.ranks),
-                                     "--bytes", o.bytes, "--backend", o.backend, "--timeout", std::to_string(o.timeout_s),
-                                     "--group", o.group};
-    if (o.timeout_check) args.push_back("--timeout-check");
-    std::vector<std::string> env_strings;
-    for (char** e = environ; *e != nullptr; ++e) {
-      std::string_view s(*e);
-      if (s.starts_with("TORPOR_GROUP_RENDEZVOUS=") || s.starts_with("TORPOR_RANK=") || s.starts_with("TORPOR_WORLD_SIZE="))
-        continue;
-      env_strings.emplace_back(s);
-    }
-    env_strings.push_back("TORPOR_GROUP_RENDEZVOUS=" + rv.to_string());
-    env_strings.push_back("TORPOR_RANK=" + std::to_string(r));
-    env_strings.push_back("TORPOR_WORLD_SIZE=" + std::to_string(o.ranks));
-    std::vector<char*> argv, envp;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    for (auto& e : env_strings) envp.push_back(e.data());
-    envp.push_back(nullptr);
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_adddup2(&fa, p[1], STDOUT_FILENO);
-    pid_t pid = 0;
-    int rc = ::posix_spawn(&pid, "/proc/self/exe", &fa, nullptr, argv.data(), envp.data());
-    posix_spawn_file_actions_destroy(&fa);
-    ::close(p[1]);
-    if (rc != 0) throw error(fmt::format("starting rank {} failed: {}", r, std::strerror(rc)));
-    pids.push_back(pid);
-    outs.push_back(p[0]);
-  }
-  // Collect: each rank prints one JSON line. Read while waiting so no pipe fills up.
-  std::vector<std::string> text(static_cast<std::size_t>(o.ranks));
-  std::vector<int> codes(static_cast<std::size_t>(o.ranks), -1);
-  auto deadline = clock_type::now() + std::chrono::seconds(o.timeout_s + 60);
-  int left = o.ranks;
-  for (int fd : outs) ::fcntl(fd, F_SETFL, O_NONBLOCK);
-  while (left > 0) {
-    for (int r = 0; r < o.ranks; ++r) {
-      char buf[4096];
-      ssize_t k;
-      while ((k = ::read(outs[static_cast<std::size_t>(r)], buf, sizeof buf)) > 0) text[static_cast<std::size_t>(r)].append(buf, static_cast<std::size_t>(k));
-      if (codes[static_cast<std::size_t>(r)] >= 0) continue;
-      int status = 0;
-      if (::waitpid(pids[static_cast<std::size_t>(r)], &status, WNOHANG) == pids[static_cast<std::size_t>(r)]) {
-        codes[static_cast<std::size_t>(r)] = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-        --left;
-      }
-    }
-    if (left > 0 && clock_type::now() > deadline) {
-      for (int r = 0; r < o.ranks; ++r)
-        if (codes[static_cast<std::size_t>(r)] < 0) ::kill(pids[static_cast<std::size_t>(r)], SIGKILL);
-    }
-    if (left > 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  for (int fd : outs) ::close(fd);
-  rv.remove();
+  // One process per device (the vLLM layout), through the CLI's rank launcher: this program
+  // again with --worker, the group from the environment, one JSON row back per rank.
+  LaunchOptions lo;
+  lo.ranks = o.ranks;
+  lo.processes = true;
+  lo.backend = parse_backend(o.backend);
+  lo.group = group_options(o);
+  lo.worker_args = {"symmetric-check", "--worker", "--ranks", std::to_string(o.ranks), "--bytes", o.bytes, "--backend",
+                    o.backend, "--timeout", std::to_string(o.timeout_s), "--group", o.group};
+  if (o.timeout_check) lo.worker_args.push_back("--timeout-check");
+  lo.deadline = std::chrono::seconds(o.timeout_s + 60);
+  const LaunchResult launched =
+      launch(lo, [&](Driver& d, Group& g, int device) { return check_rank(o, d, g, device); });
 
   nlohmann::json all = nlohmann::json::array();
   bool ok = true;
   fmt::print("{:>4} {:>6} {:>10} {:>11} {:>12} {:>12} {:>12} {:>8} {:>8} {:>9} {:>6} {:>6}\n", "rank", "device", "part",
              "peer GB/s", "free before", "free asleep", "returned", "sleep s", "wake s", "addresses", "own", "peers");
   std::string multicast;
-  for (int r = 0; r < o.ranks; ++r) {
-    nlohmann::json j;
-    try {
-      auto line = text[static_cast<std::size_t>(r)];
-      auto nl = line.find('\n');
-      j = nlohmann::json::parse(line.substr(0, nl));
-    } catch (const std::exception&) {
-      fmt::print("{:>4} FAILED (exit {}): {}\n", r, codes[static_cast<std::size_t>(r)], text[static_cast<std::size_t>(r)]);
+  for (const RankOutcome& out : launched.ranks) {
+    const int r = out.rank;
+    if (!out.ok || !out.result.is_object()) {
+      fmt::print("{:>4} FAILED: {}\n", r, out.error.empty() ? std::string("no result") : out.error);
       ok = false;
       continue;
     }
+    const nlohmann::json& j = out.result;
     all.push_back(j);
     double gbs = j["peer_copy_seconds"].get<double>() > 0
                      ? static_cast<double>(j["peer_copy_bytes"].get<std::size_t>()) / j["peer_copy_seconds"].get<double>() / 1e9
@@ -336,7 +284,7 @@ int parent(const Options& o) {
                j["wake_seconds"].get<double>(), yes(j["addresses_unchanged"].get<bool>()),
                yes(j["own_bytes_intact"].get<bool>()), yes(j["peer_bytes_intact"].get<bool>()));
     if (!j["memory_returned"].get<bool>()) fmt::print("     rank {}: less memory returned than its part\n", r);
-    ok = ok && codes[static_cast<std::size_t>(r)] == 0;
+    ok = ok && row_passes(j);
     multicast = j["multicast"].get<std::string>();
   }
   fmt::print("multicast: {}\n", multicast);
@@ -370,7 +318,11 @@ void add_symmetric_check(CLI::App& app, int& exit_code) {
   cmd->add_flag("--timeout-check", o->timeout_check,
                 "Also check that a missing rank is named in a timeout and that recover() restores the group");
   cmd->add_flag("--worker", o->worker, "Internal: run as one rank (group from the environment)")->group("");
-  cmd->callback([o, &exit_code] { exit_code = o->worker ? worker(*o) : parent(*o); });
+  cmd->callback([o, &exit_code] {
+    exit_code = o->worker ? run_worker(parse_backend(o->backend), group_options(*o),
+                                       [&](Driver& d, Group& g, int device) { return check_rank(*o, d, g, device); })
+                          : parent(*o);
+  });
 }
 
 }  // namespace torpor::cli
