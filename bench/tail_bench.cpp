@@ -1,8 +1,13 @@
 // torpor_bench_tail: the fused MoE tail against the unfused path it replaces, on two GPUs (one
 // process each, the vLLM layout), everything in CUDA graphs:
-//   fused     one kernel per call (finalize + Lamport all-reduce + residual + RMSNorm);
-//   unfused   finalize kernel, ncclAllReduce, residual + RMSNorm kernel;
+//   fused     one kernel per call (finalize + Lamport all-reduce + residual + RMSNorm), launched
+//             as a programmatic dependent of the call before it (the default);
+//   fused-so  the same kernel in plain stream order (TailOptions::programmatic_launch = false);
+//   unfused   finalize kernel, ncclAllReduce (fp32), residual + RMSNorm kernel;
 //   nccl      ncclAllReduce of the same bf16 bytes alone, for scale.
+// The floors under them, in the same run: the one-way latency of a store seen by the peer (one
+// thread per GPU bouncing a counter), and the per-call cost of an empty kernel in a graph, in
+// stream order and as a programmatic dependent.
 // Each graph holds --calls-per-graph calls; a measurement replays it --replays times between two
 // events, after a barrier so both ranks start together; per-call time = elapsed / calls (the
 // larger of the two ranks is reported). The link is measured in the same run: SM stores into the
@@ -33,6 +38,8 @@
 
 namespace torpor::bench {
 void launch_peer_store(void* dst, const void* src, std::size_t bytes, int blocks, void* stream);
+void launch_ping_pong(void* own, void* peer, int rounds, bool starter, void* stream);
+void launch_empty(int blocks, bool programmatic, void* stream);
 }
 
 namespace {
@@ -107,6 +114,28 @@ double link_gbps(Group& g, cudaStream_t s, void* dst, const void* src, std::size
   return active ? static_cast<double>(bytes) * reps / (static_cast<double>(ms) * 1e-3) / 1e9 : 0.0;
 }
 
+// One-way latency in microseconds of a store seen by the peer: `rounds` round trips of one thread
+// per GPU through the words at own / peer (zeroed here first). Both ranks return it.
+double one_way_latency_us(Group& g, cudaStream_t s, void* own, void* peer, int rank) {
+  constexpr int rounds = 20000;
+  cuda(cudaMemsetAsync(own, 0, sizeof(std::uint32_t), s), "memset");
+  cuda(cudaStreamSynchronize(s), "sync");
+  g.barrier();  // both words zero before either kernel starts
+  cudaEvent_t a, b;
+  cuda(cudaEventCreate(&a), "event");
+  cuda(cudaEventCreate(&b), "event");
+  cuda(cudaEventRecord(a, s), "record");
+  bench::launch_ping_pong(own, peer, rounds, rank == 0, s);
+  cuda(cudaEventRecord(b, s), "record");
+  cuda(cudaEventSynchronize(b), "sync");
+  float ms = 0;
+  cuda(cudaEventElapsedTime(&ms, a, b), "elapsed");
+  cuda(cudaEventDestroy(a), "event");
+  cuda(cudaEventDestroy(b), "event");
+  g.barrier();
+  return static_cast<double>(ms) * 1000.0 / (2.0 * rounds);
+}
+
 // Every rank's value of v, by rank.
 std::vector<double> gather(Group& g, double v) {
   auto all = g.all_gather(std::as_bytes(std::span<const double>(&v, 1)));
@@ -169,6 +198,14 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
   cuda(cudaDeviceSynchronize(), "memset");  // the legacy stream is not ordered with ours
   const double one_way = gather(group, link_gbps(group, s, link.peer(1 - r), src, link_bytes, r == 0))[0];
   const auto both = gather(group, link_gbps(group, s, link.peer(1 - r), src, link_bytes, true));
+  // Rank 0's view of the round trip (rank 1's kernel starts a little later and waits less).
+  const double latency_us = gather(group, one_way_latency_us(group, s, link.local(), link.peer(1 - r), r))[0];
+  // An empty kernel of the fused kernel's grid at 8 tokens (28 blocks at hidden 7168).
+  const int empty_blocks = (8 * o.hidden / 8 + 255) / 256;
+  const double empty_so_us =
+      slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { bench::launch_empty(empty_blocks, false, s); }));
+  const double empty_pdl_us =
+      slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { bench::launch_empty(empty_blocks, true, s); }));
 
   // The tails and their tensors.
   fusion::TailShape shape;
@@ -177,6 +214,9 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
   shape.top_k = o.top_k;
   shape.shared_expert = true;
   auto fused = fusion::make_tail(heap, shape);
+  fusion::TailOptions so;
+  so.programmatic_launch = false;
+  auto fused_so = fusion::make_tail(heap, shape, so);
   fusion::TailOptions uo;
   uo.allow_fused = false;
   auto unfused = fusion::make_tail(heap, shape, uo);
@@ -208,8 +248,11 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
     fmt::print("path: {}\n", fused->reason());
     fmt::print("link (SM stores to the peer's memory): {:.1f} GB/s one way alone, {:.1f} + {:.1f} GB/s both ways at once\n",
                one_way, both[0], both[1]);
-    fmt::print("{:>6} {:>10} {:>11} {:>10} {:>8} {:>11} {:>10} {:>7}\n", "tokens", "fused us", "unfused us", "nccl us",
-               "speedup", "bytes/rank", "fused GB/s", "% link");
+    fmt::print("store seen by the peer (ping-pong): {:.2f} us one way\n", latency_us);
+    fmt::print("empty kernel ({} blocks) per call in a graph: {:.2f} us in stream order, {:.2f} us as a programmatic dependent\n",
+               empty_blocks, empty_so_us, empty_pdl_us);
+    fmt::print("{:>6} {:>10} {:>12} {:>11} {:>10} {:>8} {:>11} {:>10} {:>7}\n", "tokens", "fused us", "fused-so us",
+               "unfused us", "nccl us", "speedup", "bytes/rank", "fused GB/s", "% link");
   }
   for (int t : o.tokens) {
     fusion::TailArgs a;
@@ -223,6 +266,8 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
     a.norm_out = norm_out;
     const double f_us = slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { fused->run(a, ts); }));
     fused->check();
+    const double so_us = slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { fused_so->run(a, ts); }));
+    fused_so->check();
     const double u_us = slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { unfused->run(a, ts); }));
     unfused->check();
     const double n_us = slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] {
@@ -231,9 +276,10 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
     const double bytes = static_cast<double>(t) * o.hidden * sizeof(bf16) * (ranks - 1);
     const double gbps = bytes / (f_us * 1e-6) / 1e9;
     if (r == 0)
-      fmt::print("{:>6} {:>10.2f} {:>11.2f} {:>10.2f} {:>7.2f}x {:>11.0f} {:>10.1f} {:>6.1f}%\n", t, f_us, u_us, n_us,
-                 u_us / f_us, bytes, gbps, 100.0 * gbps / one_way);
-    rows.push_back({{"tokens", t}, {"fused_us", f_us}, {"unfused_us", u_us}, {"nccl_allreduce_us", n_us},
+      fmt::print("{:>6} {:>10.2f} {:>12.2f} {:>11.2f} {:>10.2f} {:>7.2f}x {:>11.0f} {:>10.1f} {:>6.1f}%\n", t, f_us, so_us,
+                 u_us, n_us, u_us / f_us, bytes, gbps, 100.0 * gbps / one_way);
+    rows.push_back({{"tokens", t}, {"fused_us", f_us}, {"fused_stream_order_us", so_us}, {"unfused_us", u_us},
+                    {"nccl_allreduce_us", n_us},
                     {"speedup", u_us / f_us}, {"bytes_per_rank", bytes}, {"fused_gbps", gbps},
                     {"link_fraction", gbps / one_way}});
   }
@@ -267,6 +313,9 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
                 {"path", fused->reason()},
                 {"link_gbps_one_way", one_way},
                 {"link_gbps_both_ways", both},
+                {"peer_store_latency_us", latency_us},
+                {"empty_kernel_blocks", empty_blocks},
+                {"empty_kernel_us", {{"stream_order", empty_so_us}, {"programmatic", empty_pdl_us}}},
                 {"rows", rows},
                 {"target_speedup_met", speed_ok},
                 {"target_8_tokens_met", latency_ok}};

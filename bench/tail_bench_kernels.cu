@@ -1,25 +1,87 @@
-// The link measurement of the tail bench: SM stores into a peer's memory through its mapping,
-// the same path the fused tail's partials take (16-byte stores, grid-stride).
+// The tail bench's measurements of the machine, each in the same run as the tail numbers:
+//   link       SM stores into a peer's memory through its mapping, the path the fused tail's
+//              partials take (16-byte stores, grid-stride): GB/s;
+//   ping-pong  one thread per GPU bouncing a counter through the peer's memory (st.relaxed.sys
+//              to the peer, ld.relaxed.sys polling its own): the one-way latency of a store seen
+//              by the peer, the floor under any Lamport exchange;
+//   empty      a kernel that does nothing, optionally launched as a programmatic dependent
+//              (what the fused tail does): the per-call cost of a kernel boundary in a graph.
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
 namespace torpor::bench {
 
 namespace {
+
+void check_launch(const char* what) {
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
 __global__ void peer_store_kernel(uint4* dst, const uint4* src, std::size_t n) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n; i += stride) dst[i] = src[i];
 }
+
+// Rank 0 starts: it writes 1 to the peer, waits for 1 in its own word, writes 2, waits for 2, ...
+// rank 1 waits for k, then answers k. `rounds` round trips; the counter never repeats a value.
+// A peer that never answers ends the kernel after ~10 s (the time then says so) instead of hanging.
+__global__ void ping_pong_kernel(std::uint32_t* own, std::uint32_t* peer, int rounds, bool starter) {
+  std::uint64_t t0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  for (std::uint32_t k = 1; k <= static_cast<std::uint32_t>(rounds); ++k) {
+    if (starter) asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(peer), "r"(k) : "memory");
+    std::uint32_t seen = 0;
+    for (std::uint32_t spins = 0;; ++spins) {
+      asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(seen) : "l"(own) : "memory");
+      if (seen == k) break;
+      if ((spins & 0xFFFu) == 0xFFFu) {
+        std::uint64_t now;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        if (now - t0 > 10'000'000'000ull) return;
+      }
+    }
+    if (!starter) asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(peer), "r"(k) : "memory");
+  }
+}
+
+__global__ void empty_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 }  // namespace
 
 void launch_peer_store(void* dst, const void* src, std::size_t bytes, int blocks, void* stream) {
   peer_store_kernel<<<blocks, 512, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<uint4*>(dst),
                                                                            static_cast<const uint4*>(src), bytes / 16);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) throw std::runtime_error(std::string("peer_store_kernel: ") + cudaGetErrorString(e));
+  check_launch("peer_store_kernel");
+}
+
+void launch_ping_pong(void* own, void* peer, int rounds, bool starter, void* stream) {
+  ping_pong_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<std::uint32_t*>(own),
+                                                                   static_cast<std::uint32_t*>(peer), rounds, starter);
+  check_launch("ping_pong_kernel");
+}
+
+void launch_empty(int blocks, bool programmatic, void* stream) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(256);
+  config.stream = static_cast<cudaStream_t>(stream);
+  config.attrs = programmatic ? &attribute : nullptr;
+  config.numAttrs = programmatic ? 1 : 0;
+  const cudaError_t e = cudaLaunchKernelEx(&config, empty_kernel);
+  if (e != cudaSuccess) throw std::runtime_error(std::string("empty_kernel: ") + cudaGetErrorString(e));
 }
 
 }  // namespace torpor::bench

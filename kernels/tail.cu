@@ -4,9 +4,12 @@
 // the CUDA side of it.
 //
 // Fused kernel, one call (grid <= tail_fused_capacity, so all blocks are resident together):
-//   0. thread 0 reads the control block: magic (I6), error flag (I5: a recorded error makes every
+//   0. wait for the kernels before it on the stream (griddepcontrol.wait: a no-op unless launched
+//      as a programmatic dependent, see launch_tail_fused) and let the next kernel launch early;
+//      thread 0 reads the control block: magic (I6), error flag (I5: a recorded error makes every
 //      later call a no-op until reset), call count -> slot, and the rows of the previous slot
-//      still to clear; meanwhile every thread computes its first partial (inputs only);
+//      still to clear, then counts its block in (control.arrived); meanwhile every thread
+//      computes its first partial (inputs only);
 //   1. clear (I3): every block clears its share of the previous slot's rows in this rank's part;
 //   2. send: items (row, 16-byte vector) over the whole grid; each computes 8 elements of this
 //      rank's partial in fp32 (tail_partial_element), rounds to bf16, sanitises (I2) and stores
@@ -14,13 +17,20 @@
 //      to the multicast address);
 //   3. receive: block b takes rows b, b + grid, ... of this rank's receive rows; each thread polls
 //      its vectors from every source in rank order (ld.relaxed.sys, until no lane is the
-//      sentinel, bounded by %globaltimer), sums in fp32 (I7), and for output rows writes
-//      residual_out and norm_out (block reduction with the fixed tree);
-//   4. the last block to arrive (arrival counter in the control block) advances it (I4).
+//      sentinel, bounded by %globaltimer; the next source's loads are in flight while it waits
+//      on this one), sums in fp32 (I7), and for output rows writes residual_out and norm_out
+//      (block reduction with the fixed tree);
+//   4. the last block of the grid (a send-only block whenever there are more blocks than rows,
+//      so off the critical path) waits until every block has counted itself in -- every block
+//      has read the control block -- and advances it (I4).
 // Memory ordering: senders need no fence between clearing and sending (I3 relies on stream
 // order: the clear of call s happens a whole kernel before the store of call s + 1 that a peer
-// must see before it writes the cleared slot again). Pollers read the data with the same load
-// that checks for the sentinel, so there is no flag/data ordering to get wrong.
+// must see before it writes the cleared slot again; with a programmatic launch, call s + 1 does
+// nothing before its griddepcontrol.wait, which returns only once call s has completed and its
+// memory operations are visible). Pollers read the data with the same load that checks for the
+// sentinel, so there is no flag/data ordering to get wrong. The only fence-like operations are
+// the release increment of control.arrived and the updater's acquire load of it: nothing waits
+// for a remote store's acknowledgement inside the kernel.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -51,6 +61,32 @@ __device__ __forceinline__ std::uint64_t globaltimer() {
   std::uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
+}
+
+// Programmatic dependent launch (sm_90+). wait: returns once the kernels this launch depends on
+// have completed and their memory is visible (immediately when it was not launched as a
+// dependent). launch_dependents: the next kernel on the stream may start launching its blocks;
+// they run up to their own wait, so nothing of ours is read or overwritten early.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Counting a block in after its control-block reads: release, so the reads are done before the
+// updater can see the count and overwrite what they read.
+__device__ __forceinline__ void count_in(std::uint32_t* counter) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+}
+__device__ __forceinline__ std::uint32_t load_acquire(const std::uint32_t* p) {
+  std::uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
 }
 
 // Polling load: system scope, so a peer's store (over NVLink, or through multicast) is seen
@@ -231,6 +267,26 @@ __device__ __forceinline__ void row_epilogue(const TailParams& p, int row, float
   }
 }
 
+// This thread's vectors of `row` from source `src` in this rank's part (vectors threadIdx.x + v * T
+// of the row at `row_at`), and their first loads, issued together: one memory latency for all.
+template <int VPT>
+struct SourceVectors {
+  const uint4* row_at;
+  uint4 got[VPT];
+};
+
+template <int VPT>
+__device__ __forceinline__ void load_source(const TailParams& p, const bf16* own_part, int slot, int src, int row,
+                                            SourceVectors<VPT>& sv) {
+  const int V = p.hidden / tail_vector_elems;
+  sv.row_at = reinterpret_cast<const uint4*>(own_part + tail_slot_offset(slot, src, row, 0, p.ranks, p.max_tokens, p.hidden));
+#pragma unroll
+  for (int v = 0; v < VPT; ++v) {
+    const int vec = threadIdx.x + v * T;
+    if (vec < V) sv.got[v] = load_poll(sv.row_at + vec);
+  }
+}
+
 template <int VPT, bool MULTICAST>
 __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
   __shared__ std::uint64_t s_table[tail_max_ranks + 1];
@@ -241,17 +297,23 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
   __shared__ float s_warp[W];
   TailControl* c = p.control;
 
+  // Everything below may read what the kernels before this one wrote (inputs, control block).
+  grid_dependency_wait();
+  allow_dependent_launch();
+
   if (threadIdx.x == 0) {
-    // 0. Read the control block. Nobody writes it during the call until every block arrived.
+    // 0. Read the control block. Nobody writes it during the call until every block counted in.
     const std::uint32_t magic = *reinterpret_cast<volatile std::uint32_t*>(&c->magic);
     const std::uint64_t calls = c->calls;
     const int prev = static_cast<int>((calls + tail_slot_count - 1) % tail_slot_count);
     const std::uint32_t cb = c->clear_begin[prev], ce = c->clear_end[prev];
+    const std::uint32_t failed_before = *reinterpret_cast<volatile std::uint32_t*>(&c->error.flag);
+    count_in(&c->arrived);
     int ok = 1;
     if (magic != tail_control_magic || cb > ce || ce > static_cast<std::uint32_t>(p.max_tokens)) {
       record_error(c, TailOp::control_lost, p.rank, -1, -1, -1, calls, 0, magic);
       ok = 0;
-    } else if (*reinterpret_cast<volatile std::uint32_t*>(&c->error.flag) != 0u) {
+    } else if (failed_before != 0u) {
       ok = 0;  // an earlier call failed: nothing until reset()
     }
     s_ok = ok;
@@ -317,24 +379,18 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
       if (output) in = load_row_inputs<VPT>(p, row);
       float x[VPT][tail_vector_elems];
       bool failed = false;
-      // Sources in rank order (I7); for each, this thread's vectors are loaded together, then
-      // only the ones still holding a sentinel are polled again.
+      // Sources in rank order (I7). The next source's vectors are loaded before this one's are
+      // waited on, so two sources' loads are always in flight; only the vectors that still hold
+      // a sentinel are polled again.
+      SourceVectors<VPT> cur, next;
+      load_source<VPT>(p, own_part, slot, 0, row, cur);
       for (int src = 0; src < p.ranks && !failed; ++src) {
-        uint4 got[VPT];
-        const uint4* a[VPT];
-#pragma unroll
-        for (int v = 0; v < VPT; ++v) {
-          const int vec = threadIdx.x + v * T;
-          a[v] = reinterpret_cast<const uint4*>(
-              own_part + tail_slot_offset(slot, src, row, (vec < V ? vec : 0) * tail_vector_elems, p.ranks, p.max_tokens,
-                                          p.hidden));
-          if (vec < V) got[v] = load_poll(a[v]);
-        }
+        if (src + 1 < p.ranks) load_source<VPT>(p, own_part, slot, src + 1, row, next);
 #pragma unroll
         for (int v = 0; v < VPT; ++v) {
           const int vec = threadIdx.x + v * T;
           if (vec >= V || failed) continue;
-          while (has_sentinel(got[v])) {
+          while (has_sentinel(cur.got[v])) {
             const std::uint64_t now = globaltimer();
             if (deadline == 0) {
               start = now;
@@ -345,14 +401,15 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
               failed = true;
               break;
             }
-            got[v] = load_poll(a[v]);
+            cur.got[v] = load_poll(cur.row_at + vec);
           }
           if (failed) break;
           float f[tail_vector_elems];
-          unpack(got[v], f);
+          unpack(cur.got[v], f);
 #pragma unroll
           for (int j = 0; j < tail_vector_elems; ++j) x[v][j] = src == 0 ? f[j] : tail_add(x[v][j], f[j]);
         }
+        cur = next;
       }
       // Block-uniform: a row with any missing vector is abandoned, and so is the rest.
       if (__syncthreads_or(failed)) break;
@@ -360,23 +417,29 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
     }
   }
 
-  // 4. Arrival; the last block advances the control block (I4).
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const unsigned before = atomicAdd(&c->arrived, 1u);
-    if (before == gridDim.x - 1) {
-      __threadfence();
-      if (s_ok) {
-        c->clear_begin[slot] = static_cast<std::uint32_t>(recv.begin);
-        c->clear_end[slot] = static_cast<std::uint32_t>(recv.end);
-        c->clear_begin[prev] = 0;
-        c->clear_end[prev] = 0;
-        c->calls = s_calls + 1;
+  // 4. The last block advances the control block (I4) once every block has read it. Blocks are
+  //    all resident, so the wait is short; it is bounded all the same (I5).
+  if (blockIdx.x == gridDim.x - 1 && threadIdx.x == 0) {
+    std::uint64_t until = 0;
+    bool counted = true;
+    while (load_acquire(&c->arrived) < gridDim.x) {
+      const std::uint64_t now = globaltimer();
+      if (until == 0) {
+        until = now + p.timeout_ns;
+      } else if (now > until) {
+        record_error(c, TailOp::block_arrival, p.rank, -1, slot, -1, s_calls, p.timeout_ns, tail_control_magic);
+        counted = false;
+        break;
       }
-      c->arrived = 0;
-      __threadfence();
     }
+    if (counted && s_ok) {
+      c->clear_begin[slot] = static_cast<std::uint32_t>(recv.begin);
+      c->clear_end[slot] = static_cast<std::uint32_t>(recv.end);
+      c->clear_begin[prev] = 0;
+      c->clear_end[prev] = 0;
+      c->calls = s_calls + 1;
+    }
+    c->arrived = 0;
   }
 }
 
@@ -499,7 +562,36 @@ int tail_fused_capacity(int hidden, bool multicast) {
   return sms * per_sm;
 }
 
-void launch_tail_fused(const TailParams& p, int capacity, void* stream) {
+bool tail_programmatic_launch_supported(int device) {
+  int major = 0;
+  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
+  return major >= 9;
+}
+
+namespace {
+
+template <int VPT, bool MC>
+void launch_fused_as(const TailParams& p, dim3 grid, cudaStream_t stream, bool programmatic) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = dim3(T);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  config.attrs = programmatic ? &attribute : nullptr;
+  config.numAttrs = programmatic ? 1 : 0;
+  const cudaError_t e = cudaLaunchKernelEx(&config, tail_fused_kernel<VPT, MC>, p);
+  if (e != cudaSuccess) (void)cudaGetLastError();  // report this launch's error, not a stale one
+  if (e != cudaSuccess)
+    throw error(std::string("launching tail_fused_kernel failed: ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) +
+                ")");
+}
+
+}  // namespace
+
+void launch_tail_fused(const TailParams& p, int capacity, void* stream, bool programmatic) {
   const int V = p.hidden / tail_vector_elems;
   const long long send_blocks = (static_cast<long long>(p.tokens) * V + T - 1) / T;
   long long grid = send_blocks;
@@ -507,12 +599,12 @@ void launch_tail_fused(const TailParams& p, int capacity, void* stream) {
   if (grid > capacity) grid = capacity;
   if (grid < 1) grid = 1;
   auto s = static_cast<cudaStream_t>(stream);
-  const dim3 g(static_cast<unsigned>(grid)), b(T);
+  const dim3 g(static_cast<unsigned>(grid));
   switch (vectors_per_thread(p.hidden)) {
-#define TORPOR_TAIL_CASE(n)                                                        \
-  case n:                                                                          \
-    if (p.multicast) tail_fused_kernel<n, true><<<g, b, 0, s>>>(p);                \
-    else tail_fused_kernel<n, false><<<g, b, 0, s>>>(p);                           \
+#define TORPOR_TAIL_CASE(n)                                               \
+  case n:                                                                 \
+    if (p.multicast) launch_fused_as<n, true>(p, g, s, programmatic);     \
+    else launch_fused_as<n, false>(p, g, s, programmatic);                \
     break;
     TORPOR_TAIL_CASE(1)
     TORPOR_TAIL_CASE(2)
@@ -521,7 +613,6 @@ void launch_tail_fused(const TailParams& p, int capacity, void* stream) {
 #undef TORPOR_TAIL_CASE
     default: throw invalid_argument("tail kernels: hidden " + std::to_string(p.hidden) + " is above 8192");
   }
-  check_launch("tail_fused_kernel");
 }
 
 void launch_tail_finalize(const TailParams& p, float* partial, void* stream) {

@@ -3,14 +3,17 @@
 # device tool (`run`), whose $OUT folder comes back; elsewhere OUT defaults to ./gpu-out.
 #
 #   scripts/gpu_run.sh [stage ...]     stages: probe tests bench-sleep bench-sleep-threads python
-#                                      symmetric symmetric-nccl tail stress (default: probe tests)
+#                                      symmetric symmetric-nccl tail tail-bench stress
+#                                      (default: probe tests)
+#   TORPOR_BUILD_TARGETS="a b"         build only these targets (default: everything), to save
+#                                      device time when iterating on one part
 #
 # symmetric and symmetric-nccl need two GPUs (device kind nvidia-h200-x2): two processes, one per
 # GPU, symmetric memory through sleep level 2 (`torpor symmetric-check`), the second with the
 # bytes over NCCL and a missing-rank timeout plus recovery; they print SKIP and the reason
 # otherwise. tail (two GPUs too) runs the MoE tail's GPU tests (two processes, the CPU reference as
 # the oracle), the small one again under compute-sanitizer memcheck and racecheck, then the
-# fused-vs-unfused bench (bench-tail.txt, bench-tail.json). stress (1 or 2 GPUs; nvidia-h200-x2
+# fused-vs-unfused bench (bench-tail.txt, bench-tail.json); tail-bench runs only that bench. stress (1 or 2 GPUs; nvidia-h200-x2
 # covers both) runs the runner's kernels against their CPU references, then `torpor stress` on 1
 # GPU and on every GPU (threads, then one process per GPU; CUDA graphs), the same with the
 # unfused tail (same tokens required), a 50-cycle soak on a model of a few hundred MiB per GPU
@@ -38,7 +41,7 @@ status=0
 cat "$OUT/machine.txt"
 
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release > "$OUT/configure.log" 2>&1 &&
-  cmake --build build-gpu -j "$(nproc)" > "$OUT/build.log" 2>&1 || {
+  cmake --build build-gpu -j "$(nproc)" ${TORPOR_BUILD_TARGETS:+--target $TORPOR_BUILD_TARGETS} > "$OUT/build.log" 2>&1 || {
     echo "build failed"; tail -40 "$OUT/configure.log" "$OUT/build.log"; exit 1; }
 
 for stage in "${stages[@]}"; do
@@ -120,6 +123,10 @@ for stage in "${stages[@]}"; do
             "$(grep -cE "^\[ +OK +\] TailCuda.SanitizerSmoke" "$OUT/tail-$tool-rank$r.log") passed"
         done
       done
+      timeout 150 build-gpu/bench/torpor_bench_tail --json "$OUT/bench-tail.json" > "$OUT/bench-tail.txt" 2>&1 || status=1
+      cat "$OUT/bench-tail.txt"
+      ;;
+    tail-bench)
       timeout 150 build-gpu/bench/torpor_bench_tail --json "$OUT/bench-tail.json" > "$OUT/bench-tail.txt" 2>&1 || status=1
       cat "$OUT/bench-tail.txt"
       ;;

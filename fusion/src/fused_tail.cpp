@@ -58,6 +58,7 @@ FusedTail::FusedTail(SymmetricHeap& heap, const TailShape& shape, const TailOpti
       stream_ = s;
       kernels::tail_preload(shape_.hidden, multicast_);
       capacity_ = kernels::tail_fused_capacity(shape_.hidden, multicast_);
+      programmatic_ = options_.programmatic_launch && kernels::tail_programmatic_launch_supported(device_);
 #else
       throw unavailable("this build has no CUDA kernels");
 #endif
@@ -90,7 +91,8 @@ FusedTail::FusedTail(SymmetricHeap& heap, const TailShape& shape, const TailOpti
     release();
     throw;
   }
-  log::info("{}: {}; slots {} per rank, control block at {}", who(), reason_, bytes, control_);
+  log::info("{}: {}; slots {} per rank, control block at {}{}", who(), reason_, bytes, control_,
+            programmatic_ ? "; calls launch as programmatic dependents" : "");
 }
 
 FusedTail::~FusedTail() { release(); }
@@ -149,7 +151,7 @@ void FusedTail::run(const TailArgs& args, Stream stream) {
   }
 #if defined(TORPOR_KERNELS_CUDA)
   DeviceGuard guard(device_);
-  kernels::launch_tail_fused(p, capacity_, cuda_stream(stream));
+  kernels::launch_tail_fused(p, capacity_, cuda_stream(stream), programmatic_);
 #endif
 }
 
@@ -180,6 +182,12 @@ void FusedTail::check() {
           "calls do nothing until reset() on every rank",
           op == TailOp::wait_multicast ? "fused multicast" : "fused unicast", e.rank,
           static_cast<double>(e.waited_ns) / 1e6, e.peer, e.token, e.slot, e.call, options_.wait_timeout.count(), e.peer));
+    if (op == TailOp::block_arrival)
+      throw timeout_error(fmt::format(
+          "tail fusion: on rank {} the call's last block waited {:.1f} ms for the call's other blocks to start (slot {}, "
+          "call {}) and gave up without advancing the control block: the fused grid was not resident at once (another "
+          "kernel holding the device's multiprocessors?); later calls do nothing until reset() on every rank",
+          e.rank, static_cast<double>(e.waited_ns) / 1e6, e.slot, e.call));
     if (op == TailOp::control_lost)
       throw invalid_state(fmt::format(
           "tail fusion: rank {}'s control block is not valid (magic {:#x}, expected {:#x}): its state was lost or "

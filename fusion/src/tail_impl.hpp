@@ -85,6 +85,7 @@ class FusedTail final : public TailBase {
   bool multicast_ = false;
   kernels::ReferenceHooks hooks_;  // host backend
   int capacity_ = 0;               // cuda: fused grid bound
+  bool programmatic_ = false;      // cuda: launch calls as programmatic dependents
   void* stream_ = nullptr;         // cuda: this op's own stream for check() and reset()
 };
 

@@ -8,6 +8,7 @@
 // touches CUDA (the parent never does).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -371,6 +372,93 @@ TEST(TailCuda, GraphCapturedBeforeSleepReplaysAfterWake) {
     replay_and_check(4003, "second replay after wake");
     cuda(cudaGraphExecDestroy(exec), "graph exec destroy");
     cuda(cudaGraphDestroy(graph), "graph destroy");
+  }));
+#endif
+}
+
+// Calls enqueued back to back with no host sync between them, each adding into the residual in
+// place (residual_out is residual_in) and the token count changing every call, so every call
+// reads what the one before it wrote and clears what it received. A call that ran ahead of its
+// predecessor (a programmatic launch touching memory before its griddepcontrol.wait, a slot
+// cleared or a control block advanced too early) gives other bits than the CPU reference run
+// call by call. With and without programmatic launch; on the stream, then captured in a graph.
+TEST(TailCuda, BackToBackCallsChainThroughTheResidual) {
+  TORPOR_REQUIRE_CUDA_BUILD();
+#if defined(TORPOR_KERNELS_CUDA)
+  expect_ranks(on_gpus([](GpuRank& g) {
+    const TailShape s = gpu_shape(7168);
+    const std::vector<int> chain = {8, 1, 128, 3, 32, 8, 77, 2, 128, 16, 5, 64};
+    const CallInputs base = random_call(s, ranks, s.max_tokens, 8000);
+    const std::size_t h = static_cast<std::size_t>(s.hidden);
+    // The oracle, call by call: call i sees rows [0, tokens) of base and the residual so far.
+    std::vector<bf16> residual = base.residual;
+    std::vector<bf16> last_norm;
+    for (int t : chain) {
+      const std::size_t n = static_cast<std::size_t>(t) * h;
+      CallInputs c;
+      c.tokens = t;
+      c.gamma = base.gamma;
+      c.residual.assign(residual.begin(), residual.begin() + static_cast<std::ptrdiff_t>(n));
+      for (const RankInputs& in : base.ranks) {
+        RankInputs cut;
+        cut.expert.assign(in.expert.begin(), in.expert.begin() + static_cast<std::ptrdiff_t>(n * s.top_k));
+        cut.weights.assign(in.weights.begin(), in.weights.begin() + static_cast<std::ptrdiff_t>(t) * s.top_k);
+        cut.shared.assign(in.shared.begin(), in.shared.begin() + static_cast<std::ptrdiff_t>(n));
+        c.ranks.push_back(std::move(cut));
+      }
+      const auto out = oracle(s, c)[static_cast<std::size_t>(g.rank)];
+      std::copy(out.begin(), out.begin() + static_cast<std::ptrdiff_t>(n), residual.begin());
+      last_norm.assign(out.begin() + static_cast<std::ptrdiff_t>(n), out.end());
+    }
+    for (bool programmatic : {true, false}) {
+      TailOptions o;
+      o.programmatic_launch = programmatic;
+      auto tail = make_tail(*g.heap, s, o);
+      DeviceCall d(*g.pool, s);
+      d.upload(base, g.rank);
+      for (bool in_graph : {false, true}) {
+        const std::string how = std::string(programmatic ? "programmatic" : "stream-order") + (in_graph ? ", graph" : ", stream");
+        cuda(cudaMemcpy(d.residual, base.residual.data(), base.residual.size() * sizeof(bf16), cudaMemcpyHostToDevice),
+             "upload");
+        d.poison();
+        auto args = [&](int t) {
+          TailArgs a = d.args(t);
+          a.residual_out = d.residual;
+          return a;
+        };
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        if (in_graph) {
+          cuda(cudaStreamBeginCapture(g.stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+          for (int t : chain) tail->run(args(t), g.torpor_stream());
+          cuda(cudaStreamEndCapture(g.stream, &graph), "end capture");
+          cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+        }
+        g.group->barrier();
+        if (in_graph) {
+          cuda(cudaGraphLaunch(exec, g.stream), "graph launch");
+        } else {
+          for (int t : chain) tail->run(args(t), g.torpor_stream());
+        }
+        sync(g);
+        tail->check();
+        if (in_graph) {
+          cuda(cudaGraphExecDestroy(exec), "graph exec destroy");
+          cuda(cudaGraphDestroy(graph), "graph destroy");
+        }
+        std::vector<bf16> got(residual.size()), norm(last_norm.size());
+        cuda(cudaMemcpy(got.data(), d.residual, got.size() * sizeof(bf16), cudaMemcpyDeviceToHost), "download");
+        cuda(cudaMemcpy(norm.data(), d.norm_out, norm.size() * sizeof(bf16), cudaMemcpyDeviceToHost), "download");
+        for (std::size_t i = 0; i < got.size(); ++i)
+          require(got[i].bits == residual[i].bits,
+                  how + ": residual element " + std::to_string(i) + " (token " + std::to_string(i / h) + ") is " +
+                      std::to_string(f(got[i])) + ", the reference chain gives " + std::to_string(f(residual[i])));
+        for (std::size_t i = 0; i < norm.size(); ++i)
+          require(norm[i].bits == last_norm[i].bits, how + ": the last call's norm_out element " + std::to_string(i) +
+                                                         " differs from the reference chain");
+      }
+      g.group->barrier();
+    }
   }));
 #endif
 }

@@ -76,6 +76,11 @@ const char* to_string(TailPath p) noexcept;
 struct TailOptions {
   bool allow_fused = true;                                // false: always the unfused path
   std::chrono::milliseconds wait_timeout{5000};           // bound on every device-side spin
+  // Fused path on compute capability 9.0+: launch each call as a programmatic dependent of the
+  // kernel before it on the stream (CUDA programmatic dependent launch), so its blocks are
+  // already resident when that kernel completes. The call still waits for that completion before
+  // it reads or writes anything; false: plain stream order.
+  bool programmatic_launch = true;
 };
 
 // One rank's tail. run() enqueues on `stream` (GPU; capturable in a CUDA graph) or computes

@@ -25,8 +25,15 @@ int tail_fused_capacity(int hidden, bool multicast);
 // load modules lazily, at first launch), so the first call can be captured in a graph.
 void tail_preload(int hidden, bool multicast);
 
-// One fused call (see tail_protocol.hpp). `capacity` from tail_fused_capacity.
-void launch_tail_fused(const TailParams& p, int capacity, void* stream);
+// Whether `device` can launch the fused kernel as a programmatic dependent (compute capability
+// 9.0+): it then starts launching while the kernel before it on the stream finishes, and waits for
+// that kernel's completion (griddepcontrol.wait) before it reads or writes anything.
+bool tail_programmatic_launch_supported(int device);
+
+// One fused call (see tail_protocol.hpp). `capacity` from tail_fused_capacity; `programmatic`:
+// launch as a programmatic dependent of the previous kernel on the stream (only where
+// tail_programmatic_launch_supported). Captured in a CUDA graph, that becomes a programmatic edge.
+void launch_tail_fused(const TailParams& p, int capacity, void* stream, bool programmatic);
 
 // The unfused path's kernels: partial[t][*] for every row (rounded to bf16 like the fused
 // partials, stored as fp32 so the all-reduce sums in fp32 as the fused kernel does), and

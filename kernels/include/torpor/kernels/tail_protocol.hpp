@@ -22,10 +22,12 @@
 //       after the peer has seen at least one of this rank's call-(s + 1) stores (every rank
 //       receives at least one row from every source in every call, see receive_rows), and this
 //       rank issues those only after its whole call-s kernel has finished, clears included
-//       (stream order). So no clear can overwrite a next-round store, whatever the block
+//       (stream order; a call launched as a programmatic dependent touches nothing before its
+//       griddepcontrol.wait, which returns only after the previous kernel completed). So no clear can overwrite a next-round store, whatever the block
 //       scheduling, with no grid-wide barrier. (The slot of call s - 2, (s + 1) % 3, was cleared
 //       during call s - 1 and is written by peers at call s + 1: also a kernel boundary away.)
-//   I4  The control block advances inside the call (GPU: the last block to arrive; CPU: the
+//   I4  The control block advances inside the call (GPU: the grid's last block, once every block
+//       has read the control block and counted itself in through `arrived`; CPU: the
 //       rank's thread), so CUDA graph replays advance it: calls += 1, clear range of slot s % 3
 //       = rows this rank received, clear range of slot (s - 1) % 3 = empty.
 //   I5  Every wait is bounded: past the deadline (TailParams::timeout_ns, from the first poll) the
@@ -75,6 +77,7 @@ enum class TailOp : std::uint32_t {
   wait_unicast = 1,    // polling for a peer's partial stored over the peer table
   wait_multicast = 2,  // polling for a peer's partial stored through the multicast address
   control_lost = 3,    // the control block's magic was wrong (zeroed, lost, never initialised)
+  block_arrival = 4,   // GPU: the updating block waited for the call's other blocks to start
 };
 
 // Written once per failure (the first one wins: flag goes 0 -> 1 atomically), read by check().
@@ -95,7 +98,7 @@ struct TailErrorRecord {
 // and write it in place; reset() writes a fresh one.
 struct TailControl {
   std::uint32_t magic;         // tail_control_magic once initialised
-  std::uint32_t arrived;       // GPU: blocks of the running call that finished (the last resets it)
+  std::uint32_t arrived;       // GPU: blocks of the running call that have read this block (the updater resets it)
   std::uint64_t calls;         // finished calls; the next call uses slot calls % 3
   // Rows [clear_begin, clear_end) of each slot, for every source rank, that peers stored into
   // during its last use and that are not cleared yet (bytes to clear = rows * R * hidden * 2).
