@@ -16,10 +16,10 @@
 //      them with st.relaxed.sys to every destination that receives the row (or one multimem.st
 //      to the multicast address);
 //   3. receive: block b takes rows b, b + grid, ... of this rank's receive rows; each thread polls
-//      its vectors from every source in rank order (ld.relaxed.sys, until no lane is the
-//      sentinel, bounded by %globaltimer; the next source's loads are in flight while it waits
-//      on this one), sums in fp32 (I7), and for output rows writes residual_out and norm_out
-//      (block reduction with the fixed tree);
+//      its vectors from every source (ld.relaxed.sys, until no lane is the sentinel, bounded by
+//      %globaltimer; two sources' vectors at once, every pending one re-loaded in each round),
+//      sums them in rank order in fp32 (I7), and for output rows writes residual_out and
+//      norm_out (block reduction with the fixed tree);
 //   4. the last block of the grid (a send-only block whenever there are more blocks than rows,
 //      so off the critical path) waits until every block has counted itself in -- every block
 //      has read the control block -- and advances it (I4).
@@ -161,10 +161,12 @@ __device__ void record_error(TailControl* c, TailOp op, int rank, int peer, int 
 }
 
 // Send phase item: this rank's partial of row `row`, vector `vec`, rounded and sanitised. The
-// expert loads of a chunk are issued together (one memory latency per 8 experts, not one per
-// expert); the sum still runs in k order, as on the CPU.
+// expert loads of a chunk are issued together (one memory latency per `chunk` experts, not one
+// per expert); the sum still runs in k order, as on the CPU. A thread's first item, whose latency
+// every call pays, takes 8 at once; the send loop's later items take 4, which keeps the fused
+// kernel within 128 registers (2 blocks per SM) without spills.
+template <int chunk = 8>
 __device__ __forceinline__ uint4 partial_vector(const TailParams& p, int row, int vec) {
-  constexpr int chunk = 8;
   const int col = vec * tail_vector_elems;
   const uint4 sv = p.shared_out != nullptr ? load_input(p.shared_out + static_cast<std::size_t>(row) * p.hidden + col)
                                            : make_uint4(0, 0, 0, 0);  // bf16 +0.0
@@ -197,12 +199,11 @@ __device__ __forceinline__ uint4 partial_vector(const TailParams& p, int row, in
   return pack(b);
 }
 
-// This thread's residual_in and gamma vectors of a row (vectors threadIdx.x + v * T), loaded
-// before the wait so their latency hides behind it.
+// This thread's vectors (threadIdx.x + v * T) of a row of residual_in, loaded before the wait so
+// their latency hides behind it, and of gamma.
 template <int VPT>
 struct RowInputs {
   uint4 residual[VPT];
-  uint4 gamma[VPT];
 };
 
 template <int VPT>
@@ -212,11 +213,19 @@ __device__ __forceinline__ RowInputs<VPT> load_row_inputs(const TailParams& p, i
 #pragma unroll
   for (int v = 0; v < VPT; ++v) {
     const int vec = threadIdx.x + v * T;
-    if (vec >= V) continue;
-    in.residual[v] = load_input(p.residual_in + static_cast<std::size_t>(row) * p.hidden + vec * tail_vector_elems);
-    in.gamma[v] = load_input(p.gamma + vec * tail_vector_elems);
+    if (vec < V) in.residual[v] = load_input(p.residual_in + static_cast<std::size_t>(row) * p.hidden + vec * tail_vector_elems);
   }
   return in;
+}
+
+template <int VPT>
+__device__ __forceinline__ void load_gamma(const TailParams& p, uint4 (&gamma)[VPT]) {
+  const int V = p.hidden / tail_vector_elems;
+#pragma unroll
+  for (int v = 0; v < VPT; ++v) {
+    const int vec = threadIdx.x + v * T;
+    if (vec < V) gamma[v] = load_input(p.gamma + vec * tail_vector_elems);
+  }
 }
 
 // Residual + RMSNorm of one output row, given the fp32 sums of this thread's vectors. Every
@@ -224,7 +233,7 @@ __device__ __forceinline__ RowInputs<VPT> load_row_inputs(const TailParams& p, i
 // element is read, by this thread, before it is written).
 template <int VPT>
 __device__ __forceinline__ void row_epilogue(const TailParams& p, int row, float (&x)[VPT][tail_vector_elems],
-                                             const RowInputs<VPT>& in, float* s_warp) {
+                                             const RowInputs<VPT>& in, const uint4 (&gamma)[VPT], float* s_warp) {
   const int V = p.hidden / tail_vector_elems;
   const std::size_t base = static_cast<std::size_t>(row) * p.hidden;
   float ss = 0.0f;
@@ -256,7 +265,7 @@ __device__ __forceinline__ void row_epilogue(const TailParams& p, int row, float
   for (int v = 0; v < VPT; ++v) {
     const int vec = threadIdx.x + v * T;
     if (vec >= V) continue;
-    const std::uint32_t gw[4] = {in.gamma[v].x, in.gamma[v].y, in.gamma[v].z, in.gamma[v].w};
+    const std::uint32_t gw[4] = {gamma[v].x, gamma[v].y, gamma[v].z, gamma[v].w};
     std::uint16_t out[tail_vector_elems];
 #pragma unroll
     for (int j = 0; j < tail_vector_elems; ++j) {
@@ -267,23 +276,55 @@ __device__ __forceinline__ void row_epilogue(const TailParams& p, int row, float
   }
 }
 
-// This thread's vectors of `row` from source `src` in this rank's part (vectors threadIdx.x + v * T
-// of the row at `row_at`), and their first loads, issued together: one memory latency for all.
+// Sources whose vectors a receiving thread waits on together (registers: 4 * VPT each).
+constexpr int sources_together = 2;
+
+// This thread's vectors of `row` from sources src0 .. src0 + n - 1 in this rank's part (vectors
+// threadIdx.x + v * T of each source's row), loaded and then polled together: every round of
+// the wait re-loads all vectors still holding a sentinel at once, so the wait costs one memory
+// round trip after the last one lands, not one per vector (a value loaded before it landed is
+// stale; re-polling the vectors one after another would pay a round trip for each).
 template <int VPT>
-struct SourceVectors {
-  const uint4* row_at;
-  uint4 got[VPT];
+struct SourceRows {
+  const uint4* row_at[sources_together];
+  uint4 got[sources_together][VPT];
 };
 
+// -1 when every vector arrived; else the first source (rank) still missing one at the deadline.
 template <int VPT>
-__device__ __forceinline__ void load_source(const TailParams& p, const bf16* own_part, int slot, int src, int row,
-                                            SourceVectors<VPT>& sv) {
+__device__ __forceinline__ int wait_sources(const TailParams& p, const bf16* own_part, int slot, int src0, int n, int row,
+                                            SourceRows<VPT>& in, std::uint64_t& start, std::uint64_t& deadline) {
   const int V = p.hidden / tail_vector_elems;
-  sv.row_at = reinterpret_cast<const uint4*>(own_part + tail_slot_offset(slot, src, row, 0, p.ranks, p.max_tokens, p.hidden));
 #pragma unroll
-  for (int v = 0; v < VPT; ++v) {
-    const int vec = threadIdx.x + v * T;
-    if (vec < V) sv.got[v] = load_poll(sv.row_at + vec);
+  for (int g = 0; g < sources_together; ++g) {
+    if (g >= n) break;
+    in.row_at[g] =
+        reinterpret_cast<const uint4*>(own_part + tail_slot_offset(slot, src0 + g, row, 0, p.ranks, p.max_tokens, p.hidden));
+#pragma unroll
+    for (int v = 0; v < VPT; ++v)
+      if (threadIdx.x + v * T < V) in.got[g][v] = load_poll(in.row_at[g] + threadIdx.x + v * T);
+  }
+  for (;;) {
+    int missing = -1;
+#pragma unroll
+    for (int g = sources_together - 1; g >= 0; --g)
+#pragma unroll
+      for (int v = 0; v < VPT; ++v)
+        if (g < n && threadIdx.x + v * T < V && has_sentinel(in.got[g][v])) missing = src0 + g;
+    if (missing < 0) return -1;
+    const std::uint64_t now = globaltimer();
+    if (deadline == 0) {
+      start = now;
+      deadline = now + p.timeout_ns;
+    } else if (now > deadline) {
+      return missing;
+    }
+#pragma unroll
+    for (int g = 0; g < sources_together; ++g)
+#pragma unroll
+      for (int v = 0; v < VPT; ++v)
+        if (g < n && threadIdx.x + v * T < V && has_sentinel(in.got[g][v]))
+          in.got[g][v] = load_poll(in.row_at[g] + threadIdx.x + v * T);
   }
 }
 
@@ -295,6 +336,9 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
   __shared__ int s_clear_begin;
   __shared__ int s_clear_end;
   __shared__ float s_warp[W];
+  // gamma, this thread's vectors, for every row the block finishes: loaded once, and kept out of
+  // the registers the wait needs.
+  __shared__ uint4 s_gamma[VPT * T];
   TailControl* c = p.control;
 
   // Everything below may read what the kernels before this one wrote (inputs, control block).
@@ -355,7 +399,7 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
     for (long long i = gtid; i < send_items; i += gstride) {
       const int row = static_cast<int>(i / V);
       const int vec = static_cast<int>(i % V);
-      const uint4 v = i == gtid ? first : partial_vector(p, row, vec);
+      const uint4 v = i == gtid ? first : partial_vector<4>(p, row, vec);
       const std::size_t off = tail_slot_offset(slot, p.rank, row, vec * tail_vector_elems, p.ranks, p.max_tokens, p.hidden);
       if constexpr (MULTICAST) {
         store_multicast(reinterpret_cast<bf16*>(s_table[p.ranks]) + off, v);
@@ -372,6 +416,12 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
     const TailRows out = tail_output_rows(p);
     const bf16* own_part = reinterpret_cast<const bf16*>(s_table[p.rank]);
     std::uint64_t start = 0, deadline = 0;
+    if (blockIdx.x < recv.count()) {
+      uint4 gamma[VPT];
+      load_gamma<VPT>(p, gamma);
+#pragma unroll
+      for (int v = 0; v < VPT; ++v) s_gamma[v * T + threadIdx.x] = gamma[v];  // read back by this thread only
+    }
     for (int r = blockIdx.x; r < recv.count(); r += gridDim.x) {
       const int row = recv.begin + r;
       const bool output = out.contains(row);
@@ -379,41 +429,38 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
       if (output) in = load_row_inputs<VPT>(p, row);
       float x[VPT][tail_vector_elems];
       bool failed = false;
-      // Sources in rank order (I7). The next source's vectors are loaded before this one's are
-      // waited on, so two sources' loads are always in flight; only the vectors that still hold
-      // a sentinel are polled again.
-      SourceVectors<VPT> cur, next;
-      load_source<VPT>(p, own_part, slot, 0, row, cur);
-      for (int src = 0; src < p.ranks && !failed; ++src) {
-        if (src + 1 < p.ranks) load_source<VPT>(p, own_part, slot, src + 1, row, next);
-#pragma unroll
-        for (int v = 0; v < VPT; ++v) {
-          const int vec = threadIdx.x + v * T;
-          if (vec >= V || failed) continue;
-          while (has_sentinel(cur.got[v])) {
-            const std::uint64_t now = globaltimer();
-            if (deadline == 0) {
-              start = now;
-              deadline = now + p.timeout_ns;
-            } else if (now > deadline) {
-              record_error(c, MULTICAST ? TailOp::wait_multicast : TailOp::wait_unicast, p.rank, src, slot, row, s_calls,
-                           now - start, tail_control_magic);
-              failed = true;
-              break;
-            }
-            cur.got[v] = load_poll(cur.row_at + vec);
-          }
-          if (failed) break;
-          float f[tail_vector_elems];
-          unpack(cur.got[v], f);
-#pragma unroll
-          for (int j = 0; j < tail_vector_elems; ++j) x[v][j] = src == 0 ? f[j] : tail_add(x[v][j], f[j]);
+      // Sources in rank order (I7), sources_together at a time.
+      for (int src0 = 0; src0 < p.ranks && !failed; src0 += sources_together) {
+        const int n = p.ranks - src0 < sources_together ? p.ranks - src0 : sources_together;
+        SourceRows<VPT> got;
+        const int missing = wait_sources<VPT>(p, own_part, slot, src0, n, row, got, start, deadline);
+        if (missing >= 0) {
+          record_error(c, MULTICAST ? TailOp::wait_multicast : TailOp::wait_unicast, p.rank, missing, slot, row, s_calls,
+                       globaltimer() - start, tail_control_magic);
+          failed = true;
+          break;
         }
-        cur = next;
+#pragma unroll
+        for (int g = 0; g < sources_together; ++g) {
+          if (g >= n) break;
+#pragma unroll
+          for (int v = 0; v < VPT; ++v) {
+            if (threadIdx.x + v * T >= V) continue;
+            float f[tail_vector_elems];
+            unpack(got.got[g][v], f);
+#pragma unroll
+            for (int j = 0; j < tail_vector_elems; ++j) x[v][j] = src0 + g == 0 ? f[j] : tail_add(x[v][j], f[j]);
+          }
+        }
       }
       // Block-uniform: a row with any missing vector is abandoned, and so is the rest.
       if (__syncthreads_or(failed)) break;
-      if (output) row_epilogue<VPT>(p, row, x, in, s_warp);
+      if (output) {
+        uint4 gamma[VPT];
+#pragma unroll
+        for (int v = 0; v < VPT; ++v) gamma[v] = s_gamma[v * T + threadIdx.x];
+        row_epilogue<VPT>(p, row, x, in, gamma, s_warp);
+      }
     }
   }
 
@@ -470,6 +517,8 @@ __global__ void __launch_bounds__(T) tail_residual_norm_kernel(TailParams p, con
   for (int r = blockIdx.x; r < out.count(); r += gridDim.x) {
     const int row = out.begin + r;
     const RowInputs<VPT> in = load_row_inputs<VPT>(p, row);
+    uint4 gamma[VPT];
+    load_gamma<VPT>(p, gamma);
     float x[VPT][tail_vector_elems];
 #pragma unroll
     for (int v = 0; v < VPT; ++v) {
@@ -482,7 +531,7 @@ __global__ void __launch_bounds__(T) tail_residual_norm_kernel(TailParams p, con
         x[v][4] = b.x, x[v][5] = b.y, x[v][6] = b.z, x[v][7] = b.w;
       }
     }
-    row_epilogue<VPT>(p, row, x, in, s_warp);
+    row_epilogue<VPT>(p, row, x, in, gamma, s_warp);
     __syncthreads();  // s_warp is rewritten by the next row
   }
 }
