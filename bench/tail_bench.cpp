@@ -55,6 +55,7 @@ struct Options {
   int calls_per_graph = 50;
   int replays = 20;
   std::string json_path;
+  bool trace = false;
 };
 
 void cuda(cudaError_t e, const char* what) {
@@ -217,6 +218,16 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
   fusion::TailOptions so;
   so.programmatic_launch = false;
   auto fused_so = fusion::make_tail(heap, shape, so);
+  // --trace: a third fused tail that stamps its phases (kernels::TailTrace), timed apart so the
+  // stamps cannot slow the headline numbers.
+  kernels::TailTrace* trace = nullptr;
+  std::unique_ptr<fusion::Tail> traced;
+  if (o.trace) {
+    trace = static_cast<kernels::TailTrace*>(pool.allocate(sizeof(kernels::TailTrace), {"bench", MemoryClass::state, "bench.trace"}));
+    fusion::TailOptions to;
+    to.trace = trace;
+    traced = fusion::make_tail(heap, shape, to);
+  }
   fusion::TailOptions uo;
   uo.allow_fused = false;
   auto unfused = fusion::make_tail(heap, shape, uo);
@@ -273,6 +284,33 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
     const double n_us = slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] {
       nccl.all_reduce_sum_bf16(scratch, static_cast<std::size_t>(t) * o.hidden, s);
     }));
+    json trace_row;
+    if (traced) {
+      cuda(cudaMemset(trace, 0, sizeof(kernels::TailTrace)), "zero the trace");
+      cuda(cudaDeviceSynchronize(), "zero the trace");
+      const double t_us = slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { traced->run(a, ts); }));
+      traced->check();
+      kernels::TailTrace tr{};
+      cuda(cudaMemcpy(&tr, trace, sizeof tr, cudaMemcpyDeviceToHost), "read the trace");
+      const double n = static_cast<double>(tr.calls);
+      std::vector<double> phases;
+      for (auto v : tr.phase_ns) phases.push_back(static_cast<double>(v) / n / 1000.0);
+      const double gap = tr.gaps ? static_cast<double>(tr.gap_ns) / static_cast<double>(tr.gaps) / 1000.0 : 0.0;
+      const double upd = static_cast<double>(tr.updater_ns) / n / 1000.0;
+      trace_row = {{"rank", r}, {"traced_us", t_us}, {"calls", tr.calls}, {"phase_end_us", phases}, {"gap_us", gap},
+                   {"updater_us", upd}};
+      const auto all = group.all_gather(std::as_bytes(std::span<const char>(trace_row.dump().data(), trace_row.dump().size())));
+      if (r == 0)
+        for (const auto& b : all) {
+          const json tj = json::parse(std::string(reinterpret_cast<const char*>(b.data()), b.size()));
+          const auto ph = tj["phase_end_us"].get<std::vector<double>>();
+          fmt::print("  trace rank {} ({:.2f} us/call traced): block 0 from entry: waited {:.2f}, set up {:.2f}, sent {:.2f}, "
+                     "own vectors in {:.2f}, block's in {:.2f}, epilogue {:.2f}, end {:.2f}; entry - previous end {:.2f}; "
+                     "updater done {:.2f}\n",
+                     tj["rank"].get<int>(), tj["traced_us"].get<double>(), ph[0], ph[1], ph[2], ph[3], ph[4], ph[5], ph[6],
+                     tj["gap_us"].get<double>(), tj["updater_us"].get<double>());
+        }
+    }
     const double bytes = static_cast<double>(t) * o.hidden * sizeof(bf16) * (ranks - 1);
     const double gbps = bytes / (f_us * 1e-6) / 1e9;
     if (r == 0)
@@ -282,6 +320,7 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
                     {"nccl_allreduce_us", n_us},
                     {"speedup", u_us / f_us}, {"bytes_per_rank", bytes}, {"fused_gbps", gbps},
                     {"link_fraction", gbps / one_way}});
+    if (traced) rows.back()["trace_rank0"] = trace_row;  // (rank 0's own; the table printed both)
   }
   if (r == 0) {
     std::string speedups;
@@ -329,6 +368,8 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
                   static_cast<void*>(gamma), static_cast<void*>(res_out), static_cast<void*>(norm_out),
                   static_cast<void*>(scratch), static_cast<void*>(weights), src})
     pool.deallocate(p);
+  traced.reset();
+  if (trace != nullptr) pool.deallocate(trace);
   cuda(cudaStreamDestroy(s), "stream destroy");
 }
 
@@ -343,6 +384,7 @@ int main(int argc, char** argv) {
   app.add_option("--calls-per-graph", o.calls_per_graph, "calls captured in one graph");
   app.add_option("--replays", o.replays, "graph replays per measurement");
   app.add_option("--json", o.json_path, "write the results here");
+  app.add_flag("--trace", o.trace, "also time a fused tail that stamps its phases (where a call's time goes)");
   CLI11_PARSE(app, argc, argv);
   // Fork before anything touches CUDA: the parent never does.
   const Rendezvous rv = Rendezvous::create();

@@ -340,10 +340,18 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
   // the registers the wait needs.
   __shared__ uint4 s_gamma[VPT * T];
   TailControl* c = p.control;
+  // Diagnostics: thread 0 of block 0 (and of the updater) stamps its phases (TailTrace).
+  const bool tracer = p.trace != nullptr && threadIdx.x == 0 && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1);
+  __shared__ std::uint64_t stamp[tail_trace_phases + 1];  // in shared memory: no registers held
+  if (tracer) {
+    for (int i = 1; i <= tail_trace_phases; ++i) stamp[i] = 0;
+    stamp[0] = globaltimer();
+  }
 
   // Everything below may read what the kernels before this one wrote (inputs, control block).
   grid_dependency_wait();
   allow_dependent_launch();
+  if (tracer) stamp[1] = globaltimer();
 
   if (threadIdx.x == 0) {
     // 0. Read the control block. Nobody writes it during the call until every block counted in.
@@ -375,6 +383,7 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
   uint4 first = make_uint4(0, 0, 0, 0);
   if (gtid < send_items) first = partial_vector(p, gtid / V, gtid % V);
   __syncthreads();
+  if (tracer) stamp[2] = globaltimer();
 
   const int slot = static_cast<int>(s_calls % tail_slot_count);
   const int prev = (slot + tail_slot_count - 1) % tail_slot_count;
@@ -412,6 +421,8 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
       }
     }
 
+    if (tracer) stamp[3] = globaltimer();
+
     // 3. Receive: poll, sum in rank order, residual + RMSNorm for output rows.
     const TailRows out = tail_output_rows(p);
     const bf16* own_part = reinterpret_cast<const bf16*>(s_table[p.rank]);
@@ -440,6 +451,7 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
           failed = true;
           break;
         }
+        if (tracer && r == blockIdx.x) stamp[4] = globaltimer();
 #pragma unroll
         for (int g = 0; g < sources_together; ++g) {
           if (g >= n) break;
@@ -455,12 +467,14 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
       }
       // Block-uniform: a row with any missing vector is abandoned, and so is the rest.
       if (__syncthreads_or(failed)) break;
+      if (tracer && r == blockIdx.x) stamp[5] = globaltimer();
       if (output) {
         uint4 gamma[VPT];
 #pragma unroll
         for (int v = 0; v < VPT; ++v) gamma[v] = s_gamma[v * T + threadIdx.x];
         row_epilogue<VPT>(p, row, x, in, gamma, s_warp);
       }
+      if (tracer && r == blockIdx.x) stamp[6] = globaltimer();
     }
   }
 
@@ -487,6 +501,25 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
       c->calls = s_calls + 1;
     }
     c->arrived = 0;
+    if (tracer) atomicAdd(reinterpret_cast<unsigned long long*>(&p.trace->updater_ns),
+                          static_cast<unsigned long long>(globaltimer() - stamp[0]));
+  }
+  if (tracer && blockIdx.x == 0) {
+    // Calls are ordered (each waits for the last), so block 0's thread 0 is the only writer here.
+    const std::uint64_t end = globaltimer();
+    TailTrace* t = p.trace;
+    stamp[7] = end;
+    std::uint64_t last = stamp[0];  // a phase this block skipped ends where the one before did
+    for (int i = 1; i <= tail_trace_phases; ++i) {
+      if (stamp[i] != 0) last = stamp[i];
+      t->phase_ns[i - 1] += last - stamp[0];
+    }
+    if (t->last_end != 0) {
+      t->gap_ns += static_cast<std::int64_t>(stamp[0]) - static_cast<std::int64_t>(t->last_end);
+      t->gaps += 1;
+    }
+    t->last_end = end;
+    t->calls += 1;
   }
 }
 

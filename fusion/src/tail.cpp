@@ -122,6 +122,7 @@ kernels::TailParams TailBase::params(const TailArgs& a, Stream stream) const {
   p.eps = shape_.eps;
   p.reduce_scatter = shape_.mode == TailMode::reduce_scatter;
   p.timeout_ns = static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(options_.wait_timeout).count());
+  p.trace = static_cast<kernels::TailTrace*>(options_.trace);
   return p;
 }
 

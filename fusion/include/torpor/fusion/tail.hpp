@@ -81,6 +81,9 @@ struct TailOptions {
   // already resident when that kernel completes. The call still waits for that completion before
   // it reads or writes anything; false: plain stream order.
   bool programmatic_launch = true;
+  // Diagnostics (fused path on a GPU): a device buffer holding a zeroed kernels::TailTrace,
+  // into which every call adds where its time went (torpor_bench_tail --trace). nullptr: off.
+  void* trace = nullptr;
 };
 
 // One rank's tail. run() enqueues on `stream` (GPU; capturable in a CUDA graph) or computes

@@ -130,6 +130,23 @@ TORPOR_HD int tail_token_owner(int t, int tokens, int ranks) {
   return static_cast<int>((static_cast<long long>(ranks) * (t + 1) - 1) / tokens);
 }
 
+// Diagnostics for tuning (GPU only; torpor_bench_tail --trace): where the fused kernel's time
+// goes. Thread 0 of block 0 (it sends and receives row 0) adds, every call, the %globaltimer
+// nanoseconds from its entry to the end of each phase; the grid's last block adds the time from
+// its entry to its control-block update. All sums over `calls`.
+inline constexpr int tail_trace_phases = 7;
+struct TailTrace {
+  std::uint64_t calls;
+  // after griddepcontrol.wait, after the control read and first partial, after clear + send,
+  // after this thread's vectors arrived, after the whole block's arrived, after the epilogue,
+  // at the block's end
+  std::uint64_t phase_ns[tail_trace_phases];
+  std::int64_t gap_ns;     // entry minus the previous call's block-0 end (negative: launched early)
+  std::uint64_t gaps;      // calls that had a previous one
+  std::uint64_t last_end;  // %globaltimer at the previous call's block-0 end
+  std::uint64_t updater_ns;
+};
+
 // Everything one rank's call needs, for the kernel and for the CPU reference. Tensor pointers
 // are this rank's (device memory on the GPU; CPU addresses on the host backend).
 struct TailParams {
@@ -152,6 +169,7 @@ struct TailParams {
   const std::uint64_t* peer_table = nullptr;  // ranks + 1 entries
   TailControl* control = nullptr;
   std::uint64_t timeout_ns = 0;
+  TailTrace* trace = nullptr;  // diagnostics only (GPU): nullptr = no tracing
 };
 
 // Rows this rank receives (and therefore clears next call): its share in reduce-scatter mode,
