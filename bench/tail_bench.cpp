@@ -298,7 +298,10 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
       const double gap = tr.gaps ? static_cast<double>(tr.gap_ns) / static_cast<double>(tr.gaps) / 1000.0 : 0.0;
       const double upd = static_cast<double>(tr.updater_ns) / n / 1000.0;
       trace_row = {{"rank", r}, {"traced_us", t_us}, {"calls", tr.calls}, {"phase_end_us", phases}, {"gap_us", gap},
-                   {"updater_us", upd}};
+                   {"updater_us", upd},
+                   {"source_in_us", {static_cast<double>(tr.source_in_ns[0]) / n / 1000.0,
+                                     static_cast<double>(tr.source_in_ns[1]) / n / 1000.0}},
+                   {"sm_ghz", static_cast<double>(tr.cycles) / (phases[6] * 1000.0 * n)}};
       const auto all = group.all_gather(std::as_bytes(std::span<const char>(trace_row.dump().data(), trace_row.dump().size())));
       if (r == 0)
         for (const auto& b : all) {
@@ -306,9 +309,10 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
           const auto ph = tj["phase_end_us"].get<std::vector<double>>();
           fmt::print("  trace rank {} ({:.2f} us/call traced): block 0 from entry: waited {:.2f}, set up {:.2f}, sent {:.2f}, "
                      "own vectors in {:.2f}, block's in {:.2f}, epilogue {:.2f}, end {:.2f}; entry - previous end {:.2f}; "
-                     "updater done {:.2f}\n",
+                     "updater done {:.2f}; rank 0's vectors in {:.2f}, rank 1's {:.2f}; SM clock {:.2f} GHz\n",
                      tj["rank"].get<int>(), tj["traced_us"].get<double>(), ph[0], ph[1], ph[2], ph[3], ph[4], ph[5], ph[6],
-                     tj["gap_us"].get<double>(), tj["updater_us"].get<double>());
+                     tj["gap_us"].get<double>(), tj["updater_us"].get<double>(), tj["source_in_us"][0].get<double>(),
+                     tj["source_in_us"][1].get<double>(), tj["sm_ghz"].get<double>());
         }
     }
     const double bytes = static_cast<double>(t) * o.hidden * sizeof(bf16) * (ranks - 1);

@@ -33,6 +33,7 @@
 // for a remote store's acknowledgement inside the kernel.
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <string>
 
 #include "torpor/error.hpp"
@@ -293,7 +294,8 @@ struct SourceRows {
 // -1 when every vector arrived; else the first source (rank) still missing one at the deadline.
 template <int VPT>
 __device__ __forceinline__ int wait_sources(const TailParams& p, const bf16* own_part, int slot, int src0, int n, int row,
-                                            SourceRows<VPT>& in, std::uint64_t& start, std::uint64_t& deadline) {
+                                            SourceRows<VPT>& in, std::uint64_t& start, std::uint64_t& deadline,
+                                            std::uint64_t* arrival) {
   const int V = p.hidden / tail_vector_elems;
 #pragma unroll
   for (int g = 0; g < sources_together; ++g) {
@@ -311,6 +313,17 @@ __device__ __forceinline__ int wait_sources(const TailParams& p, const bf16* own
 #pragma unroll
       for (int v = 0; v < VPT; ++v)
         if (g < n && threadIdx.x + v * T < V && has_sentinel(in.got[g][v])) missing = src0 + g;
+    if (arrival != nullptr) {  // diagnostics: when each source's vectors were all in
+      const std::uint64_t t = globaltimer();
+#pragma unroll
+      for (int g = 0; g < sources_together; ++g) {
+        bool in_g = g < n && src0 + g < 2;
+#pragma unroll
+        for (int v = 0; v < VPT; ++v)
+          if (threadIdx.x + v * T < V && has_sentinel(in.got[g][v])) in_g = false;
+        if (in_g && arrival[src0 + g] == 0) arrival[src0 + g] = t;
+      }
+    }
     if (missing < 0) return -1;
     const std::uint64_t now = globaltimer();
     if (deadline == 0) {
@@ -328,6 +341,9 @@ __device__ __forceinline__ int wait_sources(const TailParams& p, const bf16* own
   }
 }
 
+static_assert(offsetof(TailControl, error) + offsetof(TailErrorRecord, flag) + 4 <= 48 && alignof(TailControl) >= 16,
+              "the fused kernel reads the control block's header as three 16-byte loads");
+
 template <int VPT, bool MULTICAST>
 __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
   __shared__ std::uint64_t s_table[tail_max_ranks + 1];
@@ -343,8 +359,12 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
   // Diagnostics: thread 0 of block 0 (and of the updater) stamps its phases (TailTrace).
   const bool tracer = p.trace != nullptr && threadIdx.x == 0 && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1);
   __shared__ std::uint64_t stamp[tail_trace_phases + 1];  // in shared memory: no registers held
+  __shared__ std::uint64_t source_stamp[2];
+  __shared__ long long cycle_stamp;
   if (tracer) {
     for (int i = 1; i <= tail_trace_phases; ++i) stamp[i] = 0;
+    source_stamp[0] = source_stamp[1] = 0;
+    cycle_stamp = clock64();
     stamp[0] = globaltimer();
   }
 
@@ -354,12 +374,23 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
   if (tracer) stamp[1] = globaltimer();
 
   if (threadIdx.x == 0) {
-    // 0. Read the control block. Nobody writes it during the call until every block counted in.
-    const std::uint32_t magic = *reinterpret_cast<volatile std::uint32_t*>(&c->magic);
-    const std::uint64_t calls = c->calls;
+    // 0. Read the control block (its first 48 bytes, in three independent loads: one memory
+    //    latency, not one per dependent field). Nobody writes it until every block counted in.
+    const uint4* cw = reinterpret_cast<const uint4*>(c);
+    const uint4 w0 = __ldcg(cw), w1 = __ldcg(cw + 1), w2 = __ldcg(cw + 2);
+    const std::uint32_t words[12] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w, w2.x, w2.y, w2.z, w2.w};
+    const std::uint32_t magic = words[offsetof(TailControl, magic) / 4];
+    const std::uint64_t calls = static_cast<std::uint64_t>(words[offsetof(TailControl, calls) / 4]) |
+                                (static_cast<std::uint64_t>(words[offsetof(TailControl, calls) / 4 + 1]) << 32);
     const int prev = static_cast<int>((calls + tail_slot_count - 1) % tail_slot_count);
-    const std::uint32_t cb = c->clear_begin[prev], ce = c->clear_end[prev];
-    const std::uint32_t failed_before = *reinterpret_cast<volatile std::uint32_t*>(&c->error.flag);
+    std::uint32_t cb = 0, ce = 0;
+#pragma unroll
+    for (int i = 0; i < tail_slot_count; ++i)
+      if (i == prev) {
+        cb = words[offsetof(TailControl, clear_begin) / 4 + i];
+        ce = words[offsetof(TailControl, clear_end) / 4 + i];
+      }
+    const std::uint32_t failed_before = words[(offsetof(TailControl, error) + offsetof(TailErrorRecord, flag)) / 4];
     count_in(&c->arrived);
     int ok = 1;
     if (magic != tail_control_magic || cb > ce || ce > static_cast<std::uint32_t>(p.max_tokens)) {
@@ -379,7 +410,7 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
   const int V = p.hidden / tail_vector_elems;
   const int gtid = blockIdx.x * T + threadIdx.x;
   const int gstride = gridDim.x * T;
-  const long long send_items = static_cast<long long>(p.tokens) * V;
+  const int send_items = p.tokens * V;
   uint4 first = make_uint4(0, 0, 0, 0);
   if (gtid < send_items) first = partial_vector(p, gtid / V, gtid % V);
   __syncthreads();
@@ -392,22 +423,19 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
   if (s_ok) {
     // 1. Clear this rank's part of the previous slot (I3).
     uint4* own = reinterpret_cast<uint4*>(s_table[p.rank]);
-    const int rows = s_clear_end - s_clear_begin;
-    const long long clear_items = static_cast<long long>(p.ranks) * rows * V;
+    // Rows [clear_begin, clear_end) of one source are contiguous in the slot: plain strided
+    // stores per source, no index arithmetic beyond an add.
+    const int clear_vectors = (s_clear_end - s_clear_begin) * V;
     const uint4 sentinel = make_uint4(tail_sentinel_pair, tail_sentinel_pair, tail_sentinel_pair, tail_sentinel_pair);
-    for (long long i = gtid; i < clear_items; i += gstride) {
-      const int src = static_cast<int>(i / (static_cast<long long>(rows) * V));
-      const int rem = static_cast<int>(i % (static_cast<long long>(rows) * V));
-      const int row = s_clear_begin + rem / V;
-      const int vec = rem % V;
-      own[tail_slot_offset(prev, src, row, vec * tail_vector_elems, p.ranks, p.max_tokens, p.hidden) /
-          tail_vector_elems] = sentinel;
+    for (int src = 0; src < p.ranks && clear_vectors > 0; ++src) {
+      uint4* rows = own + tail_slot_offset(prev, src, s_clear_begin, 0, p.ranks, p.max_tokens, p.hidden) / tail_vector_elems;
+      for (int i = gtid; i < clear_vectors; i += gstride) rows[i] = sentinel;
     }
 
     // 2. Send this rank's partial rows.
-    for (long long i = gtid; i < send_items; i += gstride) {
-      const int row = static_cast<int>(i / V);
-      const int vec = static_cast<int>(i % V);
+    for (int i = gtid; i < send_items; i += gstride) {  // tokens * hidden / 8 fits an int
+      const int row = i / V;
+      const int vec = i - row * V;
       const uint4 v = i == gtid ? first : partial_vector<4>(p, row, vec);
       const std::size_t off = tail_slot_offset(slot, p.rank, row, vec * tail_vector_elems, p.ranks, p.max_tokens, p.hidden);
       if constexpr (MULTICAST) {
@@ -444,7 +472,8 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
       for (int src0 = 0; src0 < p.ranks && !failed; src0 += sources_together) {
         const int n = p.ranks - src0 < sources_together ? p.ranks - src0 : sources_together;
         SourceRows<VPT> got;
-        const int missing = wait_sources<VPT>(p, own_part, slot, src0, n, row, got, start, deadline);
+        const int missing = wait_sources<VPT>(p, own_part, slot, src0, n, row, got, start, deadline,
+                                              tracer && blockIdx.x == 0 && r == 0 ? source_stamp : nullptr);
         if (missing >= 0) {
           record_error(c, MULTICAST ? TailOp::wait_multicast : TailOp::wait_unicast, p.rank, missing, slot, row, s_calls,
                        globaltimer() - start, tail_control_magic);
@@ -520,6 +549,9 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
     }
     t->last_end = end;
     t->calls += 1;
+    for (int i = 0; i < 2; ++i)
+      if (source_stamp[i] != 0) t->source_in_ns[i] += source_stamp[i] - stamp[0];
+    t->cycles += static_cast<std::uint64_t>(clock64() - cycle_stamp);
   }
 }
 

@@ -96,7 +96,7 @@ struct TailErrorRecord {
 
 // One per rank, in its own device memory. Plain data: the kernels and the CPU reference read
 // and write it in place; reset() writes a fresh one.
-struct TailControl {
+struct alignas(16) TailControl {
   std::uint32_t magic;         // tail_control_magic once initialised
   std::uint32_t arrived;       // GPU: blocks of the running call that have read this block (the updater resets it)
   std::uint64_t calls;         // finished calls; the next call uses slot calls % 3
@@ -145,6 +145,8 @@ struct TailTrace {
   std::uint64_t gaps;      // calls that had a previous one
   std::uint64_t last_end;  // %globaltimer at the previous call's block-0 end
   std::uint64_t updater_ns;
+  std::uint64_t source_in_ns[2];  // from entry until thread 0's vectors of row 0 from rank 0 / rank 1 were all in
+  std::uint64_t cycles;           // clock64 from entry to end (cycles / ns = the SM clock in GHz)
 };
 
 // Everything one rank's call needs, for the kernel and for the CPU reference. Tensor pointers
