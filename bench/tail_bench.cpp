@@ -40,6 +40,7 @@ namespace torpor::bench {
 void launch_peer_store(void* dst, const void* src, std::size_t bytes, int blocks, void* stream);
 void launch_ping_pong(void* own, void* peer, int rounds, bool starter, void* stream);
 void launch_empty(int blocks, bool programmatic, void* stream);
+void load_latency(const void* p, int scope, double* ns_per_load, double* timer_step_ns);
 }
 
 namespace {
@@ -201,6 +202,11 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
   const auto both = gather(group, link_gbps(group, s, link.peer(1 - r), src, link_bytes, true));
   // Rank 0's view of the round trip (rank 1's kernel starts a little later and waits less).
   const double latency_us = gather(group, one_way_latency_us(group, s, link.local(), link.peer(1 - r), r))[0];
+  // One thread's dependent loads: local at system and GPU scope, the peer's at system scope.
+  double sys_local_ns = 0, gpu_local_ns = 0, sys_peer_ns = 0, timer_step_ns = 0;
+  bench::load_latency(link.local(), 0, &sys_local_ns, &timer_step_ns);
+  bench::load_latency(link.local(), 1, &gpu_local_ns, &timer_step_ns);
+  bench::load_latency(link.peer(1 - r), 0, &sys_peer_ns, &timer_step_ns);
   // An empty kernel of the fused kernel's grid at 8 tokens (28 blocks at hidden 7168).
   const int empty_blocks = (8 * o.hidden / 8 + 255) / 256;
   const double empty_so_us =
@@ -260,6 +266,9 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
     fmt::print("link (SM stores to the peer's memory): {:.1f} GB/s one way alone, {:.1f} + {:.1f} GB/s both ways at once\n",
                one_way, both[0], both[1]);
     fmt::print("store seen by the peer (ping-pong): {:.2f} us one way\n", latency_us);
+    fmt::print("one thread's dependent loads: local {:.0f} ns (.sys), {:.0f} ns (.gpu); the peer's {:.0f} ns (.sys); "
+               "globaltimer step {:.0f} ns\n",
+               sys_local_ns, gpu_local_ns, sys_peer_ns, timer_step_ns);
     fmt::print("empty kernel ({} blocks) per call in a graph: {:.2f} us in stream order, {:.2f} us as a programmatic dependent\n",
                empty_blocks, empty_so_us, empty_pdl_us);
     fmt::print("{:>6} {:>10} {:>12} {:>11} {:>10} {:>8} {:>11} {:>10} {:>7}\n", "tokens", "fused us", "fused-so us",
@@ -357,6 +366,8 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
                 {"link_gbps_one_way", one_way},
                 {"link_gbps_both_ways", both},
                 {"peer_store_latency_us", latency_us},
+                {"load_latency_ns", {{"local_sys", sys_local_ns}, {"local_gpu", gpu_local_ns}, {"peer_sys", sys_peer_ns}}},
+                {"globaltimer_step_ns", timer_step_ns},
                 {"empty_kernel_blocks", empty_blocks},
                 {"empty_kernel_us", {{"stream_order", empty_so_us}, {"programmatic", empty_pdl_us}}},
                 {"rows", rows},

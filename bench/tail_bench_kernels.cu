@@ -4,6 +4,9 @@
 //   ping-pong  one thread per GPU bouncing a counter through the peer's memory (st.relaxed.sys
 //              to the peer, ld.relaxed.sys polling its own): the one-way latency of a store seen
 //              by the peer, the floor under any Lamport exchange;
+//   loads      one thread's dependent loads of one word (local memory at system and GPU scope,
+//              the peer's at system scope): the round trip a Lamport poll pays per round; and
+//              the smallest step of %globaltimer, the clock the tail's --trace reads;
 //   empty      a kernel that does nothing, optionally launched as a programmatic dependent
 //              (what the fused tail does): the per-call cost of a kernel boundary in a graph.
 #include <cuda_runtime.h>
@@ -49,6 +52,37 @@ __global__ void ping_pong_kernel(std::uint32_t* own, std::uint32_t* peer, int ro
   }
 }
 
+__device__ __forceinline__ std::uint64_t globaltimer() {
+  std::uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// out[0]: ns for `n` dependent loads of *p (the next address depends on the last value through
+// an `and` with zero the compiler cannot fold); out[1]: the last value (keeps the loads alive);
+// out[2]: the smallest non-zero step between two reads of %globaltimer.
+template <int SCOPE>
+__global__ void load_latency_kernel(const std::uint32_t* p, int n, std::uint64_t* out) {
+  std::uint32_t v = 0, zero = 0;
+  const std::uint64_t t0 = globaltimer();
+  for (int i = 0; i < n; ++i) {
+    const std::uint32_t* a = p + zero;
+    if constexpr (SCOPE == 0) asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(a) : "memory");
+    if constexpr (SCOPE == 1) asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(a) : "memory");
+    asm volatile("and.b32 %0, %1, 0;" : "=r"(zero) : "r"(v));
+  }
+  const std::uint64_t t1 = globaltimer();
+  std::uint64_t step = ~std::uint64_t{0}, last = globaltimer();
+  for (int i = 0; i < 100000; ++i) {
+    const std::uint64_t now = globaltimer();
+    if (now != last && now - last < step) step = now - last;
+    last = now;
+  }
+  out[0] = t1 - t0;
+  out[1] = v;
+  out[2] = step;
+}
+
 __global__ void empty_kernel() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -68,6 +102,25 @@ void launch_ping_pong(void* own, void* peer, int rounds, bool starter, void* str
   ping_pong_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<std::uint32_t*>(own),
                                                                    static_cast<std::uint32_t*>(peer), rounds, starter);
   check_launch("ping_pong_kernel");
+}
+
+// ns per dependent load at system (scope 0) or GPU (scope 1) scope, and the globaltimer step;
+// synchronous (a probe, run once).
+void load_latency(const void* p, int scope, double* ns_per_load, double* timer_step_ns) {
+  constexpr int n = 4000;
+  std::uint64_t* out = nullptr;
+  cudaError_t e = cudaMalloc(&out, 3 * sizeof(std::uint64_t));
+  if (e == cudaSuccess) {
+    if (scope == 0) load_latency_kernel<0><<<1, 1>>>(static_cast<const std::uint32_t*>(p), n, out);
+    else load_latency_kernel<1><<<1, 1>>>(static_cast<const std::uint32_t*>(p), n, out);
+    e = cudaGetLastError();
+  }
+  std::uint64_t host[3] = {};
+  if (e == cudaSuccess) e = cudaMemcpy(host, out, sizeof host, cudaMemcpyDeviceToHost);
+  if (out != nullptr) (void)cudaFree(out);
+  if (e != cudaSuccess) throw std::runtime_error(std::string("load_latency_kernel: ") + cudaGetErrorString(e));
+  *ns_per_load = static_cast<double>(host[0]) / n;
+  *timer_step_ns = static_cast<double>(host[2]);
 }
 
 void launch_empty(int blocks, bool programmatic, void* stream) {

@@ -10,11 +10,11 @@
 //      later call a no-op until reset), call count -> slot, and the rows of the previous slot
 //      still to clear, then counts its block in (control.arrived); meanwhile every thread
 //      computes its first partial (inputs only);
-//   1. clear (I3): every block clears its share of the previous slot's rows in this rank's part;
-//   2. send: items (row, 16-byte vector) over the whole grid; each computes 8 elements of this
+//   1. send: items (row, 16-byte vector) over the whole grid; each computes 8 elements of this
 //      rank's partial in fp32 (tail_partial_element), rounds to bf16, sanitises (I2) and stores
 //      them with st.relaxed.sys to every destination that receives the row (or one multimem.st
 //      to the multicast address);
+//   2. clear (I3): every block clears its share of the previous slot's rows in this rank's part;
 //   3. receive: block b takes rows b, b + grid, ... of this rank's receive rows; each thread polls
 //      its vectors from every source (ld.relaxed.sys, until no lane is the sentinel, bounded by
 //      %globaltimer; two sources' vectors at once, every pending one re-loaded in each round),
@@ -28,9 +28,10 @@
 // must see before it writes the cleared slot again; with a programmatic launch, call s + 1 does
 // nothing before its griddepcontrol.wait, which returns only once call s has completed and its
 // memory operations are visible). Pollers read the data with the same load that checks for the
-// sentinel, so there is no flag/data ordering to get wrong. The only fence-like operations are
-// the release increment of control.arrived and the updater's acquire load of it: nothing waits
-// for a remote store's acknowledgement inside the kernel.
+// sentinel, so there is no flag/data ordering to get wrong. The block count (control.arrived) is
+// incremented only after the control reads returned (a data dependency, see count_in_after) and
+// read by the updater with ld.acquire: no fence, and nothing waits for a remote store's
+// acknowledgement inside the kernel.
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -79,10 +80,16 @@ __device__ __forceinline__ void allow_dependent_launch() {
 #endif
 }
 
-// Counting a block in after its control-block reads: release, so the reads are done before the
-// updater can see the count and overwrite what they read.
-__device__ __forceinline__ void count_in(std::uint32_t* counter) {
-  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+// Counting a block in once its control-block reads have returned, so that the updater, which
+// overwrites the block only after seeing every count, cannot change what they read. The increment
+// is computed from a value those reads returned (an `and` with zero the compiler cannot fold), so
+// it cannot be issued before they are back. No release fence: red.release compiles to a
+// MEMBAR.GPU that held thread 0 -- and with it the whole block at the next barrier -- for about
+// a microsecond per call (measured with the bench's --trace).
+__device__ __forceinline__ void count_in_after(std::uint32_t* counter, std::uint32_t read_value) {
+  std::uint32_t zero;
+  asm volatile("and.b32 %0, %1, 0;" : "=r"(zero) : "r"(read_value));
+  asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(counter), "r"(1u + zero) : "memory");
 }
 __device__ __forceinline__ std::uint32_t load_acquire(const std::uint32_t* p) {
   std::uint32_t v;
@@ -391,7 +398,7 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
         ce = words[offsetof(TailControl, clear_end) / 4 + i];
       }
     const std::uint32_t failed_before = words[(offsetof(TailControl, error) + offsetof(TailErrorRecord, flag)) / 4];
-    count_in(&c->arrived);
+    count_in_after(&c->arrived, w0.x ^ w1.x ^ w2.x);
     int ok = 1;
     if (magic != tail_control_magic || cb > ce || ce > static_cast<std::uint32_t>(p.max_tokens)) {
       record_error(c, TailOp::control_lost, p.rank, -1, -1, -1, calls, 0, magic);
@@ -421,18 +428,7 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
   const TailRows recv = tail_receive_rows(p);
 
   if (s_ok) {
-    // 1. Clear this rank's part of the previous slot (I3).
-    uint4* own = reinterpret_cast<uint4*>(s_table[p.rank]);
-    // Rows [clear_begin, clear_end) of one source are contiguous in the slot: plain strided
-    // stores per source, no index arithmetic beyond an add.
-    const int clear_vectors = (s_clear_end - s_clear_begin) * V;
-    const uint4 sentinel = make_uint4(tail_sentinel_pair, tail_sentinel_pair, tail_sentinel_pair, tail_sentinel_pair);
-    for (int src = 0; src < p.ranks && clear_vectors > 0; ++src) {
-      uint4* rows = own + tail_slot_offset(prev, src, s_clear_begin, 0, p.ranks, p.max_tokens, p.hidden) / tail_vector_elems;
-      for (int i = gtid; i < clear_vectors; i += gstride) rows[i] = sentinel;
-    }
-
-    // 2. Send this rank's partial rows.
+    // 1. Send this rank's partial rows.
     for (int i = gtid; i < send_items; i += gstride) {  // tokens * hidden / 8 fits an int
       const int row = i / V;
       const int vec = i - row * V;
@@ -447,6 +443,18 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
           store_peer(reinterpret_cast<uint4*>(reinterpret_cast<bf16*>(s_table[d]) + off), v);
         }
       }
+    }
+
+    // 2. Clear this rank's part of the previous slot (I3). After the send, which the peers are
+    //    waiting for; before the kernel ends, which is all I3 needs.
+    uint4* own = reinterpret_cast<uint4*>(s_table[p.rank]);
+    // Rows [clear_begin, clear_end) of one source are contiguous in the slot: plain strided
+    // stores per source, no index arithmetic beyond an add.
+    const int clear_vectors = (s_clear_end - s_clear_begin) * V;
+    const uint4 sentinel = make_uint4(tail_sentinel_pair, tail_sentinel_pair, tail_sentinel_pair, tail_sentinel_pair);
+    for (int src = 0; src < p.ranks && clear_vectors > 0; ++src) {
+      uint4* rows = own + tail_slot_offset(prev, src, s_clear_begin, 0, p.ranks, p.max_tokens, p.hidden) / tail_vector_elems;
+      for (int i = gtid; i < clear_vectors; i += gstride) rows[i] = sentinel;
     }
 
     if (tracer) stamp[3] = globaltimer();
