@@ -39,7 +39,7 @@
 namespace torpor::bench {
 void launch_peer_store(void* dst, const void* src, std::size_t bytes, int blocks, void* stream);
 void launch_ping_pong(void* own, void* peer, int rounds, bool starter, void* stream);
-void launch_empty(int blocks, bool programmatic, void* stream);
+void launch_empty(int blocks, int threads, bool programmatic, void* stream);
 void load_latency(const void* p, int scope, double* ns_per_load, double* timer_step_ns);
 }
 
@@ -207,12 +207,12 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
   bench::load_latency(link.local(), 0, &sys_local_ns, &timer_step_ns);
   bench::load_latency(link.local(), 1, &gpu_local_ns, &timer_step_ns);
   bench::load_latency(link.peer(1 - r), 0, &sys_peer_ns, &timer_step_ns);
-  // An empty kernel of the fused kernel's grid at 8 tokens (28 blocks at hidden 7168).
-  const int empty_blocks = (8 * o.hidden / 8 + 255) / 256;
+  // An empty kernel of the fused kernel's grid at 8 tokens.
+  const int empty_blocks = (8 * o.hidden / 8 + kernels::tail_block_threads - 1) / kernels::tail_block_threads;
   const double empty_so_us =
-      slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { bench::launch_empty(empty_blocks, false, s); }));
+      slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { bench::launch_empty(empty_blocks, kernels::tail_block_threads, false, s); }));
   const double empty_pdl_us =
-      slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { bench::launch_empty(empty_blocks, true, s); }));
+      slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { bench::launch_empty(empty_blocks, kernels::tail_block_threads, true, s); }));
 
   // The tails and their tensors.
   fusion::TailShape shape;
@@ -306,22 +306,34 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
       for (auto v : tr.phase_ns) phases.push_back(static_cast<double>(v) / n / 1000.0);
       const double gap = tr.gaps ? static_cast<double>(tr.gap_ns) / static_cast<double>(tr.gaps) / 1000.0 : 0.0;
       const double upd = static_cast<double>(tr.updater_ns) / n / 1000.0;
-      trace_row = {{"rank", r}, {"traced_us", t_us}, {"calls", tr.calls}, {"phase_end_us", phases}, {"gap_us", gap},
-                   {"updater_us", upd},
+      static const char* names[kernels::tail_trace_phases] = {"waited", "control read", "partial", "set up", "sent",
+                                                              "cleared", "vectors in", "block's in", "epilogue", "end"};
+      json named = json::object();
+      for (int k = 0; k < kernels::tail_trace_phases; ++k) named[names[k]] = phases[static_cast<std::size_t>(k)];
+      trace_row = {{"rank", r},
+                   {"traced_us", t_us},
+                   {"calls", tr.calls},
+                   {"block0_us_from_entry", named},
+                   {"entry_minus_previous_end_us", gap},
+                   {"updater_done_us", upd},
                    {"source_in_us", {static_cast<double>(tr.source_in_ns[0]) / n / 1000.0,
                                      static_cast<double>(tr.source_in_ns[1]) / n / 1000.0}},
-                   {"sm_ghz", static_cast<double>(tr.cycles) / (phases[6] * 1000.0 * n)}};
-      const auto all = group.all_gather(std::as_bytes(std::span<const char>(trace_row.dump().data(), trace_row.dump().size())));
+                   {"poll_rounds", static_cast<double>(tr.poll_rounds) / n},
+                   {"sm_ghz", static_cast<double>(tr.cycles) / (phases.back() * 1000.0 * n)}};
+      const std::string mine = trace_row.dump();
+      const auto all = group.all_gather(std::as_bytes(std::span<const char>(mine.data(), mine.size())));
       if (r == 0)
         for (const auto& b : all) {
           const json tj = json::parse(std::string(reinterpret_cast<const char*>(b.data()), b.size()));
-          const auto ph = tj["phase_end_us"].get<std::vector<double>>();
-          fmt::print("  trace rank {} ({:.2f} us/call traced): block 0 from entry: waited {:.2f}, set up {:.2f}, sent {:.2f}, "
-                     "own vectors in {:.2f}, block's in {:.2f}, epilogue {:.2f}, end {:.2f}; entry - previous end {:.2f}; "
-                     "updater done {:.2f}; rank 0's vectors in {:.2f}, rank 1's {:.2f}; SM clock {:.2f} GHz\n",
-                     tj["rank"].get<int>(), tj["traced_us"].get<double>(), ph[0], ph[1], ph[2], ph[3], ph[4], ph[5], ph[6],
-                     tj["gap_us"].get<double>(), tj["updater_us"].get<double>(), tj["source_in_us"][0].get<double>(),
-                     tj["source_in_us"][1].get<double>(), tj["sm_ghz"].get<double>());
+          std::string line;
+          for (int k = 0; k < kernels::tail_trace_phases; ++k)
+            line += fmt::format("{}{} {:.2f}", k ? ", " : "", names[k], tj["block0_us_from_entry"][names[k]].get<double>());
+          fmt::print("  trace rank {} ({:.2f} us/call traced), block 0 from entry: {}; entry - previous end {:.2f}; updater "
+                     "done {:.2f}; rank 0's vectors in {:.2f}, rank 1's {:.2f}; {:.1f} poll rounds; SM clock {:.2f} GHz\n",
+                     tj["rank"].get<int>(), tj["traced_us"].get<double>(), line,
+                     tj["entry_minus_previous_end_us"].get<double>(), tj["updater_done_us"].get<double>(),
+                     tj["source_in_us"][0].get<double>(), tj["source_in_us"][1].get<double>(),
+                     tj["poll_rounds"].get<double>(), tj["sm_ghz"].get<double>());
         }
     }
     const double bytes = static_cast<double>(t) * o.hidden * sizeof(bf16) * (ranks - 1);

@@ -58,18 +58,18 @@ __device__ __forceinline__ std::uint64_t globaltimer() {
   return t;
 }
 
-// out[0]: ns for `n` dependent loads of *p (the next address depends on the last value through
-// an `and` with zero the compiler cannot fold); out[1]: the last value (keeps the loads alive);
-// out[2]: the smallest non-zero step between two reads of %globaltimer.
+// out[0]: ns for `n` dependent loads of *p (the next address depends on the last value, masked
+// with `mask`, which is 0 at run time: the compiler cannot drop the dependency); out[1]: the last
+// value (keeps the loads alive); out[2]: the smallest non-zero step between two reads of
+// %globaltimer.
 template <int SCOPE>
-__global__ void load_latency_kernel(const std::uint32_t* p, int n, std::uint64_t* out) {
-  std::uint32_t v = 0, zero = 0;
+__global__ void load_latency_kernel(const std::uint32_t* p, int n, std::uint32_t mask, std::uint64_t* out) {
+  std::uint32_t v = 0;
   const std::uint64_t t0 = globaltimer();
   for (int i = 0; i < n; ++i) {
-    const std::uint32_t* a = p + zero;
+    const std::uint32_t* a = p + (v & mask);
     if constexpr (SCOPE == 0) asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(a) : "memory");
     if constexpr (SCOPE == 1) asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(a) : "memory");
-    asm volatile("and.b32 %0, %1, 0;" : "=r"(zero) : "r"(v));
   }
   const std::uint64_t t1 = globaltimer();
   std::uint64_t step = ~std::uint64_t{0}, last = globaltimer();
@@ -111,8 +111,8 @@ void load_latency(const void* p, int scope, double* ns_per_load, double* timer_s
   std::uint64_t* out = nullptr;
   cudaError_t e = cudaMalloc(&out, 3 * sizeof(std::uint64_t));
   if (e == cudaSuccess) {
-    if (scope == 0) load_latency_kernel<0><<<1, 1>>>(static_cast<const std::uint32_t*>(p), n, out);
-    else load_latency_kernel<1><<<1, 1>>>(static_cast<const std::uint32_t*>(p), n, out);
+    if (scope == 0) load_latency_kernel<0><<<1, 1>>>(static_cast<const std::uint32_t*>(p), n, 0u, out);
+    else load_latency_kernel<1><<<1, 1>>>(static_cast<const std::uint32_t*>(p), n, 0u, out);
     e = cudaGetLastError();
   }
   std::uint64_t host[3] = {};
@@ -123,13 +123,13 @@ void load_latency(const void* p, int scope, double* ns_per_load, double* timer_s
   *timer_step_ns = static_cast<double>(host[2]);
 }
 
-void launch_empty(int blocks, bool programmatic, void* stream) {
+void launch_empty(int blocks, int threads, bool programmatic, void* stream) {
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(blocks));
-  config.blockDim = dim3(256);
+  config.blockDim = dim3(static_cast<unsigned>(threads));
   config.stream = static_cast<cudaStream_t>(stream);
   config.attrs = programmatic ? &attribute : nullptr;
   config.numAttrs = programmatic ? 1 : 0;

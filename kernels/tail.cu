@@ -8,8 +8,8 @@
 //      as a programmatic dependent, see launch_tail_fused) and let the next kernel launch early;
 //      thread 0 reads the control block: magic (I6), error flag (I5: a recorded error makes every
 //      later call a no-op until reset), call count -> slot, and the rows of the previous slot
-//      still to clear, then counts its block in (control.arrived); meanwhile every thread
-//      computes its first partial (inputs only);
+//      still to clear; meanwhile every thread computes its first partial (inputs only); past
+//      the barrier, thread 0 counts its block in (control.arrived);
 //   1. send: items (row, 16-byte vector) over the whole grid; each computes 8 elements of this
 //      rank's partial in fp32 (tail_partial_element), rounds to bf16, sanitises (I2) and stores
 //      them with st.relaxed.sys to every destination that receives the row (or one multimem.st
@@ -29,9 +29,9 @@
 // nothing before its griddepcontrol.wait, which returns only once call s has completed and its
 // memory operations are visible). Pollers read the data with the same load that checks for the
 // sentinel, so there is no flag/data ordering to get wrong. The block count (control.arrived) is
-// incremented only after the control reads returned (a data dependency, see count_in_after) and
-// read by the updater with ld.acquire: no fence, and nothing waits for a remote store's
-// acknowledgement inside the kernel.
+// incremented only after the control reads returned their values (past the block's first
+// barrier) and read by the updater with ld.acquire: no fence, and nothing waits for a remote
+// store's acknowledgement inside the kernel.
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -80,16 +80,9 @@ __device__ __forceinline__ void allow_dependent_launch() {
 #endif
 }
 
-// Counting a block in once its control-block reads have returned, so that the updater, which
-// overwrites the block only after seeing every count, cannot change what they read. The increment
-// is computed from a value those reads returned (an `and` with zero the compiler cannot fold), so
-// it cannot be issued before they are back. No release fence: red.release compiles to a
-// MEMBAR.GPU that held thread 0 -- and with it the whole block at the next barrier -- for about
-// a microsecond per call (measured with the bench's --trace).
-__device__ __forceinline__ void count_in_after(std::uint32_t* counter, std::uint32_t read_value) {
-  std::uint32_t zero;
-  asm volatile("and.b32 %0, %1, 0;" : "=r"(zero) : "r"(read_value));
-  asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(counter), "r"(1u + zero) : "memory");
+// One more block has read the control block (see the kernel, step 0).
+__device__ __forceinline__ void count_in(std::uint32_t* counter) {
+  asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
 }
 __device__ __forceinline__ std::uint32_t load_acquire(const std::uint32_t* p) {
   std::uint32_t v;
@@ -128,6 +121,22 @@ __device__ __forceinline__ void store_multicast(void* p, uint4 v) {
 #endif
 }
 
+// Two floats to bf16 (round to nearest even) in one instruction; NaN -> tail_bf16_nan, the bits
+// tail_float_to_bf16 gives on the CPU.
+__device__ __forceinline__ std::uint32_t to_bf16x2(float lo, float hi) {
+  std::uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  if (lo != lo) r = (r & 0xFFFF0000u) | tail_bf16_nan;
+  if (hi != hi) r = (r & 0x0000FFFFu) | (static_cast<std::uint32_t>(tail_bf16_nan) << 16);
+  return r;
+}
+// I2 on a pair: a half that is the sentinel becomes +0.0.
+__device__ __forceinline__ std::uint32_t sanitize_pair(std::uint32_t w) {
+  if ((w & 0xFFFFu) == tail_sentinel) w &= 0xFFFF0000u;
+  if ((w >> 16) == tail_sentinel) w &= 0x0000FFFFu;
+  return w;
+}
+
 __device__ __forceinline__ bool has_sentinel(uint4 v) {
   return tail_word_has_sentinel(v.x) || tail_word_has_sentinel(v.y) || tail_word_has_sentinel(v.z) ||
          tail_word_has_sentinel(v.w);
@@ -140,15 +149,6 @@ __device__ __forceinline__ void unpack(uint4 v, float (&out)[tail_vector_elems])
     out[2 * i] = tail_bf16_to_float(static_cast<std::uint16_t>(w[i] & 0xFFFFu));
     out[2 * i + 1] = tail_bf16_to_float(static_cast<std::uint16_t>(w[i] >> 16));
   }
-}
-
-__device__ __forceinline__ uint4 pack(const std::uint16_t (&b)[tail_vector_elems]) {
-  uint4 v;
-  v.x = static_cast<std::uint32_t>(b[0]) | (static_cast<std::uint32_t>(b[1]) << 16);
-  v.y = static_cast<std::uint32_t>(b[2]) | (static_cast<std::uint32_t>(b[3]) << 16);
-  v.z = static_cast<std::uint32_t>(b[4]) | (static_cast<std::uint32_t>(b[5]) << 16);
-  v.w = static_cast<std::uint32_t>(b[6]) | (static_cast<std::uint32_t>(b[7]) << 16);
-  return v;
 }
 
 __device__ __forceinline__ uint4 load_input(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
@@ -201,10 +201,8 @@ __device__ __forceinline__ uint4 partial_vector(const TailParams& p, int row, in
       for (int i = 0; i < tail_vector_elems; ++i) acc[i] = tail_add(acc[i], tail_mul(wk[j], x[i]));
     }
   }
-  std::uint16_t b[tail_vector_elems];
-#pragma unroll
-  for (int j = 0; j < tail_vector_elems; ++j) b[j] = tail_sanitize(tail_float_to_bf16(acc[j]));
-  return pack(b);
+  return make_uint4(sanitize_pair(to_bf16x2(acc[0], acc[1])), sanitize_pair(to_bf16x2(acc[2], acc[3])),
+                    sanitize_pair(to_bf16x2(acc[4], acc[5])), sanitize_pair(to_bf16x2(acc[6], acc[7])));
 }
 
 // This thread's vectors (threadIdx.x + v * T) of a row of residual_in, loaded before the wait so
@@ -251,14 +249,16 @@ __device__ __forceinline__ void row_epilogue(const TailParams& p, int row, float
     if (vec >= V) continue;
     float r[tail_vector_elems];
     unpack(in.residual[v], r);
-    std::uint16_t out[tail_vector_elems];
+    std::uint32_t w[4];
 #pragma unroll
-    for (int j = 0; j < tail_vector_elems; ++j) {
-      out[j] = tail_float_to_bf16(tail_add(r[j], x[v][j]));
-      x[v][j] = tail_bf16_to_float(out[j]);
-      ss = tail_add(ss, tail_mul(x[v][j], x[v][j]));
+    for (int i = 0; i < 4; ++i) {
+      w[i] = to_bf16x2(tail_add(r[2 * i], x[v][2 * i]), tail_add(r[2 * i + 1], x[v][2 * i + 1]));
+      x[v][2 * i] = tail_bits_to_float(w[i] << 16);
+      x[v][2 * i + 1] = tail_bits_to_float(w[i] & 0xFFFF0000u);
     }
-    *reinterpret_cast<uint4*>(p.residual_out + base + vec * tail_vector_elems) = pack(out);
+#pragma unroll
+    for (int j = 0; j < tail_vector_elems; ++j) ss = tail_add(ss, tail_mul(x[v][j], x[v][j]));
+    *reinterpret_cast<uint4*>(p.residual_out + base + vec * tail_vector_elems) = make_uint4(w[0], w[1], w[2], w[3]);
   }
   // The fixed tree (tail_protocol.hpp): xor butterfly per warp, then warps in order.
 #pragma unroll
@@ -274,13 +274,12 @@ __device__ __forceinline__ void row_epilogue(const TailParams& p, int row, float
     const int vec = threadIdx.x + v * T;
     if (vec >= V) continue;
     const std::uint32_t gw[4] = {gamma[v].x, gamma[v].y, gamma[v].z, gamma[v].w};
-    std::uint16_t out[tail_vector_elems];
+    std::uint32_t w[4];
 #pragma unroll
-    for (int j = 0; j < tail_vector_elems; ++j) {
-      const std::uint16_t gj = static_cast<std::uint16_t>(j % 2 == 0 ? (gw[j / 2] & 0xFFFFu) : (gw[j / 2] >> 16));
-      out[j] = tail_norm_element(x[v][j], inv, gj);
-    }
-    *reinterpret_cast<uint4*>(p.norm_out + base + vec * tail_vector_elems) = pack(out);
+    for (int i = 0; i < 4; ++i)  // tail_norm_element, two at a time
+      w[i] = to_bf16x2(tail_mul(tail_mul(x[v][2 * i], inv), tail_bits_to_float(gw[i] << 16)),
+                       tail_mul(tail_mul(x[v][2 * i + 1], inv), tail_bits_to_float(gw[i] & 0xFFFF0000u)));
+    *reinterpret_cast<uint4*>(p.norm_out + base + vec * tail_vector_elems) = make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
 
@@ -302,7 +301,7 @@ struct SourceRows {
 template <int VPT>
 __device__ __forceinline__ int wait_sources(const TailParams& p, const bf16* own_part, int slot, int src0, int n, int row,
                                             SourceRows<VPT>& in, std::uint64_t& start, std::uint64_t& deadline,
-                                            std::uint64_t* arrival) {
+                                            std::uint64_t* arrival, std::uint64_t* rounds) {
   const int V = p.hidden / tail_vector_elems;
 #pragma unroll
   for (int g = 0; g < sources_together; ++g) {
@@ -332,6 +331,7 @@ __device__ __forceinline__ int wait_sources(const TailParams& p, const bf16* own
       }
     }
     if (missing < 0) return -1;
+    if (rounds != nullptr) ++*rounds;
     const std::uint64_t now = globaltimer();
     if (deadline == 0) {
       start = now;
@@ -352,7 +352,7 @@ static_assert(offsetof(TailControl, error) + offsetof(TailErrorRecord, flag) + 4
               "the fused kernel reads the control block's header as three 16-byte loads");
 
 template <int VPT, bool MULTICAST>
-__global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
+__global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams p) {
   __shared__ std::uint64_t s_table[tail_max_ranks + 1];
   __shared__ std::uint64_t s_calls;
   __shared__ int s_ok;
@@ -365,12 +365,17 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
   TailControl* c = p.control;
   // Diagnostics: thread 0 of block 0 (and of the updater) stamps its phases (TailTrace).
   const bool tracer = p.trace != nullptr && threadIdx.x == 0 && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1);
-  __shared__ std::uint64_t stamp[tail_trace_phases + 1];  // in shared memory: no registers held
+  // stamp[0]: entry; stamp[1 + k]: TailStamp k. In shared memory: no registers held.
+  __shared__ std::uint64_t stamp[tail_trace_phases + 1];
   __shared__ std::uint64_t source_stamp[2];
+  __shared__ std::uint64_t poll_rounds;
   __shared__ long long cycle_stamp;
+#define TORPOR_TAIL_STAMP(k) \
+  if (tracer) stamp[1 + (k)] = globaltimer()
   if (tracer) {
-    for (int i = 1; i <= tail_trace_phases; ++i) stamp[i] = 0;
+    for (int k = 1; k <= tail_trace_phases; ++k) stamp[k] = 0;
     source_stamp[0] = source_stamp[1] = 0;
+    poll_rounds = 0;
     cycle_stamp = clock64();
     stamp[0] = globaltimer();
   }
@@ -378,7 +383,7 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
   // Everything below may read what the kernels before this one wrote (inputs, control block).
   grid_dependency_wait();
   allow_dependent_launch();
-  if (tracer) stamp[1] = globaltimer();
+  TORPOR_TAIL_STAMP(tail_stamp_waited);
 
   if (threadIdx.x == 0) {
     // 0. Read the control block (its first 48 bytes, in three independent loads: one memory
@@ -398,7 +403,6 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
         ce = words[offsetof(TailControl, clear_end) / 4 + i];
       }
     const std::uint32_t failed_before = words[(offsetof(TailControl, error) + offsetof(TailErrorRecord, flag)) / 4];
-    count_in_after(&c->arrived, w0.x ^ w1.x ^ w2.x);
     int ok = 1;
     if (magic != tail_control_magic || cb > ce || ce > static_cast<std::uint32_t>(p.max_tokens)) {
       record_error(c, TailOp::control_lost, p.rank, -1, -1, -1, calls, 0, magic);
@@ -410,6 +414,7 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
     s_calls = calls;
     s_clear_begin = static_cast<int>(cb);
     s_clear_end = static_cast<int>(ce);
+    TORPOR_TAIL_STAMP(tail_stamp_control_read);
   }
   if (threadIdx.x <= p.ranks) s_table[threadIdx.x] = p.peer_table[threadIdx.x];
   // This thread's first partial needs no control state: its input loads overlap thread 0's
@@ -420,8 +425,14 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
   const int send_items = p.tokens * V;
   uint4 first = make_uint4(0, 0, 0, 0);
   if (gtid < send_items) first = partial_vector(p, gtid / V, gtid % V);
+  TORPOR_TAIL_STAMP(tail_stamp_partial);
   __syncthreads();
-  if (tracer) stamp[2] = globaltimer();
+  TORPOR_TAIL_STAMP(tail_stamp_setup);
+  // Count this block in: thread 0's control reads returned their values before the barrier
+  // (they were written to shared memory), so the updater, which overwrites the control block only
+  // after seeing every count, cannot change what they read. A relaxed add: a release here compiles
+  // to a fence that held thread 0, and the block behind it, for about a microsecond (--trace).
+  if (threadIdx.x == 0) count_in(&c->arrived);
 
   const int slot = static_cast<int>(s_calls % tail_slot_count);
   const int prev = (slot + tail_slot_count - 1) % tail_slot_count;
@@ -445,6 +456,8 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
       }
     }
 
+    TORPOR_TAIL_STAMP(tail_stamp_sent);
+
     // 2. Clear this rank's part of the previous slot (I3). After the send, which the peers are
     //    waiting for; before the kernel ends, which is all I3 needs.
     uint4* own = reinterpret_cast<uint4*>(s_table[p.rank]);
@@ -457,7 +470,7 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
       for (int i = gtid; i < clear_vectors; i += gstride) rows[i] = sentinel;
     }
 
-    if (tracer) stamp[3] = globaltimer();
+    TORPOR_TAIL_STAMP(tail_stamp_cleared);
 
     // 3. Receive: poll, sum in rank order, residual + RMSNorm for output rows.
     const TailRows out = tail_output_rows(p);
@@ -481,14 +494,15 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
         const int n = p.ranks - src0 < sources_together ? p.ranks - src0 : sources_together;
         SourceRows<VPT> got;
         const int missing = wait_sources<VPT>(p, own_part, slot, src0, n, row, got, start, deadline,
-                                              tracer && blockIdx.x == 0 && r == 0 ? source_stamp : nullptr);
+                                              tracer && blockIdx.x == 0 && r == 0 ? source_stamp : nullptr,
+                                              tracer && blockIdx.x == 0 && r == 0 ? &poll_rounds : nullptr);
         if (missing >= 0) {
           record_error(c, MULTICAST ? TailOp::wait_multicast : TailOp::wait_unicast, p.rank, missing, slot, row, s_calls,
                        globaltimer() - start, tail_control_magic);
           failed = true;
           break;
         }
-        if (tracer && r == blockIdx.x) stamp[4] = globaltimer();
+        if (r == blockIdx.x) TORPOR_TAIL_STAMP(tail_stamp_vectors_in);
 #pragma unroll
         for (int g = 0; g < sources_together; ++g) {
           if (g >= n) break;
@@ -504,14 +518,14 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
       }
       // Block-uniform: a row with any missing vector is abandoned, and so is the rest.
       if (__syncthreads_or(failed)) break;
-      if (tracer && r == blockIdx.x) stamp[5] = globaltimer();
+      if (r == blockIdx.x) TORPOR_TAIL_STAMP(tail_stamp_block_in);
       if (output) {
         uint4 gamma[VPT];
 #pragma unroll
         for (int v = 0; v < VPT; ++v) gamma[v] = s_gamma[v * T + threadIdx.x];
         row_epilogue<VPT>(p, row, x, in, gamma, s_warp);
       }
-      if (tracer && r == blockIdx.x) stamp[6] = globaltimer();
+      if (r == blockIdx.x) TORPOR_TAIL_STAMP(tail_stamp_epilogue);
     }
   }
 
@@ -545,11 +559,11 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
     // Calls are ordered (each waits for the last), so block 0's thread 0 is the only writer here.
     const std::uint64_t end = globaltimer();
     TailTrace* t = p.trace;
-    stamp[7] = end;
+    stamp[1 + tail_stamp_end] = end;
     std::uint64_t last = stamp[0];  // a phase this block skipped ends where the one before did
-    for (int i = 1; i <= tail_trace_phases; ++i) {
-      if (stamp[i] != 0) last = stamp[i];
-      t->phase_ns[i - 1] += last - stamp[0];
+    for (int k = 0; k < tail_trace_phases; ++k) {
+      if (stamp[1 + k] != 0) last = stamp[1 + k];
+      t->phase_ns[k] += last - stamp[0];
     }
     if (t->last_end != 0) {
       t->gap_ns += static_cast<std::int64_t>(stamp[0]) - static_cast<std::int64_t>(t->last_end);
@@ -560,8 +574,11 @@ __global__ void __launch_bounds__(T, 2) tail_fused_kernel(TailParams p) {
     for (int i = 0; i < 2; ++i)
       if (source_stamp[i] != 0) t->source_in_ns[i] += source_stamp[i] - stamp[0];
     t->cycles += static_cast<std::uint64_t>(clock64() - cycle_stamp);
+    t->poll_rounds += poll_rounds;
   }
 }
+
+#undef TORPOR_TAIL_STAMP
 
 // The partial is rounded to bf16 exactly as the fused kernel sends it, then stored as fp32: the
 // all-reduce then sums in fp32 like the fused kernel does, instead of rounding the sum to bf16
@@ -615,6 +632,7 @@ __global__ void tail_fill_u16_kernel(std::uint16_t* dst, std::uint16_t value, st
     dst[i] = value;
 }
 
+static_assert(tail_max_vectors_per_thread == 2, "the launchers below instantiate the kernels for 1 and 2 vectors per thread");
 int vectors_per_thread(int hidden) {
   const int V = hidden / tail_vector_elems;
   return (V + T - 1) / T;
@@ -629,8 +647,6 @@ void* fused_kernel(int hidden, bool multicast) {
   switch (vectors_per_thread(hidden)) {
     case 1: return multicast ? fused_symbol<1, true>() : fused_symbol<1, false>();
     case 2: return multicast ? fused_symbol<2, true>() : fused_symbol<2, false>();
-    case 3: return multicast ? fused_symbol<3, true>() : fused_symbol<3, false>();
-    case 4: return multicast ? fused_symbol<4, true>() : fused_symbol<4, false>();
     default: throw invalid_argument("tail kernels: hidden " + std::to_string(hidden) + " is above 8192");
   }
 }
@@ -639,8 +655,6 @@ const void* residual_norm_kernel(int hidden) {
   switch (vectors_per_thread(hidden)) {
     case 1: return reinterpret_cast<const void*>(&tail_residual_norm_kernel<1>);
     case 2: return reinterpret_cast<const void*>(&tail_residual_norm_kernel<2>);
-    case 3: return reinterpret_cast<const void*>(&tail_residual_norm_kernel<3>);
-    case 4: return reinterpret_cast<const void*>(&tail_residual_norm_kernel<4>);
     default: throw invalid_argument("tail kernels: hidden " + std::to_string(hidden) + " is above 8192");
   }
 }
@@ -730,8 +744,6 @@ void launch_tail_fused(const TailParams& p, int capacity, void* stream, bool pro
     break;
     TORPOR_TAIL_CASE(1)
     TORPOR_TAIL_CASE(2)
-    TORPOR_TAIL_CASE(3)
-    TORPOR_TAIL_CASE(4)
 #undef TORPOR_TAIL_CASE
     default: throw invalid_argument("tail kernels: hidden " + std::to_string(p.hidden) + " is above 8192");
   }
@@ -752,8 +764,6 @@ void launch_tail_residual_norm(const TailParams& p, const float* reduced, void* 
   switch (vectors_per_thread(p.hidden)) {
     case 1: tail_residual_norm_kernel<1><<<rows, T, 0, s>>>(p, reduced); break;
     case 2: tail_residual_norm_kernel<2><<<rows, T, 0, s>>>(p, reduced); break;
-    case 3: tail_residual_norm_kernel<3><<<rows, T, 0, s>>>(p, reduced); break;
-    case 4: tail_residual_norm_kernel<4><<<rows, T, 0, s>>>(p, reduced); break;
     default: throw invalid_argument("tail kernels: hidden " + std::to_string(p.hidden) + " is above 8192");
   }
   check_launch("tail_residual_norm_kernel");

@@ -67,9 +67,12 @@ inline constexpr int tail_hidden_multiple = 64;
 // One 16-byte vector = 8 bf16: the unit every thread loads, stores and polls.
 inline constexpr int tail_vector_elems = 8;
 // Threads per block, and the lane layout the row reduction follows on the GPU and the CPU.
-inline constexpr int tail_block_threads = 256;
+// 512: a row's epilogue is issue-bound on the few warps of one block (measured: 1.8 us per row
+// at 256 threads and 7168 hidden on an H200), so a row gets as many threads as the fused kernel's
+// registers allow (up to 128 each, one block per multiprocessor).
+inline constexpr int tail_block_threads = 512;
 inline constexpr int tail_warp = 32;
-inline constexpr int tail_max_vectors_per_thread = tail_max_hidden / tail_vector_elems / tail_block_threads;  // 4
+inline constexpr int tail_max_vectors_per_thread = tail_max_hidden / tail_vector_elems / tail_block_threads;  // 2
 
 // What a failed call was doing.
 enum class TailOp : std::uint32_t {
@@ -132,20 +135,30 @@ TORPOR_HD int tail_token_owner(int t, int tokens, int ranks) {
 
 // Diagnostics for tuning (GPU only; torpor_bench_tail --trace): where the fused kernel's time
 // goes. Thread 0 of block 0 (it sends and receives row 0) adds, every call, the %globaltimer
-// nanoseconds from its entry to the end of each phase; the grid's last block adds the time from
-// its entry to its control-block update. All sums over `calls`.
-inline constexpr int tail_trace_phases = 7;
+// nanoseconds from its entry to each stamp below; the grid's last block adds the time from its
+// entry to its control-block update. All sums over `calls`.
+enum TailStamp : int {
+  tail_stamp_waited,         // griddepcontrol.wait returned
+  tail_stamp_control_read,   // thread 0 has the control block
+  tail_stamp_partial,        // thread 0's first partial is computed
+  tail_stamp_setup,          // the block passed the barrier after both
+  tail_stamp_sent,           // thread 0 issued its partial's stores
+  tail_stamp_cleared,        // thread 0 issued its clear stores
+  tail_stamp_vectors_in,     // thread 0's vectors of row 0 from every source are in
+  tail_stamp_block_in,       // every thread's are
+  tail_stamp_epilogue,       // row 0's outputs are written
+  tail_stamp_end,            // the block is done
+  tail_trace_phases
+};
 struct TailTrace {
   std::uint64_t calls;
-  // after griddepcontrol.wait, after the control read and first partial, after clear + send,
-  // after this thread's vectors arrived, after the whole block's arrived, after the epilogue,
-  // at the block's end
   std::uint64_t phase_ns[tail_trace_phases];
   std::int64_t gap_ns;     // entry minus the previous call's block-0 end (negative: launched early)
   std::uint64_t gaps;      // calls that had a previous one
   std::uint64_t last_end;  // %globaltimer at the previous call's block-0 end
   std::uint64_t updater_ns;
   std::uint64_t source_in_ns[2];  // from entry until thread 0's vectors of row 0 from rank 0 / rank 1 were all in
+  std::uint64_t poll_rounds;      // thread 0's rounds of re-loading pending vectors for row 0
   std::uint64_t cycles;           // clock64 from entry to end (cycles / ns = the SM clock in GHz)
 };
 
@@ -240,11 +253,13 @@ TORPOR_HD std::uint32_t tail_float_to_bits(float f) {
 #endif
 }
 TORPOR_HD float tail_bf16_to_float(std::uint16_t b) { return tail_bits_to_float(static_cast<std::uint32_t>(b) << 16); }
-// Round to nearest even; NaN stays a quiet NaN with its sign and high payload: the same bits
-// as torpor::bf16::from_float on the host (the hardware cvt would give a canonical NaN instead).
+// Round to nearest even; every NaN becomes the canonical bf16 NaN 0x7FFF (CUDART_NAN_BF16). On
+// the GPU one cvt.rn.bf16x2.f32 converts two elements (tail.cu), and a select makes its NaNs
+// canonical whatever the hardware gives; here, the same bits by integer arithmetic.
+inline constexpr std::uint16_t tail_bf16_nan = 0x7FFF;
 TORPOR_HD std::uint16_t tail_float_to_bf16(float f) {
   std::uint32_t u = tail_float_to_bits(f);
-  if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu) != 0) return static_cast<std::uint16_t>((u >> 16) | 0x40u);
+  if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu) != 0) return tail_bf16_nan;
   u += 0x7FFFu + ((u >> 16) & 1u);
   return static_cast<std::uint16_t>(u >> 16);
 }
