@@ -306,7 +306,7 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
       for (auto v : tr.phase_ns) phases.push_back(static_cast<double>(v) / n / 1000.0);
       const double gap = tr.gaps ? static_cast<double>(tr.gap_ns) / static_cast<double>(tr.gaps) / 1000.0 : 0.0;
       const double upd = static_cast<double>(tr.updater_ns) / n / 1000.0;
-      static const char* names[kernels::tail_trace_phases] = {"waited", "control read", "partial", "set up", "sent",
+      static const char* names[kernels::tail_trace_phases] = {"waited", "control read", "partial", "partial again", "set up", "sent",
                                                               "cleared", "vectors in", "block's in", "epilogue", "end"};
       json named = json::object();
       for (int k = 0; k < kernels::tail_trace_phases; ++k) named[names[k]] = phases[static_cast<std::size_t>(k)];

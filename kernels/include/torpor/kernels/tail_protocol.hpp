@@ -141,6 +141,7 @@ enum TailStamp : int {
   tail_stamp_waited,         // griddepcontrol.wait returned
   tail_stamp_control_read,   // thread 0 has the control block
   tail_stamp_partial,        // thread 0's first partial is computed
+  tail_stamp_partial_again,  // ... and computed once more (the same code, caches now warm)
   tail_stamp_setup,          // the block passed the barrier after both
   tail_stamp_sent,           // thread 0 issued its partial's stores
   tail_stamp_cleared,        // thread 0 issued its clear stores
