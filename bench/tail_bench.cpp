@@ -306,7 +306,7 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
       for (auto v : tr.phase_ns) phases.push_back(static_cast<double>(v) / n / 1000.0);
       const double gap = tr.gaps ? static_cast<double>(tr.gap_ns) / static_cast<double>(tr.gaps) / 1000.0 : 0.0;
       const double upd = static_cast<double>(tr.updater_ns) / n / 1000.0;
-      static const char* names[kernels::tail_trace_phases] = {"waited", "control read", "partial", "partial again", "set up", "sent",
+      static const char* names[kernels::tail_trace_phases] = {"waited", "control read", "partial", "set up", "sent",
                                                               "cleared", "vectors in", "block's in", "epilogue", "end"};
       json named = json::object();
       for (int k = 0; k < kernels::tail_trace_phases; ++k) named[names[k]] = phases[static_cast<std::size_t>(k)];
@@ -316,9 +316,6 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
                    {"block0_us_from_entry", named},
                    {"entry_minus_previous_end_us", gap},
                    {"updater_done_us", upd},
-                   {"source_in_us", {static_cast<double>(tr.source_in_ns[0]) / n / 1000.0,
-                                     static_cast<double>(tr.source_in_ns[1]) / n / 1000.0}},
-                   {"poll_rounds", static_cast<double>(tr.poll_rounds) / n},
                    {"sm_ghz", static_cast<double>(tr.cycles) / (phases.back() * 1000.0 * n)}};
       const std::string mine = trace_row.dump();
       const auto all = group.all_gather(std::as_bytes(std::span<const char>(mine.data(), mine.size())));
@@ -329,11 +326,10 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
           for (int k = 0; k < kernels::tail_trace_phases; ++k)
             line += fmt::format("{}{} {:.2f}", k ? ", " : "", names[k], tj["block0_us_from_entry"][names[k]].get<double>());
           fmt::print("  trace rank {} ({:.2f} us/call traced), block 0 from entry: {}; entry - previous end {:.2f}; updater "
-                     "done {:.2f}; rank 0's vectors in {:.2f}, rank 1's {:.2f}; {:.1f} poll rounds; SM clock {:.2f} GHz\n",
+                     "done {:.2f}; SM clock {:.2f} GHz\n",
                      tj["rank"].get<int>(), tj["traced_us"].get<double>(), line,
                      tj["entry_minus_previous_end_us"].get<double>(), tj["updater_done_us"].get<double>(),
-                     tj["source_in_us"][0].get<double>(), tj["source_in_us"][1].get<double>(),
-                     tj["poll_rounds"].get<double>(), tj["sm_ghz"].get<double>());
+                     tj["sm_ghz"].get<double>());
         }
     }
     const double bytes = static_cast<double>(t) * o.hidden * sizeof(bf16) * (ranks - 1);

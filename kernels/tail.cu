@@ -154,7 +154,7 @@ __device__ __forceinline__ void unpack(uint4 v, float (&out)[tail_vector_elems])
 __device__ __forceinline__ uint4 load_input(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
 // I5/I6: the first failure of a call (any block) writes the record; later ones leave it.
-__device__ void record_error(TailControl* c, TailOp op, int rank, int peer, int slot, int token, std::uint64_t call,
+__device__ __noinline__ void record_error(TailControl* c, TailOp op, int rank, int peer, int slot, int token, std::uint64_t call,
                              std::uint64_t waited_ns, std::uint32_t seen_magic) {
   if (atomicCAS(&c->error.flag, 0u, 1u) != 0u) return;
   c->error.op = static_cast<std::uint32_t>(op);
@@ -300,8 +300,7 @@ struct SourceRows {
 // -1 when every vector arrived; else the first source (rank) still missing one at the deadline.
 template <int VPT>
 __device__ __forceinline__ int wait_sources(const TailParams& p, const bf16* own_part, int slot, int src0, int n, int row,
-                                            SourceRows<VPT>& in, std::uint64_t& start, std::uint64_t& deadline,
-                                            std::uint64_t* arrival, std::uint64_t* rounds) {
+                                            SourceRows<VPT>& in, std::uint64_t& start, std::uint64_t& deadline) {
   const int V = p.hidden / tail_vector_elems;
 #pragma unroll
   for (int g = 0; g < sources_together; ++g) {
@@ -319,19 +318,7 @@ __device__ __forceinline__ int wait_sources(const TailParams& p, const bf16* own
 #pragma unroll
       for (int v = 0; v < VPT; ++v)
         if (g < n && threadIdx.x + v * T < V && has_sentinel(in.got[g][v])) missing = src0 + g;
-    if (arrival != nullptr) {  // diagnostics: when each source's vectors were all in
-      const std::uint64_t t = globaltimer();
-#pragma unroll
-      for (int g = 0; g < sources_together; ++g) {
-        bool in_g = g < n && src0 + g < 2;
-#pragma unroll
-        for (int v = 0; v < VPT; ++v)
-          if (threadIdx.x + v * T < V && has_sentinel(in.got[g][v])) in_g = false;
-        if (in_g && arrival[src0 + g] == 0) arrival[src0 + g] = t;
-      }
-    }
     if (missing < 0) return -1;
-    if (rounds != nullptr) ++*rounds;
     const std::uint64_t now = globaltimer();
     if (deadline == 0) {
       start = now;
@@ -348,42 +335,6 @@ __device__ __forceinline__ int wait_sources(const TailParams& p, const bf16* own
   }
 }
 
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
-// The lines this thread loads or stores first in a call, prefetched into L2 (and the TLBs):
-// its first partial's inputs, where it stores that partial in its own part (every slot: the
-// slot is in the control block, which cannot be read yet), and for a receiving block its
-// vectors of the first row (every slot and source), residual_in and gamma. The own part's
-// address comes from the peer table, which torpor writes once at setup, never a kernel.
-template <int VPT>
-__device__ __forceinline__ void warm_up(const TailParams& p, int gtid, int V, int send_items) {
-  const bf16* own = reinterpret_cast<const bf16*>(p.peer_table[p.rank]);
-  if (gtid < send_items) {
-    const int row = gtid / V, col = (gtid % V) * tail_vector_elems;
-    for (int k = 0; k < p.top_k; ++k)
-      prefetch_l2(p.expert_out + (static_cast<std::size_t>(row) * p.top_k + k) * p.hidden + col);
-    if (p.shared_out != nullptr) prefetch_l2(p.shared_out + static_cast<std::size_t>(row) * p.hidden + col);
-    prefetch_l2(p.topk_weights + static_cast<std::size_t>(row) * p.top_k);
-    for (int slot = 0; slot < tail_slot_count; ++slot)
-      prefetch_l2(own + tail_slot_offset(slot, p.rank, row, col, p.ranks, p.max_tokens, p.hidden));
-  }
-  const TailRows recv = tail_receive_rows(p);
-  if (static_cast<int>(blockIdx.x) < recv.count()) {
-    const int row = recv.begin + static_cast<int>(blockIdx.x);
-#pragma unroll
-    for (int v = 0; v < VPT; ++v) {
-      const int vec = threadIdx.x + v * T;
-      if (vec >= V) continue;
-      const int col = vec * tail_vector_elems;
-      for (int slot = 0; slot < tail_slot_count; ++slot)
-        for (int src = 0; src < p.ranks; ++src)
-          prefetch_l2(own + tail_slot_offset(slot, src, row, col, p.ranks, p.max_tokens, p.hidden));
-      prefetch_l2(p.residual_in + static_cast<std::size_t>(row) * p.hidden + col);
-      prefetch_l2(p.gamma + col);
-    }
-  }
-}
-
 static_assert(offsetof(TailControl, error) + offsetof(TailErrorRecord, flag) + 4 <= 48 && alignof(TailControl) >= 16,
               "the fused kernel reads the control block's header as three 16-byte loads");
 
@@ -395,23 +346,16 @@ __global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams p) {
   __shared__ int s_clear_begin;
   __shared__ int s_clear_end;
   __shared__ float s_warp[W];
-  // gamma, this thread's vectors, for every row the block finishes: loaded once, and kept out of
-  // the registers the wait needs.
-  __shared__ uint4 s_gamma[VPT * T];
   TailControl* c = p.control;
   // Diagnostics: thread 0 of block 0 (and of the updater) stamps its phases (TailTrace).
   const bool tracer = p.trace != nullptr && threadIdx.x == 0 && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1);
   // stamp[0]: entry; stamp[1 + k]: TailStamp k. In shared memory: no registers held.
   __shared__ std::uint64_t stamp[tail_trace_phases + 1];
-  __shared__ std::uint64_t source_stamp[2];
-  __shared__ std::uint64_t poll_rounds;
   __shared__ long long cycle_stamp;
 #define TORPOR_TAIL_STAMP(k) \
   if (tracer) stamp[1 + (k)] = globaltimer()
   if (tracer) {
     for (int k = 1; k <= tail_trace_phases; ++k) stamp[k] = 0;
-    source_stamp[0] = source_stamp[1] = 0;
-    poll_rounds = 0;
     cycle_stamp = clock64();
     stamp[0] = globaltimer();
   }
@@ -420,11 +364,6 @@ __global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams p) {
   const int gtid = blockIdx.x * T + threadIdx.x;
   const int gstride = gridDim.x * T;
   const int send_items = p.tokens * V;
-  // While the kernel before this one finishes (a programmatic launch starts early), warm what this
-  // thread touches first. prefetch.global.L2 reads no value, so it may name inputs that kernel is
-  // still writing; it fills the TLBs and L2 for them (see warm_up).
-  warm_up<VPT>(p, gtid, V, send_items);
-
   // Everything below may read what the kernels before this one wrote (inputs, control block).
   grid_dependency_wait();
   allow_dependent_launch();
@@ -465,16 +404,8 @@ __global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams p) {
   // This thread's first partial needs no control state: its input loads overlap thread 0's
   // reads above instead of waiting behind the barrier (usually the only item at small tokens).
   uint4 first = make_uint4(0, 0, 0, 0);
-  if (gtid < send_items) {
-    // Diagnostics: the tracing thread computes it twice (the same instructions, #pragma unroll 1)
-    // and stamps both, separating cold caches (instructions, TLB, data) from the work itself.
-#pragma unroll 1
-    for (int rep = 0; rep < (tracer ? 2 : 1); ++rep) {
-      first = partial_vector(p, gtid / V, gtid % V);
-      if (rep == 0) TORPOR_TAIL_STAMP(tail_stamp_partial);
-    }
-  }
-  TORPOR_TAIL_STAMP(tail_stamp_partial_again);
+  if (gtid < send_items) first = partial_vector(p, gtid / V, gtid % V);
+  TORPOR_TAIL_STAMP(tail_stamp_partial);
   __syncthreads();
   TORPOR_TAIL_STAMP(tail_stamp_setup);
   // Count this block in: thread 0's control reads returned their values before the barrier
@@ -497,8 +428,8 @@ __global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams p) {
       if constexpr (MULTICAST) {
         store_multicast(reinterpret_cast<bf16*>(s_table[p.ranks]) + off, v);
       } else {
-        for (int j = 0; j < p.ranks; ++j) {
-          const int d = (p.rank + j) % p.ranks;  // start with self, spread the peers' links
+        for (int j = 0, d = p.rank; j < p.ranks; ++j, d = d + 1 == p.ranks ? 0 : d + 1) {  // self first, then
+                                                                                     // the peers in turn
           if (!tail_receives(p, d, row)) continue;
           store_peer(reinterpret_cast<uint4*>(reinterpret_cast<bf16*>(s_table[d]) + off), v);
         }
@@ -525,12 +456,8 @@ __global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams p) {
     const TailRows out = tail_output_rows(p);
     const bf16* own_part = reinterpret_cast<const bf16*>(s_table[p.rank]);
     std::uint64_t start = 0, deadline = 0;
-    if (blockIdx.x < recv.count()) {
-      uint4 gamma[VPT];
-      load_gamma<VPT>(p, gamma);
-#pragma unroll
-      for (int v = 0; v < VPT; ++v) s_gamma[v * T + threadIdx.x] = gamma[v];  // read back by this thread only
-    }
+    uint4 gamma[VPT];  // this thread's vectors of gamma, for every row the block finishes
+    if (static_cast<int>(blockIdx.x) < recv.count()) load_gamma<VPT>(p, gamma);
     for (int r = blockIdx.x; r < recv.count(); r += gridDim.x) {
       const int row = recv.begin + r;
       const bool output = out.contains(row);
@@ -542,9 +469,7 @@ __global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams p) {
       for (int src0 = 0; src0 < p.ranks && !failed; src0 += sources_together) {
         const int n = p.ranks - src0 < sources_together ? p.ranks - src0 : sources_together;
         SourceRows<VPT> got;
-        const int missing = wait_sources<VPT>(p, own_part, slot, src0, n, row, got, start, deadline,
-                                              tracer && blockIdx.x == 0 && r == 0 ? source_stamp : nullptr,
-                                              tracer && blockIdx.x == 0 && r == 0 ? &poll_rounds : nullptr);
+        const int missing = wait_sources<VPT>(p, own_part, slot, src0, n, row, got, start, deadline);
         if (missing >= 0) {
           record_error(c, MULTICAST ? TailOp::wait_multicast : TailOp::wait_unicast, p.rank, missing, slot, row, s_calls,
                        globaltimer() - start, tail_control_magic);
@@ -568,12 +493,7 @@ __global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams p) {
       // Block-uniform: a row with any missing vector is abandoned, and so is the rest.
       if (__syncthreads_or(failed)) break;
       if (r == blockIdx.x) TORPOR_TAIL_STAMP(tail_stamp_block_in);
-      if (output) {
-        uint4 gamma[VPT];
-#pragma unroll
-        for (int v = 0; v < VPT; ++v) gamma[v] = s_gamma[v * T + threadIdx.x];
-        row_epilogue<VPT>(p, row, x, in, gamma, s_warp);
-      }
+      if (output) row_epilogue<VPT>(p, row, x, in, gamma, s_warp);
       if (r == blockIdx.x) TORPOR_TAIL_STAMP(tail_stamp_epilogue);
     }
   }
@@ -620,10 +540,7 @@ __global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams p) {
     }
     t->last_end = end;
     t->calls += 1;
-    for (int i = 0; i < 2; ++i)
-      if (source_stamp[i] != 0) t->source_in_ns[i] += source_stamp[i] - stamp[0];
     t->cycles += static_cast<std::uint64_t>(clock64() - cycle_stamp);
-    t->poll_rounds += poll_rounds;
   }
 }
 

@@ -141,7 +141,6 @@ enum TailStamp : int {
   tail_stamp_waited,         // griddepcontrol.wait returned
   tail_stamp_control_read,   // thread 0 has the control block
   tail_stamp_partial,        // thread 0's first partial is computed
-  tail_stamp_partial_again,  // ... and computed once more (the same code, caches now warm)
   tail_stamp_setup,          // the block passed the barrier after both
   tail_stamp_sent,           // thread 0 issued its partial's stores
   tail_stamp_cleared,        // thread 0 issued its clear stores
@@ -158,8 +157,6 @@ struct TailTrace {
   std::uint64_t gaps;      // calls that had a previous one
   std::uint64_t last_end;  // %globaltimer at the previous call's block-0 end
   std::uint64_t updater_ns;
-  std::uint64_t source_in_ns[2];  // from entry until thread 0's vectors of row 0 from rank 0 / rank 1 were all in
-  std::uint64_t poll_rounds;      // thread 0's rounds of re-loading pending vectors for row 0
   std::uint64_t cycles;           // clock64 from entry to end (cycles / ns = the SM clock in GHz)
 };
 
