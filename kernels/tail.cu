@@ -35,6 +35,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdlib>
 #include <string>
 
 #include "torpor/error.hpp"
@@ -369,12 +370,24 @@ __global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams p) {
   allow_dependent_launch();
   TORPOR_TAIL_STAMP(tail_stamp_waited);
 
+  // 0. Thread 0 reads the control block: its first 48 bytes, in three independent loads issued
+  //    before this thread's partial and used after it, so the two memory latencies overlap.
+  //    Nobody writes the block until every block of the call counted in.
+  uint4 cw0 = make_uint4(0, 0, 0, 0), cw1 = cw0, cw2 = cw0;
   if (threadIdx.x == 0) {
-    // 0. Read the control block (its first 48 bytes, in three independent loads: one memory
-    //    latency, not one per dependent field). Nobody writes it until every block counted in.
     const uint4* cw = reinterpret_cast<const uint4*>(c);
-    const uint4 w0 = __ldcg(cw), w1 = __ldcg(cw + 1), w2 = __ldcg(cw + 2);
-    const std::uint32_t words[12] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w, w2.x, w2.y, w2.z, w2.w};
+    cw0 = __ldcg(cw);
+    cw1 = __ldcg(cw + 1);
+    cw2 = __ldcg(cw + 2);
+  }
+  if (threadIdx.x <= p.ranks) s_table[threadIdx.x] = p.peer_table[threadIdx.x];
+  // This thread's first partial needs no control state: its input loads overlap thread 0's
+  // reads above instead of waiting behind the barrier (usually the only item at small tokens).
+  uint4 first = make_uint4(0, 0, 0, 0);
+  if (gtid < send_items) first = partial_vector(p, gtid / V, gtid % V);
+  TORPOR_TAIL_STAMP(tail_stamp_partial);
+  if (threadIdx.x == 0) {
+    const std::uint32_t words[12] = {cw0.x, cw0.y, cw0.z, cw0.w, cw1.x, cw1.y, cw1.z, cw1.w, cw2.x, cw2.y, cw2.z, cw2.w};
     const std::uint32_t magic = words[offsetof(TailControl, magic) / 4];
     const std::uint64_t calls = static_cast<std::uint64_t>(words[offsetof(TailControl, calls) / 4]) |
                                 (static_cast<std::uint64_t>(words[offsetof(TailControl, calls) / 4 + 1]) << 32);
@@ -400,12 +413,6 @@ __global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams p) {
     s_clear_end = static_cast<int>(ce);
     TORPOR_TAIL_STAMP(tail_stamp_control_read);
   }
-  if (threadIdx.x <= p.ranks) s_table[threadIdx.x] = p.peer_table[threadIdx.x];
-  // This thread's first partial needs no control state: its input loads overlap thread 0's
-  // reads above instead of waiting behind the barrier (usually the only item at small tokens).
-  uint4 first = make_uint4(0, 0, 0, 0);
-  if (gtid < send_items) first = partial_vector(p, gtid / V, gtid % V);
-  TORPOR_TAIL_STAMP(tail_stamp_partial);
   __syncthreads();
   TORPOR_TAIL_STAMP(tail_stamp_setup);
   // Count this block in: thread 0's control reads returned their values before the barrier
@@ -700,6 +707,8 @@ void launch_tail_fused(const TailParams& p, int capacity, void* stream, bool pro
   if (tail_receive_rows(p).count() > grid) grid = tail_receive_rows(p).count();
   if (grid > capacity) grid = capacity;
   if (grid < 1) grid = 1;
+  static const bool full_grid = std::getenv("TORPOR_TAIL_FULL_GRID") != nullptr;  // EXPERIMENT
+  if (full_grid) grid = capacity;
   auto s = static_cast<cudaStream_t>(stream);
   const dim3 g(static_cast<unsigned>(grid));
   switch (vectors_per_thread(p.hidden)) {
