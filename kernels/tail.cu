@@ -14,8 +14,7 @@
 //      rank's partial in fp32 (tail_partial_element), rounds to bf16, sanitises (I2) and stores
 //      them with st.relaxed.sys to every destination that receives the row (or one multimem.st
 //      to the multicast address);
-//   2. clear (I3): the blocks that receive no row clear the previous slot's rows in this rank's
-//      part (when every block receives, each clears its share after its rows);
+//   2. clear (I3): every block clears its share of the previous slot's rows in this rank's part;
 //   3. receive: block b takes rows b, b + grid, ... of this rank's receive rows; each thread polls
 //      its vectors from every source (ld.relaxed.sys, until no lane is the sentinel, bounded by
 //      %globaltimer; two sources' vectors at once, every pending one re-loaded in each round),
@@ -36,6 +35,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdlib>
 #include <string>
 
 #include "torpor/error.hpp"
@@ -284,20 +284,6 @@ __device__ __forceinline__ void row_epilogue(const TailParams& p, int row, float
   }
 }
 
-// Step 2 of a call: rows [begin, end) of slot `prev` of every source in this rank's part (at
-// `own`) back to the sentinel. Those rows of one source are contiguous: plain strided stores.
-__device__ __forceinline__ void clear_previous_slot(const TailParams& p, std::uint64_t own, int prev, int begin, int end,
-                                                    int first, int stride) {
-  const int vectors = (end - begin) * (p.hidden / tail_vector_elems);
-  if (vectors <= 0) return;
-  const uint4 sentinel = make_uint4(tail_sentinel_pair, tail_sentinel_pair, tail_sentinel_pair, tail_sentinel_pair);
-  for (int src = 0; src < p.ranks; ++src) {
-    uint4* rows = reinterpret_cast<uint4*>(reinterpret_cast<bf16*>(own) +
-                                           tail_slot_offset(prev, src, begin, 0, p.ranks, p.max_tokens, p.hidden));
-    for (int i = first; i < vectors; i += stride) rows[i] = sentinel;
-  }
-}
-
 // Sources whose vectors a receiving thread waits on together (registers: 4 * VPT each).
 constexpr int sources_together = 2;
 
@@ -357,7 +343,6 @@ template <int VPT, bool MULTICAST>
 __global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams p) {
   __shared__ std::uint64_t s_table[tail_max_ranks + 1];
   __shared__ std::uint64_t s_calls;
-  __shared__ int s_slot;
   __shared__ int s_ok;
   __shared__ int s_clear_begin;
   __shared__ int s_clear_end;
@@ -424,7 +409,6 @@ __global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams p) {
     }
     s_ok = ok;
     s_calls = calls;
-    s_slot = static_cast<int>(calls % tail_slot_count);
     s_clear_begin = static_cast<int>(cb);
     s_clear_end = static_cast<int>(ce);
     TORPOR_TAIL_STAMP(tail_stamp_control_read);
@@ -437,13 +421,9 @@ __global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams p) {
   // to a fence that held thread 0, and the block behind it, for about a microsecond (--trace).
   if (threadIdx.x == 0) count_in(&c->arrived);
 
-  const int slot = s_slot;
-  const int prev = slot == 0 ? tail_slot_count - 1 : slot - 1;
+  const int slot = static_cast<int>(s_calls % tail_slot_count);
+  const int prev = (slot + tail_slot_count - 1) % tail_slot_count;
   const TailRows recv = tail_receive_rows(p);
-  // Blocks b < recv_blocks receive rows b, b + grid, ...; the others (when there are any) do the
-  // clearing, so that it never delays a receiving block.
-  const int recv_blocks = recv.count() < static_cast<int>(gridDim.x) ? recv.count() : static_cast<int>(gridDim.x);
-  const int clear_blocks = static_cast<int>(gridDim.x) - recv_blocks;
 
   if (s_ok) {
     // 1. Send this rank's partial rows.
@@ -465,12 +445,18 @@ __global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams p) {
 
     TORPOR_TAIL_STAMP(tail_stamp_sent);
 
-    // 2. Clear this rank's part of the previous slot (I3): after the send, which the peers are
-    //    waiting for, by the blocks that receive nothing; when every block receives, each clears
-    //    its share after its rows (step 3). Before the kernel ends either way: all I3 needs.
-    if (clear_blocks > 0 && static_cast<int>(blockIdx.x) >= recv_blocks)
-      clear_previous_slot(p, s_table[p.rank], prev, s_clear_begin, s_clear_end,
-                          (static_cast<int>(blockIdx.x) - recv_blocks) * T + static_cast<int>(threadIdx.x), clear_blocks * T);
+    // 2. Clear this rank's part of the previous slot (I3). After the send, which the peers are
+    //    waiting for; before the kernel ends, which is all I3 needs.
+    uint4* own = reinterpret_cast<uint4*>(s_table[p.rank]);
+    // Rows [clear_begin, clear_end) of one source are contiguous in the slot: plain strided
+    // stores per source, no index arithmetic beyond an add.
+    const int clear_vectors = (s_clear_end - s_clear_begin) * V;
+    const uint4 sentinel = make_uint4(tail_sentinel_pair, tail_sentinel_pair, tail_sentinel_pair, tail_sentinel_pair);
+    for (int src = 0; src < p.ranks && clear_vectors > 0; ++src) {
+      uint4* rows = own + tail_slot_offset(prev, src, s_clear_begin, 0, p.ranks, p.max_tokens, p.hidden) / tail_vector_elems;
+      for (int i = gtid; i < clear_vectors; i += gstride) rows[i] = sentinel;
+    }
+
     TORPOR_TAIL_STAMP(tail_stamp_cleared);
 
     // 3. Receive: poll, sum in rank order, residual + RMSNorm for output rows.
@@ -517,7 +503,6 @@ __global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams p) {
       if (output) row_epilogue<VPT>(p, row, x, in, gamma, s_warp);
       if (r == blockIdx.x) TORPOR_TAIL_STAMP(tail_stamp_epilogue);
     }
-    if (clear_blocks == 0) clear_previous_slot(p, s_table[p.rank], prev, s_clear_begin, s_clear_end, gtid, gstride);
   }
 
   // 4. The last block advances the control block (I4) once every block has read it. Blocks are
@@ -722,6 +707,8 @@ void launch_tail_fused(const TailParams& p, int capacity, void* stream, bool pro
   if (tail_receive_rows(p).count() > grid) grid = tail_receive_rows(p).count();
   if (grid > capacity) grid = capacity;
   if (grid < 1) grid = 1;
+  static const bool full_grid = std::getenv("TORPOR_TAIL_FULL_GRID") != nullptr;  // EXPERIMENT
+  if (full_grid) grid = capacity;
   auto s = static_cast<cudaStream_t>(stream);
   const dim3 g(static_cast<unsigned>(grid));
   switch (vectors_per_thread(p.hidden)) {
