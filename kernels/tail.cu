@@ -35,7 +35,6 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
-#include <cstdlib>
 #include <string>
 
 #include "torpor/error.hpp"
@@ -707,8 +706,6 @@ void launch_tail_fused(const TailParams& p, int capacity, void* stream, bool pro
   if (tail_receive_rows(p).count() > grid) grid = tail_receive_rows(p).count();
   if (grid > capacity) grid = capacity;
   if (grid < 1) grid = 1;
-  static const bool full_grid = std::getenv("TORPOR_TAIL_FULL_GRID") != nullptr;  // EXPERIMENT
-  if (full_grid) grid = capacity;
   auto s = static_cast<cudaStream_t>(stream);
   const dim3 g(static_cast<unsigned>(grid));
   switch (vectors_per_thread(p.hidden)) {
