@@ -13,7 +13,8 @@
 # bytes over NCCL and a missing-rank timeout plus recovery; they print SKIP and the reason
 # otherwise. tail (two GPUs too) runs the MoE tail's GPU tests (two processes, the CPU reference as
 # the oracle), the small one again under compute-sanitizer memcheck and racecheck, then the
-# fused-vs-unfused bench (bench-tail.txt, bench-tail.json); tail-bench runs only that bench. stress (1 or 2 GPUs; nvidia-h200-x2
+# fused-vs-unfused bench with its per-phase trace (bench-tail.txt, bench-tail.json); tail-bench runs only
+# that bench. stress (1 or 2 GPUs; nvidia-h200-x2
 # covers both) runs the runner's kernels against their CPU references, then `torpor stress` on 1
 # GPU and on every GPU (threads, then one process per GPU; CUDA graphs), the same with the
 # unfused tail (same tokens required), a 50-cycle soak on a model of a few hundred MiB per GPU
@@ -123,11 +124,11 @@ for stage in "${stages[@]}"; do
             "$(grep -cE "^\[ +OK +\] TailCuda.SanitizerSmoke" "$OUT/tail-$tool-rank$r.log") passed"
         done
       done
-      timeout 150 build-gpu/bench/torpor_bench_tail --json "$OUT/bench-tail.json" > "$OUT/bench-tail.txt" 2>&1 || status=1
+      timeout 150 build-gpu/bench/torpor_bench_tail --trace --json "$OUT/bench-tail.json" > "$OUT/bench-tail.txt" 2>&1 || status=1
       cat "$OUT/bench-tail.txt"
       ;;
     tail-bench)
-      timeout 150 build-gpu/bench/torpor_bench_tail --json "$OUT/bench-tail.json" > "$OUT/bench-tail.txt" 2>&1 || status=1
+      timeout 150 build-gpu/bench/torpor_bench_tail --trace --json "$OUT/bench-tail.json" > "$OUT/bench-tail.txt" 2>&1 || status=1
       cat "$OUT/bench-tail.txt"
       ;;
     stress)
