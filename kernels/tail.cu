@@ -198,7 +198,7 @@ __device__ __forceinline__ uint4 partial_vector(const TailParams& p, int row, in
       float x[tail_vector_elems];
       unpack(ev[j], x);
 #pragma unroll
-      for (int i = 0; i < tail_vector_elems; ++i) acc[i] = tail_add(acc[i], tail_mul(wk[j], x[i]));
+      for (int i = 0; i < tail_vector_elems; ++i) acc[i] = tail_fma(wk[j], x[i], acc[i]);
     }
   }
   return make_uint4(sanitize_pair(to_bf16x2(acc[0], acc[1])), sanitize_pair(to_bf16x2(acc[2], acc[3])),
@@ -338,8 +338,13 @@ __device__ __forceinline__ int wait_sources(const TailParams& p, const bf16* own
 static_assert(offsetof(TailControl, error) + offsetof(TailErrorRecord, flag) + 4 <= 48 && alignof(TailControl) >= 16,
               "the fused kernel reads the control block's header as three 16-byte loads");
 
-template <int VPT, bool MULTICAST>
-__global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams p) {
+// RANKS: the rank count when known at compile time (2, the common tensor-parallel pair: every
+// loop over ranks unrolls and the address arithmetic folds, a shorter instruction path), or 0
+// for p.ranks at run time.
+template <int VPT, bool MULTICAST, int RANKS>
+__global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams params) {
+  TailParams p = params;
+  if constexpr (RANKS > 0) p.ranks = RANKS;
   __shared__ std::uint64_t s_table[tail_max_ranks + 1];
   __shared__ std::uint64_t s_calls;
   __shared__ int s_ok;
@@ -611,14 +616,16 @@ int vectors_per_thread(int hidden) {
 }
 
 template <int VPT, bool MC>
-void* fused_symbol() {
-  return reinterpret_cast<void*>(&tail_fused_kernel<VPT, MC>);
+void* fused_symbol(bool two_ranks) {
+  return two_ranks ? reinterpret_cast<void*>(&tail_fused_kernel<VPT, MC, 2>)
+                   : reinterpret_cast<void*>(&tail_fused_kernel<VPT, MC, 0>);
 }
 
-void* fused_kernel(int hidden, bool multicast) {
+// The fused kernel for `hidden`; two_ranks: its variant compiled for exactly two ranks.
+void* fused_kernel(int hidden, bool multicast, bool two_ranks = false) {
   switch (vectors_per_thread(hidden)) {
-    case 1: return multicast ? fused_symbol<1, true>() : fused_symbol<1, false>();
-    case 2: return multicast ? fused_symbol<2, true>() : fused_symbol<2, false>();
+    case 1: return multicast ? fused_symbol<1, true>(two_ranks) : fused_symbol<1, false>(two_ranks);
+    case 2: return multicast ? fused_symbol<2, true>(two_ranks) : fused_symbol<2, false>(two_ranks);
     default: throw invalid_argument("tail kernels: hidden " + std::to_string(hidden) + " is above 8192");
   }
 }
@@ -652,7 +659,8 @@ std::string tail_device_support(int device, bool multicast) {
 }
 
 void tail_preload(int hidden, bool multicast) {
-  const void* kernels[] = {fused_kernel(hidden, multicast), reinterpret_cast<const void*>(&tail_finalize_kernel),
+  const void* kernels[] = {fused_kernel(hidden, multicast), fused_kernel(hidden, multicast, true),
+                           reinterpret_cast<const void*>(&tail_finalize_kernel),
                            residual_norm_kernel(hidden), reinterpret_cast<const void*>(&tail_fill_u16_kernel)};
   for (const void* k : kernels) {
     cudaFuncAttributes attr{};
@@ -664,8 +672,13 @@ int tail_fused_capacity(int hidden, bool multicast) {
   int device = 0, sms = 0, per_sm = 0;
   check(cudaGetDevice(&device), "cudaGetDevice");
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fused_kernel(hidden, multicast), T, 0),
-        "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  // Both variants (any rank count, exactly two): the grid must fit whichever is launched.
+  for (bool two : {false, true}) {
+    int n = 0;
+    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fused_kernel(hidden, multicast, two), T, 0),
+          "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    per_sm = two ? (n < per_sm ? n : per_sm) : n;
+  }
   if (per_sm < 1) throw error("tail kernels: the fused kernel does not fit on device " + std::to_string(device));
   return sms * per_sm;
 }
@@ -680,6 +693,7 @@ namespace {
 
 template <int VPT, bool MC>
 void launch_fused_as(const TailParams& p, dim3 grid, cudaStream_t stream, bool programmatic) {
+  constexpr int two = 2;
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
@@ -690,7 +704,8 @@ void launch_fused_as(const TailParams& p, dim3 grid, cudaStream_t stream, bool p
   config.stream = stream;
   config.attrs = programmatic ? &attribute : nullptr;
   config.numAttrs = programmatic ? 1 : 0;
-  const cudaError_t e = cudaLaunchKernelEx(&config, tail_fused_kernel<VPT, MC>, p);
+  const cudaError_t e = p.ranks == two ? cudaLaunchKernelEx(&config, tail_fused_kernel<VPT, MC, two>, p)
+                                       : cudaLaunchKernelEx(&config, tail_fused_kernel<VPT, MC, 0>, p);
   if (e != cudaSuccess) (void)cudaGetLastError();  // report this launch's error, not a stale one
   if (e != cudaSuccess)
     throw error(std::string("launching tail_fused_kernel failed: ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) +

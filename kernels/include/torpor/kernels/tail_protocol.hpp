@@ -216,7 +216,8 @@ inline std::size_t tail_slot_bytes(int ranks, int max_tokens, int hidden) {
          static_cast<std::size_t>(max_tokens) * static_cast<std::size_t>(hidden) * sizeof(bf16);
 }
 
-// --- arithmetic: explicit round-to-nearest operations, never contracted into FMAs -----------
+// --- arithmetic: explicit round-to-nearest operations; the compiler never contracts them into
+// FMAs (the one FMA, in the partial, is written as one) -----------------------------------------
 
 TORPOR_HD float tail_add(float a, float b) {
 #if defined(__CUDA_ARCH__)
@@ -230,6 +231,15 @@ TORPOR_HD float tail_mul(float a, float b) {
   return __fmul_rn(a, b);
 #else
   return a * b;
+#endif
+}
+// a * b + c with one rounding (fused multiply-add, correctly rounded on the GPU and by std::fma
+// on the CPU, so both give the same bits): the partial's accumulation step.
+TORPOR_HD float tail_fma(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
 #endif
 }
 TORPOR_HD float tail_bits_to_float(std::uint32_t u) {
@@ -267,13 +277,14 @@ TORPOR_HD bool tail_word_has_sentinel(std::uint32_t w) {
   return (w & 0xFFFFu) == tail_sentinel || (w >> 16) == tail_sentinel;
 }
 
-// One element of this rank's partial: (shared) + sum over k in order of weight_k * expert_k.
-// `expert` points at element [t][0][col]; consecutive k are `hidden` apart.
+// One element of this rank's partial: (shared) + sum over k in order of weight_k * expert_k, each
+// step one fused multiply-add. `expert` points at element [t][0][col]; consecutive k are
+// `hidden` apart.
 TORPOR_HD float tail_partial_element(const std::uint16_t* expert, const float* weights, int top_k, int hidden,
                                      const std::uint16_t* shared) {
   float acc = shared != nullptr ? tail_bf16_to_float(*shared) : 0.0f;
   for (int k = 0; k < top_k; ++k)
-    acc = tail_add(acc, tail_mul(weights[k], tail_bf16_to_float(expert[static_cast<std::size_t>(k) * hidden])));
+    acc = tail_fma(weights[k], tail_bf16_to_float(expert[static_cast<std::size_t>(k) * hidden]), acc);
   return acc;
 }
 
