@@ -338,13 +338,8 @@ __device__ __forceinline__ int wait_sources(const TailParams& p, const bf16* own
 static_assert(offsetof(TailControl, error) + offsetof(TailErrorRecord, flag) + 4 <= 48 && alignof(TailControl) >= 16,
               "the fused kernel reads the control block's header as three 16-byte loads");
 
-// RANKS: the rank count when known at compile time (2, the common tensor-parallel pair: every
-// loop over ranks unrolls and the address arithmetic folds, a shorter instruction path), or 0
-// for p.ranks at run time.
-template <int VPT, bool MULTICAST, int RANKS>
-__global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams params) {
-  TailParams p = params;
-  if constexpr (RANKS > 0) p.ranks = RANKS;
+template <int VPT, bool MULTICAST>
+__global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams p) {
   __shared__ std::uint64_t s_table[tail_max_ranks + 1];
   __shared__ std::uint64_t s_calls;
   __shared__ int s_ok;
@@ -616,16 +611,14 @@ int vectors_per_thread(int hidden) {
 }
 
 template <int VPT, bool MC>
-void* fused_symbol(bool two_ranks) {
-  return two_ranks ? reinterpret_cast<void*>(&tail_fused_kernel<VPT, MC, 2>)
-                   : reinterpret_cast<void*>(&tail_fused_kernel<VPT, MC, 0>);
+void* fused_symbol() {
+  return reinterpret_cast<void*>(&tail_fused_kernel<VPT, MC>);
 }
 
-// The fused kernel for `hidden`; two_ranks: its variant compiled for exactly two ranks.
-void* fused_kernel(int hidden, bool multicast, bool two_ranks = false) {
+void* fused_kernel(int hidden, bool multicast) {
   switch (vectors_per_thread(hidden)) {
-    case 1: return multicast ? fused_symbol<1, true>(two_ranks) : fused_symbol<1, false>(two_ranks);
-    case 2: return multicast ? fused_symbol<2, true>(two_ranks) : fused_symbol<2, false>(two_ranks);
+    case 1: return multicast ? fused_symbol<1, true>() : fused_symbol<1, false>();
+    case 2: return multicast ? fused_symbol<2, true>() : fused_symbol<2, false>();
     default: throw invalid_argument("tail kernels: hidden " + std::to_string(hidden) + " is above 8192");
   }
 }
@@ -659,8 +652,7 @@ std::string tail_device_support(int device, bool multicast) {
 }
 
 void tail_preload(int hidden, bool multicast) {
-  const void* kernels[] = {fused_kernel(hidden, multicast), fused_kernel(hidden, multicast, true),
-                           reinterpret_cast<const void*>(&tail_finalize_kernel),
+  const void* kernels[] = {fused_kernel(hidden, multicast), reinterpret_cast<const void*>(&tail_finalize_kernel),
                            residual_norm_kernel(hidden), reinterpret_cast<const void*>(&tail_fill_u16_kernel)};
   for (const void* k : kernels) {
     cudaFuncAttributes attr{};
@@ -672,13 +664,8 @@ int tail_fused_capacity(int hidden, bool multicast) {
   int device = 0, sms = 0, per_sm = 0;
   check(cudaGetDevice(&device), "cudaGetDevice");
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  // Both variants (any rank count, exactly two): the grid must fit whichever is launched.
-  for (bool two : {false, true}) {
-    int n = 0;
-    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fused_kernel(hidden, multicast, two), T, 0),
-          "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-    per_sm = two ? (n < per_sm ? n : per_sm) : n;
-  }
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fused_kernel(hidden, multicast), T, 0),
+        "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   if (per_sm < 1) throw error("tail kernels: the fused kernel does not fit on device " + std::to_string(device));
   return sms * per_sm;
 }
@@ -693,7 +680,6 @@ namespace {
 
 template <int VPT, bool MC>
 void launch_fused_as(const TailParams& p, dim3 grid, cudaStream_t stream, bool programmatic) {
-  constexpr int two = 2;
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
@@ -704,8 +690,7 @@ void launch_fused_as(const TailParams& p, dim3 grid, cudaStream_t stream, bool p
   config.stream = stream;
   config.attrs = programmatic ? &attribute : nullptr;
   config.numAttrs = programmatic ? 1 : 0;
-  const cudaError_t e = p.ranks == two ? cudaLaunchKernelEx(&config, tail_fused_kernel<VPT, MC, two>, p)
-                                       : cudaLaunchKernelEx(&config, tail_fused_kernel<VPT, MC, 0>, p);
+  const cudaError_t e = cudaLaunchKernelEx(&config, tail_fused_kernel<VPT, MC>, p);
   if (e != cudaSuccess) (void)cudaGetLastError();  // report this launch's error, not a stale one
   if (e != cudaSuccess)
     throw error(std::string("launching tail_fused_kernel failed: ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) +
