@@ -11,7 +11,8 @@
 //      still to clear; meanwhile every thread computes its first partial (inputs only); past
 //      the barrier, thread 0 counts its block in (control.arrived);
 //   1. send: items (row, 16-byte vector) over the whole grid; each computes 8 elements of this
-//      rank's partial in fp32 (tail_partial_element), rounds to bf16, sanitises (I2) and stores
+//      rank's partial in fp32 (tail_partial_element: one FMA per expert), rounds to bf16 (one
+//      cvt.rn.bf16x2 per pair), sanitises (I2) and stores
 //      them with st.relaxed.sys to every destination that receives the row (or one multimem.st
 //      to the multicast address);
 //   2. clear (I3): every block clears its share of the previous slot's rows in this rank's part;

@@ -16,7 +16,7 @@
 //       a source will store into; the reader polls until no element it needs is the sentinel.
 //   I2  Senders never store the sentinel: a partial that rounds to -0.0 is sent as +0.0. NaN is
 //       sent as is (its bits are never 0x8000), so NaN propagates instead of hanging or vanishing.
-//   I3  Clearing: at the start of call s each rank clears, in its own part, the rows of slot
+//   I3  Clearing: during call s (after its own send) each rank clears, in its own part, the rows of slot
 //       (s - 1) % 3 that peers stored there during call s - 1 (control.clear_*), then marks the
 //       range empty. Peers store into that slot next at call s + 2. That store is issued only
 //       after the peer has seen at least one of this rank's call-(s + 1) stores (every rank
