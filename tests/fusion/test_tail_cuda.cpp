@@ -12,6 +12,8 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <optional>
 #include <thread>
 
 #include "support/processes.hpp"
@@ -266,6 +268,30 @@ void require(bool ok, const std::string& what) {
 
 void sync(GpuRank& g) { cuda(cudaStreamSynchronize(g.stream), "cudaStreamSynchronize"); }
 
+// What `body` enqueues on `stream`, captured in a CUDA graph and instantiated. Destroyed with this
+// object: declare it after the Tail whose calls it holds (and after NCCL communicators), so it
+// goes first.
+class CapturedGraph {
+ public:
+  CapturedGraph(cudaStream_t stream, const std::function<void()>& body) {
+    cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+    body();
+    cuda(cudaStreamEndCapture(stream, &graph_), "end capture");
+    cuda(cudaGraphInstantiate(&exec_, graph_, 0), "instantiate");
+  }
+  ~CapturedGraph() {
+    if (exec_ != nullptr) (void)cudaGraphExecDestroy(exec_);
+    if (graph_ != nullptr) (void)cudaGraphDestroy(graph_);
+  }
+  CapturedGraph(const CapturedGraph&) = delete;
+  CapturedGraph& operator=(const CapturedGraph&) = delete;
+  void launch(cudaStream_t stream) { cuda(cudaGraphLaunch(exec_, stream), "graph launch"); }
+
+ private:
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
+
 const std::vector<int> gpu_tokens = {1, 8, 128, 3, 32, 128, 2, 77, 128, 5};
 
 #endif  // TORPOR_KERNELS_CUDA
@@ -334,17 +360,14 @@ TEST(TailCuda, GraphCapturedBeforeSleepReplaysAfterWake) {
     auto tail = make_tail(*g.heap, s);
     DeviceCall d(*g.pool, s);
     constexpr int per_graph = 4;  // calls per replay: the slots rotate inside the graph
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    cuda(cudaStreamBeginCapture(g.stream, cudaStreamCaptureModeThreadLocal), "begin capture");
-    for (int i = 0; i < per_graph; ++i) tail->run(d.args(16), g.torpor_stream());
-    cuda(cudaStreamEndCapture(g.stream, &graph), "end capture");
-    cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+    CapturedGraph graph(g.stream, [&] {
+      for (int i = 0; i < per_graph; ++i) tail->run(d.args(16), g.torpor_stream());
+    });
     auto replay_and_check = [&](std::uint64_t seed, const std::string& when) {
       const CallInputs c = random_call(s, ranks, 16, seed);
       d.upload(c, g.rank);
       g.group->barrier();
-      cuda(cudaGraphLaunch(exec, g.stream), "graph launch");
+      graph.launch(g.stream);
       sync(g);
       tail->check();
       std::string bad = compare(s, c, d.outputs(16), oracle(s, c)[static_cast<std::size_t>(g.rank)], g.rank);
@@ -370,8 +393,6 @@ TEST(TailCuda, GraphCapturedBeforeSleepReplaysAfterWake) {
     require(std::memcmp(&after, &calls_before, sizeof after) == 0, "control block restored bit for bit");
     replay_and_check(4002, "replay after wake");
     replay_and_check(4003, "second replay after wake");
-    cuda(cudaGraphExecDestroy(exec), "graph exec destroy");
-    cuda(cudaGraphDestroy(graph), "graph destroy");
   }));
 #endif
 }
@@ -426,26 +447,19 @@ TEST(TailCuda, BackToBackCallsChainThroughTheResidual) {
           a.residual_out = d.residual;
           return a;
         };
-        cudaGraph_t graph = nullptr;
-        cudaGraphExec_t exec = nullptr;
-        if (in_graph) {
-          cuda(cudaStreamBeginCapture(g.stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+        auto run_chain = [&] {
           for (int t : chain) tail->run(args(t), g.torpor_stream());
-          cuda(cudaStreamEndCapture(g.stream, &graph), "end capture");
-          cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-        }
+        };
+        std::optional<CapturedGraph> graph;
+        if (in_graph) graph.emplace(g.stream, run_chain);
         g.group->barrier();
-        if (in_graph) {
-          cuda(cudaGraphLaunch(exec, g.stream), "graph launch");
+        if (graph) {
+          graph->launch(g.stream);
         } else {
-          for (int t : chain) tail->run(args(t), g.torpor_stream());
+          run_chain();
         }
         sync(g);
         tail->check();
-        if (in_graph) {
-          cuda(cudaGraphExecDestroy(exec), "graph exec destroy");
-          cuda(cudaGraphDestroy(graph), "graph destroy");
-        }
         std::vector<bf16> got(residual.size()), norm(last_norm.size());
         cuda(cudaMemcpy(got.data(), d.residual, got.size() * sizeof(bf16), cudaMemcpyDeviceToHost), "download");
         cuda(cudaMemcpy(norm.data(), d.norm_out, norm.size() * sizeof(bf16), cudaMemcpyDeviceToHost), "download");
@@ -559,20 +573,13 @@ TEST(TailCuda, UnfusedAgreesWithFused) {
       std::string bad = compare(s, c, u_out, f_out, g.rank, /*bitwise=*/ranks == 2);
       require(bad.empty(), "unfused call " + std::to_string(i) + ": " + bad);
     }
-    // In a graph as well (NCCL captured); destroy the graph before the communicator.
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
+    // In a graph as well (NCCL captured); the graph goes before the communicator (declared later).
     const CallInputs c = random_call(s, ranks, 32, 6100);
     d.upload(c, g.rank);
-    cuda(cudaStreamBeginCapture(g.stream, cudaStreamCaptureModeThreadLocal), "begin capture");
-    unfused->run(d.args(32), g.torpor_stream());
-    cuda(cudaStreamEndCapture(g.stream, &graph), "end capture");
-    cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-    cuda(cudaGraphLaunch(exec, g.stream), "graph launch");
+    CapturedGraph graph(g.stream, [&] { unfused->run(d.args(32), g.torpor_stream()); });
+    graph.launch(g.stream);
     sync(g);
     std::string bad = compare(s, c, d.outputs(32), d.outputs(32), g.rank, false);
-    cuda(cudaGraphExecDestroy(exec), "graph exec destroy");
-    cuda(cudaGraphDestroy(graph), "graph destroy");
     require(bad.empty(), "unfused in a graph: " + bad);
   }));
 #endif
@@ -601,22 +608,19 @@ TEST(TailCuda, SanitizerSmoke) {
             std::string bad = compare(s, c, d.outputs(tokens), oracle(s, c)[static_cast<std::size_t>(g.rank)], g.rank);
             require(bad.empty(), bad);
           }
-          cudaGraph_t graph = nullptr;
-          cudaGraphExec_t exec = nullptr;
-          cuda(cudaStreamBeginCapture(g.stream, cudaStreamCaptureModeThreadLocal), "begin capture");
-          tail->run(d.args(4), g.torpor_stream());
-          tail->run(d.args(4), g.torpor_stream());
-          cuda(cudaStreamEndCapture(g.stream, &graph), "end capture");
-          cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-          const CallInputs c = random_call(s, ranks, 4, 7100);
-          d.upload(c, g.rank);
-          cuda(cudaGraphLaunch(exec, g.stream), "graph launch");
-          sync(g);
-          tail->check();
-          std::string bad = compare(s, c, d.outputs(4), oracle(s, c)[static_cast<std::size_t>(g.rank)], g.rank);
-          cuda(cudaGraphExecDestroy(exec), "graph exec destroy");
-          cuda(cudaGraphDestroy(graph), "graph destroy");
-          require(bad.empty(), "graph: " + bad);
+          {
+            CapturedGraph graph(g.stream, [&] {
+              tail->run(d.args(4), g.torpor_stream());
+              tail->run(d.args(4), g.torpor_stream());
+            });
+            const CallInputs c = random_call(s, ranks, 4, 7100);
+            d.upload(c, g.rank);
+            graph.launch(g.stream);
+            sync(g);
+            tail->check();
+            std::string bad = compare(s, c, d.outputs(4), oracle(s, c)[static_cast<std::size_t>(g.rank)], g.rank);
+            require(bad.empty(), "graph: " + bad);
+          }
           tail->reset();
         }
         // The unfused kernels without the all-reduce: reduced = this rank's own partials.
