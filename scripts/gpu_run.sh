@@ -45,6 +45,12 @@ cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release > "$OUT/configure.lo
   cmake --build build-gpu -j "$(nproc)" ${TORPOR_BUILD_TARGETS:+--target $TORPOR_BUILD_TARGETS} > "$OUT/build.log" 2>&1 || {
     echo "build failed"; tail -40 "$OUT/configure.log" "$OUT/build.log"; exit 1; }
 
+# The fused-vs-unfused tail bench with its per-phase trace (stages tail and tail-bench).
+tail_bench() {
+  timeout 150 build-gpu/bench/torpor_bench_tail --trace --json "$OUT/bench-tail.json" > "$OUT/bench-tail.txt" 2>&1 || status=1
+  cat "$OUT/bench-tail.txt"
+}
+
 for stage in "${stages[@]}"; do
   case "$stage" in
     probe)
@@ -124,12 +130,10 @@ for stage in "${stages[@]}"; do
             "$(grep -cE "^\[ +OK +\] TailCuda.SanitizerSmoke" "$OUT/tail-$tool-rank$r.log") passed"
         done
       done
-      timeout 150 build-gpu/bench/torpor_bench_tail --trace --json "$OUT/bench-tail.json" > "$OUT/bench-tail.txt" 2>&1 || status=1
-      cat "$OUT/bench-tail.txt"
+      tail_bench
       ;;
     tail-bench)
-      timeout 150 build-gpu/bench/torpor_bench_tail --trace --json "$OUT/bench-tail.json" > "$OUT/bench-tail.txt" 2>&1 || status=1
-      cat "$OUT/bench-tail.txt"
+      tail_bench
       ;;
     stress)
       # Every step is bounded (timeout), so a hang cannot eat the machine's time.
