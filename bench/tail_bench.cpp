@@ -31,7 +31,9 @@
 #include "support/processes.hpp"
 #include "torpor/cuda_driver.hpp"
 #include "torpor/fusion/tail.hpp"
+#include "torpor/fusion/tail_state.hpp"
 #include "torpor/group.hpp"
+#include "torpor/kernels/tail_kernels.hpp"
 #include "torpor/kernels/tail_protocol.hpp"
 #include "torpor/pool.hpp"
 #include "torpor/symmetric.hpp"
@@ -40,7 +42,8 @@ namespace torpor::bench {
 void launch_peer_store(void* dst, const void* src, std::size_t bytes, int blocks, void* stream);
 void launch_ping_pong(void* own, void* peer, int rounds, bool starter, void* stream);
 void launch_empty(int blocks, int threads, bool programmatic, void* stream);
-void load_latency(const void* p, int scope, double* ns_per_load, double* timer_step_ns);
+void launch_lamport_floor(void* own, void* peer, std::uint32_t* calls, const void* inputs, int n, int features, void* stream);
+void load_latency(const void* p, int scope, double* ns_per_load, double* timer_step_ns, double* timer_read_ns);
 }
 
 namespace {
@@ -57,6 +60,8 @@ struct Options {
   int replays = 20;
   std::string json_path;
   bool trace = false;
+  std::vector<int> blocks_per_row;  // extra fused tails, one per value (TailOptions::blocks_per_row)
+  std::vector<int> floor_features = {0, 15};  // Lamport exchange variants (bench::launch_lamport_floor)
 };
 
 void cuda(cudaError_t e, const char* what) {
@@ -203,16 +208,16 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
   // Rank 0's view of the round trip (rank 1's kernel starts a little later and waits less).
   const double latency_us = gather(group, one_way_latency_us(group, s, link.local(), link.peer(1 - r), r))[0];
   // One thread's dependent loads: local at system and GPU scope, the peer's at system scope.
-  double sys_local_ns = 0, gpu_local_ns = 0, sys_peer_ns = 0, timer_step_ns = 0;
-  bench::load_latency(link.local(), 0, &sys_local_ns, &timer_step_ns);
-  bench::load_latency(link.local(), 1, &gpu_local_ns, &timer_step_ns);
-  bench::load_latency(link.peer(1 - r), 0, &sys_peer_ns, &timer_step_ns);
+  double sys_local_ns = 0, gpu_local_ns = 0, sys_peer_ns = 0, timer_step_ns = 0, timer_read_ns = 0;
+  bench::load_latency(link.local(), 0, &sys_local_ns, &timer_step_ns, &timer_read_ns);
+  bench::load_latency(link.local(), 1, &gpu_local_ns, &timer_step_ns, &timer_read_ns);
+  bench::load_latency(link.peer(1 - r), 0, &sys_peer_ns, &timer_step_ns, &timer_read_ns);
   // An empty kernel of the fused kernel's grid at 8 tokens.
-  const int empty_blocks = (8 * o.hidden / 8 + kernels::tail_block_threads - 1) / kernels::tail_block_threads;
+  const int empty_blocks = (8 * o.hidden / 8 + kernels::tail_row_lanes - 1) / kernels::tail_row_lanes;
   const double empty_so_us =
-      slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { bench::launch_empty(empty_blocks, kernels::tail_block_threads, false, s); }));
+      slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { bench::launch_empty(empty_blocks, kernels::tail_row_lanes, false, s); }));
   const double empty_pdl_us =
-      slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { bench::launch_empty(empty_blocks, kernels::tail_block_threads, true, s); }));
+      slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { bench::launch_empty(empty_blocks, kernels::tail_row_lanes, true, s); }));
 
   // The tails and their tensors.
   fusion::TailShape shape;
@@ -234,6 +239,13 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
     to.trace = trace;
     traced = fusion::make_tail(heap, shape, to);
   }
+  // --blocks-per-row: the fused tail again with each of these row decompositions.
+  std::vector<std::unique_ptr<fusion::Tail>> by_blocks;
+  for (int b : o.blocks_per_row) {
+    fusion::TailOptions bo;
+    bo.blocks_per_row = b;
+    by_blocks.push_back(fusion::make_tail(heap, shape, bo));
+  }
   fusion::TailOptions uo;
   uo.allow_fused = false;
   auto unfused = fusion::make_tail(heap, shape, uo);
@@ -247,6 +259,7 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
   auto* res_out = static_cast<bf16*>(alloc(th * sizeof(bf16), "residual_out"));
   auto* norm_out = static_cast<bf16*>(alloc(th * sizeof(bf16), "norm_out"));
   auto* scratch = static_cast<bf16*>(alloc(th * sizeof(bf16), "nccl_scratch"));
+  auto* floor_calls = static_cast<std::uint32_t*>(alloc(th / 8 * sizeof(std::uint32_t), "floor_calls"));
   auto* weights = static_cast<float*>(alloc(static_cast<std::size_t>(max_tokens) * o.top_k * sizeof(float), "weights"));
   fill_random(expert, th * o.top_k, 11 + r, -1, 1);
   fill_random(shared, th, 12 + r, -0.5f, 0.5f);
@@ -263,12 +276,17 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
     fmt::print("tail fusion bench: 2 GPUs, hidden {}, top_k {} + shared expert, bf16, CUDA graphs of {} calls x {} replays\n",
                o.hidden, o.top_k, o.calls_per_graph, o.replays);
     fmt::print("path: {}\n", fused->reason());
+    if (auto st = fusion::tail_state(*fused))
+      fmt::print("fused grid: {} blocks per row up to {} rows, else {} ({} blocks resident at most)\n",
+                 st->blocks_per_row_few_rows, kernels::tail_cluster_max_rows, st->blocks_per_row_many_rows,
+                 st->capacity_blocks);
     fmt::print("link (SM stores to the peer's memory): {:.1f} GB/s one way alone, {:.1f} + {:.1f} GB/s both ways at once\n",
                one_way, both[0], both[1]);
     fmt::print("store seen by the peer (ping-pong): {:.2f} us one way\n", latency_us);
     fmt::print("one thread's dependent loads: local {:.0f} ns (.sys), {:.0f} ns (.gpu); the peer's {:.0f} ns (.sys); "
-               "globaltimer step {:.0f} ns\n",
-               sys_local_ns, gpu_local_ns, sys_peer_ns, timer_step_ns);
+               "globaltimer step {:.0f} ns, "
+               "one read {:.0f} ns\n",
+               sys_local_ns, gpu_local_ns, sys_peer_ns, timer_step_ns, timer_read_ns);
     fmt::print("empty kernel ({} blocks) per call in a graph: {:.2f} us in stream order, {:.2f} us as a programmatic dependent\n",
                empty_blocks, empty_so_us, empty_pdl_us);
     fmt::print("{:>6} {:>10} {:>12} {:>11} {:>10} {:>8} {:>11} {:>10} {:>7}\n", "tokens", "fused us", "fused-so us",
@@ -290,6 +308,38 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
     fused_so->check();
     const double u_us = slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { unfused->run(a, ts); }));
     unfused->check();
+    // The Lamport exchange alone (bench::launch_lamport_floor) for this row count: the floor
+    // under the fused kernel's send + receive, then with the fused kernel's other work added.
+    const int floor_n = t * (o.hidden / 8);
+    json floors = json::object();
+    std::string floor_line;
+    for (int features : o.floor_features) {
+      // (the loads read 9 vectors per thread from expert_out, which holds top_k * max_tokens rows)
+      if ((features & 1) && 9 * t > o.top_k * max_tokens) continue;
+      cuda(cudaMemset(link.local(), 0, static_cast<std::size_t>(floor_n) * 16 * 4), "zero the floor buffer");
+      cuda(cudaMemset(floor_calls, 0, static_cast<std::size_t>(floor_n) * 4), "zero the floor counters");
+      cuda(cudaDeviceSynchronize(), "zero the floor buffers");
+      group.barrier();
+      const double us = slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] {
+        bench::launch_lamport_floor(link.local(), link.peer(1 - r), floor_calls, expert, floor_n, features, s);
+      }));
+      floors[std::to_string(features)] = us;
+      floor_line += fmt::format("{}{}: {:.2f}", floor_line.empty() ? "" : ", ", features, us);
+    }
+    if (r == 0)
+      fmt::print("  {} tokens, Lamport exchange alone (features 1 loads, 2 self copy, 4 clear stores, 8 transposed poll, "
+                 "16 1024 straight-line FMAs, 32 the same in a loop, 64 straight-line code run before the wait too, "
+                 "128 12 branches over 4 KB of code each, 256 the same over a few bytes): "
+                 "{} us\n", t, floor_line);
+    json by_blocks_row = json::object();
+    for (std::size_t i = 0; i < by_blocks.size(); ++i) {
+      const double b_us = slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { by_blocks[i]->run(a, ts); }));
+      by_blocks[i]->check();
+      by_blocks_row[std::to_string(o.blocks_per_row[i])] = b_us;
+      if (r == 0)
+        fmt::print("  {} tokens, fused with {} blocks per row: {:.2f} us ({:.2f}x unfused)\n", t, o.blocks_per_row[i], b_us,
+                   u_us / b_us);
+    }
     const double n_us = slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] {
       nccl.all_reduce_sum_bf16(scratch, static_cast<std::size_t>(t) * o.hidden, s);
     }));
@@ -307,7 +357,27 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
       const double gap = tr.gaps ? static_cast<double>(tr.gap_ns) / static_cast<double>(tr.gaps) / 1000.0 : 0.0;
       const double upd = static_cast<double>(tr.updater_ns) / n / 1000.0;
       static const char* names[kernels::tail_trace_phases] = {"waited", "control read", "partial", "set up", "sent",
-                                                              "cleared", "vectors in", "block's in", "epilogue", "end"};
+                                                              "cleared", "vectors in", "residual", "row barrier", "block's in", "epilogue", "end"};
+      // Per block: the spread of its mean times over the grid (min / median / max, and the slowest
+      // block), from its own wait's return.
+      json per_block = json::object();
+      {
+        static const char* bnames[kernels::tail_block_stamps + 1] = {
+            "waited after block 0", "partial", "sent", "cleared", "row in", "all sent", "all in", "poll rounds", "end"};
+        for (int k = -1; k < kernels::tail_block_stamps; ++k) {
+          std::vector<std::pair<double, int>> v;
+          for (int b = 0; b < kernels::tail_trace_blocks; ++b) {
+            if (tr.block_ns[b][kernels::tail_block_stamps - 1] == 0) continue;  // not in the grid
+            const double x = k < 0 ? static_cast<double>(tr.block_waited_ns[b]) : static_cast<double>(tr.block_ns[b][k]);
+            if (k >= 0 && x == 0) continue;  // a stamp this block does not have
+            v.push_back({x / n / 1000.0, b});
+          }
+          if (v.empty()) continue;
+          std::sort(v.begin(), v.end());
+          per_block[bnames[k + 1]] = {{"blocks", v.size()}, {"min", v.front().first}, {"median", v[v.size() / 2].first},
+                                      {"max", v.back().first}, {"slowest_block", v.back().second}};
+        }
+      }
       json named = json::object();
       for (int k = 0; k < kernels::tail_trace_phases; ++k) named[names[k]] = phases[static_cast<std::size_t>(k)];
       trace_row = {{"rank", r},
@@ -316,7 +386,8 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
                    {"block0_us_from_entry", named},
                    {"entry_minus_previous_end_us", gap},
                    {"updater_done_us", upd},
-                   {"sm_ghz", static_cast<double>(tr.cycles) / (phases.back() * 1000.0 * n)}};
+                   {"sm_ghz", static_cast<double>(tr.cycles) / (phases.back() * 1000.0 * n)},
+                   {"per_block_us_from_own_wait", per_block}};
       const std::string mine = trace_row.dump();
       const auto all = group.all_gather(std::as_bytes(std::span<const char>(mine.data(), mine.size())));
       if (r == 0)
@@ -330,6 +401,13 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
                      tj["rank"].get<int>(), tj["traced_us"].get<double>(), line,
                      tj["entry_minus_previous_end_us"].get<double>(), tj["updater_done_us"].get<double>(),
                      tj["sm_ghz"].get<double>());
+          std::string blocks;
+          for (const auto& [name, d] : tj["per_block_us_from_own_wait"].items())
+            blocks += fmt::format("{}{} {:.2f}/{:.2f}/{:.2f} (#{})", blocks.empty() ? "" : "; ", name, d["min"].get<double>(),
+                                  d["median"].get<double>(), d["max"].get<double>(), d["slowest_block"].get<int>());
+          fmt::print("    per block (min/median/max over {} blocks, slowest block): {}\n",
+                     tj["per_block_us_from_own_wait"].contains("end") ? tj["per_block_us_from_own_wait"]["end"]["blocks"].get<int>() : 0,
+                     blocks);
         }
     }
     const double bytes = static_cast<double>(t) * o.hidden * sizeof(bf16) * (ranks - 1);
@@ -339,9 +417,11 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
                  u_us, n_us, u_us / f_us, bytes, gbps, 100.0 * gbps / one_way);
     rows.push_back({{"tokens", t}, {"fused_us", f_us}, {"fused_stream_order_us", so_us}, {"unfused_us", u_us},
                     {"nccl_allreduce_us", n_us},
+                    {"lamport_exchange_us_by_features", floors},
                     {"speedup", u_us / f_us}, {"bytes_per_rank", bytes}, {"fused_gbps", gbps},
                     {"link_fraction", gbps / one_way}});
-    if (traced) rows.back()["trace_rank0"] = trace_row;  // (rank 0's own; the table printed both)
+    if (traced) rows.back()["trace_rank0"] = trace_row;
+    if (!by_blocks.empty()) rows.back()["fused_us_by_blocks_per_row"] = by_blocks_row;  // (rank 0's own; the table printed both)
   }
   if (r == 0) {
     std::string speedups;
@@ -376,6 +456,7 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
                 {"peer_store_latency_us", latency_us},
                 {"load_latency_ns", {{"local_sys", sys_local_ns}, {"local_gpu", gpu_local_ns}, {"peer_sys", sys_peer_ns}}},
                 {"globaltimer_step_ns", timer_step_ns},
+                {"globaltimer_read_ns", timer_read_ns},
                 {"empty_kernel_blocks", empty_blocks},
                 {"empty_kernel_us", {{"stream_order", empty_so_us}, {"programmatic", empty_pdl_us}}},
                 {"rows", rows},
@@ -389,9 +470,10 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
   group.barrier();
   for (void* p : {static_cast<void*>(expert), static_cast<void*>(shared), static_cast<void*>(residual),
                   static_cast<void*>(gamma), static_cast<void*>(res_out), static_cast<void*>(norm_out),
-                  static_cast<void*>(scratch), static_cast<void*>(weights), src})
+                  static_cast<void*>(scratch), static_cast<void*>(weights), static_cast<void*>(floor_calls), src})
     pool.deallocate(p);
   traced.reset();
+  by_blocks.clear();
   if (trace != nullptr) pool.deallocate(trace);
   cuda(cudaStreamDestroy(s), "stream destroy");
 }
@@ -407,6 +489,13 @@ int main(int argc, char** argv) {
   app.add_option("--calls-per-graph", o.calls_per_graph, "calls captured in one graph");
   app.add_option("--replays", o.replays, "graph replays per measurement");
   app.add_option("--json", o.json_path, "write the results here");
+  app.add_option("--blocks-per-row", o.blocks_per_row,
+                 "also time the fused tail with each of these blocks per row (1, 4, 8; TailOptions::blocks_per_row)");
+  app.add_option("--floor-features", o.floor_features,
+                 "Lamport exchange floors to time, as feature masks: 1 the partial's input loads, 2 a copy to itself, "
+                 "4 the clear's stores, 8 a transposed poll, 16 1024 straight-line FMAs, 32 the same in a loop, 64 the "
+                 "straight-line code run before griddepcontrol.wait too, 128 12 branches over 4 KB of code, 256 the same "
+                 "over a few bytes");
   app.add_flag("--trace", o.trace, "also time a fused tail that stamps its phases (where a call's time goes)");
   CLI11_PARSE(app, argc, argv);
   // Fork before anything touches CUDA: the parent never does.

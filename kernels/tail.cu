@@ -45,7 +45,7 @@ namespace torpor::kernels {
 
 namespace {
 
-constexpr int T = tail_block_threads;
+constexpr int T = tail_row_lanes;
 constexpr int W = T / tail_warp;
 
 void check_launch(const char* kernel) {
@@ -90,6 +90,25 @@ __device__ __forceinline__ std::uint32_t load_acquire(const std::uint32_t* p) {
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+
+// A bounded spin's clock (I5). %globaltimer is read on the first check and then on every 32nd
+// only: a read stalls the thread for longer than a poll round (torpor_bench_tail measures it), and
+// the first read's value is not used until the 32nd check, so no check waits for the timer.
+struct SpinDeadline {
+  std::uint64_t start = 0;
+  std::uint32_t checks = 0;
+  // True once more than timeout_ns passed since the first check; `waited`: the time seen then.
+  __device__ __forceinline__ bool expired(std::uint64_t timeout_ns, std::uint64_t& waited) {
+    const std::uint32_t k = checks++;
+    if (k == 0) {
+      start = globaltimer();
+      return false;
+    }
+    if ((k & 31u) != 0) return false;
+    waited = globaltimer() - start;
+    return waited > timeout_ns;
+  }
+};
 
 // Polling load: system scope, so a peer's store (over NVLink, or through multicast) is seen
 // without any cached copy in between.
@@ -206,47 +225,46 @@ __device__ __forceinline__ uint4 partial_vector(const TailParams& p, int row, in
                     sanitize_pair(to_bf16x2(acc[4], acc[5])), sanitize_pair(to_bf16x2(acc[6], acc[7])));
 }
 
-// This thread's vectors (threadIdx.x + v * T) of a row of residual_in, loaded before the wait so
-// their latency hides behind it, and of gamma.
+// Lane `lane`'s vectors (lane + v * tail_row_lanes) of a row of residual_in, loaded before the
+// polls so their latency hides behind the wait, and of gamma.
 template <int VPT>
 struct RowInputs {
   uint4 residual[VPT];
 };
 
 template <int VPT>
-__device__ __forceinline__ RowInputs<VPT> load_row_inputs(const TailParams& p, int row) {
+__device__ __forceinline__ RowInputs<VPT> load_row_inputs(const TailParams& p, int row, int lane) {
   const int V = p.hidden / tail_vector_elems;
   RowInputs<VPT> in;
 #pragma unroll
   for (int v = 0; v < VPT; ++v) {
-    const int vec = threadIdx.x + v * T;
+    const int vec = lane + v * T;
     if (vec < V) in.residual[v] = load_input(p.residual_in + static_cast<std::size_t>(row) * p.hidden + vec * tail_vector_elems);
   }
   return in;
 }
 
 template <int VPT>
-__device__ __forceinline__ void load_gamma(const TailParams& p, uint4 (&gamma)[VPT]) {
+__device__ __forceinline__ void load_gamma(const TailParams& p, int lane, uint4 (&gamma)[VPT]) {
   const int V = p.hidden / tail_vector_elems;
 #pragma unroll
   for (int v = 0; v < VPT; ++v) {
-    const int vec = threadIdx.x + v * T;
+    const int vec = lane + v * T;
     if (vec < V) gamma[v] = load_input(p.gamma + vec * tail_vector_elems);
   }
 }
 
-// Residual + RMSNorm of one output row, given the fp32 sums of this thread's vectors. Every
-// thread of the block calls it. s_warp: W floats. residual_out may alias residual_in (each
-// element is read, by this thread, before it is written).
+// Residual add of lane `lane`'s vectors of an output row: the residual_out words (rounded to
+// bf16) go to `out` (store_residual writes them), the rounded values stay in x, and the lane's
+// sum of squares (tail_sum_squares' first level) is returned.
 template <int VPT>
-__device__ __forceinline__ void row_epilogue(const TailParams& p, int row, float (&x)[VPT][tail_vector_elems],
-                                             const RowInputs<VPT>& in, const uint4 (&gamma)[VPT], float* s_warp) {
+__device__ __forceinline__ float add_residual(const TailParams& p, int lane, float (&x)[VPT][tail_vector_elems],
+                                              const RowInputs<VPT>& in, uint4 (&out)[VPT]) {
   const int V = p.hidden / tail_vector_elems;
-  const std::size_t base = static_cast<std::size_t>(row) * p.hidden;
   float ss = 0.0f;
 #pragma unroll
   for (int v = 0; v < VPT; ++v) {
-    const int vec = threadIdx.x + v * T;
+    const int vec = lane + v * T;
     if (vec >= V) continue;
     float r[tail_vector_elems];
     unpack(in.residual[v], r);
@@ -259,20 +277,41 @@ __device__ __forceinline__ void row_epilogue(const TailParams& p, int row, float
     }
 #pragma unroll
     for (int j = 0; j < tail_vector_elems; ++j) ss = tail_add(ss, tail_mul(x[v][j], x[v][j]));
-    *reinterpret_cast<uint4*>(p.residual_out + base + vec * tail_vector_elems) = make_uint4(w[0], w[1], w[2], w[3]);
+    out[v] = make_uint4(w[0], w[1], w[2], w[3]);
   }
-  // The fixed tree (tail_protocol.hpp): xor butterfly per warp, then warps in order.
-#pragma unroll
-  for (int m = tail_warp / 2; m >= 1; m /= 2) ss = tail_add(ss, __shfl_xor_sync(0xFFFFFFFFu, ss, m));
-  if ((threadIdx.x & (tail_warp - 1)) == 0) s_warp[threadIdx.x / tail_warp] = ss;
-  __syncthreads();
-  float total = s_warp[0];
-#pragma unroll
-  for (int w = 1; w < W; ++w) total = tail_add(total, s_warp[w]);
-  const float inv = tail_inv_rms(total, p.hidden, p.eps);
+  return ss;
+}
+
+// residual_out of lane `lane`'s vectors of a row. residual_out may alias residual_in: every
+// element was read, by this thread, before.
+template <int VPT>
+__device__ __forceinline__ void store_residual(const TailParams& p, int row, int lane, const uint4 (&words)[VPT]) {
+  const int V = p.hidden / tail_vector_elems;
+  const std::size_t base = static_cast<std::size_t>(row) * p.hidden;
 #pragma unroll
   for (int v = 0; v < VPT; ++v) {
-    const int vec = threadIdx.x + v * T;
+    const int vec = lane + v * T;
+    if (vec < V) *reinterpret_cast<uint4*>(p.residual_out + base + vec * tail_vector_elems) = words[v];
+  }
+}
+
+// The tree's second level: xor butterfly over the 32 lanes of a warp (every lane ends with the
+// warp's total).
+__device__ __forceinline__ float warp_sum(float ss) {
+#pragma unroll
+  for (int m = tail_warp / 2; m >= 1; m /= 2) ss = tail_add(ss, __shfl_xor_sync(0xFFFFFFFFu, ss, m));
+  return ss;
+}
+
+// norm_out of lane `lane`'s vectors of a row, from the rounded residual sums x.
+template <int VPT>
+__device__ __forceinline__ void store_norm(const TailParams& p, int row, int lane, const float (&x)[VPT][tail_vector_elems],
+                                           const uint4 (&gamma)[VPT], float inv) {
+  const int V = p.hidden / tail_vector_elems;
+  const std::size_t base = static_cast<std::size_t>(row) * p.hidden;
+#pragma unroll
+  for (int v = 0; v < VPT; ++v) {
+    const int vec = lane + v * T;
     if (vec >= V) continue;
     const std::uint32_t gw[4] = {gamma[v].x, gamma[v].y, gamma[v].z, gamma[v].w};
     std::uint32_t w[4];
@@ -284,14 +323,30 @@ __device__ __forceinline__ void row_epilogue(const TailParams& p, int row, float
   }
 }
 
+// Residual + RMSNorm of one output row by one block of tail_row_lanes threads (the unfused
+// path), given the fp32 sums of this thread's vectors. s_warp: W floats.
+template <int VPT>
+__device__ __forceinline__ void row_epilogue(const TailParams& p, int row, float (&x)[VPT][tail_vector_elems],
+                                             const RowInputs<VPT>& in, const uint4 (&gamma)[VPT], float* s_warp) {
+  uint4 words[VPT];
+  const float ss = warp_sum(add_residual<VPT>(p, threadIdx.x, x, in, words));
+  store_residual<VPT>(p, row, threadIdx.x, words);
+  if ((threadIdx.x & (tail_warp - 1)) == 0) s_warp[threadIdx.x / tail_warp] = ss;
+  __syncthreads();
+  float total = s_warp[0];
+#pragma unroll
+  for (int w = 1; w < W; ++w) total = tail_add(total, s_warp[w]);
+  store_norm<VPT>(p, row, threadIdx.x, x, gamma, tail_inv_rms(total, p.hidden, p.eps));
+}
+
 // Sources whose vectors a receiving thread waits on together (registers: 4 * VPT each).
 constexpr int sources_together = 2;
 
-// This thread's vectors of `row` from sources src0 .. src0 + n - 1 in this rank's part (vectors
-// threadIdx.x + v * T of each source's row), loaded and then polled together: every round of
-// the wait re-loads all vectors still holding a sentinel at once, so the wait costs one memory
-// round trip after the last one lands, not one per vector (a value loaded before it landed is
-// stale; re-polling the vectors one after another would pay a round trip for each).
+// Lane `lane`'s vectors of `row` from sources src0 .. src0 + n - 1 in this rank's part (vectors
+// lane + v * T of each source's row), loaded and then polled together: every round of the wait
+// re-loads all vectors still holding a sentinel at once, so the wait costs one memory round trip
+// after the last one lands, not one per vector (a value loaded before it landed is stale;
+// re-polling the vectors one after another would pay a round trip for each).
 template <int VPT>
 struct SourceRows {
   const uint4* row_at[sources_together];
@@ -301,7 +356,7 @@ struct SourceRows {
 // -1 when every vector arrived; else the first source (rank) still missing one at the deadline.
 template <int VPT>
 __device__ __forceinline__ int wait_sources(const TailParams& p, const bf16* own_part, int slot, int src0, int n, int row,
-                                            SourceRows<VPT>& in, std::uint64_t& start, std::uint64_t& deadline) {
+                                            int lane, SourceRows<VPT>& in, SpinDeadline& deadline, std::uint64_t& waited) {
   const int V = p.hidden / tail_vector_elems;
 #pragma unroll
   for (int g = 0; g < sources_together; ++g) {
@@ -310,7 +365,7 @@ __device__ __forceinline__ int wait_sources(const TailParams& p, const bf16* own
         reinterpret_cast<const uint4*>(own_part + tail_slot_offset(slot, src0 + g, row, 0, p.ranks, p.max_tokens, p.hidden));
 #pragma unroll
     for (int v = 0; v < VPT; ++v)
-      if (threadIdx.x + v * T < V) in.got[g][v] = load_poll(in.row_at[g] + threadIdx.x + v * T);
+      if (lane + v * T < V) in.got[g][v] = load_poll(in.row_at[g] + lane + v * T);
   }
   for (;;) {
     int missing = -1;
@@ -318,57 +373,98 @@ __device__ __forceinline__ int wait_sources(const TailParams& p, const bf16* own
     for (int g = sources_together - 1; g >= 0; --g)
 #pragma unroll
       for (int v = 0; v < VPT; ++v)
-        if (g < n && threadIdx.x + v * T < V && has_sentinel(in.got[g][v])) missing = src0 + g;
+        if (g < n && lane + v * T < V && has_sentinel(in.got[g][v])) missing = src0 + g;
     if (missing < 0) return -1;
-    const std::uint64_t now = globaltimer();
-    if (deadline == 0) {
-      start = now;
-      deadline = now + p.timeout_ns;
-    } else if (now > deadline) {
-      return missing;
-    }
+    if (deadline.expired(p.timeout_ns, waited)) return missing;
 #pragma unroll
     for (int g = 0; g < sources_together; ++g)
 #pragma unroll
       for (int v = 0; v < VPT; ++v)
-        if (g < n && threadIdx.x + v * T < V && has_sentinel(in.got[g][v]))
-          in.got[g][v] = load_poll(in.row_at[g] + threadIdx.x + v * T);
+        if (g < n && lane + v * T < V && has_sentinel(in.got[g][v]))
+          in.got[g][v] = load_poll(in.row_at[g] + lane + v * T);
   }
 }
 
-static_assert(offsetof(TailControl, error) + offsetof(TailErrorRecord, flag) + 4 <= 48 && alignof(TailControl) >= 16,
-              "the fused kernel reads the control block's header as three 16-byte loads");
+// Blocks per row (C): the row's tail_row_lanes lanes are split over a thread-block cluster of C
+// blocks of T / C threads (sm_90+), so a row's loads, polls and stores are spread over C
+// multiprocessors instead of queueing at one; the warps' partial sums of squares are exchanged
+// through distributed shared memory. C = 1: one block per row, no cluster.
+__device__ __forceinline__ int cluster_block_rank() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  std::uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return static_cast<int>(r);
+#else
+  return 0;
+#endif
+}
 
-template <int VPT, bool MULTICAST>
-__global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams p) {
+// Every thread of every block of the cluster arrives; shared-memory writes before it are visible
+// to every block after it.
+__device__ __forceinline__ void cluster_barrier() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+#else
+  __trap();  // never launched with C > 1 below sm_90 (tail_device_support)
+#endif
+}
+
+// 8 bytes of block `block`'s shared memory at the address of `local` in this block.
+__device__ __forceinline__ uint2 load_cluster_shared(const uint2* local, int block) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const auto a = static_cast<std::uint32_t>(__cvta_generic_to_shared(local));
+  std::uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(a), "r"(block));
+  uint2 v;
+  asm volatile("ld.shared::cluster.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(remote) : "memory");
+  return v;
+#else
+  (void)block;
+  return *local;
+#endif
+}
+
+template <int VPT, int C, bool MULTICAST>
+__global__ void __launch_bounds__(T / C, C) tail_fused_kernel(TailParams p) {
+  constexpr int TB = T / C;          // threads per block
+  constexpr int WB = TB / tail_warp;  // warps per block
   __shared__ std::uint64_t s_table[tail_max_ranks + 1];
   __shared__ std::uint64_t s_calls;
   __shared__ int s_ok;
   __shared__ int s_clear_begin;
   __shared__ int s_clear_end;
-  __shared__ float s_warp[W];
+  // Per warp and row: {sum of squares (bits), any lane failed}; two rows' worth, so a block can
+  // write the next row's while a slower block of its cluster still reads this one's.
+  __shared__ uint2 s_row[2][WB];
   TailControl* c = p.control;
-  // Diagnostics: thread 0 of block 0 (and of the updater) stamps its phases (TailTrace).
-  const bool tracer = p.trace != nullptr && threadIdx.x == 0 && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1);
+  // Diagnostics: thread 0 of every block stamps its phases (TailTrace).
+  const bool tracer = p.trace != nullptr && threadIdx.x == 0;
   // stamp[0]: entry; stamp[1 + k]: TailStamp k. In shared memory: no registers held.
   __shared__ std::uint64_t stamp[tail_trace_phases + 1];
   __shared__ long long cycle_stamp;
+  __shared__ unsigned long long s_all_sent, s_all_in, s_rounds;  // trace: maxima over the block's threads
 #define TORPOR_TAIL_STAMP(k) \
   if (tracer) stamp[1 + (k)] = globaltimer()
   if (tracer) {
     for (int k = 1; k <= tail_trace_phases; ++k) stamp[k] = 0;
     cycle_stamp = clock64();
+    s_all_sent = s_all_in = s_rounds = 0;
     stamp[0] = globaltimer();
   }
 
   const int V = p.hidden / tail_vector_elems;
-  const int gtid = blockIdx.x * T + threadIdx.x;
-  const int gstride = gridDim.x * T;
+  const int gtid = blockIdx.x * TB + threadIdx.x;
+  const int gstride = gridDim.x * TB;
   const int send_items = p.tokens * V;
+  const int block_in_row = C == 1 ? 0 : cluster_block_rank();
+  const int lane = block_in_row * TB + threadIdx.x;  // this thread's lane of the rows it finishes
+  const int row_group = blockIdx.x / C;              // the cluster's index: rows row_group, + groups, ...
+  const int row_groups = gridDim.x / C;
   // Everything below may read what the kernels before this one wrote (inputs, control block).
   grid_dependency_wait();
   allow_dependent_launch();
   TORPOR_TAIL_STAMP(tail_stamp_waited);
+  if (tracer && blockIdx.x == 0) p.trace->block0_waited = stamp[1 + tail_stamp_waited];
 
   // 0. Thread 0 reads the control block: its first 48 bytes, in three independent loads issued
   //    before this thread's partial and used after it, so the two memory latencies overlap.
@@ -380,11 +476,14 @@ __global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams p) {
     cw1 = __ldcg(cw + 1);
     cw2 = __ldcg(cw + 2);
   }
-  if (threadIdx.x <= p.ranks) s_table[threadIdx.x] = p.peer_table[threadIdx.x];
+  // The peer table goes to shared memory after the partial: a store of a loaded value waits for
+  // the load, and the partial's input loads should not wait behind it.
+  const std::uint64_t table_entry = threadIdx.x <= p.ranks ? __ldg(p.peer_table + threadIdx.x) : 0;
   // This thread's first partial needs no control state: its input loads overlap thread 0's
   // reads above instead of waiting behind the barrier (usually the only item at small tokens).
   uint4 first = make_uint4(0, 0, 0, 0);
   if (gtid < send_items) first = partial_vector(p, gtid / V, gtid % V);
+  if (threadIdx.x <= p.ranks) s_table[threadIdx.x] = table_entry;
   TORPOR_TAIL_STAMP(tail_stamp_partial);
   if (threadIdx.x == 0) {
     const std::uint32_t words[12] = {cw0.x, cw0.y, cw0.z, cw0.w, cw1.x, cw1.y, cw1.z, cw1.w, cw2.x, cw2.y, cw2.z, cw2.w};
@@ -424,6 +523,8 @@ __global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams p) {
   const int slot = static_cast<int>(s_calls % tail_slot_count);
   const int prev = (slot + tail_slot_count - 1) % tail_slot_count;
   const TailRows recv = tail_receive_rows(p);
+  // Every block reads the same control block, so s_ok is the same in every block of a cluster.
+  const bool cluster_has_rows = s_ok && row_group < recv.count();
 
   if (s_ok) {
     // 1. Send this rank's partial rows.
@@ -444,6 +545,7 @@ __global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams p) {
     }
 
     TORPOR_TAIL_STAMP(tail_stamp_sent);
+    if (p.trace != nullptr) atomicMax(&s_all_sent, static_cast<unsigned long long>(globaltimer()));
 
     // 2. Clear this rank's part of the previous slot (I3). After the send, which the peers are
     //    waiting for; before the kernel ends, which is all I3 needs.
@@ -459,37 +561,44 @@ __global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams p) {
 
     TORPOR_TAIL_STAMP(tail_stamp_cleared);
 
-    // 3. Receive: poll, sum in rank order, residual + RMSNorm for output rows.
+    // 3. Receive: poll, sum in rank order, residual + RMSNorm for output rows. Each cluster takes
+    //    rows row_group, row_group + row_groups, ...; each thread its lane's vectors of them.
     const TailRows out = tail_output_rows(p);
     const bf16* own_part = reinterpret_cast<const bf16*>(s_table[p.rank]);
-    std::uint64_t start = 0, deadline = 0;
-    uint4 gamma[VPT];  // this thread's vectors of gamma, for every row the block finishes
-    if (static_cast<int>(blockIdx.x) < recv.count()) load_gamma<VPT>(p, gamma);
-    for (int r = blockIdx.x; r < recv.count(); r += gridDim.x) {
+    SpinDeadline deadline;  // from this thread's first poll that found a sentinel
+    std::uint64_t waited = 0;
+    uint4 gamma[VPT];  // this lane's vectors of gamma, for every row the cluster finishes
+    if (cluster_has_rows) load_gamma<VPT>(p, lane, gamma);
+    int parity = 0;
+    for (int r = row_group; r < recv.count(); r += row_groups, parity ^= 1) {
       const int row = recv.begin + r;
       const bool output = out.contains(row);
       RowInputs<VPT> in;
-      if (output) in = load_row_inputs<VPT>(p, row);
+      if (output) in = load_row_inputs<VPT>(p, row, lane);
       float x[VPT][tail_vector_elems];
       bool failed = false;
       // Sources in rank order (I7), sources_together at a time.
       for (int src0 = 0; src0 < p.ranks && !failed; src0 += sources_together) {
         const int n = p.ranks - src0 < sources_together ? p.ranks - src0 : sources_together;
         SourceRows<VPT> got;
-        const int missing = wait_sources<VPT>(p, own_part, slot, src0, n, row, got, start, deadline);
+        const int missing = wait_sources<VPT>(p, own_part, slot, src0, n, row, lane, got, deadline, waited);
         if (missing >= 0) {
           record_error(c, MULTICAST ? TailOp::wait_multicast : TailOp::wait_unicast, p.rank, missing, slot, row, s_calls,
-                       globaltimer() - start, tail_control_magic);
+                       waited, tail_control_magic);
           failed = true;
           break;
         }
-        if (r == blockIdx.x) TORPOR_TAIL_STAMP(tail_stamp_vectors_in);
+        if (r == row_group) TORPOR_TAIL_STAMP(tail_stamp_vectors_in);
+        if (p.trace != nullptr && r == row_group && src0 + sources_together >= p.ranks) {
+          atomicMax(&s_all_in, static_cast<unsigned long long>(globaltimer()));
+          atomicMax(&s_rounds, static_cast<unsigned long long>(deadline.checks));
+        }
 #pragma unroll
         for (int g = 0; g < sources_together; ++g) {
           if (g >= n) break;
 #pragma unroll
           for (int v = 0; v < VPT; ++v) {
-            if (threadIdx.x + v * T >= V) continue;
+            if (lane + v * T >= V) continue;
             float f[tail_vector_elems];
             unpack(got.got[g][v], f);
 #pragma unroll
@@ -497,25 +606,61 @@ __global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams p) {
           }
         }
       }
-      // Block-uniform: a row with any missing vector is abandoned, and so is the rest.
-      if (__syncthreads_or(failed)) break;
-      if (r == blockIdx.x) TORPOR_TAIL_STAMP(tail_stamp_block_in);
-      if (output) row_epilogue<VPT>(p, row, x, in, gamma, s_warp);
-      if (r == blockIdx.x) TORPOR_TAIL_STAMP(tail_stamp_epilogue);
+      // The residual of the vectors that arrived is final whatever happens to the rest of the
+      // row; a thread whose vectors did not arrive leaves its residual_out untouched.
+      const bool finish = output && !failed;
+      uint4 words[VPT];
+      const float ss = warp_sum(finish ? add_residual<VPT>(p, lane, x, in, words) : 0.0f);
+      const bool warp_failed = __any_sync(0xFFFFFFFFu, failed);
+      if (r == row_group) TORPOR_TAIL_STAMP(tail_stamp_residual);
+      if ((threadIdx.x & (tail_warp - 1)) == 0)
+        s_row[parity][threadIdx.x / tail_warp] = make_uint2(__float_as_uint(ss), warp_failed ? 1u : 0u);
+      // The row's warps in order (the tree's last level), from every block of the cluster; and
+      // whether any lane of the row failed, so the whole cluster abandons it together.
+      float total = 0.0f;
+      bool row_failed = false;
+      if constexpr (C == 1) {
+        if (finish) store_residual<VPT>(p, row, lane, words);
+        __syncthreads();
+        if (r == row_group) TORPOR_TAIL_STAMP(tail_stamp_row_barrier);
+#pragma unroll
+        for (int w = 0; w < WB; ++w) {
+          const uint2 e = s_row[parity][w];
+          total = w == 0 ? __uint_as_float(e.x) : tail_add(total, __uint_as_float(e.x));
+          row_failed = row_failed || e.y != 0u;
+        }
+      } else {
+        if (finish) store_residual<VPT>(p, row, lane, words);
+        cluster_barrier();
+        if (r == row_group) TORPOR_TAIL_STAMP(tail_stamp_row_barrier);
+        uint2 e[C * WB];
+#pragma unroll
+        for (int w = 0; w < C * WB; ++w) e[w] = load_cluster_shared(&s_row[parity][w % WB], w / WB);
+#pragma unroll
+        for (int w = 0; w < C * WB; ++w) {
+          total = w == 0 ? __uint_as_float(e[w].x) : tail_add(total, __uint_as_float(e[w].x));
+          row_failed = row_failed || e[w].y != 0u;
+        }
+      }
+      if (row_failed) break;  // the same decision in every block of the cluster
+      if (r == row_group) TORPOR_TAIL_STAMP(tail_stamp_block_in);
+      if (output) store_norm<VPT>(p, row, lane, x, gamma, tail_inv_rms(total, p.hidden, p.eps));
+      if (r == row_group) TORPOR_TAIL_STAMP(tail_stamp_epilogue);
     }
   }
+  // No block of a cluster leaves while another may still read its shared memory.
+  if constexpr (C > 1)
+    if (cluster_has_rows) cluster_barrier();
 
   // 4. The last block advances the control block (I4) once every block has read it. Blocks are
   //    all resident, so the wait is short; it is bounded all the same (I5).
   if (blockIdx.x == gridDim.x - 1 && threadIdx.x == 0) {
-    std::uint64_t until = 0;
+    SpinDeadline until;
+    std::uint64_t waited_here = 0;
     bool counted = true;
     while (load_acquire(&c->arrived) < gridDim.x) {
-      const std::uint64_t now = globaltimer();
-      if (until == 0) {
-        until = now + p.timeout_ns;
-      } else if (now > until) {
-        record_error(c, TailOp::block_arrival, p.rank, -1, slot, -1, s_calls, p.timeout_ns, tail_control_magic);
+      if (until.expired(p.timeout_ns, waited_here)) {
+        record_error(c, TailOp::block_arrival, p.rank, -1, slot, -1, s_calls, waited_here, tail_control_magic);
         counted = false;
         break;
       }
@@ -530,6 +675,22 @@ __global__ void __launch_bounds__(T, 1) tail_fused_kernel(TailParams p) {
     c->arrived = 0;
     if (tracer) atomicAdd(reinterpret_cast<unsigned long long*>(&p.trace->updater_ns),
                           static_cast<unsigned long long>(globaltimer() - stamp[0]));
+  }
+  if (tracer && blockIdx.x < tail_trace_blocks) {
+    // Calls are ordered (each waits for the last), so this block's thread 0 is the only writer of
+    // its entries. block0_waited was written when this call's block 0 passed its wait.
+    const std::uint64_t end = globaltimer();
+    TailTrace* t = p.trace;
+    const std::uint64_t w = stamp[1 + tail_stamp_waited];
+    t->block_waited_ns[blockIdx.x] +=
+        static_cast<std::int64_t>(w) - static_cast<std::int64_t>(*static_cast<volatile std::uint64_t*>(&t->block0_waited));
+    const int which[4] = {tail_stamp_partial, tail_stamp_sent, tail_stamp_cleared, tail_stamp_block_in};
+    for (int k = 0; k < 4; ++k)
+      if (stamp[1 + which[k]] != 0) t->block_ns[blockIdx.x][k] += stamp[1 + which[k]] - w;
+    if (s_all_sent != 0) t->block_ns[blockIdx.x][4] += s_all_sent - w;
+    if (s_all_in != 0) t->block_ns[blockIdx.x][5] += s_all_in - w;
+    t->block_ns[blockIdx.x][6] += s_rounds * 1000;  // shown as a count (the bench divides by 1000)
+    t->block_ns[blockIdx.x][tail_block_stamps - 1] += end - w;
   }
   if (tracer && blockIdx.x == 0) {
     // Calls are ordered (each waits for the last), so block 0's thread 0 is the only writer here.
@@ -579,9 +740,9 @@ __global__ void __launch_bounds__(T) tail_residual_norm_kernel(TailParams p, con
   const TailRows out = tail_output_rows(p);
   for (int r = blockIdx.x; r < out.count(); r += gridDim.x) {
     const int row = out.begin + r;
-    const RowInputs<VPT> in = load_row_inputs<VPT>(p, row);
+    const RowInputs<VPT> in = load_row_inputs<VPT>(p, row, threadIdx.x);
     uint4 gamma[VPT];
-    load_gamma<VPT>(p, gamma);
+    load_gamma<VPT>(p, threadIdx.x, gamma);
     float x[VPT][tail_vector_elems];
 #pragma unroll
     for (int v = 0; v < VPT; ++v) {
@@ -611,15 +772,23 @@ int vectors_per_thread(int hidden) {
   return (V + T - 1) / T;
 }
 
+bool valid_blocks_per_row(int c) { return c == 1 || c == 4 || c == 8; }
+
 template <int VPT, bool MC>
-void* fused_symbol() {
-  return reinterpret_cast<void*>(&tail_fused_kernel<VPT, MC>);
+const void* fused_symbol(int blocks_per_row) {
+  switch (blocks_per_row) {
+    case 1: return reinterpret_cast<const void*>(&tail_fused_kernel<VPT, 1, MC>);
+    case 4: return reinterpret_cast<const void*>(&tail_fused_kernel<VPT, 4, MC>);
+    case 8: return reinterpret_cast<const void*>(&tail_fused_kernel<VPT, 8, MC>);
+    default:
+      throw invalid_argument("tail kernels: " + std::to_string(blocks_per_row) + " blocks per row; it must be 1, 4 or 8");
+  }
 }
 
-void* fused_kernel(int hidden, bool multicast) {
+const void* fused_kernel(int hidden, bool multicast, int blocks_per_row) {
   switch (vectors_per_thread(hidden)) {
-    case 1: return multicast ? fused_symbol<1, true>() : fused_symbol<1, false>();
-    case 2: return multicast ? fused_symbol<2, true>() : fused_symbol<2, false>();
+    case 1: return multicast ? fused_symbol<1, true>(blocks_per_row) : fused_symbol<1, false>(blocks_per_row);
+    case 2: return multicast ? fused_symbol<2, true>(blocks_per_row) : fused_symbol<2, false>(blocks_per_row);
     default: throw invalid_argument("tail kernels: hidden " + std::to_string(hidden) + " is above 8192");
   }
 }
@@ -634,16 +803,21 @@ const void* residual_norm_kernel(int hidden) {
 
 }  // namespace
 
-std::string tail_device_support(int device, bool multicast) {
+std::string tail_device_support(int device, bool multicast, int blocks_per_row) {
   int major = 0, minor = 0;
   check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
   check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
   const std::string cc = std::to_string(major) + "." + std::to_string(minor);
+  if (!valid_blocks_per_row(blocks_per_row))
+    return std::to_string(blocks_per_row) + " blocks per row; it must be 1, 4 or 8";
   if (major < 7) return "device " + std::to_string(device) + " has compute capability " + cc + "; the fused tail needs 7.0";
   if (multicast && major < 9)
     return "device " + std::to_string(device) + " has compute capability " + cc + "; multimem stores need 9.0";
+  if (blocks_per_row > 1 && major < 9)
+    return "device " + std::to_string(device) + " has compute capability " + cc + "; " + std::to_string(blocks_per_row) +
+           " blocks per row need thread-block clusters (9.0); use 1";
   cudaFuncAttributes attr{};
-  cudaError_t e = cudaFuncGetAttributes(&attr, fused_kernel(64, multicast));
+  cudaError_t e = cudaFuncGetAttributes(&attr, fused_kernel(64, multicast, blocks_per_row));
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
     return "no fused-tail kernel image for device " + std::to_string(device) + " (compute capability " + cc + "): " +
@@ -652,8 +826,14 @@ std::string tail_device_support(int device, bool multicast) {
   return "";
 }
 
-void tail_preload(int hidden, bool multicast) {
-  const void* kernels[] = {fused_kernel(hidden, multicast), reinterpret_cast<const void*>(&tail_finalize_kernel),
+bool tail_clusters_supported(int device) {
+  int major = 0;
+  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
+  return major >= 9;
+}
+
+void tail_preload(int hidden, bool multicast, int blocks_per_row) {
+  const void* kernels[] = {fused_kernel(hidden, multicast, blocks_per_row), reinterpret_cast<const void*>(&tail_finalize_kernel),
                            residual_norm_kernel(hidden), reinterpret_cast<const void*>(&tail_fill_u16_kernel)};
   for (const void* k : kernels) {
     cudaFuncAttributes attr{};
@@ -661,14 +841,56 @@ void tail_preload(int hidden, bool multicast) {
   }
 }
 
-int tail_fused_capacity(int hidden, bool multicast) {
-  int device = 0, sms = 0, per_sm = 0;
+namespace {
+
+// The launch configuration of a fused call; attributes points into `attributes`.
+cudaLaunchConfig_t fused_config(dim3 grid, int blocks_per_row, cudaStream_t stream, bool programmatic,
+                                cudaLaunchAttribute (&attributes)[2]) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = dim3(static_cast<unsigned>(T / blocks_per_row));
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  config.attrs = attributes;
+  config.numAttrs = 0;
+  if (blocks_per_row > 1) {
+    attributes[config.numAttrs].id = cudaLaunchAttributeClusterDimension;
+    attributes[config.numAttrs].val.clusterDim.x = static_cast<unsigned>(blocks_per_row);
+    attributes[config.numAttrs].val.clusterDim.y = 1;
+    attributes[config.numAttrs].val.clusterDim.z = 1;
+    ++config.numAttrs;
+  }
+  if (programmatic) {
+    attributes[config.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attributes[config.numAttrs].val.programmaticStreamSerializationAllowed = 1;
+    ++config.numAttrs;
+  }
+  return config;
+}
+
+}  // namespace
+
+int tail_fused_capacity(int hidden, bool multicast, int blocks_per_row) {
+  int device = 0, sms = 0;
   check(cudaGetDevice(&device), "cudaGetDevice");
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fused_kernel(hidden, multicast), T, 0),
-        "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  if (per_sm < 1) throw error("tail kernels: the fused kernel does not fit on device " + std::to_string(device));
-  return sms * per_sm;
+  const void* kernel = fused_kernel(hidden, multicast, blocks_per_row);
+  if (blocks_per_row == 1) {
+    int per_sm = 0;
+    check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, T, 0),
+          "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    if (per_sm < 1) throw error("tail kernels: the fused kernel does not fit on device " + std::to_string(device));
+    return sms * per_sm;
+  }
+  cudaLaunchAttribute attributes[2];
+  // The grid is a placeholder: the answer is how many clusters of this shape fit at once.
+  const cudaLaunchConfig_t config = fused_config(dim3(static_cast<unsigned>(blocks_per_row)), blocks_per_row, nullptr, false, attributes);
+  int clusters = 0;
+  check(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config), "cudaOccupancyMaxActiveClusters");
+  if (clusters < 1)
+    throw error("tail kernels: no cluster of " + std::to_string(blocks_per_row) + " fused-tail blocks fits on device " +
+                std::to_string(device));
+  return clusters * blocks_per_row;
 }
 
 bool tail_programmatic_launch_supported(int device) {
@@ -677,49 +899,28 @@ bool tail_programmatic_launch_supported(int device) {
   return major >= 9;
 }
 
-namespace {
-
-template <int VPT, bool MC>
-void launch_fused_as(const TailParams& p, dim3 grid, cudaStream_t stream, bool programmatic) {
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = dim3(T);
-  config.dynamicSmemBytes = 0;
-  config.stream = stream;
-  config.attrs = programmatic ? &attribute : nullptr;
-  config.numAttrs = programmatic ? 1 : 0;
-  const cudaError_t e = cudaLaunchKernelEx(&config, tail_fused_kernel<VPT, MC>, p);
+void launch_tail_fused(const TailParams& p, int blocks_per_row, int capacity, void* stream, bool programmatic) {
+  const void* kernel = fused_kernel(p.hidden, p.multicast, blocks_per_row);
+  // Enough blocks that every thread sends at most one vector, and a cluster for every receive
+  // row; at most what is resident at once, a whole number of clusters.
+  const int threads = T / blocks_per_row;
+  const int V = p.hidden / tail_vector_elems;
+  long long grid = (static_cast<long long>(p.tokens) * V + threads - 1) / threads;
+  const long long row_blocks = static_cast<long long>(tail_receive_rows(p).count()) * blocks_per_row;
+  if (row_blocks > grid) grid = row_blocks;
+  grid = (grid + blocks_per_row - 1) / blocks_per_row * blocks_per_row;
+  if (grid > capacity) grid = capacity / blocks_per_row * blocks_per_row;
+  if (grid < blocks_per_row) grid = blocks_per_row;
+  cudaLaunchAttribute attributes[2];
+  const cudaLaunchConfig_t config =
+      fused_config(dim3(static_cast<unsigned>(grid)), blocks_per_row, static_cast<cudaStream_t>(stream), programmatic, attributes);
+  TailParams args = p;
+  void* arg_ptrs[] = {&args};
+  const cudaError_t e = cudaLaunchKernelExC(&config, kernel, arg_ptrs);
   if (e != cudaSuccess) (void)cudaGetLastError();  // report this launch's error, not a stale one
   if (e != cudaSuccess)
     throw error(std::string("launching tail_fused_kernel failed: ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) +
                 ")");
-}
-
-}  // namespace
-
-void launch_tail_fused(const TailParams& p, int capacity, void* stream, bool programmatic) {
-  const int V = p.hidden / tail_vector_elems;
-  const long long send_blocks = (static_cast<long long>(p.tokens) * V + T - 1) / T;
-  long long grid = send_blocks;
-  if (tail_receive_rows(p).count() > grid) grid = tail_receive_rows(p).count();
-  if (grid > capacity) grid = capacity;
-  if (grid < 1) grid = 1;
-  auto s = static_cast<cudaStream_t>(stream);
-  const dim3 g(static_cast<unsigned>(grid));
-  switch (vectors_per_thread(p.hidden)) {
-#define TORPOR_TAIL_CASE(n)                                               \
-  case n:                                                                 \
-    if (p.multicast) launch_fused_as<n, true>(p, g, s, programmatic);     \
-    else launch_fused_as<n, false>(p, g, s, programmatic);                \
-    break;
-    TORPOR_TAIL_CASE(1)
-    TORPOR_TAIL_CASE(2)
-#undef TORPOR_TAIL_CASE
-    default: throw invalid_argument("tail kernels: hidden " + std::to_string(p.hidden) + " is above 8192");
-  }
 }
 
 void launch_tail_finalize(const TailParams& p, float* partial, void* stream) {

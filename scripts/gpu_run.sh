@@ -7,6 +7,8 @@
 #                                      (default: probe tests)
 #   TORPOR_BUILD_TARGETS="a b"         build only these targets (default: everything), to save
 #                                      device time when iterating on one part
+#   TORPOR_TAIL_BENCH_ARGS="..."       more arguments for torpor_bench_tail (tail, tail-bench),
+#                                      e.g. "--blocks-per-row 1 2 4 8 --tokens 1 8 32"
 #
 # symmetric and symmetric-nccl need two GPUs (device kind nvidia-h200-x2): two processes, one per
 # GPU, symmetric memory through sleep level 2 (`torpor symmetric-check`), the second with the
@@ -47,7 +49,7 @@ cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release > "$OUT/configure.lo
 
 # The fused-vs-unfused tail bench with its per-phase trace (stages tail and tail-bench).
 tail_bench() {
-  timeout 150 build-gpu/bench/torpor_bench_tail --trace --json "$OUT/bench-tail.json" > "$OUT/bench-tail.txt" 2>&1 || status=1
+  timeout 240 build-gpu/bench/torpor_bench_tail --trace --json "$OUT/bench-tail.json" ${TORPOR_TAIL_BENCH_ARGS:-} > "$OUT/bench-tail.txt" 2>&1 || status=1
   cat "$OUT/bench-tail.txt"
 }
 

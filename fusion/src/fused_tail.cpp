@@ -56,8 +56,15 @@ FusedTail::FusedTail(SymmetricHeap& heap, const TailShape& shape, const TailOpti
       cudaStream_t s = nullptr;
       TORPOR_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), who());
       stream_ = s;
-      kernels::tail_preload(shape_.hidden, multicast_);
-      capacity_ = kernels::tail_fused_capacity(shape_.hidden, multicast_);
+      // Two launch shapes: few rows (clusters by default, where they exist) and many rows.
+      many_rows_.blocks_per_row = options_.blocks_per_row != 0 ? options_.blocks_per_row : 1;
+      few_rows_.blocks_per_row = options_.blocks_per_row != 0            ? options_.blocks_per_row
+                                 : kernels::tail_clusters_supported(device_) ? kernels::tail_cluster_blocks
+                                                                             : 1;
+      for (LaunchShape* l : {&few_rows_, &many_rows_}) {
+        kernels::tail_preload(shape_.hidden, multicast_, l->blocks_per_row);
+        l->capacity = kernels::tail_fused_capacity(shape_.hidden, multicast_, l->blocks_per_row);
+      }
       programmatic_ = options_.programmatic_launch && kernels::tail_programmatic_launch_supported(device_);
 #else
       throw unavailable("this build has no CUDA kernels");
@@ -91,7 +98,10 @@ FusedTail::FusedTail(SymmetricHeap& heap, const TailShape& shape, const TailOpti
     release();
     throw;
   }
-  log::info("{}: {}; slots {} per rank, control block at {}{}", who(), reason_, bytes, control_,
+  log::info("{}: {}; slots {} per rank, control block at {}{}{}", who(), reason_, bytes, control_,
+            cuda_ ? fmt::format("; blocks per row {} up to {} rows, else {}", few_rows_.blocks_per_row,
+                                kernels::tail_cluster_max_rows, many_rows_.blocks_per_row)
+                  : std::string(),
             programmatic_ ? "; calls launch as programmatic dependents" : "");
 }
 
@@ -151,7 +161,8 @@ void FusedTail::run(const TailArgs& args, Stream stream) {
   }
 #if defined(TORPOR_KERNELS_CUDA)
   DeviceGuard guard(device_);
-  kernels::launch_tail_fused(p, capacity_, cuda_stream(stream), programmatic_);
+  const LaunchShape& l = kernels::tail_receive_rows(p).count() <= kernels::tail_cluster_max_rows ? few_rows_ : many_rows_;
+  kernels::launch_tail_fused(p, l.blocks_per_row, l.capacity, cuda_stream(stream), programmatic_);
 #endif
 }
 

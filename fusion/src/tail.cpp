@@ -158,9 +158,9 @@ Verdict decode(const std::vector<std::byte>& bytes, std::size_t rank) {
 
 std::string shape_key(const TailShape& s, const TailOptions& o) {
   return fmt::format("hidden {}, max_tokens {}, top_k {}, shared_expert {}, eps {}, mode {}, allow_fused {}, "
-                     "wait_timeout {} ms",
+                     "wait_timeout {} ms, blocks_per_row {}",
                      s.hidden, s.max_tokens, s.top_k, s.shared_expert, s.eps, to_string(s.mode), o.allow_fused,
-                     o.wait_timeout.count());
+                     o.wait_timeout.count(), o.blocks_per_row);
 }
 
 std::string shape_problem(const TailShape& s, const TailOptions& o) {
@@ -176,6 +176,9 @@ std::string shape_problem(const TailShape& s, const TailOptions& o) {
   if (s.mode != TailMode::all_reduce && s.mode != TailMode::reduce_scatter) return "TailShape::mode is not a TailMode";
   if (o.wait_timeout.count() <= 0)
     return fmt::format("TailOptions::wait_timeout is {} ms; it must be positive", o.wait_timeout.count());
+  if (o.blocks_per_row != 0 && o.blocks_per_row != 1 && o.blocks_per_row != 4 && o.blocks_per_row != 8)
+    return fmt::format("TailOptions::blocks_per_row is {}; it must be 0 (chosen per call), 1, 4 or 8",
+                       o.blocks_per_row);
   return "";
 }
 
@@ -201,8 +204,11 @@ void probe_fused(SymmetricHeap& heap, const TailOptions& options, Verdict& v) {
     try {
       const int device = heap.pool().device();
       DeviceGuard guard(device);
-      v.fused_why_not = kernels::tail_device_support(device, false);
-      if (v.fused_why_not.empty()) v.multicast_why_not = kernels::tail_device_support(device, true);
+      const int blocks = options.blocks_per_row != 0               ? options.blocks_per_row
+                         : kernels::tail_clusters_supported(device) ? kernels::tail_cluster_blocks
+                                                                    : 1;
+      v.fused_why_not = kernels::tail_device_support(device, false, blocks);
+      if (v.fused_why_not.empty()) v.multicast_why_not = kernels::tail_device_support(device, true, blocks);
     } catch (const std::exception& e) {
       v.fused_why_not = fmt::format("probing the device failed: {}", e.what());
     }
@@ -278,7 +284,9 @@ std::optional<TailState> tail_state(const Tail& tail) {
   s.control_bytes = sizeof(kernels::TailControl);
   s.slots = f->slots();
   s.slot_bytes = f->slot_bytes();
-  s.capacity_blocks = f->capacity();
+  s.capacity_blocks = f->many_rows().capacity;
+  s.blocks_per_row_few_rows = f->few_rows().blocks_per_row;
+  s.blocks_per_row_many_rows = f->many_rows().blocks_per_row;
   return s;
 }
 

@@ -73,7 +73,13 @@ class FusedTail final : public TailBase {
   void* control() const noexcept { return control_; }
   SymmetricBuffer* slots() const noexcept { return slots_; }
   std::size_t slot_bytes() const noexcept;
-  int capacity() const noexcept { return capacity_; }
+  // cuda: how a call is launched (kernels::launch_tail_fused), for few and for many rows.
+  struct LaunchShape {
+    int blocks_per_row = 1;
+    int capacity = 0;  // the grid's bound: blocks resident at once
+  };
+  const LaunchShape& few_rows() const noexcept { return few_rows_; }
+  const LaunchShape& many_rows() const noexcept { return many_rows_; }
 
  private:
   kernels::TailControl read_control();
@@ -84,7 +90,8 @@ class FusedTail final : public TailBase {
   void* control_ = nullptr;
   bool multicast_ = false;
   kernels::ReferenceHooks hooks_;  // host backend
-  int capacity_ = 0;               // cuda: fused grid bound
+  LaunchShape few_rows_;           // cuda: calls of <= kernels::tail_cluster_max_rows rows
+  LaunchShape many_rows_;          // cuda: larger calls
   bool programmatic_ = false;      // cuda: launch calls as programmatic dependents
   void* stream_ = nullptr;         // cuda: this op's own stream for check() and reset()
 };

@@ -33,7 +33,7 @@ UnfusedTail::UnfusedTail(SymmetricHeap& heap, const TailShape& shape, const Tail
 #if defined(TORPOR_KERNELS_CUDA)
   {
     DeviceGuard guard(device_);
-    kernels::tail_preload(shape_.hidden, false);
+    kernels::tail_preload(shape_.hidden, false, 1);
   }
   const std::size_t bytes = static_cast<std::size_t>(shape_.max_tokens) * static_cast<std::size_t>(shape_.hidden) * sizeof(float);
   scratch_ = pool_.allocate(bytes, {"weights", MemoryClass::cache, "tail.scratch"});

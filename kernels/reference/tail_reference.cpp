@@ -120,7 +120,7 @@ void residual_norm_row(const TailParams& p, int row, const float* sum, std::vect
 }  // namespace
 
 float reference_sum_squares(const float* x, int hidden) {
-  constexpr int lanes = tail_block_threads;
+  constexpr int lanes = tail_row_lanes;
   std::array<float, lanes> lane{};
   const int vectors = hidden / tail_vector_elems;
   for (int j = 0; j < lanes; ++j)

@@ -590,6 +590,7 @@ TEST(TailThreadsMakeTail, ShapesOutsideTheContractAreRefusedOnEveryRank) {
   struct Case {
     TailShape shape;
     std::string message;
+    TailOptions options = {};
   };
   std::vector<Case> cases;
   TailShape s = shape(100, 1, false);
@@ -604,6 +605,10 @@ TEST(TailThreadsMakeTail, ShapesOutsideTheContractAreRefusedOnEveryRank) {
   s = shape(64, 1, false);
   s.eps = 0;
   cases.push_back({s, "TailShape::eps is 0"});
+  TailOptions three_blocks;
+  three_blocks.blocks_per_row = 3;
+  cases.push_back({shape(64, 1, false), "TailOptions::blocks_per_row is 3; it must be 0 (chosen per call), 1, 4 or 8",
+                   three_blocks});
   for (const Case& c : cases) {
     ThreadWorld w(2, false, 5s);
     EXPECT_EQ(on_threads(2,
@@ -611,7 +616,7 @@ TEST(TailThreadsMakeTail, ShapesOutsideTheContractAreRefusedOnEveryRank) {
                            Pool pool(w.host, tail_pool_options(r));
                            SymmetricHeap heap(pool, *w.groups[static_cast<std::size_t>(r)]);
                            try {
-                             make_tail(heap, c.shape);
+                             make_tail(heap, c.shape, c.options);
                              require(false, "accepted");
                            } catch (const invalid_argument& e) {
                              require(std::string(e.what()).find(c.message) != std::string::npos, e.what());

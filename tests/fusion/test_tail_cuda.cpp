@@ -15,6 +15,7 @@
 #include <functional>
 #include <optional>
 #include <thread>
+#include <tuple>
 
 #include "support/processes.hpp"
 #include "tail_support.hpp"
@@ -303,14 +304,20 @@ const std::vector<int> gpu_tokens = {1, 8, 128, 3, 32, 128, 2, 77, 128, 5};
 #endif
 
 // Fresh inputs each call, token counts rotating through the slots, both modes: bit for bit the
-// CPU reference, and within bf16 bounds of fp64.
+// CPU reference, and within bf16 bounds of fp64. Every row decomposition: the default (clusters of
+// kernels::tail_cluster_blocks up to kernels::tail_cluster_max_rows rows, then one block per row),
+// 8 blocks per row, and a hidden size whose rows leave most lanes idle.
 TEST(TailCuda, FusedMatchesTheCpuReferenceBitwiseAndFp64) {
   TORPOR_REQUIRE_CUDA_BUILD();
 #if defined(TORPOR_KERNELS_CUDA)
   expect_ranks(on_gpus([](GpuRank& g) {
-    for (TailMode mode : {TailMode::all_reduce, TailMode::reduce_scatter}) {
-      const TailShape s = gpu_shape(7168, mode);
-      auto tail = make_tail(*g.heap, s);
+    for (auto [hidden, blocks_per_row, mode] :
+         {std::tuple{7168, 0, TailMode::all_reduce}, std::tuple{7168, 0, TailMode::reduce_scatter},
+          std::tuple{7168, 8, TailMode::all_reduce}, std::tuple{1024, 0, TailMode::reduce_scatter}}) {
+      const TailShape s = gpu_shape(hidden, mode);
+      TailOptions o;
+      o.blocks_per_row = blocks_per_row;
+      auto tail = make_tail(*g.heap, s, o);
       require(tail->path() == TailPath::fused_unicast, "path: " + tail->reason());
       DeviceCall d(*g.pool, s);
       for (std::size_t i = 0; i < gpu_tokens.size(); ++i) {
@@ -320,7 +327,8 @@ TEST(TailCuda, FusedMatchesTheCpuReferenceBitwiseAndFp64) {
         sync(g);
         tail->check();
         std::string bad = compare(s, c, d.outputs(c.tokens), oracle(s, c)[static_cast<std::size_t>(g.rank)], g.rank);
-        require(bad.empty(), std::string(fusion::to_string(mode)) + " call " + std::to_string(i) + ": " + bad);
+        require(bad.empty(), std::string(fusion::to_string(mode)) + ", hidden " + std::to_string(hidden) + ", blocks per row " +
+                                 std::to_string(blocks_per_row) + ", call " + std::to_string(i) + ": " + bad);
       }
       g.group->barrier();
     }

@@ -102,7 +102,7 @@ TEST(TailProtocol, SlotLayoutIsDenseAndDisjoint) {
   EXPECT_EQ(*seen.rbegin() + 1, seen.size());
 }
 
-// The tree: tail_block_threads lanes, lane j sums vectors j, j + lanes, ...; xor butterfly per warp; warps in
+// The tree: tail_row_lanes lanes, lane j sums vectors j, j + lanes, ...; xor butterfly per warp; warps in
 // order. Checked against an independent simulation of the GPU's shuffles, and against fp64.
 TEST(TailProtocol, SumOfSquaresFollowsTheGpuTree) {
   for (int hidden : {64, 512, 2048, 7168, 8192}) {
@@ -110,10 +110,10 @@ TEST(TailProtocol, SumOfSquaresFollowsTheGpuTree) {
     std::vector<float> x(static_cast<std::size_t>(hidden));
     for (auto& v : x) v = tail_bf16_to_float(tail_float_to_bf16(rng.uniform(-3.0f, 3.0f)));
     // Simulate the block: per-lane sums, then 5 rounds of __shfl_xor on every lane at once.
-    std::vector<float> lanes(tail_block_threads, 0.0f);
+    std::vector<float> lanes(tail_row_lanes, 0.0f);
     const int vectors = hidden / 8;
-    for (int j = 0; j < tail_block_threads; ++j)
-      for (int v = j; v < vectors; v += tail_block_threads)
+    for (int j = 0; j < tail_row_lanes; ++j)
+      for (int v = j; v < vectors; v += tail_row_lanes)
         for (int e = 0; e < 8; ++e) lanes[j] = lanes[j] + x[v * 8 + e] * x[v * 8 + e];
     for (int m = 16; m >= 1; m /= 2) {
       std::vector<float> next(lanes.size());
@@ -122,7 +122,7 @@ TEST(TailProtocol, SumOfSquaresFollowsTheGpuTree) {
     }
     for (std::size_t i = 0; i < lanes.size(); ++i) ASSERT_EQ(lanes[i], lanes[i & ~std::size_t{31}]) << "every lane of a warp agrees";
     float total = lanes[0];
-    for (int w = 1; w < tail_block_threads / 32; ++w) total = total + lanes[static_cast<std::size_t>(w) * 32];
+    for (int w = 1; w < tail_row_lanes / 32; ++w) total = total + lanes[static_cast<std::size_t>(w) * 32];
     EXPECT_EQ(reference_sum_squares(x.data(), hidden), total) << hidden;
     double exact = 0;
     for (float v : x) exact += static_cast<double>(v) * v;

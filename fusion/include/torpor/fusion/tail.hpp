@@ -84,6 +84,12 @@ struct TailOptions {
   // Diagnostics (fused path on a GPU): a device buffer holding a zeroed kernels::TailTrace,
   // into which every call adds where its time went (torpor_bench_tail --trace). nullptr: off.
   void* trace = nullptr;
+  // Fused path on a GPU: how many blocks (a thread-block cluster, compute capability 9.0+) share
+  // one row's receive and RMSNorm, each taking tail_row_lanes / blocks_per_row of its lanes:
+  // 1, 4 or 8; 0: chosen per call (kernels::tail_cluster_blocks for calls of at most
+  // kernels::tail_cluster_max_rows rows where clusters exist, else 1). The results are the same
+  // bits for every value.
+  int blocks_per_row = 0;
 };
 
 // One rank's tail. run() enqueues on `stream` (GPU; capturable in a CUDA graph) or computes

@@ -66,13 +66,14 @@ inline constexpr int tail_max_hidden = 8192;
 inline constexpr int tail_hidden_multiple = 64;
 // One 16-byte vector = 8 bf16: the unit every thread loads, stores and polls.
 inline constexpr int tail_vector_elems = 8;
-// Threads per block, and the lane layout the row reduction follows on the GPU and the CPU.
-// 512: a row's epilogue is issue-bound on the few warps of one block (measured: 1.8 us per row
-// at 256 threads and 7168 hidden on an H200), so a row gets as many threads as the fused kernel's
-// registers allow (up to 128 each, one block per multiprocessor).
-inline constexpr int tail_block_threads = 512;
+// The lane layout a row's reduction follows on the GPU and the CPU: tail_row_lanes lanes, lane j
+// owning vectors j and j + tail_row_lanes of the row. On the GPU a lane is a thread: one block of
+// tail_row_lanes threads per row, or a cluster of blocks that split the lanes (blocks per row,
+// TailOptions::blocks_per_row). 512: a row's epilogue is issue-bound on few warps (measured: 1.8
+// us per row at 256 threads and 7168 hidden on an H200).
+inline constexpr int tail_row_lanes = 512;
 inline constexpr int tail_warp = 32;
-inline constexpr int tail_max_vectors_per_thread = tail_max_hidden / tail_vector_elems / tail_block_threads;  // 2
+inline constexpr int tail_max_vectors_per_thread = tail_max_hidden / tail_vector_elems / tail_row_lanes;  // 2
 
 // What a failed call was doing.
 enum class TailOp : std::uint32_t {
@@ -136,7 +137,11 @@ TORPOR_HD int tail_token_owner(int t, int tokens, int ranks) {
 // Diagnostics for tuning (GPU only; torpor_bench_tail --trace): where the fused kernel's time
 // goes. Thread 0 of block 0 (it sends and receives row 0) adds, every call, the %globaltimer
 // nanoseconds from its entry to each stamp below; the grid's last block adds the time from its
-// entry to its control-block update. All sums over `calls`.
+// entry to its control-block update. Every block's thread 0 (the first tail_trace_blocks blocks)
+// adds its own times from its griddepcontrol.wait to a few stamps (block_ns), and when that wait
+// returned after block 0's (block_waited_ns). All sums over `calls`.
+inline constexpr int tail_trace_blocks = 256;
+inline constexpr int tail_block_stamps = 8;
 enum TailStamp : int {
   tail_stamp_waited,         // griddepcontrol.wait returned
   tail_stamp_control_read,   // thread 0 has the control block
@@ -145,7 +150,9 @@ enum TailStamp : int {
   tail_stamp_sent,           // thread 0 issued its partial's stores
   tail_stamp_cleared,        // thread 0 issued its clear stores
   tail_stamp_vectors_in,     // thread 0's vectors of row 0 from every source are in
-  tail_stamp_block_in,       // every thread's are
+  tail_stamp_residual,       // thread 0 added the residual and has its warp's sum of squares
+  tail_stamp_row_barrier,    // thread 0 passed the row's barrier (block, or cluster)
+  tail_stamp_block_in,       // every thread's of the row are (every block of its cluster)
   tail_stamp_epilogue,       // row 0's outputs are written
   tail_stamp_end,            // the block is done
   tail_trace_phases
@@ -158,6 +165,13 @@ struct TailTrace {
   std::uint64_t last_end;  // %globaltimer at the previous call's block-0 end
   std::uint64_t updater_ns;
   std::uint64_t cycles;           // clock64 from entry to end (cycles / ns = the SM clock in GHz)
+  std::uint64_t block0_waited;    // scratch: %globaltimer when block 0's wait returned this call
+  // Per block b < tail_trace_blocks: its wait's return minus block 0's, and from its wait's return
+  // to: 0 thread 0's first partial, 1 its send, 2 its clear, 3 first row in (0 for a block
+  // without rows), 4 every thread's send, 5 every thread's vectors of the first row in; 6 the
+  // most poll rounds any thread needed for them (a count, not ns); 7 end.
+  std::int64_t block_waited_ns[tail_trace_blocks];
+  std::uint64_t block_ns[tail_trace_blocks][tail_block_stamps];
 };
 
 // Everything one rank's call needs, for the kernel and for the CPU reference. Tensor pointers
@@ -298,7 +312,7 @@ TORPOR_HD float tail_inv_rms(float sum_squares, int hidden, float eps) {
 }
 
 // The row's sum of squares follows one fixed tree (the GPU block's, replayed on the CPU by
-// tail_reference.cpp): lane j of tail_block_threads sums x^2 of vectors j, j + 256, ... (elements
+// tail_reference.cpp): lane j of tail_row_lanes sums x^2 of vectors j, j + 512, ... (elements
 // in order) from 0.0f; each warp of 32 lanes combines by xor butterfly (offsets 16, 8, 4, 2, 1:
 // v[i] = v[i] + v[i ^ m]); the warp totals are added in warp order starting from warp 0's.
 
