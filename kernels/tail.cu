@@ -3,7 +3,10 @@
 // layout and arithmetic live in tail_protocol.hpp (shared with the CPU reference); this file is
 // the CUDA side of it.
 //
-// Fused kernel, one call (grid <= tail_fused_capacity, so all blocks are resident together):
+// Fused kernel, one call (grid <= tail_fused_capacity, so all blocks are resident together). A row
+// is finished by C blocks (blocks per row: 1, or a thread-block cluster of 4 or 8 on sm_90+), each
+// holding tail_row_lanes / C of the row's lanes; the grid has enough blocks that every thread
+// sends at most one vector and a cluster for every receive row:
 //   0. wait for the kernels before it on the stream (griddepcontrol.wait: a no-op unless launched
 //      as a programmatic dependent, see launch_tail_fused) and let the next kernel launch early;
 //      thread 0 reads the control block: magic (I6), error flag (I5: a recorded error makes every
@@ -16,11 +19,12 @@
 //      them with st.relaxed.sys to every destination that receives the row (or one multimem.st
 //      to the multicast address);
 //   2. clear (I3): every block clears its share of the previous slot's rows in this rank's part;
-//   3. receive: block b takes rows b, b + grid, ... of this rank's receive rows; each thread polls
-//      its vectors from every source (ld.relaxed.sys, until no lane is the sentinel, bounded by
-//      %globaltimer; two sources' vectors at once, every pending one re-loaded in each round),
-//      sums them in rank order in fp32 (I7), and for output rows writes residual_out and
-//      norm_out (block reduction with the fixed tree);
+//   3. receive: cluster q takes rows q, q + clusters, ... of this rank's receive rows; each thread
+//      polls its lane's vectors from every source (ld.relaxed.sys, until no lane is the sentinel,
+//      bounded by %globaltimer; two sources' vectors at once, every pending one re-loaded in each
+//      round), sums them in rank order in fp32 (I7), and for output rows writes residual_out and
+//      norm_out (the fixed tree: warps by butterfly, then the row's warps in order, read from
+//      every block of the cluster through distributed shared memory after a cluster barrier);
 //   4. the last block of the grid (a send-only block whenever there are more blocks than rows,
 //      so off the critical path) waits until every block has counted itself in -- every block
 //      has read the control block -- and advances it (I4).
