@@ -403,13 +403,28 @@ __device__ __forceinline__ int cluster_block_rank() {
 #endif
 }
 
-// Every thread of every block of the cluster arrives; shared-memory writes before it are visible
-// to every block after it.
-__device__ __forceinline__ void cluster_barrier() {
+// The cluster barrier, split in two; every thread of the cluster executes both, with the same
+// semantics. arrive(release): this thread's earlier writes (a row's warp sums in shared memory)
+// are visible to every block past its wait. The release waits for the thread's outstanding
+// stores, so stores nobody in the cluster reads (residual_out) go between arrive and wait.
+// arrive(relaxed): execution order only.
+__device__ __forceinline__ void cluster_arrive_release() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
 #else
   __trap();  // never launched with C > 1 below sm_90 (tail_device_support)
+#endif
+}
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
 #endif
 }
 
@@ -634,8 +649,9 @@ __global__ void __launch_bounds__(T / C, C) tail_fused_kernel(TailParams p) {
           row_failed = row_failed || e.y != 0u;
         }
       } else {
+        cluster_arrive_release();
         if (finish) store_residual<VPT>(p, row, lane, words);
-        cluster_barrier();
+        cluster_wait();
         if (r == row_group) TORPOR_TAIL_STAMP(tail_stamp_row_barrier);
         uint2 e[C * WB];
 #pragma unroll
@@ -654,7 +670,10 @@ __global__ void __launch_bounds__(T / C, C) tail_fused_kernel(TailParams p) {
   }
   // No block of a cluster leaves while another may still read its shared memory.
   if constexpr (C > 1)
-    if (cluster_has_rows) cluster_barrier();
+    if (cluster_has_rows) {  // the DSMEM reads are done (their values were used): order only
+      cluster_arrive_relaxed();
+      cluster_wait();
+    }
 
   // 4. The last block advances the control block (I4) once every block has read it. Blocks are
   //    all resident, so the wait is short; it is bounded all the same (I5).
