@@ -6,8 +6,11 @@
 //   unfused   finalize kernel, ncclAllReduce (fp32), residual + RMSNorm kernel;
 //   nccl      ncclAllReduce of the same bf16 bytes alone, for scale.
 // The floors under them, in the same run: the one-way latency of a store seen by the peer (one
-// thread per GPU bouncing a counter), and the per-call cost of an empty kernel in a graph, in
-// stream order and as a programmatic dependent.
+// thread per GPU bouncing a counter), the per-call cost of an empty kernel in a graph, in
+// stream order and as a programmatic dependent, and for every token count the Lamport exchange
+// alone with, optionally, parts of the fused kernel's other work (--floor-features).
+// --blocks-per-row times the fused tail again with other row decompositions
+// (TailOptions::blocks_per_row); --trace adds per-phase and per-block times (TailTrace).
 // Each graph holds --calls-per-graph calls; a measurement replays it --replays times between two
 // events, after a barrier so both ranks start together; per-call time = elapsed / calls (the
 // larger of the two ranks is reported). The link is measured in the same run: SM stores into the
