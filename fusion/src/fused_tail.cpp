@@ -66,6 +66,8 @@ FusedTail::FusedTail(SymmetricHeap& heap, const TailShape& shape, const TailOpti
         l->capacity = kernels::tail_fused_capacity(shape_.hidden, multicast_, l->blocks_per_row);
       }
       programmatic_ = options_.programmatic_launch && kernels::tail_programmatic_launch_supported(device_);
+      launch_note_ = fmt::format("; blocks per row {} up to {} rows, else {}", few_rows_.blocks_per_row,
+                                 kernels::tail_cluster_max_rows, many_rows_.blocks_per_row);
 #else
       throw unavailable("this build has no CUDA kernels");
 #endif
@@ -98,10 +100,7 @@ FusedTail::FusedTail(SymmetricHeap& heap, const TailShape& shape, const TailOpti
     release();
     throw;
   }
-  log::info("{}: {}; slots {} per rank, control block at {}{}{}", who(), reason_, bytes, control_,
-            cuda_ ? fmt::format("; blocks per row {} up to {} rows, else {}", few_rows_.blocks_per_row,
-                                kernels::tail_cluster_max_rows, many_rows_.blocks_per_row)
-                  : std::string(),
+  log::info("{}: {}; slots {} per rank, control block at {}{}{}", who(), reason_, bytes, control_, launch_note_,
             programmatic_ ? "; calls launch as programmatic dependents" : "");
 }
 

@@ -92,6 +92,7 @@ class FusedTail final : public TailBase {
   kernels::ReferenceHooks hooks_;  // host backend
   LaunchShape few_rows_;           // cuda: calls of <= kernels::tail_cluster_max_rows rows
   LaunchShape many_rows_;          // cuda: larger calls
+  std::string launch_note_;        // cuda: the launch shapes, for the log
   bool programmatic_ = false;      // cuda: launch calls as programmatic dependents
   void* stream_ = nullptr;         // cuda: this op's own stream for check() and reset()
 };
