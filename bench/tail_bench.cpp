@@ -331,7 +331,7 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
     }
     if (r == 0)
       fmt::print("  {} tokens, Lamport exchange alone (features 1 loads, 2 self copy, 4 clear stores, 8 transposed poll, "
-                 "16 1024 straight-line FMAs, 32 the same in a loop, 64 straight-line code run before the wait too, "
+                 "16 1024 straight-line FMAs, 64 straight-line code run before the wait too, "
                  "128 12 branches over 4 KB of code each, 256 the same over a few bytes): "
                  "{} us\n", t, floor_line);
     json by_blocks_row = json::object();
@@ -496,7 +496,7 @@ int main(int argc, char** argv) {
                  "also time the fused tail with each of these blocks per row (1, 4, 8; TailOptions::blocks_per_row)");
   app.add_option("--floor-features", o.floor_features,
                  "Lamport exchange floors to time, as feature masks: 1 the partial's input loads, 2 a copy to itself, "
-                 "4 the clear's stores, 8 a transposed poll, 16 1024 straight-line FMAs, 32 the same in a loop, 64 the "
+                 "4 the clear's stores, 8 a transposed poll, 16 1024 straight-line FMAs, 64 the "
                  "straight-line code run before griddepcontrol.wait too, 128 12 branches over 4 KB of code, 256 the same "
                  "over a few bytes");
   app.add_flag("--trace", o.trace, "also time a fused tail that stamps its phases (where a call's time goes)");

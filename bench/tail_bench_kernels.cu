@@ -93,27 +93,13 @@ __global__ void load_latency_kernel(const std::uint32_t* p, int n, std::uint32_t
 // 2 a copy to itself too (own[n + i], polled as well); 4 two more local stores after the send
 // (the clear); 8 poll the vector another block's thread sent (a transpose of i, as a row's
 // receiver does). Instruction fetch: 16 runs 1024 FMAs as straight-line code (16 KB) after the
-// wait, 32 the same FMAs in a loop (a few hundred bytes of code), 64 (with 16) runs the
-// straight-line code once before the wait too, from the same addresses. A peer that never
+// wait, 64 (with 16) runs that code once before the wait too, from the same addresses. A peer that never
 // answers ends the wait after ~2^26 polls.
 __device__ __noinline__ float straight_line_fmas(float a, float b) {
   float acc[8];
 #pragma unroll
   for (int k = 0; k < 8; ++k) acc[k] = a + k;
 #pragma unroll
-  for (int s = 0; s < 128; ++s)
-#pragma unroll
-    for (int k = 0; k < 8; ++k) acc[k] = fmaf(acc[k], b, static_cast<float>(s * 8 + k));
-  float r = 0;
-#pragma unroll
-  for (int k = 0; k < 8; ++k) r += acc[k];
-  return r;
-}
-__device__ __noinline__ float looped_fmas(float a, float b) {
-  float acc[8];
-#pragma unroll
-  for (int k = 0; k < 8; ++k) acc[k] = a + k;
-#pragma unroll 1
   for (int s = 0; s < 128; ++s)
 #pragma unroll
     for (int k = 0; k < 8; ++k) acc[k] = fmaf(acc[k], b, static_cast<float>(s * 8 + k));
@@ -140,7 +126,6 @@ __global__ void lamport_floor_kernel(uint4* own, uint4* peer, std::uint32_t* cal
   if (i >= n) return;
   const std::uint32_t e = calls[i] + 1;
   if (features & 16) work += straight_line_fmas(static_cast<float>(e), 0.5f);
-  if (features & 32) work += looped_fmas(static_cast<float>(e), 0.5f);
   // 128: 12 hops, each a taken branch over 4 KB of code never run (mask is 0); 256: the same hops
   // over a few bytes.
   if (features & 128) {
