@@ -859,6 +859,11 @@ bool tail_clusters_supported(int device) {
   return major >= 9;
 }
 
+int tail_blocks_per_row(int device, int option, bool few_rows) {
+  if (option != 0) return option;
+  return few_rows && tail_clusters_supported(device) ? tail_cluster_blocks : 1;
+}
+
 void tail_preload(int hidden, bool multicast, int blocks_per_row) {
   const void* kernels[] = {fused_kernel(hidden, multicast, blocks_per_row), reinterpret_cast<const void*>(&tail_finalize_kernel),
                            residual_norm_kernel(hidden), reinterpret_cast<const void*>(&tail_fill_u16_kernel)};

@@ -57,10 +57,8 @@ FusedTail::FusedTail(SymmetricHeap& heap, const TailShape& shape, const TailOpti
       TORPOR_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), who());
       stream_ = s;
       // Two launch shapes: few rows (clusters by default, where they exist) and many rows.
-      many_rows_.blocks_per_row = options_.blocks_per_row != 0 ? options_.blocks_per_row : 1;
-      few_rows_.blocks_per_row = options_.blocks_per_row != 0            ? options_.blocks_per_row
-                                 : kernels::tail_clusters_supported(device_) ? kernels::tail_cluster_blocks
-                                                                             : 1;
+      few_rows_.blocks_per_row = kernels::tail_blocks_per_row(device_, options_.blocks_per_row, true);
+      many_rows_.blocks_per_row = kernels::tail_blocks_per_row(device_, options_.blocks_per_row, false);
       for (LaunchShape* l : {&few_rows_, &many_rows_}) {
         kernels::tail_preload(shape_.hidden, multicast_, l->blocks_per_row);
         l->capacity = kernels::tail_fused_capacity(shape_.hidden, multicast_, l->blocks_per_row);

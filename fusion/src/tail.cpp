@@ -204,9 +204,7 @@ void probe_fused(SymmetricHeap& heap, const TailOptions& options, Verdict& v) {
     try {
       const int device = heap.pool().device();
       DeviceGuard guard(device);
-      const int blocks = options.blocks_per_row != 0               ? options.blocks_per_row
-                         : kernels::tail_clusters_supported(device) ? kernels::tail_cluster_blocks
-                                                                    : 1;
+      const int blocks = kernels::tail_blocks_per_row(device, options.blocks_per_row, true);  // the wider one
       v.fused_why_not = kernels::tail_device_support(device, false, blocks);
       if (v.fused_why_not.empty()) v.multicast_why_not = kernels::tail_device_support(device, true, blocks);
     } catch (const std::exception& e) {

@@ -25,6 +25,9 @@ inline constexpr int tail_cluster_blocks = 4;
 inline constexpr int tail_cluster_max_rows = 32;
 // Whether `device` has thread-block clusters (compute capability 9.0+).
 bool tail_clusters_supported(int device);
+// Blocks per row on `device` for calls of few rows (<= tail_cluster_max_rows) or many, given
+// TailOptions::blocks_per_row (`option`: 0 = the default above, else that value).
+int tail_blocks_per_row(int device, int option, bool few_rows);
 
 // "" when the fused kernels can run on `device` (the current device) with `blocks_per_row`, else
 // why not: compute capability below 7.0 (9.0 for multicast or more than one block per row), a
