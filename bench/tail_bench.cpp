@@ -71,6 +71,23 @@ void cuda(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(fmt::format("{}: {}", what, cudaGetErrorString(e)));
 }
 
+// Milliseconds from an event recorded on `s` before enqueue() to one recorded after it.
+template <typename F>
+float elapsed_ms(cudaStream_t s, F enqueue) {
+  cudaEvent_t a, b;
+  cuda(cudaEventCreate(&a), "event");
+  cuda(cudaEventCreate(&b), "event");
+  cuda(cudaEventRecord(a, s), "record");
+  enqueue();
+  cuda(cudaEventRecord(b, s), "record");
+  cuda(cudaEventSynchronize(b), "sync");
+  float ms = 0;
+  cuda(cudaEventElapsedTime(&ms, a, b), "elapsed");
+  cuda(cudaEventDestroy(a), "event");
+  cuda(cudaEventDestroy(b), "event");
+  return ms;
+}
+
 // A graph of `calls` enqueues of fn, replayed `replays` times; returns microseconds per call.
 template <typename F>
 double time_graph(Group& g, cudaStream_t s, int calls, int replays, F fn) {
@@ -80,23 +97,15 @@ double time_graph(Group& g, cudaStream_t s, int calls, int replays, F fn) {
   for (int i = 0; i < calls; ++i) fn();
   cuda(cudaStreamEndCapture(s, &graph), "end capture");
   cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-  cudaEvent_t a, b;
-  cuda(cudaEventCreate(&a), "event");
-  cuda(cudaEventCreate(&b), "event");
   for (int i = 0; i < 3; ++i) cuda(cudaGraphLaunch(exec, s), "warm-up replay");
   cuda(cudaStreamSynchronize(s), "warm-up");
   g.barrier();
-  cuda(cudaEventRecord(a, s), "record");
-  for (int i = 0; i < replays; ++i) cuda(cudaGraphLaunch(exec, s), "replay");
-  cuda(cudaEventRecord(b, s), "record");
-  cuda(cudaEventSynchronize(b), "sync");
-  float ms = 0;
-  cuda(cudaEventElapsedTime(&ms, a, b), "elapsed");
+  const float ms = elapsed_ms(s, [&] {
+    for (int i = 0; i < replays; ++i) cuda(cudaGraphLaunch(exec, s), "replay");
+  });
   // Graphs go before communicators (teardown with live graphs hung on these machines).
   cuda(cudaGraphExecDestroy(exec), "graph exec destroy");
   cuda(cudaGraphDestroy(graph), "graph destroy");
-  cuda(cudaEventDestroy(a), "event");
-  cuda(cudaEventDestroy(b), "event");
   return static_cast<double>(ms) * 1000.0 / (static_cast<double>(calls) * replays);
 }
 
@@ -107,20 +116,12 @@ double link_gbps(Group& g, cudaStream_t s, void* dst, const void* src, std::size
   cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "attribute");
   if (active) bench::launch_peer_store(dst, src, bytes, sms * 4, s);  // warm-up
   cuda(cudaStreamSynchronize(s), "sync");
-  cudaEvent_t a, b;
-  cuda(cudaEventCreate(&a), "event");
-  cuda(cudaEventCreate(&b), "event");
   constexpr int reps = 10;
   g.barrier();
-  cuda(cudaEventRecord(a, s), "record");
-  if (active)
-    for (int i = 0; i < reps; ++i) bench::launch_peer_store(dst, src, bytes, sms * 4, s);
-  cuda(cudaEventRecord(b, s), "record");
-  cuda(cudaEventSynchronize(b), "sync");
-  float ms = 0;
-  cuda(cudaEventElapsedTime(&ms, a, b), "elapsed");
-  cuda(cudaEventDestroy(a), "event");
-  cuda(cudaEventDestroy(b), "event");
+  const float ms = elapsed_ms(s, [&] {
+    if (active)
+      for (int i = 0; i < reps; ++i) bench::launch_peer_store(dst, src, bytes, sms * 4, s);
+  });
   return active ? static_cast<double>(bytes) * reps / (static_cast<double>(ms) * 1e-3) / 1e9 : 0.0;
 }
 
@@ -131,17 +132,7 @@ double one_way_latency_us(Group& g, cudaStream_t s, void* own, void* peer, int r
   cuda(cudaMemsetAsync(own, 0, sizeof(std::uint32_t), s), "memset");
   cuda(cudaStreamSynchronize(s), "sync");
   g.barrier();  // both words zero before either kernel starts
-  cudaEvent_t a, b;
-  cuda(cudaEventCreate(&a), "event");
-  cuda(cudaEventCreate(&b), "event");
-  cuda(cudaEventRecord(a, s), "record");
-  bench::launch_ping_pong(own, peer, rounds, rank == 0, s);
-  cuda(cudaEventRecord(b, s), "record");
-  cuda(cudaEventSynchronize(b), "sync");
-  float ms = 0;
-  cuda(cudaEventElapsedTime(&ms, a, b), "elapsed");
-  cuda(cudaEventDestroy(a), "event");
-  cuda(cudaEventDestroy(b), "event");
+  const float ms = elapsed_ms(s, [&] { bench::launch_ping_pong(own, peer, rounds, rank == 0, s); });
   g.barrier();
   return static_cast<double>(ms) * 1000.0 / (2.0 * rounds);
 }

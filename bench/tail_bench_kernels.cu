@@ -214,23 +214,11 @@ void load_latency(const void* p, int scope, double* ns_per_load, double* timer_s
   *timer_read_ns = static_cast<double>(host[3]) / 100000.0;
 }
 
-void launch_lamport_floor(void* own, void* peer, std::uint32_t* calls, const void* inputs, int n, int features, void* stream) {
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>((n + 127) / 128));
-  config.blockDim = dim3(128);
-  config.stream = static_cast<cudaStream_t>(stream);
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  const cudaError_t e = cudaLaunchKernelEx(&config, lamport_floor_kernel, static_cast<uint4*>(own), static_cast<uint4*>(peer), calls,
-                                           static_cast<const uint4*>(inputs), n, features, 0u);
-  if (e != cudaSuccess) throw std::runtime_error(std::string("lamport_floor_kernel: ") + cudaGetErrorString(e));
-}
-
-void launch_empty(int blocks, int threads, bool programmatic, void* stream) {
-  cudaLaunchAttribute attribute{};
+namespace {
+// A launch on `stream`, as a programmatic dependent of the kernel before it when `programmatic`;
+// the config points at `attribute`.
+cudaLaunchConfig_t launch_config(int blocks, int threads, void* stream, bool programmatic, cudaLaunchAttribute& attribute) {
+  attribute = cudaLaunchAttribute{};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config{};
@@ -239,6 +227,21 @@ void launch_empty(int blocks, int threads, bool programmatic, void* stream) {
   config.stream = static_cast<cudaStream_t>(stream);
   config.attrs = programmatic ? &attribute : nullptr;
   config.numAttrs = programmatic ? 1 : 0;
+  return config;
+}
+}  // namespace
+
+void launch_lamport_floor(void* own, void* peer, std::uint32_t* calls, const void* inputs, int n, int features, void* stream) {
+  cudaLaunchAttribute attribute;
+  const cudaLaunchConfig_t config = launch_config((n + 127) / 128, 128, stream, true, attribute);
+  const cudaError_t e = cudaLaunchKernelEx(&config, lamport_floor_kernel, static_cast<uint4*>(own), static_cast<uint4*>(peer), calls,
+                                           static_cast<const uint4*>(inputs), n, features, 0u);
+  if (e != cudaSuccess) throw std::runtime_error(std::string("lamport_floor_kernel: ") + cudaGetErrorString(e));
+}
+
+void launch_empty(int blocks, int threads, bool programmatic, void* stream) {
+  cudaLaunchAttribute attribute;
+  const cudaLaunchConfig_t config = launch_config(blocks, threads, stream, programmatic, attribute);
   const cudaError_t e = cudaLaunchKernelEx(&config, empty_kernel);
   if (e != cudaSuccess) throw std::runtime_error(std::string("empty_kernel: ") + cudaGetErrorString(e));
 }

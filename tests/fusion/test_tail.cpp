@@ -132,6 +132,14 @@ Prepared prepare(const TailShape& s, int ranks, const std::vector<int>& tokens, 
   return p;
 }
 
+// Runs every prepared call on this rank's tail, checking each against its expected outputs.
+void run_and_check(RankTail& rt, const Prepared& p, int rank, int ranks) {
+  for (std::size_t i = 0; i < p.calls.size(); ++i) {
+    rt.run(p.calls[i]);
+    check_call(rt, p.expected[i], rank, ranks, "call " + std::to_string(i));
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Ranks as threads, unicast (the emulated devices report no multicast).
 
@@ -177,10 +185,7 @@ TEST_P(TailThreads, ReduceScatterWritesEachRanksShareOnly) {
   EXPECT_EQ(on_threads(n,
                        [&](int r) {
                          RankTail rt(w.host, *w.groups[static_cast<std::size_t>(r)], s);
-                         for (std::size_t i = 0; i < p.calls.size(); ++i) {
-                           rt.run(p.calls[i]);
-                           check_call(rt, p.expected[i], r, n, "call " + std::to_string(i));
-                         }
+                         run_and_check(rt, p, r, n);
                        }),
             "");
 }
@@ -490,10 +495,7 @@ TEST(TailThreadsShapes, SmallestAndLargestHidden) {
       EXPECT_EQ(on_threads(n,
                            [&](int r) {
                              RankTail rt(w.host, *w.groups[static_cast<std::size_t>(r)], s);
-                             for (std::size_t i = 0; i < p.calls.size(); ++i) {
-                               rt.run(p.calls[i]);
-                               check_call(rt, p.expected[i], r, n, "call " + std::to_string(i));
-                             }
+                             run_and_check(rt, p, r, n);
                            }),
                 "");
     }
@@ -562,10 +564,7 @@ TEST_P(TailThreadsMulticast, OneRankWithoutMulticastMakesEveryRankUnicast) {
                          require(rt.tail->reason().find("rank " + std::to_string(without) + ": the host multicast emulation") !=
                                      std::string::npos,
                                  rt.tail->reason());
-                         for (std::size_t i = 0; i < p.calls.size(); ++i) {
-                           rt.run(p.calls[i]);
-                           check_call(rt, p.expected[i], r, n, "call " + std::to_string(i));
-                         }
+                         run_and_check(rt, p, r, n);
                        }),
             "");
 }
