@@ -91,6 +91,27 @@ TEST(TailProtocol, SanitiseTurnsOnlyTheSentinelIntoPositiveZero) {
   EXPECT_FALSE(tail_word_has_sentinel(0x7FC07FC0u));  // NaN is data too
 }
 
+// tail_word_has_sentinel is a borrow trick; it must agree with comparing each half, for every
+// value of one half against edge values of the other (where a borrow could leak across).
+TEST(TailProtocol, SentinelCheckMatchesComparingEachHalf) {
+  const std::uint32_t edges[] = {0x0000u, 0x0001u, 0x7FFFu, 0x8000u, 0x8001u, 0xFFFFu, 0x7F80u, 0xFF80u};
+  auto plain = [](std::uint32_t w) { return (w & 0xFFFFu) == tail_sentinel || (w >> 16) == tail_sentinel; };
+  int with_sentinel = 0;
+  for (std::uint32_t half = 0; half <= 0xFFFFu; ++half)
+    for (std::uint32_t edge : edges)
+      for (std::uint32_t w : {half | (edge << 16), edge | (half << 16)}) {
+        ASSERT_EQ(tail_word_has_sentinel(w), plain(w)) << std::hex << w;
+        with_sentinel += plain(w) ? 1 : 0;
+      }
+  EXPECT_GT(with_sentinel, 0);
+  std::uint64_t x = 0x9E3779B97F4A7C15ull;  // and a spread of arbitrary words
+  for (int i = 0; i < 1000000; ++i) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    const auto w = static_cast<std::uint32_t>(x);
+    ASSERT_EQ(tail_word_has_sentinel(w), plain(w)) << std::hex << w;
+  }
+}
+
 TEST(TailProtocol, SlotLayoutIsDenseAndDisjoint) {
   const int ranks = 3, max_tokens = 5, hidden = 64;
   std::set<std::size_t> seen;

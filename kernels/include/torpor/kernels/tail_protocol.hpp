@@ -151,7 +151,7 @@ enum TailStamp : int {
   tail_stamp_cleared,        // thread 0 issued its clear stores
   tail_stamp_vectors_in,     // thread 0's vectors of row 0 from every source are in
   tail_stamp_residual,       // thread 0 added the residual and has its warp's sum of squares
-  tail_stamp_row_barrier,    // thread 0 passed the row's barrier (block, or cluster)
+  tail_stamp_row_barrier,    // thread 0 passed the row's barrier (the block's, or its transaction barrier with C > 1)
   tail_stamp_block_in,       // every thread's of the row are (every block of its cluster)
   tail_stamp_epilogue,       // row 0's outputs are written
   tail_stamp_end,            // the block is done
@@ -287,8 +287,14 @@ TORPOR_HD std::uint16_t tail_float_to_bf16(float f) {
 }
 // I2: what a sender stores for a partial element.
 TORPOR_HD std::uint16_t tail_sanitize(std::uint16_t b) { return b == tail_sentinel ? std::uint16_t{0} : b; }
+// Whether either half of w is the sentinel. Branch-free, since the GPU's polls run it on every
+// word of every round: a half equal to the sentinel is a zero half of x = w ^ tail_sentinel_pair,
+// and (x - 0x00010001) & ~x & 0x80008000 is non-zero exactly when some half of x is zero (a half
+// sets its flag only if it is zero or borrows from a zero half below it, when the answer is yes
+// anyway).
 TORPOR_HD bool tail_word_has_sentinel(std::uint32_t w) {
-  return (w & 0xFFFFu) == tail_sentinel || (w >> 16) == tail_sentinel;
+  const std::uint32_t x = w ^ tail_sentinel_pair;
+  return ((x - 0x00010001u) & ~x & 0x80008000u) != 0u;
 }
 
 // One element of this rank's partial: (shared) + sum over k in order of weight_k * expert_k, each
