@@ -3,7 +3,7 @@
 # device tool (`run`), whose $OUT folder comes back; elsewhere OUT defaults to ./gpu-out.
 #
 #   scripts/gpu_run.sh [stage ...]     stages: probe tests bench-sleep bench-sleep-threads python
-#                                      symmetric symmetric-nccl tail tail-bench stress
+#                                      symmetric symmetric-nccl tail tail-bench stress stress-tail
 #                                      (default: probe tests)
 #   TORPOR_BUILD_TARGETS="a b"         build only these targets (default: everything), to save
 #                                      device time when iterating on one part
@@ -21,7 +21,9 @@
 # GPU and on every GPU (threads, then one process per GPU; CUDA graphs), the same with the
 # unfused tail (same tokens required), a 50-cycle soak on a model of a few hundred MiB per GPU
 # (per-cycle memory returned by cuMemGetInfo), the negative control (2 GPUs), and
-# `torpor rl-loop`; tables in stress-*.txt, JSON in stress-*.json and rl-loop.json.
+# `torpor rl-loop`; tables in stress-*.txt, JSON in stress-*.json and rl-loop.json. stress-tail
+# (2 GPUs) is the part of stress that checks the tail: one process per GPU with the fused and
+# with the unfused tail (the same tokens required), and the negative control.
 #
 # The multicast kill switches are always set: these machines are shared, and a multicast
 # object can take their GPUs out of service. torpor honours every one of them.
@@ -51,6 +53,32 @@ cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release > "$OUT/configure.lo
 tail_bench() {
   timeout 240 build-gpu/bench/torpor_bench_tail --trace --json "$OUT/bench-tail.json" ${TORPOR_TAIL_BENCH_ARGS:-} > "$OUT/bench-tail.txt" 2>&1 || status=1
   cat "$OUT/bench-tail.txt"
+}
+
+# `torpor stress` on the GPUs, bounded: name, limit, args...
+run_stress() {
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" build-gpu/tools/torpor stress --backend cuda --no-progress --json "$OUT/stress-$name.json" "$@" \
+    > "$OUT/stress-$name.txt" 2>&1
+  local rc=$?
+  [ $rc -ne 0 ] && status=1
+  echo "== torpor stress $* (exit $rc)"; cat "$OUT/stress-$name.txt"
+}
+# Fused and unfused tails on every GPU, one process each, must give the same tokens.
+stress_fused_unfused() {
+  run_stress processes 120 --ranks 2 --processes
+  run_stress unfused 120 --ranks 2 --processes --unfused
+  local digests
+  digests=$(grep -ho '"reference_digest": "[0-9a-f]*"' "$OUT/stress-processes.json" "$OUT/stress-unfused.json" | sort -u | wc -l)
+  echo "fused and unfused tails: $([ "$digests" -eq 1 ] && echo 'same tokens' || { status=1; echo 'DIFFERENT tokens'; })"
+}
+# Must fail (non-zero exit), naming the rank and the op, within the wait bound plus seconds.
+stress_negative_control() {
+  timeout 90 build-gpu/tools/torpor stress --backend cuda --no-progress --ranks 2 --processes --negative-control zero-flags \
+    --json "$OUT/stress-negative.json" > "$OUT/stress-negative.txt" 2>&1
+  local rc=$?
+  echo "== negative control (exit $rc: $([ $rc -ne 0 ] && [ $rc -ne 124 ] && echo 'failed as required' || { status=1; echo 'WRONG'; }))"
+  cat "$OUT/stress-negative.txt"
 }
 
 for stage in "${stages[@]}"; do
@@ -143,37 +171,27 @@ for stage in "${stages[@]}"; do
       gpus=$(nvidia-smi -L | wc -l)
       timeout 120 build-gpu/tests/torpor_fusion_tests --gtest_filter='GpuKernels.*' > "$OUT/stress-kernels.log" 2>&1 || status=1
       grep -E "^\[ +(OK|FAILED|SKIPPED) +\]" "$OUT/stress-kernels.log"
-      run_stress() {  # name, limit, args...
-        local name=$1 limit=$2; shift 2
-        timeout "$limit" "$t" stress --backend cuda --no-progress --json "$OUT/stress-$name.json" "$@" \
-          > "$OUT/stress-$name.txt" 2>&1
-        local rc=$?
-        [ $rc -ne 0 ] && status=1
-        echo "== torpor stress $* (exit $rc)"; cat "$OUT/stress-$name.txt"
-      }
       run_stress 1gpu 120 --ranks 1
       if [ "$gpus" -ge 2 ]; then
         run_stress threads 120 --ranks 2
-        run_stress processes 120 --ranks 2 --processes
-        run_stress unfused 120 --ranks 2 --processes --unfused
-        digests=$(grep -ho '"reference_digest": "[0-9a-f]*"' "$OUT/stress-processes.json" "$OUT/stress-unfused.json" | sort -u | wc -l)
-        echo "fused and unfused tails: $([ "$digests" -eq 1 ] && echo 'same tokens' || { status=1; echo 'DIFFERENT tokens'; })"
+        stress_fused_unfused
       fi
       ranks=$([ "$gpus" -ge 2 ] && echo 2 || echo 1)
       run_stress soak50 300 --ranks "$ranks" --processes --cycles 50 --vocab 32768 --hidden 1024 --layers 4 \
         --head-dim 128 --experts 16 --latent 256 --inter 2048 --shared-inter 2048
-      if [ "$gpus" -ge 2 ]; then
-        # Must fail (non-zero exit), naming the rank and the op, within the wait bound plus seconds.
-        timeout 90 "$t" stress --backend cuda --no-progress --ranks 2 --processes --negative-control zero-flags \
-          --json "$OUT/stress-negative.json" > "$OUT/stress-negative.txt" 2>&1
-        rc=$?
-        echo "== negative control (exit $rc: $([ $rc -ne 0 ] && [ $rc -ne 124 ] && echo 'failed as required' || { status=1; echo 'WRONG'; }))"
-        cat "$OUT/stress-negative.txt"
-      fi
+      [ "$gpus" -ge 2 ] && stress_negative_control
       timeout 240 "$t" rl-loop --backend cuda --no-progress --ranks "$ranks" --processes --iterations 3 \
         --vocab 32768 --hidden 1024 --layers 4 --head-dim 128 --experts 16 --latent 256 --inter 2048 \
         --shared-inter 2048 --json "$OUT/rl-loop.json" > "$OUT/rl-loop.txt" 2>&1 || status=1
       echo "== torpor rl-loop"; cat "$OUT/rl-loop.txt"
+      ;;
+    stress-tail)
+      if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+        stress_fused_unfused
+        stress_negative_control
+      else
+        echo "SKIP stress-tail: needs two GPUs (device kind nvidia-h200-x2)"
+      fi
       ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
