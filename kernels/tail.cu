@@ -165,8 +165,8 @@ __device__ __forceinline__ std::uint32_t sanitize_pair(std::uint32_t w) {
   return w;
 }
 
-// Bitwise ors, not ||: no branches in the poll loop (each branch there costs the one warp per
-// scheduler that a receiving block has more than the test itself).
+// Bitwise ors, not ||: no branches in the poll loop. A receiving block has one warp per scheduler,
+// so a branch there costs more than the test it skips.
 __device__ __forceinline__ bool has_sentinel(uint4 v) {
   return (tail_word_has_sentinel(v.x) | tail_word_has_sentinel(v.y) | tail_word_has_sentinel(v.z) |
           tail_word_has_sentinel(v.w)) != 0;
@@ -443,7 +443,7 @@ __device__ __forceinline__ std::uint32_t shared_address(const void* p) {
 // A transaction barrier (mbarrier) whose phase completes when this block's one thread has
 // arrived, announcing the bytes the phase takes, and st.async stores of that many bytes from the
 // cluster's blocks have landed. The announcement may come after some of the stores (the
-// barrier's transaction count goes negative meanwhile), so the arrive has no place in the order.
+// barrier's transaction count goes negative meanwhile), so it need not precede the pushes.
 __device__ __forceinline__ void row_barrier_init(std::uint64_t* bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(bar)) : "memory");
