@@ -24,7 +24,7 @@
 
 #include "torpor/backend.hpp"
 #include "torpor/error.hpp"
-#include "torpor/range_allocator.hpp"
+#include "pool/range_allocator.hpp"
 #include "torpor/pool.hpp"
 
 namespace {

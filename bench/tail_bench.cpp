@@ -32,7 +32,7 @@
 
 #include "nccl_comm.hpp"
 #include "support/processes.hpp"
-#include "torpor/cuda_driver.hpp"
+#include "driver/cuda_driver.hpp"
 #include "torpor/fusion/tail.hpp"
 #include "torpor/fusion/tail_state.hpp"
 #include "torpor/group.hpp"

@@ -13,7 +13,7 @@
 
 #include "commands.hpp"
 #include "torpor/backend.hpp"
-#include "torpor/multicast_policy.hpp"
+#include "driver/multicast_policy.hpp"
 
 namespace torpor::cli {
 

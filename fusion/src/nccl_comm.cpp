@@ -19,7 +19,7 @@
 #include <cstring>
 
 #include "cuda_runtime.hpp"
-#include "torpor/multicast_policy.hpp"
+#include "driver/multicast_policy.hpp"
 #endif
 
 namespace torpor::fusion::detail {

@@ -5,7 +5,7 @@
 
 #include "torpor/backend.hpp"
 #include "torpor/error.hpp"
-#include "torpor/multicast_policy.hpp"
+#include "driver/multicast_policy.hpp"
 
 namespace torpor {
 namespace {
@@ -112,7 +112,7 @@ TEST(MulticastPolicy, AttributeOffIsTheReason) {
 
 #include <thread>
 
-#include "torpor/cuda_driver.hpp"
+#include "driver/cuda_driver.hpp"
 
 namespace torpor {
 namespace {

@@ -4,8 +4,8 @@
 
 #include "torpor/error.hpp"
 #include "torpor/host_driver.hpp"
-#include "torpor/host_store.hpp"
-#include "torpor/range_allocator.hpp"
+#include "pool/host_store.hpp"
+#include "pool/range_allocator.hpp"
 
 namespace torpor {
 namespace {

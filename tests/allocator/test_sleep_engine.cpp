@@ -5,7 +5,7 @@
 #include "support/backends.hpp"
 #include "torpor/content_hash.hpp"
 #include "torpor/error.hpp"
-#include "torpor/host_store.hpp"
+#include "pool/host_store.hpp"
 
 namespace torpor::test {
 namespace {

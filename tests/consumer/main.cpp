@@ -1,5 +1,17 @@
+// Every installed header, so that a public header including an internal one fails here.
 #include <torpor/backend.hpp>
+#include <torpor/content_hash.hpp>
+#include <torpor/driver.hpp>
+#include <torpor/error.hpp>
+#include <torpor/fault_injecting_driver.hpp>
+#include <torpor/group.hpp>
+#include <torpor/host_driver.hpp>
+#include <torpor/log.hpp>
+#include <torpor/multicast_decision.hpp>
+#include <torpor/nccl_group.hpp>
 #include <torpor/pool.hpp>
+#include <torpor/symmetric.hpp>
+#include <torpor/torch_allocator.h>
 #include <torpor/torpor.h>
 
 #include <cstdio>

@@ -27,7 +27,7 @@
 #if defined(TORPOR_KERNELS_CUDA)
 #include <cuda_runtime.h>
 
-#include "torpor/cuda_driver.hpp"
+#include "driver/cuda_driver.hpp"
 #include "torpor/kernels/tail_kernels.hpp"
 #include "torpor/kernels/tail_reference.hpp"
 #endif

@@ -10,7 +10,7 @@
 #include <random>
 #include <vector>
 
-#include "torpor/cuda_driver.hpp"
+#include "driver/cuda_driver.hpp"
 #include "torpor/fusion/compute.hpp"
 #include "torpor/kernels/moe_ops.hpp"
 

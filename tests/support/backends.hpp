@@ -14,7 +14,7 @@
 #include "torpor/host_driver.hpp"
 #include "torpor/pool.hpp"
 #ifdef TORPOR_HAVE_CUDA
-#include "torpor/cuda_driver.hpp"
+#include "driver/cuda_driver.hpp"
 #endif
 
 namespace torpor::test {

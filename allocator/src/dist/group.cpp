@@ -12,7 +12,7 @@
 #include <deque>
 #include <mutex>
 
-#include "group_client.hpp"
+#include "dist/group_client.hpp"
 #include "torpor/group.hpp"
 #include "torpor/log.hpp"
 

@@ -12,7 +12,7 @@
 #include <optional>
 #include <string>
 
-#include "group_hub.hpp"
+#include "dist/group_hub.hpp"
 #include "torpor/group.hpp"
 
 namespace torpor::detail {

@@ -22,9 +22,9 @@
 #include <vector>
 
 #include "torpor/driver.hpp"
-#include "torpor/host_store.hpp"
+#include "pool/host_store.hpp"
 #include "torpor/pool.hpp"
-#include "torpor/range_allocator.hpp"
+#include "pool/range_allocator.hpp"
 
 namespace torpor {
 

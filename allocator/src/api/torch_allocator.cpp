@@ -19,7 +19,7 @@
 #include <mutex>
 #include <string>
 
-#include "c_api_internal.hpp"
+#include "api/c_api_internal.hpp"
 #include "torpor/backend.hpp"
 #include "torpor/log.hpp"
 

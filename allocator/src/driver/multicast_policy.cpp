@@ -1,4 +1,4 @@
-#include "torpor/multicast_policy.hpp"
+#include "driver/multicast_policy.hpp"
 
 #include <fmt/format.h>
 

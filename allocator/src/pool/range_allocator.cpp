@@ -1,4 +1,4 @@
-#include "torpor/range_allocator.hpp"
+#include "pool/range_allocator.hpp"
 
 #include <fmt/format.h>
 

@@ -1,4 +1,4 @@
-#include "torpor/host_store.hpp"
+#include "pool/host_store.hpp"
 
 #include <fmt/format.h>
 #include <sys/mman.h>

@@ -18,7 +18,7 @@
 
 #include <algorithm>
 
-#include "pool_state.hpp"
+#include "pool/pool_state.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 

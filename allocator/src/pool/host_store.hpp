@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "torpor/driver.hpp"
-#include "torpor/range_allocator.hpp"
+#include "pool/range_allocator.hpp"
 
 namespace torpor {
 

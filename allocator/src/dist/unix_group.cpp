@@ -31,8 +31,8 @@
 #include <set>
 #include <thread>
 
-#include "group_client.hpp"
-#include "group_wire.hpp"
+#include "dist/group_client.hpp"
+#include "dist/group_wire.hpp"
 #include "torpor/group.hpp"
 #include "torpor/log.hpp"
 

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "c_api_internal.hpp"
+#include "api/c_api_internal.hpp"
 #include "torpor/backend.hpp"
 #include "torpor/error.hpp"
 #include "torpor/pool.hpp"

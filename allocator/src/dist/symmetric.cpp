@@ -25,7 +25,7 @@
 
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
-#include "torpor/range_allocator.hpp"
+#include "pool/range_allocator.hpp"
 
 namespace torpor {
 

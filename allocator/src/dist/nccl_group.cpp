@@ -23,9 +23,9 @@
 #include <optional>
 #include <thread>
 
-#include "torpor/cuda_driver.hpp"
-#include "torpor/multicast_policy.hpp"
-#include "torpor/range_allocator.hpp"
+#include "driver/cuda_driver.hpp"
+#include "driver/multicast_policy.hpp"
+#include "pool/range_allocator.hpp"
 #endif
 
 namespace torpor {

@@ -9,7 +9,7 @@
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 #ifdef TORPOR_HAVE_CUDA
-#include "torpor/cuda_driver.hpp"
+#include "driver/cuda_driver.hpp"
 #endif
 
 namespace torpor {

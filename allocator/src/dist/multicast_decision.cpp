@@ -7,7 +7,7 @@
 #include <set>
 
 #include "torpor/log.hpp"
-#include "torpor/multicast_policy.hpp"
+#include "driver/multicast_policy.hpp"
 
 namespace torpor {
 

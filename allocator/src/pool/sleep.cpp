@@ -34,7 +34,7 @@
 #include <optional>
 #include <thread>
 
-#include "pool_state.hpp"
+#include "pool/pool_state.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 #include "torpor/pool.hpp"
