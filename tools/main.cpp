@@ -7,8 +7,10 @@
 #include <exception>
 
 #include "commands.hpp"
+#include "torpor/log.hpp"
 
 int main(int argc, char** argv) {
+  torpor::log::current_level();  // reports an unknown TORPOR_LOG now, not at the first message
   CLI::App app{"torpor: a sleep-mode-aware GPU memory pool allocator on CUDA virtual memory"};
   app.require_subcommand(1);
   int exit_code = 0;

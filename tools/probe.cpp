@@ -3,8 +3,11 @@
 // The multicast decision here is per device plus the AND over all devices of this machine;
 // the collective decision across ranks is the symmetric layer's (decide_multicast), which also
 // needs the driver to share multicast objects across processes when ranks are processes.
+// `--config` prints the effective settings of the options table instead (name, value, source),
+// without opening a driver; the JSON report always carries them under "config".
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -12,8 +15,9 @@
 #include <string>
 
 #include "commands.hpp"
-#include "torpor/backend.hpp"
+#include "common/options.hpp"
 #include "driver/multicast_policy.hpp"
+#include "torpor/backend.hpp"
 
 namespace torpor::cli {
 
@@ -38,10 +42,41 @@ HostMemory read_meminfo() {
   return m;
 }
 
+// One row per variable of the options table; an invalid value keeps its text and says why.
+nlohmann::json config_json() {
+  nlohmann::json rows = nlohmann::json::array();
+  for (const options::Setting& s : options::effective()) {
+    nlohmann::json row = {{"name", std::string(s.name)},
+                          {"value", s.value},
+                          {"source", s.from_environment ? "environment" : "default"}};
+    if (!s.error.empty()) row["error"] = s.error;
+    rows.push_back(std::move(row));
+  }
+  return rows;
+}
+
+bool config_valid(const nlohmann::json& config) {
+  for (const auto& row : config)
+    if (row.contains("error")) return false;
+  return true;
+}
+
+void print_config(const nlohmann::json& config) {
+  std::size_t width = 0;
+  for (const auto& row : config) width = std::max(width, row["name"].get<std::string>().size());
+  for (const auto& row : config) {
+    const std::string value = row["value"].get<std::string>();
+    fmt::print("{:<{}}  {:<14} {}\n", row["name"].get<std::string>(), width, value.empty() ? "(unset)" : value,
+               row["source"].get<std::string>());
+    if (row.contains("error")) fmt::print("{:<{}}  INVALID: {}\n", "", width, row["error"].get<std::string>());
+  }
+}
+
 nlohmann::json probe_json(Backend requested) {
   DriverSelection sel = open_driver(requested);
   Driver& d = *sel.driver;
   nlohmann::json j;
+  j["config"] = config_json();
   j["backend"] = std::string(to_string(sel.backend));
   j["reason"] = sel.reason;
   j["cuda_backend_built"] = cuda_backend_built();
@@ -128,12 +163,25 @@ void add_probe(CLI::App& app, int& exit_code) {
   struct Options {
     std::string backend = "auto";
     bool json = false;
+    bool config = false;
   };
   auto opts = std::make_shared<Options>();
   cmd->add_option("--backend", opts->backend, "auto (TORPOR_BACKEND, else cuda if usable, else host), host or cuda")
       ->check(CLI::IsMember({"auto", "host", "cuda"}));
   cmd->add_flag("--json", opts->json, "Print one JSON document instead of the human-readable report");
+  cmd->add_flag("--config", opts->config,
+                "Print the effective settings (every environment variable torpor reads: value, and whether it "
+                "came from the environment or is the default) instead of probing; exits 1 when one is invalid");
   cmd->callback([opts, &exit_code] {
+    if (opts->config) {
+      nlohmann::json config = config_json();
+      if (opts->json)
+        fmt::print("{}\n", nlohmann::json{{"config", config}}.dump(2));
+      else
+        print_config(config);
+      exit_code = config_valid(config) ? 0 : 1;
+      return;
+    }
     nlohmann::json j = probe_json(parse_backend(opts->backend));
     if (opts->json)
       fmt::print("{}\n", j.dump(2));

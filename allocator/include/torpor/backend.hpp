@@ -17,7 +17,8 @@ enum class Backend { automatic, host, cuda };
 std::string_view to_string(Backend b) noexcept;
 // "auto", "host", "cuda"; throws invalid_argument otherwise.
 Backend parse_backend(std::string_view name);
-// TORPOR_BACKEND, or automatic when unset.
+// TORPOR_BACKEND (any case), or automatic when unset; an unknown value throws invalid_argument
+// naming the accepted ones.
 Backend backend_from_env();
 // Whether this build contains the CUDA backend.
 bool cuda_backend_built() noexcept;
@@ -34,15 +35,17 @@ struct DriverSelection {
 DriverSelection open_driver(Backend requested = Backend::automatic);
 DriverSelection open_driver(Backend requested, const HostDriverOptions& host_options);
 
-// TORPOR_HOST_DEVICES (default 8) and TORPOR_HOST_DEVICE_MEMORY (bytes, K/M/G suffixes,
-// default 16G): the emulated machine.
+// TORPOR_HOST_DEVICES (1..64, default 8) and TORPOR_HOST_DEVICE_MEMORY (bytes, K/M/G/T
+// suffixes, 1 to 1024T, default 16G): the emulated machine. A value out of range or with
+// trailing text throws invalid_argument naming the accepted range.
 HostDriverOptions host_driver_options_from_env();
 
 // One driver per backend shared by the whole process (the C API and the PyTorch allocator
 // use it so that every pool of the process sees the same devices).
 DriverSelection shared_driver(Backend requested = Backend::automatic);
 
-// "16G" -> 17179869184; plain digits are bytes. Throws invalid_argument.
+// "16G" -> 17179869184; plain digits are bytes. Throws invalid_argument, also for a size
+// that does not fit in 64 bits.
 std::size_t parse_size(std::string_view text);
 std::string format_bytes(std::size_t bytes);
 

@@ -87,7 +87,8 @@ struct GroupOptions {
   std::chrono::milliseconds timeout{0};
 };
 
-// TORPOR_GROUP_TIMEOUT_MS, or 60 s when unset. Throws invalid_argument on a malformed value.
+// TORPOR_GROUP_TIMEOUT_MS, or 60 s when unset. Throws invalid_argument on a malformed value
+// or one outside [1, 86400000] ms (24 h).
 std::chrono::milliseconds default_group_timeout();
 // "[1, 3]" for messages.
 std::string format_ranks(const std::vector<int>& ranks);

@@ -1,5 +1,5 @@
-// Logging through fmt to stderr. The level comes from TORPOR_LOG (error|warn|info|debug,
-// default warn), read once. Log calls below the level cost one comparison.
+// Logging through fmt to stderr. The level comes from TORPOR_LOG (off|error|warn|info|debug in
+// any case, default warn; an unknown value is reported once and leaves warn), read once. Log calls below the level cost one comparison.
 #pragma once
 
 #include <fmt/format.h>
@@ -8,7 +8,7 @@
 
 namespace torpor::log {
 
-enum class level : int { error = 0, warn = 1, info = 2, debug = 3 };
+enum class level : int { off = -1, error = 0, warn = 1, info = 2, debug = 3 };
 
 level current_level() noexcept;
 void set_level(level l) noexcept;

@@ -2,18 +2,25 @@
 
 #include <atomic>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
+#include <exception>
+#include <string>
+
+#include "common/options.hpp"
 
 namespace torpor::log {
 namespace {
 
+// An unknown TORPOR_LOG is reported here (through write(), which does not consult the level
+// being decided) and leaves the default.
 level level_from_env() noexcept {
-  const char* v = std::getenv("TORPOR_LOG");
-  if (v == nullptr) return level::warn;
-  if (std::strcmp(v, "error") == 0) return level::error;
-  if (std::strcmp(v, "info") == 0) return level::info;
-  if (std::strcmp(v, "debug") == 0) return level::debug;
+  try {
+    try {
+      return options::log_level();
+    } catch (const std::exception& e) {
+      write(level::warn, std::string(e.what()) + "; logging at warn");
+    }
+  } catch (...) {
+  }
   return level::warn;
 }
 
@@ -24,6 +31,7 @@ std::atomic<int>& level_storage() noexcept {
 
 const char* name(level l) noexcept {
   switch (l) {
+    case level::off: return "off";
     case level::error: return "error";
     case level::warn: return "warn";
     case level::info: return "info";

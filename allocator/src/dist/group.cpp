@@ -12,6 +12,7 @@
 #include <deque>
 #include <mutex>
 
+#include "common/options.hpp"
 #include "dist/group_client.hpp"
 #include "torpor/group.hpp"
 #include "torpor/log.hpp"
@@ -29,17 +30,7 @@ UniqueFd UniqueFd::dup_of(int fd) {
   return UniqueFd(d);
 }
 
-std::chrono::milliseconds default_group_timeout() {
-  const char* v = std::getenv("TORPOR_GROUP_TIMEOUT_MS");
-  if (v == nullptr || *v == '\0') return std::chrono::seconds(60);
-  char* end = nullptr;
-  errno = 0;
-  long long ms = std::strtoll(v, &end, 10);
-  if (errno != 0 || end == v || *end != '\0' || ms <= 0)
-    throw invalid_argument(
-        fmt::format("TORPOR_GROUP_TIMEOUT_MS='{}' is not a positive number of milliseconds", v));
-  return std::chrono::milliseconds(ms);
-}
+std::chrono::milliseconds default_group_timeout() { return options::group_timeout(); }
 
 std::string format_ranks(const std::vector<int>& ranks) { return fmt::format("[{}]", fmt::join(ranks, ", ")); }
 

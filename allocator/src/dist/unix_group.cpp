@@ -31,6 +31,7 @@
 #include <set>
 #include <thread>
 
+#include "common/options.hpp"
 #include "dist/group_client.hpp"
 #include "dist/group_wire.hpp"
 #include "torpor/group.hpp"
@@ -392,8 +393,7 @@ class HubServer {
 // Rendezvous
 
 Rendezvous Rendezvous::create() {
-  const char* tmp = std::getenv("TMPDIR");
-  std::string base = (tmp != nullptr && *tmp != '\0') ? tmp : "/tmp";
+  std::string base = options::tmpdir();
   std::string templ = base + "/torpor-group-XXXXXX";
   std::vector<char> buf(templ.begin(), templ.end());
   buf.push_back('\0');
@@ -575,23 +575,17 @@ std::size_t UnixSocketGroup::refused_connections() const {
 }
 
 std::unique_ptr<Group> unix_group_from_env(const GroupOptions& options) {
-  auto need = [](const char* name) -> std::string {
-    const char* v = std::getenv(name);
-    if (v == nullptr || *v == '\0')
+  auto need = [](options::id key, auto value) {
+    if (!value)
       throw invalid_argument(fmt::format("{} is not set (a UnixSocketGroup from the environment needs "
                                          "TORPOR_GROUP_RENDEZVOUS, TORPOR_RANK and TORPOR_WORLD_SIZE)",
-                                         name));
-    return v;
+                                         options::option(key).name));
+    return *value;
   };
-  auto number = [&](const char* name) {
-    std::string v = need(name);
-    char* end = nullptr;
-    long n = std::strtol(v.c_str(), &end, 10);
-    if (end == v.c_str() || *end != '\0') throw invalid_argument(fmt::format("{}='{}' is not a number", name, v));
-    return static_cast<int>(n);
-  };
-  Rendezvous rv = Rendezvous::parse(need("TORPOR_GROUP_RENDEZVOUS"));
-  return std::make_unique<UnixSocketGroup>(rv, number("TORPOR_RANK"), number("TORPOR_WORLD_SIZE"), options);
+  Rendezvous rv = Rendezvous::parse(need(options::id::group_rendezvous, options::group_rendezvous()));
+  const int rank = need(options::id::rank, options::rank());
+  const int size = need(options::id::world_size, options::world_size());
+  return std::make_unique<UnixSocketGroup>(rv, rank, size, options);
 }
 
 }  // namespace torpor

@@ -2,10 +2,10 @@
 
 #include <fmt/format.h>
 
-#include <cstdlib>
 #include <map>
 #include <mutex>
 
+#include "common/options.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 #ifdef TORPOR_HAVE_CUDA
@@ -30,15 +30,7 @@ Backend parse_backend(std::string_view name) {
   throw invalid_argument(fmt::format("unknown backend '{}' (expected auto, host or cuda)", name));
 }
 
-Backend backend_from_env() {
-  const char* v = std::getenv("TORPOR_BACKEND");
-  if (v == nullptr) return Backend::automatic;
-  try {
-    return parse_backend(v);
-  } catch (const invalid_argument& e) {
-    throw invalid_argument(fmt::format("TORPOR_BACKEND: {}", e.what()));
-  }
-}
+Backend backend_from_env() { return parse_backend(options::backend()); }
 
 bool cuda_backend_built() noexcept {
 #ifdef TORPOR_HAVE_CUDA
@@ -48,25 +40,7 @@ bool cuda_backend_built() noexcept {
 #endif
 }
 
-std::size_t parse_size(std::string_view text) {
-  if (text.empty()) throw invalid_argument("empty size");
-  std::size_t i = 0;
-  unsigned long long v = 0;
-  while (i < text.size() && text[i] >= '0' && text[i] <= '9') {
-    v = v * 10 + static_cast<unsigned>(text[i] - '0');
-    ++i;
-  }
-  if (i == 0) throw invalid_argument(fmt::format("size '{}' does not start with a number", text));
-  std::string_view suffix = text.substr(i);
-  unsigned shift = 0;
-  if (suffix.empty() || suffix == "B") shift = 0;
-  else if (suffix == "K" || suffix == "KiB" || suffix == "k") shift = 10;
-  else if (suffix == "M" || suffix == "MiB") shift = 20;
-  else if (suffix == "G" || suffix == "GiB") shift = 30;
-  else if (suffix == "T" || suffix == "TiB") shift = 40;
-  else throw invalid_argument(fmt::format("size '{}': unknown suffix '{}' (use K, M, G or T)", text, suffix));
-  return static_cast<std::size_t>(v) << shift;
-}
+std::size_t parse_size(std::string_view text) { return options::parse_size_text(text); }
 
 std::string format_bytes(std::size_t bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -81,12 +55,8 @@ std::string format_bytes(std::size_t bytes) {
 
 HostDriverOptions host_driver_options_from_env() {
   HostDriverOptions o;
-  if (const char* v = std::getenv("TORPOR_HOST_DEVICES")) {
-    int n = std::atoi(v);
-    if (n < 1 || n > 64) throw invalid_argument(fmt::format("TORPOR_HOST_DEVICES={} must be 1..64", v));
-    o.devices = n;
-  }
-  if (const char* v = std::getenv("TORPOR_HOST_DEVICE_MEMORY")) o.device_bytes = parse_size(v);
+  o.devices = options::host_devices();
+  o.device_bytes = options::host_device_memory();
   return o;
 }
 

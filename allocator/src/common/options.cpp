@@ -1,0 +1,272 @@
+// The options table and its parsers. See options.hpp for the invariants.
+#include "common/options.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <cctype>
+#include <charconv>
+#include <cstdlib>
+#include <limits>
+
+#include "torpor/error.hpp"
+
+namespace torpor::options {
+namespace {
+
+constexpr std::array<std::string_view, 5> log_levels = {"off", "error", "warn", "info", "debug"};
+constexpr std::array<std::string_view, 3> backends = {"auto", "host", "cuda"};
+
+constexpr std::int64_t max_host_devices = 64;
+// The host backend only accounts device memory; the bound keeps every sum of sizes far from
+// overflowing 64 bits.
+constexpr std::int64_t max_host_device_memory = std::int64_t{1} << 50;  // 1024T
+// A day: long enough for any collective, short enough that no std::chrono arithmetic on it
+// (deadlines as steady_clock time points in nanoseconds) can overflow.
+constexpr std::int64_t max_group_timeout_ms = std::int64_t{24} * 60 * 60 * 1000;
+// Unix socket groups are node-local: one process per rank on one machine.
+constexpr std::int64_t max_world_size = 65536;
+
+// clang-format off
+constexpr std::array<Option, 14> rows = {{
+  {id::log, "TORPOR_LOG", "warn", "log level: off, error, warn, info or debug (any case)",
+   kind::choice, 0, 0, log_levels},
+  {id::backend, "TORPOR_BACKEND", "auto",
+   "backend: auto (cuda when a GPU with VMM support is usable, else host), host or cuda (any case)",
+   kind::choice, 0, 0, backends},
+  {id::host_devices, "TORPOR_HOST_DEVICES", "8", "the host backend's number of emulated devices",
+   kind::integer, 1, max_host_devices},
+  {id::host_device_memory, "TORPOR_HOST_DEVICE_MEMORY", "16G",
+   "the host backend's memory per emulated device (bytes; K, M, G, T suffixes)",
+   kind::size, 1, max_host_device_memory},
+  {id::group_timeout_ms, "TORPOR_GROUP_TIMEOUT_MS", "60000", "bound on every group wait, in milliseconds (at most 24 h)",
+   kind::integer, 1, max_group_timeout_ms},
+  {id::group_rendezvous, "TORPOR_GROUP_RENDEZVOUS", "",
+   "unix_group_from_env(): the rendezvous (Rendezvous::to_string())", kind::text},
+  {id::rank, "TORPOR_RANK", "", "unix_group_from_env(): this rank", kind::integer, 0, max_world_size - 1},
+  {id::world_size, "TORPOR_WORLD_SIZE", "", "unix_group_from_env(): the number of ranks",
+   kind::integer, 1, max_world_size},
+  {id::tmpdir, "TMPDIR", "/tmp", "where Rendezvous::create() makes the group's private directory", kind::text},
+  {id::nccl_library, "TORPOR_NCCL_LIBRARY", "libnccl.so.2",
+   "the NCCL library that NcclGroup and the unfused tail open", kind::text},
+  {id::disable_multicast, "TORPOR_DISABLE_MULTICAST", "",
+   "kill switch: set (any value but 0, false, no, off), torpor creates no multicast object and NCCL gets "
+   "NCCL_NVLS_ENABLE=0 even when the user set it", kind::disable},
+  {id::torch_symm_mem_disable_multicast, "TORCH_SYMM_MEM_DISABLE_MULTICAST", "",
+   "PyTorch's kill switch, honoured like TORPOR_DISABLE_MULTICAST; NCCL gets NCCL_NVLS_ENABLE=0 unless the user "
+   "set it", kind::disable},
+  {id::nvshmem_disable_nvls, "NVSHMEM_DISABLE_NVLS", "",
+   "NVSHMEM's kill switch, honoured like TORCH_SYMM_MEM_DISABLE_MULTICAST", kind::disable},
+  {id::nccl_nvls_enable, "NCCL_NVLS_ENABLE", "",
+   "NCCL's switch: 0 (or false, no, off) is a kill switch for torpor too", kind::nvls_enable},
+}};
+// clang-format on
+
+std::string lower(std::string_view s) {
+  std::string out(s);
+  std::transform(out.begin(), out.end(), out.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return out;
+}
+
+bool falsy(std::string_view v) {
+  const std::string s = lower(v);
+  return s.empty() || s == "0" || s == "false" || s == "no" || s == "off";
+}
+
+// "1024T" for 2^50: the largest suffix that divides the value.
+std::string size_text(std::int64_t bytes) {
+  constexpr std::array<std::pair<unsigned, char>, 4> suffixes = {{{40, 'T'}, {30, 'G'}, {20, 'M'}, {10, 'K'}}};
+  for (auto [shift, suffix] : suffixes)
+    if (bytes >= (std::int64_t{1} << shift) && bytes % (std::int64_t{1} << shift) == 0)
+      return fmt::format("{}{}", bytes >> shift, suffix);
+  return fmt::format("{}", bytes);
+}
+
+std::string accepted(const Option& o) {
+  switch (o.parser) {
+    case kind::choice: {
+      std::string list;
+      for (std::string_view c : o.choices) list += fmt::format("{}{}", list.empty() ? "" : ", ", c);
+      return fmt::format("one of {} (any case)", list);
+    }
+    case kind::integer: return fmt::format("a whole number in [{}, {}]", o.min, o.max);
+    case kind::size:
+      return fmt::format("a size in [{}, {}] bytes (digits with an optional K, M, G or T suffix)", size_text(o.min),
+                         size_text(o.max));
+    case kind::text: return "any text";
+    case kind::disable: return "any value; empty, 0, false, no and off leave it unset";
+    case kind::nvls_enable: return "any value; 0, false, no and off disable multicast";
+  }
+  return "?";
+}
+
+[[noreturn]] void refuse(const Option& o, std::string_view text, std::string_view why) {
+  throw invalid_argument(fmt::format("{}='{}' {}; use {}", o.name, text, why, accepted(o)));
+}
+
+std::int64_t parse_integer(const Option& o, std::string_view text) {
+  std::int64_t v = 0;
+  const char* end = text.data() + text.size();
+  auto [at, ec] = std::from_chars(text.data(), end, v);
+  if (ec == std::errc::result_out_of_range) refuse(o, text, "is out of range");
+  if (ec != std::errc() || at != end) refuse(o, text, "is not a whole number");
+  if (v < o.min || v > o.max) refuse(o, text, "is out of range");
+  return v;
+}
+
+std::int64_t parse_bounded_size(const Option& o, std::string_view text) {
+  std::size_t v = 0;
+  try {
+    v = parse_size_text(text);
+  } catch (const invalid_argument& e) {
+    refuse(o, text, fmt::format("is not a size ({})", e.what()));
+  }
+  if (v < static_cast<std::size_t>(o.min) || v > static_cast<std::size_t>(o.max)) refuse(o, text, "is out of range");
+  return static_cast<std::int64_t>(v);
+}
+
+// The row's value: the environment's when set, else the default; nothing when neither.
+std::optional<std::string> value(id key) {
+  const Option& o = option(key);
+  if (auto text = raw(key)) return validate(o, *text);
+  if (o.default_text.empty()) return std::nullopt;
+  return validate(o, o.default_text);
+}
+
+std::int64_t integer_value(id key) { return parse_integer(option(key), *value(key)); }
+
+std::optional<std::int64_t> optional_integer(id key) {
+  auto v = value(key);
+  if (!v) return std::nullopt;
+  return parse_integer(option(key), *v);
+}
+
+}  // namespace
+
+std::size_t parse_size_text(std::string_view text) {
+  if (text.empty()) throw invalid_argument("empty size");
+  constexpr std::size_t max = std::numeric_limits<std::size_t>::max();
+  std::size_t i = 0;
+  std::size_t v = 0;
+  while (i < text.size() && text[i] >= '0' && text[i] <= '9') {
+    const auto digit = static_cast<std::size_t>(text[i] - '0');
+    if (v > (max - digit) / 10) throw invalid_argument(fmt::format("size '{}' does not fit in 64 bits", text));
+    v = v * 10 + digit;
+    ++i;
+  }
+  if (i == 0) throw invalid_argument(fmt::format("size '{}' does not start with a number", text));
+  const std::string_view suffix = text.substr(i);
+  unsigned shift = 0;
+  if (suffix.empty() || suffix == "B") shift = 0;
+  else if (suffix == "K" || suffix == "KiB" || suffix == "k") shift = 10;
+  else if (suffix == "M" || suffix == "MiB") shift = 20;
+  else if (suffix == "G" || suffix == "GiB") shift = 30;
+  else if (suffix == "T" || suffix == "TiB") shift = 40;
+  else throw invalid_argument(fmt::format("size '{}': unknown suffix '{}' (use K, M, G or T)", text, suffix));
+  if (v > (max >> shift)) throw invalid_argument(fmt::format("size '{}' does not fit in 64 bits", text));
+  return v << shift;
+}
+
+std::span<const Option> table() { return rows; }
+
+const Option& option(id key) {
+  for (const Option& o : rows)
+    if (o.key == key) return o;
+  throw invalid_argument(fmt::format("no option with id {}", static_cast<int>(key)));
+}
+
+std::optional<std::string> raw(id key) {
+  // The one getenv of the libraries and tools.
+  const char* v = std::getenv(std::string(option(key).name).c_str());
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  return std::string(v);
+}
+
+std::string validate(const Option& o, std::string_view text) {
+  switch (o.parser) {
+    case kind::choice: {
+      std::string v = lower(text);
+      if (std::find(o.choices.begin(), o.choices.end(), v) == o.choices.end()) refuse(o, text, "is not accepted");
+      return v;
+    }
+    case kind::integer: return fmt::format("{}", parse_integer(o, text));
+    case kind::size: return size_text(parse_bounded_size(o, text));
+    case kind::text:
+    case kind::disable:
+    case kind::nvls_enable: return std::string(text);
+  }
+  return std::string(text);
+}
+
+log::level log_level() {
+  const std::string v = *value(id::log);
+  if (v == "off") return log::level::off;
+  if (v == "error") return log::level::error;
+  if (v == "info") return log::level::info;
+  if (v == "debug") return log::level::debug;
+  return log::level::warn;
+}
+
+std::string backend() { return *value(id::backend); }
+
+int host_devices() { return static_cast<int>(integer_value(id::host_devices)); }
+
+std::size_t host_device_memory() {
+  return static_cast<std::size_t>(parse_bounded_size(option(id::host_device_memory), *value(id::host_device_memory)));
+}
+
+std::chrono::milliseconds group_timeout() { return std::chrono::milliseconds(integer_value(id::group_timeout_ms)); }
+
+std::optional<std::string> group_rendezvous() { return value(id::group_rendezvous); }
+
+std::optional<int> rank() {
+  auto v = optional_integer(id::rank);
+  return v ? std::optional<int>(static_cast<int>(*v)) : std::nullopt;
+}
+
+std::optional<int> world_size() {
+  auto v = optional_integer(id::world_size);
+  return v ? std::optional<int>(static_cast<int>(*v)) : std::nullopt;
+}
+
+std::string tmpdir() { return *value(id::tmpdir); }
+
+std::string nccl_library() { return *value(id::nccl_library); }
+
+bool switch_set(const Option& o, const std::optional<std::string>& text) {
+  if (!text) return false;
+  if (o.parser == kind::disable) return !falsy(*text);
+  if (o.parser == kind::nvls_enable) return !text->empty() && falsy(*text);
+  return false;
+}
+
+std::optional<std::string> multicast_kill_switch() {
+  for (const Option& o : rows) {
+    if (o.parser != kind::disable && o.parser != kind::nvls_enable) continue;
+    auto text = raw(o.key);
+    if (switch_set(o, text)) return fmt::format("{}={}", o.name, *text);
+  }
+  return std::nullopt;
+}
+
+std::vector<Setting> effective() {
+  std::vector<Setting> out;
+  for (const Option& o : rows) {
+    Setting s{o.name, std::string(o.default_text), false, {}, o.description};
+    if (auto text = raw(o.key)) {
+      s.from_environment = true;
+      try {
+        s.value = validate(o, *text);
+      } catch (const invalid_argument& e) {
+        s.value = *text;
+        s.error = e.what();
+      }
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+}  // namespace torpor::options
