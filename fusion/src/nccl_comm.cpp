@@ -12,14 +12,12 @@
 
 #if defined(TORPOR_KERNELS_CUDA) && __has_include(<nccl.h>)
 #define TORPOR_FUSION_NCCL 1
-#include <dlfcn.h>
 #include <nccl.h>
 
-#include <cstdlib>
 #include <cstring>
 
 #include "cuda_runtime.hpp"
-#include "driver/multicast_policy.hpp"
+#include "dist/nccl_library.hpp"
 #endif
 
 namespace torpor::fusion::detail {
@@ -28,49 +26,7 @@ namespace torpor::fusion::detail {
 
 namespace {
 
-struct Api {
-  void* lib = nullptr;
-  std::string why_not;
-  decltype(&ncclGetUniqueId) get_unique_id = nullptr;
-  decltype(&ncclCommInitRank) init_rank = nullptr;
-  decltype(&ncclAllReduce) all_reduce = nullptr;
-  decltype(&ncclCommDestroy) destroy = nullptr;
-  decltype(&ncclCommGetAsyncError) get_async_error = nullptr;
-  decltype(&ncclGetErrorString) error_string = nullptr;
-};
-
-const Api& api() {
-  static const Api a = [] {
-    Api r;
-    const char* o = std::getenv("TORPOR_NCCL_LIBRARY");
-    const std::string name = (o != nullptr && *o != '\0') ? o : "libnccl.so.2";
-    r.lib = ::dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (r.lib == nullptr) {
-      const char* e = ::dlerror();
-      r.why_not = fmt::format("{} could not be loaded ({}); install NCCL or set TORPOR_NCCL_LIBRARY", name,
-                              e != nullptr ? e : "unknown");
-      return r;
-    }
-    std::string missing;
-    auto resolve = [&](auto& slot, const char* symbol) {
-      slot = reinterpret_cast<std::remove_reference_t<decltype(slot)>>(::dlsym(r.lib, symbol));
-      if (slot == nullptr) missing += fmt::format("{}{}", missing.empty() ? "" : ", ", symbol);
-    };
-    resolve(r.get_unique_id, "ncclGetUniqueId");
-    resolve(r.init_rank, "ncclCommInitRank");
-    resolve(r.all_reduce, "ncclAllReduce");
-    resolve(r.destroy, "ncclCommDestroy");
-    resolve(r.get_async_error, "ncclCommGetAsyncError");
-    resolve(r.error_string, "ncclGetErrorString");
-    if (!missing.empty()) {
-      r.why_not = fmt::format("{} lacks {}", name, missing);
-      ::dlclose(r.lib);
-      r.lib = nullptr;
-    }
-    return r;
-  }();
-  return a;
-}
+const NcclLibrary& api() { return nccl_library(); }
 
 }  // namespace
 
@@ -88,7 +44,7 @@ struct NcclComm::Impl {
 };
 
 bool NcclComm::available(std::string* why_not) {
-  if (api().lib != nullptr) return true;
+  if (api().usable()) return true;
   if (why_not != nullptr) *why_not = api().why_not;
   return false;
 }
@@ -108,6 +64,7 @@ NcclComm::NcclComm(Group& group, int device) : impl_(std::make_unique<Impl>()) {
       throw unavailable(fmt::format("{}: rank {} cannot use NCCL: {}", d.who(), r,
                                     std::string(reinterpret_cast<const char*>(verdicts[r].data()), verdicts[r].size())));
 
+  apply_nccl_nvls_policy();  // before the first NCCL call: the kill switches apply to NCCL too
   ncclUniqueId id{};
   if (d.rank == 0) d.check(api().get_unique_id(&id), "ncclGetUniqueId");
   const std::span<const std::byte> id_bytes(reinterpret_cast<const std::byte*>(&id), d.rank == 0 ? sizeof id : 0);
@@ -115,10 +72,6 @@ NcclComm::NcclComm(Group& group, int device) : impl_(std::make_unique<Impl>()) {
   if (ids[0].size() != sizeof id) throw error(fmt::format("{}: malformed NCCL unique id from rank 0", d.who()));
   std::memcpy(&id, ids[0].data(), sizeof id);
 
-  if (auto kill = multicast_kill_switch(); kill && std::getenv("NCCL_NVLS_ENABLE") == nullptr) {
-    ::setenv("NCCL_NVLS_ENABLE", "0", 0);
-    log::info("{}: {} is set, so NCCL_NVLS_ENABLE=0 (NCCL creates no multicast object)", d.who(), *kill);
-  }
   DeviceGuard guard(device);
   d.check(api().init_rank(&d.comm, d.size, id, d.rank), "ncclCommInitRank");
 }

@@ -3,10 +3,16 @@
 // graph). NcclGroup (allocator/) moves host bytes for the symmetric layer; this one reduces
 // device memory in place and owns nothing else.
 //
-// libnccl.so.2 is opened at run time (TORPOR_NCCL_LIBRARY overrides the name), as NcclGroup does,
-// so binaries start without it; available() says why it cannot be used. The unique id travels
-// over the Group. When a multicast kill switch is set and NCCL_NVLS_ENABLE is not, it sets
-// NCCL_NVLS_ENABLE=0 before creating the communicator, so NCCL never creates a multicast object.
+// NCCL comes from the loader NcclGroup uses (allocator's dist/nccl_library.hpp: opened at run
+// time, TORPOR_NCCL_LIBRARY overrides the name), so binaries start without it; available() says
+// why it cannot be used. The unique id travels over the Group. The loader's NVLS policy is
+// applied before the first NCCL call, so a multicast kill switch keeps NCCL from creating a
+// multicast object.
+//
+// The communicator is created blocking (ncclCommInitRank), unlike NcclGroup's bounded
+// non-blocking init: a non-blocking communicator would make every later ncclAllReduce able to
+// return ncclInProgress, also inside a CUDA graph capture, which this path does not handle. Every
+// rank has confirmed over the Group that it can load NCCL before anyone enters the init.
 //
 // Teardown: destroy every CUDA graph that captured all_reduce() before the communicator (NCCL
 // 2.28 hung on teardown with live graphs).

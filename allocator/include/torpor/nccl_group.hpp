@@ -12,9 +12,11 @@
 // Recovery, as for every Group: recover() on every rank recovers the bootstrap group and builds
 // a new communicator.
 //
-// Multicast: when any multicast kill switch is set (multicast_policy.hpp) and NCCL_NVLS_ENABLE
-// is not, NCCL_NVLS_ENABLE=0 is set before the communicator is created, so NCCL never creates a
-// multicast object either.
+// Multicast: before the process's first communicator, TORPOR_DISABLE_MULTICAST sets
+// NCCL_NVLS_ENABLE=0 (over the user's own value), and a foreign kill switch
+// (TORCH_SYMM_MEM_DISABLE_MULTICAST, NVSHMEM_DISABLE_NVLS) sets it when the user has not, so
+// NCCL creates no multicast object either; the unfused tail's communicator follows the same
+// policy (one NCCL loader for both).
 #pragma once
 
 #include <memory>

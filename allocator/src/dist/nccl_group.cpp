@@ -13,18 +13,16 @@
 
 #if defined(TORPOR_HAVE_CUDA) && __has_include(<nccl.h>)
 #define TORPOR_HAVE_NCCL 1
-#include <dlfcn.h>
 #include <nccl.h>
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <thread>
 
+#include "dist/nccl_library.hpp"
 #include "driver/cuda_driver.hpp"
-#include "driver/multicast_policy.hpp"
 #include "pool/range_allocator.hpp"
 #endif
 
@@ -36,72 +34,19 @@ namespace {
 
 using clock_type = std::chrono::steady_clock;
 
-struct NcclApi {
-  void* lib = nullptr;
-  std::string why_not;
-  int version = 0;
-  decltype(&ncclGetVersion) get_version = nullptr;
-  decltype(&ncclGetUniqueId) get_unique_id = nullptr;
-  decltype(&ncclCommInitRankConfig) init_rank_config = nullptr;
-  decltype(&ncclCommGetAsyncError) get_async_error = nullptr;
-  decltype(&ncclAllGather) all_gather = nullptr;
-  decltype(&ncclCommAbort) abort = nullptr;
-  decltype(&ncclCommFinalize) finalize = nullptr;
-  decltype(&ncclCommDestroy) destroy = nullptr;
-  decltype(&ncclGetErrorString) error_string = nullptr;
-};
-
-const NcclApi& nccl_api() {
-  static const NcclApi api = [] {
-    NcclApi a;
-    const char* override_name = std::getenv("TORPOR_NCCL_LIBRARY");
-    std::string name = (override_name != nullptr && *override_name != '\0') ? override_name : "libnccl.so.2";
-    a.lib = ::dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (a.lib == nullptr) {
-      const char* e = ::dlerror();
-      a.why_not = fmt::format("{} could not be loaded ({}); install NCCL or set TORPOR_NCCL_LIBRARY", name,
-                              e ? e : "unknown");
-      return a;
-    }
-    std::string missing;
-    auto resolve = [&](auto& slot, const char* symbol) {
-      slot = reinterpret_cast<std::remove_reference_t<decltype(slot)>>(::dlsym(a.lib, symbol));
-      if (slot == nullptr) missing += fmt::format("{}{}", missing.empty() ? "" : ", ", symbol);
-    };
-    resolve(a.get_version, "ncclGetVersion");
-    resolve(a.get_unique_id, "ncclGetUniqueId");
-    resolve(a.init_rank_config, "ncclCommInitRankConfig");
-    resolve(a.get_async_error, "ncclCommGetAsyncError");
-    resolve(a.all_gather, "ncclAllGather");
-    resolve(a.abort, "ncclCommAbort");
-    resolve(a.finalize, "ncclCommFinalize");
-    resolve(a.destroy, "ncclCommDestroy");
-    resolve(a.error_string, "ncclGetErrorString");
-    if (!missing.empty()) {
-      a.why_not = fmt::format("{} lacks {} (NCCL 2.14 or newer is needed)", name, missing);
-      ::dlclose(a.lib);
-      a.lib = nullptr;
-      return a;
-    }
-    a.get_version(&a.version);
-    return a;
-  }();
-  return api;
-}
-
 constexpr std::size_t staging_alignment = 256;
 
 }  // namespace
 
 struct NcclGroup::Impl {
   Impl(Group& bootstrap, Driver& d, int dev, std::chrono::milliseconds t)
-      : boot(bootstrap), driver(d), device(dev), timeout(t), api(nccl_api()) {
+      : boot(bootstrap), driver(d), device(dev), timeout(t), api(nccl_library()) {
     cuda = dynamic_cast<CudaDriver*>(&driver);
     if (cuda == nullptr)
       throw invalid_argument(fmt::format("NcclGroup needs the cuda backend itself (got the '{}' driver{})",
                                          driver.backend_name(),
                                          driver.backend_name() == "cuda" ? " behind a decorator" : ""));
-    if (api.lib == nullptr) throw error(fmt::format("NcclGroup: {}", api.why_not));
+    if (!api.usable()) throw error(fmt::format("NcclGroup: {}", api.why_not));
     stream = driver.stream_create(device);
     try {
       init_comm();
@@ -153,11 +98,7 @@ struct NcclGroup::Impl {
   }
 
   void init_comm() {
-    if (auto kill = multicast_kill_switch(); kill && std::getenv("NCCL_NVLS_ENABLE") == nullptr) {
-      // NCCL's NVLS creates multicast objects; a torpor kill switch forbids them for NCCL too.
-      ::setenv("NCCL_NVLS_ENABLE", "0", 1);
-      log::info("{}: {} is set, so NCCL_NVLS_ENABLE=0 for the NCCL communicator", who(), *kill);
-    }
+    apply_nccl_nvls_policy();  // NCCL's NVLS creates multicast objects: the kill switches apply to it too
     ncclUniqueId id{};
     if (boot.rank() == 0) check(api.get_unique_id(&id), "ncclGetUniqueId");
     std::span<const std::byte> mine;
@@ -315,7 +256,7 @@ struct NcclGroup::Impl {
   CudaDriver* cuda = nullptr;
   int device;
   std::chrono::milliseconds timeout;
-  const NcclApi& api;
+  const NcclLibrary& api;
   ncclComm_t comm = nullptr;
   Stream stream;
   device_ptr dev = 0;
@@ -328,9 +269,9 @@ struct NcclGroup::Impl {
 };
 
 bool NcclGroup::available(std::string* why_not) {
-  const NcclApi& api = nccl_api();
-  if (api.lib == nullptr && why_not != nullptr) *why_not = api.why_not;
-  return api.lib != nullptr;
+  const NcclLibrary& api = nccl_library();
+  if (!api.usable() && why_not != nullptr) *why_not = api.why_not;
+  return api.usable();
 }
 
 NcclGroup::NcclGroup(Group& bootstrap, Driver& driver, int device, const GroupOptions& options)
