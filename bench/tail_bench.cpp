@@ -36,6 +36,7 @@
 #include "torpor/fusion/tail.hpp"
 #include "torpor/fusion/tail_state.hpp"
 #include "torpor/group.hpp"
+#include "torpor/kernels/native_stream.hpp"
 #include "torpor/kernels/tail_kernels.hpp"
 #include "torpor/kernels/tail_protocol.hpp"
 #include "torpor/pool.hpp"
@@ -265,7 +266,7 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
   cuda(cudaDeviceSynchronize(), "uploads");  // pageable uploads may still be in flight
 
   json rows = json::array();
-  const Stream ts{reinterpret_cast<std::uint64_t>(s), r};
+  const Stream ts = kernels::from_native(s, r);
   if (r == 0) {
     fmt::print("tail fusion bench: 2 GPUs, hidden {}, top_k {} + shared expert, bf16, CUDA graphs of {} calls x {} replays\n",
                o.hidden, o.top_k, o.calls_per_graph, o.replays);

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "torpor/kernels/moe_ops.hpp"
+#include "torpor/kernels/native_stream.hpp"
 
 namespace torpor::kernels::gpu {
 
@@ -245,7 +246,6 @@ __global__ void touch_kernel(std::uint64_t* w, std::size_t words, std::uint64_t 
   if (threadIdx.x % 32 == 0) atomicAdd(checksum, local);
 }
 
-cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 int launched() { return static_cast<int>(cudaGetLastError()); }
 int grid_for(std::size_t n) {
   std::size_t g = (n + block - 1) / block;
@@ -255,64 +255,64 @@ int grid_for(std::size_t n) {
 }  // namespace
 
 int embed(const std::int32_t* seq, int seq_stride, const std::int32_t* pos, const bf16* tok_emb, int vocab,
-          const bf16* pos_table, bf16* out, int batch, int hidden, void* stream) {
-  embed_kernel<<<batch, block, 0, as_stream(stream)>>>(seq, seq_stride, pos, tok_emb, vocab, pos_table, out, hidden);
+          const bf16* pos_table, bf16* out, int batch, int hidden, Stream stream) {
+  embed_kernel<<<batch, block, 0, native(stream)>>>(seq, seq_stride, pos, tok_emb, vocab, pos_table, out, hidden);
   return launched();
 }
 
-int rmsnorm(const bf16* x, const bf16* gamma, bf16* out, int rows, int hidden, float eps, void* stream) {
-  rmsnorm_kernel<<<rows, block, 0, as_stream(stream)>>>(x, gamma, out, hidden, eps);
+int rmsnorm(const bf16* x, const bf16* gamma, bf16* out, int rows, int hidden, float eps, Stream stream) {
+  rmsnorm_kernel<<<rows, block, 0, native(stream)>>>(x, gamma, out, hidden, eps);
   return launched();
 }
 
 int add_rmsnorm(const bf16* a, const bf16* b, const bf16* gamma, bf16* sum_out, bf16* norm_out, int rows, int hidden,
-                float eps, void* stream) {
-  add_rmsnorm_kernel<<<rows, block, 0, as_stream(stream)>>>(a, b, gamma, sum_out, norm_out, hidden, eps);
+                float eps, Stream stream) {
+  add_rmsnorm_kernel<<<rows, block, 0, native(stream)>>>(a, b, gamma, sum_out, norm_out, hidden, eps);
   return launched();
 }
 
 int attention_decode(const bf16* qkv, bf16* k_cache, bf16* v_cache, const std::int32_t* pos, bf16* out, int batch,
-                     int head_dim, int max_seq, void* stream) {
+                     int head_dim, int max_seq, Stream stream) {
   // max_seq <= max_attention_seq (8192): at most 32 KiB, under the 48 KiB default limit.
   const std::size_t shared = static_cast<std::size_t>(max_seq) * sizeof(float);
   if (max_seq > max_attention_seq) return static_cast<int>(cudaErrorInvalidValue);
-  attention_kernel<<<batch, block, shared, as_stream(stream)>>>(qkv, k_cache, v_cache, pos, out, head_dim, max_seq);
+  attention_kernel<<<batch, block, shared, native(stream)>>>(qkv, k_cache, v_cache, pos, out, head_dim, max_seq);
   return launched();
 }
 
-int router_topk(const float* logits, int rows, int experts, int top_k, std::int32_t* idx, float* weights, void* stream) {
-  router_kernel<<<(rows + 63) / 64, 64, 0, as_stream(stream)>>>(logits, rows, experts, top_k, idx, weights);
+int router_topk(const float* logits, int rows, int experts, int top_k, std::int32_t* idx, float* weights, Stream stream) {
+  router_kernel<<<(rows + 63) / 64, 64, 0, native(stream)>>>(logits, rows, experts, top_k, idx, weights);
   return launched();
 }
 
-int silu_mul(const bf16* in, bf16* out, int rows, int inter, void* stream) {
-  silu_mul_kernel<<<grid_for(static_cast<std::size_t>(rows) * inter), block, 0, as_stream(stream)>>>(in, out, rows, inter);
+int silu_mul(const bf16* in, bf16* out, int rows, int inter, Stream stream) {
+  silu_mul_kernel<<<grid_for(static_cast<std::size_t>(rows) * inter), block, 0, native(stream)>>>(in, out, rows, inter);
   return launched();
 }
 
 int expert_pointers(const std::int32_t* idx, int count, int top_k, const bf16* const* gate_up_table,
                     const bf16* const* down_table, int experts, const bf16* x_lat, int latent, bf16* gate_up_out,
-                    int inter, bf16* act, bf16* y_lat, ExpertPointers out, void* stream) {
-  expert_pointers_kernel<<<(count + 63) / 64, 64, 0, as_stream(stream)>>>(idx, count, top_k, gate_up_table, down_table,
+                    int inter, bf16* act, bf16* y_lat, ExpertPointers out, Stream stream) {
+  expert_pointers_kernel<<<(count + 63) / 64, 64, 0, native(stream)>>>(idx, count, top_k, gate_up_table, down_table,
                                                                           experts, x_lat, latent, gate_up_out, inter,
                                                                           act, y_lat, out);
   return launched();
 }
 
 int argmax_next(const float* logits, int batch, int vocab, std::int32_t* seq, int seq_stride, const std::int32_t* pos,
-                const std::int32_t* prompt_len, void* stream) {
-  argmax_kernel<<<batch, block, 0, as_stream(stream)>>>(logits, vocab, seq, seq_stride, pos, prompt_len);
+                const std::int32_t* prompt_len, Stream stream) {
+  argmax_kernel<<<batch, block, 0, native(stream)>>>(logits, vocab, seq, seq_stride, pos, prompt_len);
   return launched();
 }
 
-int advance(std::int32_t* pos, void* stream) {
-  advance_kernel<<<1, 1, 0, as_stream(stream)>>>(pos);
+int advance(std::int32_t* pos, Stream stream) {
+  advance_kernel<<<1, 1, 0, native(stream)>>>(pos);
   return launched();
 }
 
-int touch(void* p, std::size_t bytes, std::uint64_t seed, unsigned long long* checksum, void* stream) {
+int touch(void* p, std::size_t bytes, std::uint64_t seed, unsigned long long* checksum, Stream stream) {
   const std::size_t words = bytes / 8;
-  touch_kernel<<<grid_for(words), block, 0, as_stream(stream)>>>(static_cast<std::uint64_t*>(p), words, seed, checksum);
+  touch_kernel<<<grid_for(words), block, 0, native(stream)>>>(static_cast<std::uint64_t*>(p), words, seed, checksum);
   return launched();
 }
 

@@ -46,6 +46,7 @@
 #include <string>
 
 #include "torpor/error.hpp"
+#include "torpor/kernels/native_stream.hpp"
 #include "torpor/kernels/tail_kernels.hpp"
 
 namespace torpor::kernels {
@@ -974,7 +975,7 @@ bool tail_programmatic_launch_supported(int device) {
   return major >= 9;
 }
 
-void launch_tail_fused(const TailParams& p, int blocks_per_row, int capacity, void* stream, bool programmatic) {
+void launch_tail_fused(const TailParams& p, int blocks_per_row, int capacity, Stream stream, bool programmatic) {
   const void* kernel = fused_kernel(p.hidden, p.multicast, blocks_per_row);
   // Enough blocks that every thread sends at most one vector, and a cluster for every receive
   // row; at most what is resident at once, a whole number of clusters.
@@ -988,7 +989,7 @@ void launch_tail_fused(const TailParams& p, int blocks_per_row, int capacity, vo
   if (grid < blocks_per_row) grid = blocks_per_row;
   cudaLaunchAttribute attributes[2];
   const cudaLaunchConfig_t config =
-      fused_config(dim3(static_cast<unsigned>(grid)), blocks_per_row, static_cast<cudaStream_t>(stream), programmatic, attributes);
+      fused_config(dim3(static_cast<unsigned>(grid)), blocks_per_row, native(stream), programmatic, attributes);
   TailParams args = p;
   void* arg_ptrs[] = {&args};
   const cudaError_t e = cudaLaunchKernelExC(&config, kernel, arg_ptrs);
@@ -998,18 +999,18 @@ void launch_tail_fused(const TailParams& p, int blocks_per_row, int capacity, vo
                 ")");
 }
 
-void launch_tail_finalize(const TailParams& p, float* partial, void* stream) {
+void launch_tail_finalize(const TailParams& p, float* partial, Stream stream) {
   const int V = p.hidden / tail_vector_elems;
   long long grid = (static_cast<long long>(p.tokens) * V + T - 1) / T;
   if (grid < 1) grid = 1;
-  tail_finalize_kernel<<<static_cast<unsigned>(grid), T, 0, static_cast<cudaStream_t>(stream)>>>(p, partial);
+  tail_finalize_kernel<<<static_cast<unsigned>(grid), T, 0, native(stream)>>>(p, partial);
   check_launch("tail_finalize_kernel");
 }
 
-void launch_tail_residual_norm(const TailParams& p, const float* reduced, void* stream) {
+void launch_tail_residual_norm(const TailParams& p, const float* reduced, Stream stream) {
   const int rows = tail_output_rows(p).count();
   if (rows == 0) return;
-  auto s = static_cast<cudaStream_t>(stream);
+  const cudaStream_t s = native(stream);
   switch (vectors_per_thread(p.hidden)) {
     case 1: tail_residual_norm_kernel<1><<<rows, T, 0, s>>>(p, reduced); break;
     case 2: tail_residual_norm_kernel<2><<<rows, T, 0, s>>>(p, reduced); break;
@@ -1018,11 +1019,11 @@ void launch_tail_residual_norm(const TailParams& p, const float* reduced, void* 
   check_launch("tail_residual_norm_kernel");
 }
 
-void launch_fill_u16(void* dst, std::uint16_t value, std::size_t elements, void* stream) {
+void launch_fill_u16(void* dst, std::uint16_t value, std::size_t elements, Stream stream) {
   if (elements == 0) return;
   std::size_t blocks = (elements + T - 1) / T;
   if (blocks > 4096) blocks = 4096;
-  tail_fill_u16_kernel<<<static_cast<unsigned>(blocks), T, 0, static_cast<cudaStream_t>(stream)>>>(
+  tail_fill_u16_kernel<<<static_cast<unsigned>(blocks), T, 0, native(stream)>>>(
       static_cast<std::uint16_t*>(dst), value, elements);
   check_launch("tail_fill_u16_kernel");
 }

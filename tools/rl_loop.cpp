@@ -50,8 +50,9 @@ nlohmann::json rl_rank(const RlOptions& o, Driver& driver, Group& group, int dev
   fusion::WeightVersion version{o.model.seed, o.update_seed, 0, o.update_scale};
   RankEngine e(driver, group, device, o.model, FillOnWake::poison, {}, version);
   const auto prompts = fusion::make_prompts(o.model.seed, o.model.prompts, o.model.prompt_len, o.model.config.vocab);
-  const bool host = driver.backend_name() == "host";
-  const std::size_t cap = host ? parse_size(o.train_cap) : 0;
+  // Where pool memory is the machine's RAM (the host backend), "all the memory sleep returned" is
+  // RAM too: the training phase takes at most --train-cap of it.
+  const std::size_t cap = driver.capabilities().host_memory ? parse_size(o.train_cap) : 0;
   auto generate = [&](fusion::TinyMoeLM& m) { return m.generate(prompts, o.model.prompts, o.model.prompt_len, o.model.new_tokens); };
 
   nlohmann::json result = {{"rank", rank},

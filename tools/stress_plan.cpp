@@ -12,7 +12,6 @@
 
 #include "launch.hpp"
 #include "torpor/error.hpp"
-#include "torpor/host_driver.hpp"
 
 namespace torpor::cli {
 
@@ -148,8 +147,8 @@ class Plan {
     const MemoryInfo mi = driver_.memory_info(device_);
     row["device_free"] = mi.free_bytes;
     row["device_used"] = mi.total_bytes - mi.free_bytes;  // cuMemGetInfo: every user of the device
-    if (auto* host = dynamic_cast<HostDriver*>(&driver_))
-      row["live_physical"] = host->live_physical_bytes(device_);
+    if (driver_.capabilities().physical_accounting)
+      row["live_physical"] = driver_.live_physical_bytes(device_);
     else
       row["live_physical"] = nullptr;
   }

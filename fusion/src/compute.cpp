@@ -1,4 +1,4 @@
-// make_compute: the Compute that matches the driver's backend.
+// make_compute: the Compute that runs where the driver's capabilities say the math runs.
 #include <fmt/format.h>
 
 #include "compute_impl.hpp"
@@ -7,15 +7,15 @@
 namespace torpor::fusion {
 
 std::unique_ptr<Compute> make_compute(Driver& driver, int device) {
-  if (driver.backend_name() == "host") return make_host_compute(driver, device);
-  if (driver.backend_name() == "cuda") {
+  if (driver.capabilities().compute == DriverCapabilities::Compute::cpu_reference)
+    return make_host_compute(driver, device);
 #ifdef TORPOR_KERNELS_CUDA
-    return make_cuda_compute(driver, device);
+  return make_cuda_compute(driver, device);
 #else
-    throw unavailable("the cuda backend needs the CUDA kernels, and this build has none (configure with TORPOR_CUDA=ON)");
+  throw unavailable(fmt::format("the {} driver runs device kernels, and this build has no CUDA kernels (configure with "
+                                "TORPOR_CUDA=ON)",
+                                driver.backend_name()));
 #endif
-  }
-  throw invalid_argument(fmt::format("make_compute: unknown backend '{}' (expected host or cuda)", driver.backend_name()));
 }
 
 }  // namespace torpor::fusion

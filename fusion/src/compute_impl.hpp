@@ -1,4 +1,4 @@
-// The Compute implementations' factories (compute.cpp picks one by backend).
+// The Compute implementations' factories (compute.cpp picks one by the driver's capabilities).
 #pragma once
 
 #include <memory>

@@ -9,7 +9,9 @@
 //   - capture uses cudaStreamCaptureModeThreadLocal, so other ranks' threads may keep calling
 //     the runtime while one rank captures;
 //   - every call makes the compute's device current for its duration (DeviceGuard), so a rank's
-//     thread may have any device current.
+//     thread may have any device current;
+//   - the kernels of kernels/ take the torpor::Stream (stream_); only cuBLAS and the runtime's own
+//     calls use its native handle (s_).
 // cuBLAS results are bit-reproducible run to run on one GPU model (same handle, stream and
 // workspace), which the token-for-token comparisons of `torpor stress` rely on.
 #include <cuda_runtime.h>
@@ -20,6 +22,7 @@
 #include "cuda_check.hpp"
 #include "cuda_runtime.hpp"
 #include "torpor/error.hpp"
+#include "torpor/kernels/native_stream.hpp"
 #include "torpor/log.hpp"
 
 namespace torpor::fusion {
@@ -66,7 +69,7 @@ class CudaCompute final : public Compute {
   CudaCompute(Driver& driver, int device) : driver_(driver), device_(device) {
     check_cuda(cudaSetDevice(device), "cudaSetDevice", fmt::format("device {}", device));
     stream_ = driver.stream_create(device);
-    s_ = reinterpret_cast<cudaStream_t>(stream_.value);
+    s_ = kernels::native(stream_);
     cublasStatus_t st = cublasCreate(&blas_);
     if (st != CUBLAS_STATUS_SUCCESS) {
       release_stream();
@@ -112,47 +115,47 @@ class CudaCompute final : public Compute {
   void embed(const std::int32_t* seq, int seq_stride, const std::int32_t* pos, const bf16* tok_emb, int vocab,
              const bf16* pos_table, bf16* out, int batch, int hidden) override {
     detail::DeviceGuard guard(device_);
-    check_launch(gpu::embed(seq, seq_stride, pos, tok_emb, vocab, pos_table, out, batch, hidden, s_), "embed", "launch");
+    check_launch(gpu::embed(seq, seq_stride, pos, tok_emb, vocab, pos_table, out, batch, hidden, stream_), "embed", "launch");
   }
   void rmsnorm(const bf16* x, const bf16* gamma, bf16* out, int rows, int hidden, float eps) override {
     detail::DeviceGuard guard(device_);
-    check_launch(gpu::rmsnorm(x, gamma, out, rows, hidden, eps, s_), "rmsnorm", "launch");
+    check_launch(gpu::rmsnorm(x, gamma, out, rows, hidden, eps, stream_), "rmsnorm", "launch");
   }
   void add_rmsnorm(const bf16* a, const bf16* b, const bf16* gamma, bf16* sum_out, bf16* norm_out, int rows, int hidden,
                    float eps) override {
     detail::DeviceGuard guard(device_);
-    check_launch(gpu::add_rmsnorm(a, b, gamma, sum_out, norm_out, rows, hidden, eps, s_), "add_rmsnorm", "launch");
+    check_launch(gpu::add_rmsnorm(a, b, gamma, sum_out, norm_out, rows, hidden, eps, stream_), "add_rmsnorm", "launch");
   }
   void attention_decode(const bf16* qkv, bf16* k_cache, bf16* v_cache, const std::int32_t* pos, bf16* out, int batch,
                         int head_dim, int max_seq) override {
     detail::DeviceGuard guard(device_);
-    check_launch(gpu::attention_decode(qkv, k_cache, v_cache, pos, out, batch, head_dim, max_seq, s_),
+    check_launch(gpu::attention_decode(qkv, k_cache, v_cache, pos, out, batch, head_dim, max_seq, stream_),
                  "attention_decode", "launch");
   }
   void router_topk(const float* logits, int rows, int experts, int top_k, std::int32_t* idx, float* weights) override {
     detail::DeviceGuard guard(device_);
-    check_launch(gpu::router_topk(logits, rows, experts, top_k, idx, weights, s_), "router_topk", "launch");
+    check_launch(gpu::router_topk(logits, rows, experts, top_k, idx, weights, stream_), "router_topk", "launch");
   }
   void silu_mul(const bf16* in, bf16* out, int rows, int inter) override {
     detail::DeviceGuard guard(device_);
-    check_launch(gpu::silu_mul(in, out, rows, inter, s_), "silu_mul", "launch");
+    check_launch(gpu::silu_mul(in, out, rows, inter, stream_), "silu_mul", "launch");
   }
   void expert_pointers(const std::int32_t* idx, int count, int top_k, const bf16* const* gate_up_table,
                        const bf16* const* down_table, int experts, const bf16* x_lat, int latent, bf16* gate_up_out,
                        int inter, bf16* act, bf16* y_lat, const kernels::ExpertPointers& out) override {
     detail::DeviceGuard guard(device_);
     check_launch(gpu::expert_pointers(idx, count, top_k, gate_up_table, down_table, experts, x_lat, latent, gate_up_out,
-                                      inter, act, y_lat, out, s_),
+                                      inter, act, y_lat, out, stream_),
                  "expert_pointers", "launch");
   }
   void argmax_next(const float* logits, int batch, int vocab, std::int32_t* seq, int seq_stride,
                    const std::int32_t* pos, const std::int32_t* prompt_len) override {
     detail::DeviceGuard guard(device_);
-    check_launch(gpu::argmax_next(logits, batch, vocab, seq, seq_stride, pos, prompt_len, s_), "argmax_next", "launch");
+    check_launch(gpu::argmax_next(logits, batch, vocab, seq, seq_stride, pos, prompt_len, stream_), "argmax_next", "launch");
   }
   void advance(std::int32_t* pos) override {
     detail::DeviceGuard guard(device_);
-    check_launch(gpu::advance(pos, s_), "advance", "launch");
+    check_launch(gpu::advance(pos, stream_), "advance", "launch");
   }
 
   void synchronize() override {
@@ -210,7 +213,7 @@ class CudaCompute final : public Compute {
     std::uint64_t host = 0;
     try {
       check_cuda(cudaMemsetAsync(sum, 0, sizeof *sum, s_), "cudaMemsetAsync", "the touch checksum");
-      check_launch(gpu::touch(p, bytes, seed, sum, s_), "touch", fmt::format("{} bytes", bytes));
+      check_launch(gpu::touch(p, bytes, seed, sum, stream_), "touch", fmt::format("{} bytes", bytes));
       check_cuda(cudaMemcpyAsync(&host, sum, sizeof host, cudaMemcpyDeviceToHost, s_), "cudaMemcpyAsync", "the checksum");
       synchronize();
     } catch (...) {

@@ -9,18 +9,12 @@
 // Nothing is re-initialised on wake; reset() is the only re-initialisation and it is collective:
 // wait for this rank's work, barrier (every rank idle), fill this rank's part with the sentinel
 // and write a fresh control block, barrier (every rank clean before anyone calls again).
+// The calls themselves, and the copies of the control block, run through the tail's TailOps.
 #include <fmt/format.h>
-
-#include <cstring>
 
 #include "tail_impl.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
-
-#if defined(TORPOR_KERNELS_CUDA)
-#include "cuda_runtime.hpp"
-#include "torpor/kernels/tail_kernels.hpp"
-#endif
 
 namespace torpor::fusion::detail {
 
@@ -48,34 +42,10 @@ FusedTail::FusedTail(SymmetricHeap& heap, const TailShape& shape, const TailOpti
 
   // Local setup; its outcome is agreed on before anyone waits in reset()'s barrier.
   std::string failure;
+  std::string launch_note;
   try {
     control_ = pool_.allocate(sizeof(TailControl), {"weights", MemoryClass::state, "tail.control"});
-    if (cuda_) {
-#if defined(TORPOR_KERNELS_CUDA)
-      DeviceGuard guard(device_);
-      cudaStream_t s = nullptr;
-      TORPOR_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), who());
-      stream_ = s;
-      // Two launch shapes: few rows (clusters by default, where they exist) and many rows.
-      few_rows_.blocks_per_row = kernels::tail_blocks_per_row(device_, options_.blocks_per_row, true);
-      many_rows_.blocks_per_row = kernels::tail_blocks_per_row(device_, options_.blocks_per_row, false);
-      for (LaunchShape* l : {&few_rows_, &many_rows_}) {
-        kernels::tail_preload(shape_.hidden, multicast_, l->blocks_per_row);
-        l->capacity = kernels::tail_fused_capacity(shape_.hidden, multicast_, l->blocks_per_row);
-      }
-      programmatic_ = options_.programmatic_launch && kernels::tail_programmatic_launch_supported(device_);
-      launch_note_ = fmt::format("; blocks per row {} up to {} rows, else {}", few_rows_.blocks_per_row,
-                                 kernels::tail_cluster_max_rows, many_rows_.blocks_per_row);
-#else
-      throw unavailable("this build has no CUDA kernels");
-#endif
-    } else if (multicast_) {
-      auto* host = dynamic_cast<HostDriver*>(&pool_.driver());
-      if (host == nullptr) throw unavailable("the host multicast emulation needs the HostDriver itself");
-      hooks_.multicast_store = [host](std::uint64_t va, const void* src, std::size_t n) {
-        host->multicast_store(static_cast<device_ptr>(va), src, n);
-      };
-    }
+    launch_note = ops_->prepare_fused(multicast_);
   } catch (const std::exception& e) {
     failure = e.what();
   }
@@ -98,27 +68,13 @@ FusedTail::FusedTail(SymmetricHeap& heap, const TailShape& shape, const TailOpti
     release();
     throw;
   }
-  log::info("{}: {}; slots {} per rank, control block at {}{}{}", who(), reason_, bytes, control_, launch_note_,
-            programmatic_ ? "; calls launch as programmatic dependents" : "");
+  log::info("{}: {}; slots {} per rank, control block at {}{}", who(), reason_, bytes, control_, launch_note);
 }
 
 FusedTail::~FusedTail() { release(); }
 
 void FusedTail::release() noexcept {
-#if defined(TORPOR_KERNELS_CUDA)
-  if (stream_ != nullptr) {
-    try {
-      DeviceGuard guard(device_);
-      // Calls still in flight on any stream of this device touch the memory freed below.
-      cudaError_t e = cudaDeviceSynchronize();
-      if (e == cudaSuccess) e = cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
-      if (e != cudaSuccess) log::error("{}: destroying its stream: {}", who(), cudaGetErrorString(e));
-    } catch (const std::exception& e) {
-      log::error("{}: destroying its stream: {}", who(), e.what());
-    }
-    stream_ = nullptr;
-  }
-#endif
+  ops_->release();  // calls still in flight touch the memory freed below
   if (control_ != nullptr) {
     try {
       pool_.deallocate(control_);
@@ -151,35 +107,12 @@ void FusedTail::run(const TailArgs& args, Stream stream) {
   p.multicast = multicast_;
   p.peer_table = static_cast<const std::uint64_t*>(slots_->peer_table());
   p.control = static_cast<TailControl*>(control_);
-  if (!cuda_) {
-    kernels::reference_tail_fused(p, hooks_);
-    check();  // the host backend's run() is its own sync point
-    return;
-  }
-#if defined(TORPOR_KERNELS_CUDA)
-  DeviceGuard guard(device_);
-  const LaunchShape& l = kernels::tail_receive_rows(p).count() <= kernels::tail_cluster_max_rows ? few_rows_ : many_rows_;
-  kernels::launch_tail_fused(p, l.blocks_per_row, l.capacity, cuda_stream(stream), programmatic_);
-#endif
-}
-
-TailControl FusedTail::read_control() {
-  TailControl c{};
-  if (!cuda_) {
-    std::memcpy(&c, control_, sizeof c);  // only this rank's thread writes it
-    return c;
-  }
-#if defined(TORPOR_KERNELS_CUDA)
-  DeviceGuard guard(device_);
-  auto s = static_cast<cudaStream_t>(stream_);
-  TORPOR_CUDA_CHECK(cudaMemcpyAsync(&c, control_, sizeof c, cudaMemcpyDeviceToHost, s), who() + ": reading the control block");
-  TORPOR_CUDA_CHECK(cudaStreamSynchronize(s), who() + ": reading the control block");
-#endif
-  return c;
+  ops_->fused(p, stream);
+  if (ops_->synchronous()) check();  // a call that has finished is checked at once
 }
 
 void FusedTail::check() {
-  const TailControl c = read_control();
+  const TailControl c = ops_->read_control(control_);
   const auto& e = c.error;
   if (e.flag != 0) {
     const auto op = static_cast<TailOp>(e.op);
@@ -210,33 +143,14 @@ void FusedTail::check() {
 }
 
 void FusedTail::initialise_local() {
-  const TailControl fresh = kernels::tail_fresh_control();
-  const std::size_t elements = slot_bytes() / sizeof(bf16);
-  if (!cuda_) {
-    kernels::reference_fill_sentinel(static_cast<bf16*>(slots_->local()), elements);
-    std::memcpy(control_, &fresh, sizeof fresh);
-    return;
-  }
-#if defined(TORPOR_KERNELS_CUDA)
-  DeviceGuard guard(device_);
-  auto s = static_cast<cudaStream_t>(stream_);
-  kernels::launch_fill_u16(slots_->local(), kernels::tail_sentinel, elements, s);
-  TORPOR_CUDA_CHECK(cudaMemcpyAsync(control_, &fresh, sizeof fresh, cudaMemcpyHostToDevice, s), who() + ": writing the control block");
-  TORPOR_CUDA_CHECK(cudaStreamSynchronize(s), who() + ": initialising the slots");
-#endif
+  ops_->initialise(slots_->local(), slot_bytes() / sizeof(bf16), control_, kernels::tail_fresh_control());
 }
 
 void FusedTail::reset() {
-  if (cuda_) {
-#if defined(TORPOR_KERNELS_CUDA)
-    DeviceGuard guard(device_);
-    // Calls in flight on this device finish first (a timed-out kernel exits by its deadline).
-    TORPOR_CUDA_CHECK(cudaDeviceSynchronize(), who() + ": waiting for calls in flight before reset");
-#endif
-  }
-  group_.barrier();  // every rank idle: nobody stores into a part being cleared
+  ops_->wait_idle();  // calls in flight on this rank finish first
+  group_.barrier();   // every rank idle: nobody stores into a part being cleared
   initialise_local();
-  group_.barrier();  // every part clean before any rank calls again
+  group_.barrier();   // every part clean before any rank calls again
 }
 
 }  // namespace torpor::fusion::detail

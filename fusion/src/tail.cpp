@@ -7,21 +7,18 @@
 // variant when every rank can run it and the symmetric heap's multicast decision says yes.
 // Otherwise the unfused path, and rank 0 logs one warning naming the rank and the cause. Missing
 // multicast never fails anything: it only selects the unicast variant.
+//
+// Where a tail's calls run (device kernels or the CPU reference) is make_tail_ops's choice, made
+// once per tail from the driver's capabilities (tail_ops.hpp).
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
 
-#include "nccl_comm.hpp"
 #include "tail_impl.hpp"
 #include "torpor/error.hpp"
 #include "torpor/fusion/tail_state.hpp"
 #include "torpor/log.hpp"
-
-#if defined(TORPOR_KERNELS_CUDA)
-#include "cuda_runtime.hpp"
-#include "torpor/kernels/tail_kernels.hpp"
-#endif
 
 namespace torpor::fusion {
 
@@ -68,7 +65,7 @@ TailBase::TailBase(SymmetricHeap& heap, const TailShape& shape, const TailOption
       rank_(heap.group().rank()),
       ranks_(heap.group().size()),
       device_(heap.pool().device()),
-      cuda_(heap.pool().driver().backend_name() == "cuda") {}
+      ops_(make_tail_ops(heap, shape, options, [this] { return who(); })) {}
 
 std::string TailBase::who() const {
   return fmt::format("tail ({}) rank {} of {} (device {})", to_string(path_), rank_, ranks_, device_);
@@ -101,9 +98,7 @@ kernels::TailParams TailBase::params(const TailArgs& a, Stream stream) const {
     throw invalid_argument(fmt::format("{}: TailArgs::shared_out is set but the shape has no shared expert (set "
                                        "TailShape::shared_expert)",
                                        who()));
-  if (cuda_ && stream.value != 0 && stream.device != device_)
-    throw invalid_argument(
-        fmt::format("{}: the stream belongs to device {}; run the tail on a stream of device {}", who(), stream.device, device_));
+  ops_->check_stream(stream);
 
   kernels::TailParams p;
   p.expert_out = a.expert_out;
@@ -183,43 +178,42 @@ std::string shape_problem(const TailShape& s, const TailOptions& o) {
 }
 
 // Whether this rank can run the fused kernel (and its multicast variant): "" = yes.
-void probe_fused(SymmetricHeap& heap, const TailOptions& options, Verdict& v) {
+void probe_fused(SymmetricHeap& heap, const TailShape& shape, const TailOptions& options, Verdict& v) {
   const int ranks = heap.group().size();
-  Driver& driver = heap.pool().driver();
-  const std::string backend(driver.backend_name());
   if (!options.allow_fused) {
     v.fused_why_not = "TailOptions::allow_fused is false";
   } else if (ranks < 2) {
     v.fused_why_not = "a single rank has nothing to all-reduce";
   } else if (ranks > kernels::tail_max_ranks) {
     v.fused_why_not = fmt::format("{} ranks; the fused tail supports 2 to {}", ranks, kernels::tail_max_ranks);
-  } else if (backend == "host") {
-    // The CPU reference runs the protocol over HostDriver memory; its multicast variant needs the
-    // HostDriver itself (multicast_store), not a decorator around it.
-    if (dynamic_cast<HostDriver*>(&driver) == nullptr)
-      v.multicast_why_not = "the host multicast emulation needs the HostDriver itself (a decorator wraps it)";
-  } else if (backend == "cuda") {
-#if defined(TORPOR_KERNELS_CUDA)
+  } else {
     // A failure here is this rank's verdict, not a throw: the other ranks are waiting for it.
     try {
-      const int device = heap.pool().device();
-      DeviceGuard guard(device);
-      const int blocks = kernels::tail_blocks_per_row(device, options.blocks_per_row, true);  // the wider one
-      v.fused_why_not = kernels::tail_device_support(device, false, blocks);
-      if (v.fused_why_not.empty()) v.multicast_why_not = kernels::tail_device_support(device, true, blocks);
+      const std::string who = fmt::format("make_tail on rank {}", heap.group().rank());
+      FusedSupport s = make_tail_ops(heap, shape, options, [who] { return who; })->fused_support();
+      v.fused_why_not = std::move(s.fused_why_not);
+      v.multicast_why_not = std::move(s.multicast_why_not);
     } catch (const std::exception& e) {
-      v.fused_why_not = fmt::format("probing the device failed: {}", e.what());
+      v.fused_why_not = e.what();
     }
-#else
-    v.fused_why_not = "this build has no CUDA kernels (TORPOR_CUDA=OFF)";
-#endif
-  } else {
-    v.fused_why_not = fmt::format("the '{}' backend has no tail kernels", backend);
   }
   if (!v.fused_why_not.empty() && v.multicast_why_not.empty()) v.multicast_why_not = "no fused kernel";
 }
 
 }  // namespace
+
+std::unique_ptr<TailOps> make_tail_ops(SymmetricHeap& heap, const TailShape& shape, const TailOptions& options,
+                                       TailName who) {
+  if (heap.pool().driver().capabilities().compute == DriverCapabilities::Compute::cpu_reference)
+    return make_reference_tail_ops(heap, shape, options, std::move(who));
+#if defined(TORPOR_KERNELS_CUDA)
+  return make_cuda_tail_ops(heap, shape, options, std::move(who));
+#else
+  throw unavailable(fmt::format("the {} driver runs device kernels, and this build has no CUDA kernels (configure "
+                                "with TORPOR_CUDA=ON)",
+                                heap.pool().driver().backend_name()));
+#endif
+}
 
 }  // namespace detail
 
@@ -231,7 +225,7 @@ std::unique_ptr<Tail> make_tail(SymmetricHeap& heap, const TailShape& shape, con
   Verdict mine;
   mine.shape = shape_key(shape, options);
   mine.shape_problem = shape_problem(shape, options);
-  if (mine.shape_problem.empty()) probe_fused(heap, options, mine);
+  if (mine.shape_problem.empty()) probe_fused(heap, shape, options, mine);
   const std::string bytes = encode(mine);
   auto gathered = group.all_gather(std::span<const std::byte>(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size()));
   std::vector<Verdict> all;
@@ -282,9 +276,10 @@ std::optional<TailState> tail_state(const Tail& tail) {
   s.control_bytes = sizeof(kernels::TailControl);
   s.slots = f->slots();
   s.slot_bytes = f->slot_bytes();
-  s.capacity_blocks = f->many_rows().capacity;
-  s.blocks_per_row_few_rows = f->few_rows().blocks_per_row;
-  s.blocks_per_row_many_rows = f->many_rows().blocks_per_row;
+  const detail::FusedLaunch launch = f->launch();
+  s.capacity_blocks = launch.many_rows.capacity;
+  s.blocks_per_row_few_rows = launch.few_rows.blocks_per_row;
+  s.blocks_per_row_many_rows = launch.many_rows.blocks_per_row;
   return s;
 }
 

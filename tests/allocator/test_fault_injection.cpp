@@ -236,5 +236,70 @@ TYPED_TEST(FaultTest, FailuresInAllocateAndDeallocateChangeNothing) {
   }
 }
 
+// The decorator reports its inner driver's capabilities and forwards the optional calls, so code
+// above the seam works the same through it; a withheld capability's call fails as on a driver
+// without it and changes nothing.
+TEST(FaultInjectingDriverCapabilities, ForwardsWhatTheInnerDriverCanDoAndWithholdsOnRequest) {
+  HostDriver host(HostBackend::options());
+  FaultInjectingDriver faulty(host);
+  const std::size_t g = host.device_properties(0).granularity;
+  EXPECT_EQ(faulty.capabilities().compute, DriverCapabilities::Compute::cpu_reference);
+  EXPECT_EQ(faulty.capabilities().multicast, DriverCapabilities::Multicast::emulated);
+  EXPECT_TRUE(faulty.capabilities().physical_accounting);
+  EXPECT_FALSE(faulty.capabilities().make_current);
+
+  // Two buffers bound to one multicast object, all made through the decorator.
+  const int devs[] = {0, 1};
+  MulticastHandle mc = faulty.multicast_create(devs, g);
+  PhysicalHandle m0 = faulty.create(0, g, false), m1 = faulty.create(1, g, false);
+  EXPECT_EQ(faulty.live_physical_bytes(0), g) << "the inner driver's account, through the decorator";
+  for (int d : devs) faulty.multicast_add_device(mc, d);
+  faulty.multicast_bind(mc, 0, m0, 0, g);
+  faulty.multicast_bind(mc, 0, m1, 0, g);
+  device_ptr mva = faulty.reserve(g, g), a = faulty.reserve(g, g), b = faulty.reserve(g, g);
+  faulty.map(mva, g, faulty.as_physical(mc), 0);
+  faulty.map(a, g, m0, 0);
+  faulty.map(b, g, m1, 0);
+  for (device_ptr va : {mva, a, b}) faulty.set_access(va, g, devs);
+  const std::uint32_t v = 0xC0FFEE;
+  faulty.multicast_store(mva + 64, &v, sizeof v);
+  EXPECT_EQ(*reinterpret_cast<std::uint32_t*>(a + 64), v);
+  EXPECT_EQ(*reinterpret_cast<std::uint32_t*>(b + 64), v);
+
+  auto expect_not_supported = [](auto call, const char* what) {
+    try {
+      call();
+      ADD_FAILURE() << what << " succeeded";
+    } catch (const driver_error& e) {
+      EXPECT_EQ(e.code(), static_cast<int>(driver_status::not_supported)) << what;
+      EXPECT_NE(std::string(e.what()).find("host driver"), std::string::npos) << e.what();
+    }
+  };
+  expect_not_supported([&] { faulty.make_current(0); }, "make_current");
+
+  DriverCapabilities without = host.capabilities();
+  without.multicast = DriverCapabilities::Multicast::none;
+  without.physical_accounting = false;
+  faulty.report_capabilities(without);
+  EXPECT_EQ(faulty.capabilities().multicast, DriverCapabilities::Multicast::none);
+  const std::uint32_t w = 7;
+  expect_not_supported([&] { faulty.multicast_store(mva + 64, &w, sizeof w); }, "multicast_store");
+  EXPECT_EQ(*reinterpret_cast<std::uint32_t*>(a + 64), v) << "a refused store lands nowhere";
+  EXPECT_EQ(*reinterpret_cast<std::uint32_t*>(b + 64), v);
+  expect_not_supported([&] { (void)faulty.live_physical_bytes(0); }, "live_physical_bytes");
+
+  faulty.report_capabilities(std::nullopt);
+  faulty.multicast_store(mva + 64, &w, sizeof w);
+  EXPECT_EQ(*reinterpret_cast<std::uint32_t*>(b + 64), w) << "forwarding again";
+
+  for (device_ptr va : {mva, a, b}) faulty.unmap(va, g);
+  for (int d : devs) faulty.multicast_unbind(mc, d, 0, g);
+  faulty.multicast_release(mc);
+  faulty.release(m0);
+  faulty.release(m1);
+  for (device_ptr va : {mva, a, b}) faulty.free_reservation(va, g);
+  check_clean(&host);
+}
+
 }  // namespace
 }  // namespace torpor::test

@@ -10,6 +10,7 @@
 #include <torpor/multicast_decision.hpp>
 #include <torpor/nccl_group.hpp>
 #include <torpor/pool.hpp>
+#include <torpor/stream.hpp>
 #include <torpor/symmetric.hpp>
 #include <torpor/torch_allocator.h>
 #include <torpor/torpor.h>

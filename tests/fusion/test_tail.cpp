@@ -547,8 +547,8 @@ TEST_P(TailThreadsMulticast, EmulatedMulticastVariantIsCorrectThroughSleep) {
   }
 }
 
-// Multicast missing on one rank (its driver is wrapped, so the emulation is out of reach) never
-// fails anything: every rank takes the unicast variant, and the reason names the rank.
+// Multicast missing on one rank (its driver reports no multicast, so the emulation is out of
+// reach) never fails anything: every rank takes the unicast variant, and the reason names the rank.
 TEST_P(TailThreadsMulticast, OneRankWithoutMulticastMakesEveryRankUnicast) {
   const int n = GetParam();
   const TailShape s = shape(128, 1, false);
@@ -558,12 +558,34 @@ TEST_P(TailThreadsMulticast, OneRankWithoutMulticastMakesEveryRankUnicast) {
   EXPECT_EQ(on_threads(n,
                        [&](int r) {
                          FaultInjectingDriver wrapped(w.host);
+                         DriverCapabilities without_multicast = w.host.capabilities();
+                         without_multicast.multicast = DriverCapabilities::Multicast::none;
+                         wrapped.report_capabilities(without_multicast);
                          Driver& d = r == without ? static_cast<Driver&>(wrapped) : static_cast<Driver&>(w.host);
                          RankTail rt(d, *w.groups[static_cast<std::size_t>(r)], s);
                          require(rt.tail->path() == TailPath::fused_unicast, "path: " + rt.tail->reason());
                          require(rt.tail->reason().find("rank " + std::to_string(without) + ": the host multicast emulation") !=
                                      std::string::npos,
                                  rt.tail->reason());
+                         run_and_check(rt, p, r, n);
+                       }),
+            "");
+}
+
+// A decorator reports and forwards its inner driver's capabilities: a rank whose HostDriver is
+// wrapped still reaches the emulation, and every rank takes the multicast variant.
+TEST_P(TailThreadsMulticast, ARankBehindADecoratorStillUsesTheEmulation) {
+  const int n = GetParam();
+  const TailShape s = shape(128, 1, false);
+  const Prepared p = prepare(s, n, {3, 9}, 1250);
+  ThreadWorld w(n, true);
+  const int wrapped_rank = n / 2;
+  EXPECT_EQ(on_threads(n,
+                       [&](int r) {
+                         FaultInjectingDriver wrapped(w.host);
+                         Driver& d = r == wrapped_rank ? static_cast<Driver&>(wrapped) : static_cast<Driver&>(w.host);
+                         RankTail rt(d, *w.groups[static_cast<std::size_t>(r)], s);
+                         require(rt.tail->path() == TailPath::fused_multicast, "path: " + rt.tail->reason());
                          run_and_check(rt, p, r, n);
                        }),
             "");

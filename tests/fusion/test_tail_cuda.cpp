@@ -28,6 +28,7 @@
 #include <cuda_runtime.h>
 
 #include "driver/cuda_driver.hpp"
+#include "torpor/kernels/native_stream.hpp"
 #include "torpor/kernels/tail_kernels.hpp"
 #include "torpor/kernels/tail_reference.hpp"
 #endif
@@ -107,7 +108,7 @@ struct GpuRank {
   ~GpuRank() {
     if (stream != nullptr) cudaStreamDestroy(stream);
   }
-  Stream torpor_stream() const { return Stream{reinterpret_cast<std::uint64_t>(stream), rank}; }
+  Stream torpor_stream() const { return kernels::from_native(stream, rank); }
 };
 
 // "" when ready; else why not (the child reports "SKIP: why").
@@ -651,8 +652,8 @@ TEST(TailCuda, SanitizerSmoke) {
         p.ranks = 1;
         p.eps = s.eps;
         void* partial = g.pool->allocate(7 * static_cast<std::size_t>(s.hidden) * sizeof(float), {"activations", MemoryClass::cache, "partial"});
-        kernels::launch_tail_finalize(p, static_cast<float*>(partial), g.stream);
-        kernels::launch_tail_residual_norm(p, static_cast<const float*>(partial), g.stream);
+        kernels::launch_tail_finalize(p, static_cast<float*>(partial), g.torpor_stream());
+        kernels::launch_tail_residual_norm(p, static_cast<const float*>(partial), g.torpor_stream());
         sync(g);
         const auto got = d.outputs(7);
         g.pool->deallocate(partial);

@@ -8,6 +8,13 @@
 //     exact accounting; CI's backend.
 //   - FaultInjectingDriver (fault_injecting_driver.hpp): fails the Nth call of a kind.
 //
+// The layers above choose what to do by the driver's capabilities() (which kernels run on its
+// memory, how multicast stores travel, ...), never by backend_name(), which is for reports and
+// logs, and never by casting to a concrete driver. A call that only some drivers support
+// (make_current, multicast_store, live_physical_bytes) is a seam method whose default throws
+// driver_error with CUDA_ERROR_NOT_SUPPORTED naming the backend; its capability says up front
+// whether it works.
+//
 // Semantics follow the CUDA VMM API: a reservation is address space only; a physical handle
 // is memory on one device; map places (part of) a handle at an address inside a reservation;
 // set_access must be called before the mapping is touched; releasing a handle that is still
@@ -23,6 +30,7 @@
 #include <vector>
 
 #include "torpor/content_hash.hpp"
+#include "torpor/stream.hpp"
 
 namespace torpor {
 
@@ -41,12 +49,6 @@ struct MulticastHandle {
   std::uint64_t value = 0;
   explicit operator bool() const noexcept { return value != 0; }
   friend bool operator==(MulticastHandle, MulticastHandle) = default;
-};
-
-struct Stream {
-  std::uint64_t value = 0;  // 0 is not a stream; use Driver::stream_create
-  int device = 0;
-  explicit operator bool() const noexcept { return value != 0; }
 };
 
 struct Event {
@@ -74,6 +76,32 @@ struct MemoryInfo {
   std::size_t free_bytes = 0;
   std::size_t total_bytes = 0;
 };
+
+// What a driver can do, as far as the layers above need to know. A decorator reports its inner
+// driver's.
+struct DriverCapabilities {
+  // Where the math on pool memory runs: the device's kernels (CUDA), or the CPU reference
+  // kernels on the calling thread (kernels/reference), which read pool memory at its addresses.
+  enum class Compute { device_kernels, cpu_reference };
+  Compute compute = Compute::cpu_reference;
+  // Pool memory is the machine's host memory (HostDriver's emulated devices): the CPU reads and
+  // writes it at its device address, and it takes from the same RAM as everything else.
+  bool host_memory = false;
+  // How a store through a mapped multicast address reaches every bound buffer: the device's
+  // multimem instructions (hardware; the multicast entry points resolved), the driver's software
+  // fan-out multicast_store() within this one driver instance (emulated), or not at all. Whether
+  // multicast is used is still the group's collective decision (multicast_decision.hpp).
+  enum class Multicast { none, hardware, emulated };
+  Multicast multicast = Multicast::none;
+  // make_current() works: the driver can make a device current on the calling thread for the
+  // CUDA runtime and libraries built on it (NCCL).
+  bool make_current = false;
+  // live_physical_bytes() works: the driver keeps an exact account of live physical memory.
+  bool physical_accounting = false;
+};
+
+std::string_view to_string(DriverCapabilities::Compute c) noexcept;
+std::string_view to_string(DriverCapabilities::Multicast m) noexcept;
 
 // Kinds of driver call, used by fault injection and by the probe's reports.
 enum class DriverCall : int {
@@ -117,8 +145,10 @@ class Driver {
  public:
   virtual ~Driver() = default;
 
-  // "cuda" or "host" (a decorator reports its inner driver's name).
+  // "cuda" or "host" (a decorator reports its inner driver's name): for reports and logs only;
+  // code that must choose asks capabilities().
   virtual std::string_view backend_name() const noexcept = 0;
+  virtual DriverCapabilities capabilities() const noexcept = 0;
 
   // --- devices -------------------------------------------------------------------------
   virtual int device_count() = 0;
@@ -171,6 +201,21 @@ class Driver {
   // HostDriver emulates multicast within one driver instance only). The symmetric layer folds
   // this into its collective decision, so processes never start a multicast setup that fails.
   virtual bool multicast_shares_across_processes() { return false; }
+  // The software fan-out of a store through a multicast address (capabilities().multicast ==
+  // emulated): `bytes` from `src` land at the same offset in every buffer bound to the multicast
+  // object mapped at mc_va, as multimem.st does on a GPU. The CPU reference tail's multicast
+  // variant stores through it. The default says "not supported".
+  virtual void multicast_store(device_ptr mc_va, const void* src, std::size_t bytes);
+
+  // --- the calling thread's current device (capabilities().make_current) ---------------------
+  // Makes `device` current on the calling thread, persistently, for the CUDA runtime and the
+  // libraries built on it (NCCL). The default says "not supported".
+  virtual void make_current(int device);
+
+  // --- exact accounting (capabilities().physical_accounting) ---------------------------------
+  // Bytes of physical memory created on `device` and still alive (a handle or a mapping refers to
+  // it). The default says "not supported".
+  virtual std::size_t live_physical_bytes(int device) const;
 
   // --- host memory ------------------------------------------------------------------------
   // Page-locked host memory usable as a copy source/target at full link speed.

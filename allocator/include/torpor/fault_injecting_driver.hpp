@@ -8,11 +8,17 @@
 // A failing call throws driver_error with the requested code and does not reach the inner
 // driver, so the inner driver's state is exactly what it would be after a real failure that
 // changed nothing. calls(kind) counts calls made (failed ones included).
+//
+// It reports its inner driver's capabilities and forwards the optional calls (make_current,
+// multicast_store, live_physical_bytes), so code above the seam works the same through it.
+// report_capabilities() makes it stand in for a driver that lacks one: it then reports the given
+// capabilities, and a call that a withheld capability names fails as on such a driver.
 #pragma once
 
 #include <array>
 #include <atomic>
 #include <mutex>
+#include <optional>
 
 #include "torpor/driver.hpp"
 #include "torpor/error.hpp"
@@ -29,8 +35,12 @@ class FaultInjectingDriver final : public Driver {
   std::size_t calls(DriverCall kind) const;
   std::size_t failures() const { return failures_.load(); }
   Driver& inner() noexcept { return inner_; }
+  // From now on report `c` instead of the inner driver's capabilities (nullopt: forward them
+  // again). Independent of the fault rules (clear() keeps it).
+  void report_capabilities(std::optional<DriverCapabilities> c);
 
   std::string_view backend_name() const noexcept override { return inner_.backend_name(); }
+  DriverCapabilities capabilities() const noexcept override;
   int device_count() override { return inner_.device_count(); }
   DeviceProperties device_properties(int d) override { return inner_.device_properties(d); }
   bool can_access_peer(int d, int p) override { return inner_.can_access_peer(d, p); }
@@ -56,6 +66,9 @@ class FaultInjectingDriver final : public Driver {
   int multicast_export_fd(MulticastHandle mc) override;
   MulticastHandle multicast_import_fd(int fd) override;
   bool multicast_shares_across_processes() override { return inner_.multicast_shares_across_processes(); }
+  void multicast_store(device_ptr mc_va, const void* src, std::size_t b) override;
+  void make_current(int d) override;
+  std::size_t live_physical_bytes(int d) const override;
   void* host_alloc(std::size_t b) override;
   void host_free(void* p) override;
   Stream stream_create(int d) override;
@@ -85,6 +98,7 @@ class FaultInjectingDriver final : public Driver {
   std::array<Rule, static_cast<std::size_t>(DriverCall::count_)> rules_{};
   std::array<std::size_t, static_cast<std::size_t>(DriverCall::count_)> calls_{};
   std::atomic<std::size_t> failures_{0};
+  std::optional<DriverCapabilities> reported_;  // guarded by mu_
 };
 
 }  // namespace torpor

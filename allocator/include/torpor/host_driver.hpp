@@ -73,6 +73,15 @@ class HostDriver final : public Driver {
   HostDriver& operator=(const HostDriver&) = delete;
 
   std::string_view backend_name() const noexcept override { return "host"; }
+  // CPU reference kernels over host memory; multicast emulated (multicast_store); exact
+  // accounting (live_physical_bytes). No current device to make (make_current is not supported).
+  DriverCapabilities capabilities() const noexcept override {
+    return {.compute = DriverCapabilities::Compute::cpu_reference,
+            .host_memory = true,
+            .multicast = DriverCapabilities::Multicast::emulated,
+            .make_current = false,
+            .physical_accounting = true};
+  }
 
   int device_count() override;
   DeviceProperties device_properties(int device) override;
@@ -106,6 +115,10 @@ class HostDriver final : public Driver {
   int multicast_export_fd(MulticastHandle mc) override;
   MulticastHandle multicast_import_fd(int fd) override;
   bool multicast_shares_across_processes() override { return false; }
+  // The software fan-out of a multicast store: `bytes` from `src` land at `mc_va + i` in every
+  // buffer bound to the multicast object mapped at mc_va (what multimem.st does on a GPU).
+  void multicast_store(device_ptr mc_va, const void* src, std::size_t bytes) override;
+  std::size_t live_physical_bytes(int device) const override;
 
   void* host_alloc(std::size_t bytes) override;
   void host_free(void* p) override;
@@ -125,10 +138,6 @@ class HostDriver final : public Driver {
 
   // --- emulation extras (not part of the seam) ---------------------------------------------
   HostDriverCounters counters() const;
-  std::size_t live_physical_bytes(int device) const;
-  // The software fan-out of a multicast store: `bytes` from `src` land at `mc_va + i` in every
-  // buffer bound to the multicast object mapped at mc_va (what multimem.st does on a GPU).
-  void multicast_store(device_ptr mc_va, const void* src, std::size_t bytes);
   // Membership and bindings of the multicast object mapped at va (any address inside the
   // mapping); nothing when no multicast object is mapped there.
   std::optional<HostMulticastInfo> multicast_at(device_ptr va) const;

@@ -22,7 +22,6 @@
 #include <thread>
 
 #include "dist/nccl_library.hpp"
-#include "driver/cuda_driver.hpp"
 #include "pool/range_allocator.hpp"
 #endif
 
@@ -41,11 +40,10 @@ constexpr std::size_t staging_alignment = 256;
 struct NcclGroup::Impl {
   Impl(Group& bootstrap, Driver& d, int dev, std::chrono::milliseconds t)
       : boot(bootstrap), driver(d), device(dev), timeout(t), api(nccl_library()) {
-    cuda = dynamic_cast<CudaDriver*>(&driver);
-    if (cuda == nullptr)
-      throw invalid_argument(fmt::format("NcclGroup needs the cuda backend itself (got the '{}' driver{})",
-                                         driver.backend_name(),
-                                         driver.backend_name() == "cuda" ? " behind a decorator" : ""));
+    if (!driver.capabilities().make_current)
+      throw invalid_argument(fmt::format("NcclGroup needs a driver that can make a device current for NCCL (the cuda "
+                                         "backend); the '{}' driver cannot",
+                                         driver.backend_name()));
     if (!api.usable()) throw error(fmt::format("NcclGroup: {}", api.why_not));
     stream = driver.stream_create(device);
     try {
@@ -106,7 +104,7 @@ struct NcclGroup::Impl {
     auto all = boot.all_gather(mine);
     if (all[0].size() != sizeof id) throw error(fmt::format("{}: rank 0 sent no NCCL unique id", who()));
     std::memcpy(&id, all[0].data(), sizeof id);
-    cuda->make_current(device);
+    driver.make_current(device);
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;  // so that a setup which never completes can be given up
     ncclComm_t c = nullptr;
@@ -124,7 +122,7 @@ struct NcclGroup::Impl {
   void drop_comm(bool abort) noexcept {
     if (comm == nullptr) return;
     try {
-      cuda->make_current(device);
+      driver.make_current(device);
       bool done = false;
       if (!abort) {
         // Finalize of a non-blocking communicator completes asynchronously; destroy after it.
@@ -225,7 +223,7 @@ struct NcclGroup::Impl {
     if (n > 0) std::memcpy(host, src, n);
     try {
       if (n > 0) driver.copy_async(reinterpret_cast<void*>(dev), host, n, stream);
-      cuda->make_current(device);
+      driver.make_current(device);
       ncclResult_t r = api.all_gather(reinterpret_cast<const void*>(dev), reinterpret_cast<void*>(dev + recv_off), n,
                                       ncclUint8, comm, reinterpret_cast<cudaStream_t>(stream.value));
       check(r, "ncclAllGather");
@@ -253,7 +251,6 @@ struct NcclGroup::Impl {
 
   Group& boot;
   Driver& driver;
-  CudaDriver* cuda = nullptr;
   int device;
   std::chrono::milliseconds timeout;
   const NcclLibrary& api;

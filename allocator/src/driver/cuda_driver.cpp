@@ -316,6 +316,14 @@ MemoryInfo CudaDriver::memory_info(int device) {
 
 bool CudaDriver::multicast_entry_points() { return impl_->has_multicast(); }
 
+DriverCapabilities CudaDriver::capabilities() const noexcept {
+  return {.compute = DriverCapabilities::Compute::device_kernels,
+          .host_memory = false,
+          .multicast = impl_->has_multicast() ? DriverCapabilities::Multicast::hardware : DriverCapabilities::Multicast::none,
+          .make_current = true,
+          .physical_accounting = false};
+}
+
 device_ptr CudaDriver::reserve(std::size_t bytes, std::size_t alignment) {
   Impl& d = *impl_;
   auto context = d.ensure_context("cuMemAddressReserve");

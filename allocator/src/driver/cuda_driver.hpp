@@ -20,6 +20,9 @@ class CudaDriver final : public Driver {
   CudaDriver& operator=(const CudaDriver&) = delete;
 
   std::string_view backend_name() const noexcept override { return "cuda"; }
+  // Device kernels; hardware multicast where the driver library has the entry points; can make a
+  // device current (make_current).
+  DriverCapabilities capabilities() const noexcept override;
   int driver_version() const noexcept;  // e.g. 13000
 
   int device_count() override;
@@ -52,7 +55,7 @@ class CudaDriver final : public Driver {
 
   // Makes `device`'s primary context current on the calling thread: what the CUDA runtime, and
   // libraries built on it such as NCCL, read as the current device.
-  void make_current(int device);
+  void make_current(int device) override;
 
   void* host_alloc(std::size_t bytes) override;
   void host_free(void* p) override;

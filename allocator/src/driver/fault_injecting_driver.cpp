@@ -21,6 +21,37 @@ void FaultInjectingDriver::clear() {
   rules_.fill(Rule{});
 }
 
+void FaultInjectingDriver::report_capabilities(std::optional<DriverCapabilities> c) {
+  std::lock_guard lock(mu_);
+  reported_ = c;
+}
+
+DriverCapabilities FaultInjectingDriver::capabilities() const noexcept {
+  {
+    std::lock_guard lock(mu_);
+    if (reported_) return *reported_;
+  }
+  return inner_.capabilities();
+}
+
+// A withheld capability's call goes to the seam's default, which says "not supported" as a driver
+// without it does; otherwise it reaches the inner driver (no fault rules: these calls have no
+// DriverCall kind).
+void FaultInjectingDriver::multicast_store(device_ptr mc_va, const void* src, std::size_t b) {
+  if (capabilities().multicast != DriverCapabilities::Multicast::emulated) Driver::multicast_store(mc_va, src, b);
+  inner_.multicast_store(mc_va, src, b);
+}
+
+void FaultInjectingDriver::make_current(int d) {
+  if (!capabilities().make_current) Driver::make_current(d);
+  inner_.make_current(d);
+}
+
+std::size_t FaultInjectingDriver::live_physical_bytes(int d) const {
+  if (!capabilities().physical_accounting) Driver::live_physical_bytes(d);
+  return inner_.live_physical_bytes(d);
+}
+
 std::size_t FaultInjectingDriver::calls(DriverCall kind) const {
   std::lock_guard lock(mu_);
   return calls_[static_cast<std::size_t>(kind)];

@@ -34,7 +34,7 @@ class Graph {
 class Compute {
  public:
   virtual ~Compute() = default;
-  virtual std::string_view backend() const noexcept = 0;  // "host" or "cuda"
+  virtual std::string_view backend() const noexcept = 0;  // "host" or "cuda", for reports
   virtual int device() const noexcept = 0;
   virtual Stream stream() const noexcept = 0;
 
@@ -83,8 +83,9 @@ class Compute {
   virtual std::uint64_t touch(void* p, std::size_t bytes, std::uint64_t seed) = 0;
 };
 
-// HostCompute for the host backend, CudaCompute for the cuda backend (throws unavailable when
-// this build has no CUDA kernels). The driver must outlive the compute.
+// HostCompute where the driver's capabilities say the CPU reference runs (the host backend),
+// CudaCompute where device kernels do (the cuda backend; throws unavailable when this build has no
+// CUDA kernels). The driver must outlive the compute.
 std::unique_ptr<Compute> make_compute(Driver& driver, int device);
 
 }  // namespace torpor::fusion

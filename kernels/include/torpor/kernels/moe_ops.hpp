@@ -3,7 +3,8 @@
 //   - torpor::kernels::ref  — CPU reference (the host backend runs these; GPU tests use them as
 //                             the oracle);
 //   - torpor::kernels::gpu  — CUDA kernels (built with TORPOR_CUDA), enqueued on `stream` (a
-//                             cudaStream_t passed as void*, so this header needs no CUDA header).
+//                             torpor::Stream of the current device: torpor/stream.hpp says why
+//                             that type, and this header needs no CUDA header).
 //                             Each launcher returns the cudaError_t of the launch (0 = success);
 //                             the caller checks it (fusion/cuda_check.hpp).
 //
@@ -18,6 +19,7 @@
 #include <cstdint>
 
 #include "torpor/kernels/bf16.hpp"
+#include "torpor/stream.hpp"
 
 namespace torpor::kernels {
 
@@ -81,22 +83,22 @@ unsigned long long touch(void* p, std::size_t bytes, std::uint64_t seed);
 namespace gpu {
 
 int embed(const std::int32_t* seq, int seq_stride, const std::int32_t* pos, const bf16* tok_emb, int vocab,
-          const bf16* pos_table, bf16* out, int batch, int hidden, void* stream);
-int rmsnorm(const bf16* x, const bf16* gamma, bf16* out, int rows, int hidden, float eps, void* stream);
+          const bf16* pos_table, bf16* out, int batch, int hidden, Stream stream);
+int rmsnorm(const bf16* x, const bf16* gamma, bf16* out, int rows, int hidden, float eps, Stream stream);
 int add_rmsnorm(const bf16* a, const bf16* b, const bf16* gamma, bf16* sum_out, bf16* norm_out, int rows, int hidden,
-                float eps, void* stream);
+                float eps, Stream stream);
 int attention_decode(const bf16* qkv, bf16* k_cache, bf16* v_cache, const std::int32_t* pos, bf16* out, int batch,
-                     int head_dim, int max_seq, void* stream);
-int router_topk(const float* logits, int rows, int experts, int top_k, std::int32_t* idx, float* weights, void* stream);
-int silu_mul(const bf16* in, bf16* out, int rows, int inter, void* stream);
+                     int head_dim, int max_seq, Stream stream);
+int router_topk(const float* logits, int rows, int experts, int top_k, std::int32_t* idx, float* weights, Stream stream);
+int silu_mul(const bf16* in, bf16* out, int rows, int inter, Stream stream);
 int expert_pointers(const std::int32_t* idx, int count, int top_k, const bf16* const* gate_up_table,
                     const bf16* const* down_table, int experts, const bf16* x_lat, int latent, bf16* gate_up_out,
-                    int inter, bf16* act, bf16* y_lat, ExpertPointers out, void* stream);
+                    int inter, bf16* act, bf16* y_lat, ExpertPointers out, Stream stream);
 int argmax_next(const float* logits, int batch, int vocab, std::int32_t* seq, int seq_stride, const std::int32_t* pos,
-                const std::int32_t* prompt_len, void* stream);
-int advance(std::int32_t* pos, void* stream);
+                const std::int32_t* prompt_len, Stream stream);
+int advance(std::int32_t* pos, Stream stream);
 // As ref::touch; adds the sum into *checksum (device memory, zero it first).
-int touch(void* p, std::size_t bytes, std::uint64_t seed, unsigned long long* checksum, void* stream);
+int touch(void* p, std::size_t bytes, std::uint64_t seed, unsigned long long* checksum, Stream stream);
 // The name of a cudaError_t value.
 const char* error_string(int code) noexcept;
 

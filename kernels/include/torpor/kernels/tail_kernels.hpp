@@ -1,7 +1,8 @@
 // Host entry points of the MoE-tail CUDA kernels (kernels/tail.cu). Built only with TORPOR_CUDA
 // (TORPOR_KERNELS_CUDA is then defined for users of torpor_kernels). Every launcher enqueues on
-// `stream` (a cudaStream_t; capturable in a CUDA graph), on the calling thread's current device,
-// and throws torpor::error naming the kernel and the CUDA error when the launch fails.
+// `stream` (a torpor::Stream of the current device, or Stream{} for CUDA's default stream;
+// capturable in a CUDA graph), on the calling thread's current device, and throws torpor::error
+// naming the kernel and the CUDA error when the launch fails.
 #pragma once
 
 #include <cstddef>
@@ -9,6 +10,7 @@
 #include <string>
 
 #include "torpor/kernels/tail_protocol.hpp"
+#include "torpor/stream.hpp"
 
 namespace torpor::kernels {
 
@@ -52,15 +54,15 @@ bool tail_programmatic_launch_supported(int device);
 // blocks_per_row; `programmatic`: launch as a programmatic dependent of the previous kernel on
 // the stream (only where tail_programmatic_launch_supported). Captured in a CUDA graph, that
 // becomes a programmatic edge.
-void launch_tail_fused(const TailParams& p, int blocks_per_row, int capacity, void* stream, bool programmatic);
+void launch_tail_fused(const TailParams& p, int blocks_per_row, int capacity, Stream stream, bool programmatic);
 
 // The unfused path's kernels: partial[t][*] for every row (rounded to bf16 like the fused
 // partials, stored as fp32 so the all-reduce sums in fp32 as the fused kernel does), and
 // residual + RMSNorm of the output rows from the all-reduced fp32 sums.
-void launch_tail_finalize(const TailParams& p, float* partial, void* stream);
-void launch_tail_residual_norm(const TailParams& p, const float* reduced, void* stream);
+void launch_tail_finalize(const TailParams& p, float* partial, Stream stream);
+void launch_tail_residual_norm(const TailParams& p, const float* reduced, Stream stream);
 
 // Fills `elements` 16-bit words at dst (2-byte aligned) with `value`.
-void launch_fill_u16(void* dst, std::uint16_t value, std::size_t elements, void* stream);
+void launch_fill_u16(void* dst, std::uint16_t value, std::size_t elements, Stream stream);
 
 }  // namespace torpor::kernels
