@@ -19,6 +19,7 @@
 #include <algorithm>
 
 #include "pool/pool_state.hpp"
+#include "pool/sleep_policy.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 
@@ -61,6 +62,23 @@ FillOnWake parse_fill_on_wake(std::string_view name) {
   if (name == "zero") return FillOnWake::zero;
   if (name == "poison") return FillOnWake::poison;
   throw invalid_argument(fmt::format("unknown fill_on_wake '{}' (expected none, zero or poison)", name));
+}
+
+std::string_view to_string(SleepLevel l) noexcept {
+  switch (l) {
+    case SleepLevel::none: return "none";
+    case SleepLevel::offload: return "offload";
+    case SleepLevel::discard_parameters: return "discard_parameters";
+  }
+  return "?";
+}
+
+SleepLevel parse_sleep_level(std::string_view name) {
+  if (name == "none" || name == "0") return SleepLevel::none;
+  if (name == "offload" || name == "1") return SleepLevel::offload;
+  if (name == "discard_parameters" || name == "2") return SleepLevel::discard_parameters;
+  throw invalid_argument(
+      fmt::format("unknown sleep level '{}' (expected none, offload or discard_parameters, or 0, 1 or 2)", name));
 }
 
 namespace {
@@ -233,13 +251,8 @@ bool Pool::State::preserved(const Segment& s) const {
   return false;
 }
 
-bool Pool::State::survives(const Segment& s, int level) const {
-  switch (s.cls) {
-    case MemoryClass::state: return true;
-    case MemoryClass::cache: return false;
-    case MemoryClass::parameter: return level <= 1 || preserved(s);
-  }
-  return true;
+bool Pool::State::survives(const Segment& s, SleepLevel level) const {
+  return torpor::survives(segment_fate(s.cls, level), [&] { return preserved(s); });
 }
 
 Allocation* Pool::State::containing(device_ptr p) const {
@@ -424,7 +437,7 @@ void* Pool::allocate(std::size_t bytes, const AllocationOptions& options) {
   auto tag_it = s.tags.find(options.tag);
   if (tag_it != s.tags.end() && tag_it->second.asleep)
     throw invalid_state(fmt::format("allocate: tag '{}' is asleep (level {}); wake_up({{\"{}\"}}) before allocating in it",
-                                    options.tag, tag_it->second.level, options.tag));
+                                    options.tag, static_cast<int>(tag_it->second.level), options.tag));
 
   Chunk* chunk = nullptr;
   std::size_t offset = 0;
@@ -624,7 +637,7 @@ PoolStats Pool::stats() const {
       st.mapped_bytes += c.bytes;
       if (c.allocations.empty()) st.cached_bytes += c.bytes;
     } else {
-      x.level = std::max(x.level, c.level);
+      x.level = std::max(x.level, static_cast<int>(c.level));
     }
     for (auto& [off, a] : c.allocations) {
       ++x.allocations;

@@ -6,7 +6,7 @@
 //   - a Chunk belongs to one tag; an awake Chunk holds a handle mapped at [va, va + bytes)
 //     with access set for State::access_devices and has no backups; an asleep Chunk holds no
 //     handle, nothing is mapped at its VA, and its backups cover exactly the allocated bytes
-//     that must survive, each backup owning its own HostStore span;
+//     that survive its level (sleep_policy.hpp), each backup owning its own HostStore span;
 //   - retained copies (skip_unchanged) exist only on awake chunks; each owns its span and
 //     holds the content hash the bytes had when copied; a retained copy is only trusted
 //     after hashing the device bytes again;
@@ -64,7 +64,7 @@ struct Chunk {
   ChunkKind kind = ChunkKind::dedicated;
   PhysicalHandle handle;
   bool awake = true;
-  int level = 0;                               // when asleep
+  SleepLevel level = SleepLevel::none;         // when asleep
   std::map<std::size_t, HostCopy> backups;     // chunk offset -> copy (asleep only)
   std::map<std::size_t, HostCopy> retained;    // chunk offset -> copy (awake only)
   RangeAllocator space;                        // slabs only
@@ -75,7 +75,7 @@ struct Chunk {
 
 struct TagState {
   bool asleep = false;
-  int level = 0;
+  SleepLevel level = SleepLevel::none;
 };
 
 struct Pool::State {
@@ -125,8 +125,8 @@ struct Pool::State {
   void drop_all_copies(std::map<std::size_t, HostCopy>& copies) noexcept;
   void free_span(const HostSpan& span) noexcept;
   bool preserved(const Segment& s) const;
-  // Whether the bytes of a segment survive a sleep at `level`.
-  bool survives(const Segment& s, int level) const;
+  // Whether the bytes of a segment survive a sleep at `level` (sleep_policy.hpp decides).
+  bool survives(const Segment& s, SleepLevel level) const;
   // The allocation containing p (interior pointers too), or nullptr.
   Allocation* containing(device_ptr p) const;
   std::vector<std::string> resolve_tags(const std::vector<std::string>& requested, const char* operation) const;

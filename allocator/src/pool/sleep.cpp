@@ -175,15 +175,28 @@ void Pool::State::staged_to_device(device_ptr dst, const std::byte* src, std::si
 // ---------------------------------------------------------------------------------------------
 // Public entry points: observers around the engine.
 
+namespace {
+
+SleepLevel checked_level(int level) {
+  if (level < 0 || level > 2) throw invalid_argument(fmt::format("sleep: level {} is not 0, 1 or 2", level));
+  return static_cast<SleepLevel>(level);
+}
+
+}  // namespace
+
 TransitionReport Pool::sleep(int level, const std::vector<std::string>& requested) {
-  if (level < 0 || level > 2)
-    throw invalid_argument(fmt::format("sleep: level {} is not 0, 1 or 2", level));
+  return sleep(checked_level(level), requested);
+}
+
+TransitionReport Pool::sleep(SleepLevel named, const std::vector<std::string>& requested) {
+  const int level = static_cast<int>(named);
+  checked_level(level);  // a SleepLevel cast from a bad number
   std::vector<std::string> tags;
   std::vector<SleepObserver*> observers;
   {
     std::lock_guard lock(state_->mu);
     tags = state_->resolve_tags(requested, "sleep");
-    if (level > 0) observers = state_->observers;
+    if (named != SleepLevel::none) observers = state_->observers;
   }
   std::size_t notified = 0;
   try {
@@ -191,7 +204,7 @@ TransitionReport Pool::sleep(int level, const std::vector<std::string>& requeste
       o->before_sleep(*this, level, tags);
       ++notified;
     }
-    TransitionReport r = sleep_tags(level, tags);
+    TransitionReport r = sleep_tags(named, tags);
     for (SleepObserver* o : observers) o->after_sleep(*this, level, tags, true);
     return r;
   } catch (...) {
@@ -238,14 +251,14 @@ TransitionReport Pool::wake_up(const std::vector<std::string>& requested) {
 // ---------------------------------------------------------------------------------------------
 // Sleep
 
-TransitionReport Pool::sleep_tags(int level, const std::vector<std::string>& tags) {
+TransitionReport Pool::sleep_tags(SleepLevel level, const std::vector<std::string>& tags) {
   State& s = *state_;
   std::lock_guard lock(s.mu);
   TransitionReport r;
   r.operation = "sleep";
-  r.level = level;
+  r.level = static_cast<int>(level);
   r.tags = tags;
-  if (level == 0) return r;
+  if (level == SleepLevel::none) return r;
   auto start = clock_type::now();
   s.retry_pending_releases();
 
@@ -490,7 +503,7 @@ TransitionReport Pool::sleep_tags(int level, const std::vector<std::string>& tag
   }
   r.seconds = since(start);
   log::info("sleep level {}: {} chunks, {} bytes offloaded, {} skipped unchanged, {} discarded, {} released in {:.3f} s",
-            level, r.chunks, r.bytes_offloaded, r.bytes_skipped, r.bytes_discarded, r.bytes_released, r.seconds);
+            r.level, r.chunks, r.bytes_offloaded, r.bytes_skipped, r.bytes_discarded, r.bytes_released, r.seconds);
   return r;
 }
 
