@@ -264,7 +264,7 @@ class Pool {
   struct State;  // internals, defined in pool_state.hpp
 
  private:
-  // The engine itself (sleep.cpp), without observers; tags already resolved.
+  // The engine itself (sleep.cpp, wake.cpp), without observers; tags already resolved.
   TransitionReport sleep_tags(SleepLevel level, const std::vector<std::string>& tags);
   TransitionReport wake_tags(const std::vector<std::string>& tags);
 

@@ -1,5 +1,6 @@
-// Pool: reservation, chunks, sub-allocation, classes, tags, stats. Sleep and wake live in
-// sleep.cpp; the shared bookkeeping and its invariants in pool_state.hpp.
+// Pool: reservation, chunks, sub-allocation, classes, tags, stats. The sleep engine is
+// sleep.cpp and wake.cpp (plan -> pipeline -> apply or roll back); the shared bookkeeping and
+// its invariants are in pool_state.hpp, a chunk's physical lifetime in chunk.hpp.
 //
 // Size classes (the handle-size policy, see PoolOptions): small allocations are carved from
 // granularity-sized slabs, medium ones from slabs that grow with the (tag, class) up to
@@ -14,12 +15,11 @@
 #include "torpor/pool.hpp"
 
 #include <fmt/format.h>
-#include <fnmatch.h>
 
 #include <algorithm>
+#include <span>
 
 #include "pool/pool_state.hpp"
-#include "pool/sleep_policy.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 
@@ -94,194 +94,6 @@ std::string hex(device_ptr p) { return fmt::format("{:#x}", p); }
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
-// State helpers
-
-PhysicalHandle Pool::State::create_memory(std::size_t bytes, const std::string& tag) {
-  try {
-    return driver.create(options.device, bytes, options.exportable);
-  } catch (const driver_error& e) {
-    if (!e.is_out_of_memory()) throw;
-    MemoryInfo mi{};
-    try {
-      mi = driver.memory_info(options.device);
-    } catch (...) {
-    }
-    throw out_of_memory(fmt::format("device {} out of memory: {} bytes for tag '{}' ({} of {} bytes free): {}",
-                                    options.device, bytes, tag, mi.free_bytes, mi.total_bytes, e.what()));
-  }
-}
-
-PhysicalHandle Pool::State::map_new_memory(device_ptr va, std::size_t bytes, const std::string& tag) {
-  PhysicalHandle h = create_memory(bytes, tag);
-  bool mapped = false;
-  try {
-    driver.map(va, bytes, h, 0);
-    mapped = true;
-    driver.set_access(va, bytes, access_devices);
-  } catch (...) {
-    if (mapped) {
-      try {
-        driver.unmap(va, bytes);
-      } catch (const std::exception& e) {
-        log::error("pool: rollback unmap of {} failed: {}", hex(va), e.what());
-      }
-    }
-    release_or_defer(h);
-    throw;
-  }
-  return h;
-}
-
-Chunk& Pool::State::new_chunk(std::size_t bytes, const std::string& tag, MemoryClass cls, ChunkKind kind) {
-  auto off = va.allocate(bytes, granularity);
-  if (!off)
-    throw out_of_memory(fmt::format(
-        "pool VA reservation exhausted: {} bytes for tag '{}' do not fit ({} of {} bytes free, largest hole {}); "
-        "raise PoolOptions::va_bytes",
-        bytes, tag, va.free_bytes(), va.capacity(), va.largest_free()));
-  device_ptr at = va_base + *off;
-  PhysicalHandle h;
-  try {
-    h = map_new_memory(at, bytes, tag);
-  } catch (...) {
-    va.free(*off, bytes);
-    throw;
-  }
-  auto c = std::make_unique<Chunk>();
-  c->va = at;
-  c->bytes = bytes;
-  c->tag = tag;
-  c->cls = cls;
-  c->kind = kind;
-  c->handle = h;
-  if (c->slab()) c->space = RangeAllocator(bytes);
-  Chunk& ref = *c;
-  chunks[at] = std::move(c);
-  return ref;
-}
-
-void Pool::State::release_or_defer(PhysicalHandle h) noexcept {
-  try {
-    driver.release(h);
-  } catch (const std::exception& e) {
-    log::warn("pool: releasing a physical handle failed, will retry: {}", e.what());
-    pending_release.push_back(h);
-  }
-}
-
-void Pool::State::retry_pending_releases() noexcept {
-  std::vector<PhysicalHandle> still;
-  for (PhysicalHandle h : pending_release) {
-    try {
-      driver.release(h);
-    } catch (const std::exception& e) {
-      log::warn("pool: retrying a deferred release failed again: {}", e.what());
-      still.push_back(h);
-    }
-  }
-  pending_release = std::move(still);
-}
-
-void Pool::State::unmap_and_release(Chunk& c) {
-  driver.unmap(c.va, c.bytes);  // throws with nothing changed
-  PhysicalHandle h = c.handle;
-  c.handle = {};
-  release_or_defer(h);
-}
-
-void Pool::State::free_span(const HostSpan& span) noexcept {
-  try {
-    host.free(span.ptr, span.bytes);
-  } catch (const std::exception& e) {
-    log::error("pool: freeing a host copy failed: {}", e.what());
-  }
-}
-
-void Pool::State::drop_all_copies(std::map<std::size_t, HostCopy>& copies) noexcept {
-  for (auto& [off, c] : copies) free_span(c.span);
-  copies.clear();
-}
-
-void Pool::State::drop_copies(std::map<std::size_t, HostCopy>& copies, std::size_t lo, std::size_t hi) {
-  if (lo >= hi) return;
-  auto it = copies.upper_bound(lo);
-  if (it != copies.begin()) --it;
-  while (it != copies.end() && it->first < hi) {
-    std::size_t start = it->first;
-    HostCopy c = it->second;
-    std::size_t end = start + c.bytes;
-    if (end <= lo) {
-      ++it;
-      continue;
-    }
-    it = copies.erase(it);
-    std::size_t cut_lo = std::max(lo, start);
-    std::size_t cut_hi = std::min(hi, end);
-    // Left piece keeps [start, cut_lo); right piece keeps [cut_hi, end) plus the store's
-    // rounding slack; the middle goes back to the store. Split pieces lose their hash.
-    std::size_t slack = c.span.bytes - c.bytes;
-    if (cut_lo > start) copies[start] = HostCopy{cut_lo - start, HostSpan{c.span.ptr, cut_lo - start, c.span.pinned}, {}, false};
-    if (cut_hi < end) {
-      copies[cut_hi] = HostCopy{end - cut_hi, HostSpan{c.span.ptr + (cut_hi - start), end - cut_hi + slack, c.span.pinned},
-                                {}, false};
-      free_span(HostSpan{c.span.ptr + (cut_lo - start), cut_hi - cut_lo, c.span.pinned});
-    } else {
-      free_span(HostSpan{c.span.ptr + (cut_lo - start), cut_hi - cut_lo + slack, c.span.pinned});
-    }
-    it = copies.lower_bound(cut_hi);
-  }
-}
-
-Event Pool::State::event(std::size_t i) {
-  while (events.size() <= i) events.push_back(driver.event_create(options.device));
-  return events[i];
-}
-
-void Pool::State::dispose_chunk(Chunk& c) {
-  if (c.awake) unmap_and_release(c);  // may throw: then nothing changed
-  drop_all_copies(c.backups);
-  drop_all_copies(c.retained);
-  va.free(c.va - va_base, c.bytes);
-  chunks.erase(c.va);
-}
-
-bool Pool::State::preserved(const Segment& s) const {
-  for (const auto& g : preserve)
-    if (::fnmatch(g.c_str(), s.name.c_str(), 0) == 0) return true;
-  return false;
-}
-
-bool Pool::State::survives(const Segment& s, SleepLevel level) const {
-  return torpor::survives(segment_fate(s.cls, level), [&] { return preserved(s); });
-}
-
-Allocation* Pool::State::containing(device_ptr p) const {
-  auto up = allocations.upper_bound(p);
-  if (up == allocations.begin()) return nullptr;
-  Allocation* a = std::prev(up)->second.get();
-  return p < a->base + a->bytes ? a : nullptr;
-}
-
-std::vector<std::string> Pool::State::resolve_tags(const std::vector<std::string>& requested,
-                                                    const char* operation) const {
-  std::vector<std::string> out;
-  if (requested.empty()) {
-    for (auto& [t, s] : tags) out.push_back(t);
-    return out;
-  }
-  for (const auto& t : requested) {
-    if (!tags.count(t)) {
-      std::string known;
-      for (auto& [k, s] : tags) known += fmt::format("{}'{}'", known.empty() ? "" : ", ", k);
-      throw invalid_argument(fmt::format("{}: unknown tag '{}' (known tags: {})", operation, t,
-                                         known.empty() ? std::string("none yet") : known));
-    }
-    if (std::find(out.begin(), out.end(), t) == out.end()) out.push_back(t);
-  }
-  return out;
-}
-
-// ---------------------------------------------------------------------------------------------
 // Pool
 
 Pool::Pool(Driver& driver, PoolOptions options) : driver_(driver), options_(std::move(options)) {
@@ -337,7 +149,7 @@ Pool::Pool(Driver& driver, PoolOptions options) : driver_(driver), options_(std:
   va_base_ = driver_.reserve(options_.va_bytes, granularity_);
   try {
     state_ = std::make_unique<State>(driver_, options_, granularity_, va_base_);
-    state_->access_devices = std::move(access);
+    state_->memory.set_access_devices(std::move(access));
     for (int i = 0; i < options_.copy_streams; ++i) state_->streams.push_back(driver_.stream_create(options_.device));
     if (options_.skip_unchanged) {
       // Load the hash kernels now: the device memory a first launch takes (module, local
@@ -380,7 +192,7 @@ Pool::~Pool() {
   for (auto& [va, c] : s.chunks) {
     if (c->awake && c->handle) {
       try {
-        s.unmap_and_release(*c);
+        c->unmap_and_release(s.memory);
       } catch (const std::exception& e) {
         log::error("pool: unmapping chunk {:#x} at destruction failed: {}", va, e.what());
       }
@@ -391,8 +203,8 @@ Pool::~Pool() {
   s.chunks.clear();
   s.allocations.clear();
   s.retry_pending_releases();
-  if (!s.pending_release.empty())
-    log::error("pool: {} physical handles could not be released at destruction", s.pending_release.size());
+  if (std::size_t n = s.memory.pending(); n != 0)
+    log::error("pool: {} physical handles could not be released at destruction", n);
   for (Stream st : s.streams) {
     try {
       driver_.stream_destroy(st);
@@ -400,22 +212,14 @@ Pool::~Pool() {
       log::error("pool: destroying a stream failed: {}", e.what());
     }
   }
-  for (auto* list : {&s.events, &s.staging_events}) {
-    for (Event e : *list) {
-      try {
-        driver_.event_destroy(e);
-      } catch (const std::exception& ex) {
-        log::error("pool: destroying an event failed: {}", ex.what());
-      }
-    }
-  }
-  if (s.staging != nullptr) {
+  for (Event e : s.events) {
     try {
-      driver_.host_free(s.staging);
-    } catch (const std::exception& e) {
-      log::error("pool: freeing the staging ring failed: {}", e.what());
+      driver_.event_destroy(e);
+    } catch (const std::exception& ex) {
+      log::error("pool: destroying an event failed: {}", ex.what());
     }
   }
+  s.staging.release();
   try {
     driver_.free_reservation(va_base_, options_.va_bytes);
   } catch (const std::exception& e) {
@@ -617,7 +421,7 @@ PoolStats Pool::stats() const {
   st.host_store_bytes = s.host.capacity();
   st.host_store_used_bytes = s.host.used();
   st.host_store_pinned_bytes = s.host.pinned_capacity();
-  st.pending_releases = s.pending_release.size();
+  st.pending_releases = s.memory.pending();
   for (auto& [va, n] : s.address_ranges) st.address_ranges_bytes += n;
   std::map<std::string, TagStats, std::less<>> by_tag;
   for (auto& [t, ts] : s.tags) {
