@@ -94,6 +94,10 @@ TYPED_TEST(BadInputTest, SleepLevelOutOfRange) {
   void* p = pool.allocate(1000);
   this->template expect_rejected<invalid_argument>(pool, [&] { pool.sleep(3); }, "level 3 is not 0, 1 or 2");
   this->template expect_rejected<invalid_argument>(pool, [&] { pool.sleep(-1); }, "level -1");
+  this->template expect_rejected<invalid_argument>(pool, [&] { pool.sleep(static_cast<SleepLevel>(3)); },
+                                                   "level 3 is not 0, 1 or 2");
+  EXPECT_THROW(parse_sleep_level("deep"), invalid_argument);
+  EXPECT_THROW(parse_sleep_level("3"), invalid_argument);
   pool.deallocate(p);
 }
 

@@ -81,6 +81,47 @@ TYPED_TEST(SleepTest, Level2DiscardsParametersUnlessPreservedAndKeepsState) {
   }
 }
 
+TYPED_TEST(SleepTest, NamedLevelsDoWhatTheirNumbersDo) {
+  Pool pool(this->driver(), this->small_pool(FillOnWake::poison));
+  pool.set_preserve({"embed.*"});
+  std::size_t n = 3 * this->granularity() + 100;
+  auto l = this->fill(pool, n);
+  TransitionReport none = pool.sleep(SleepLevel::none);
+  EXPECT_EQ(none.level, 0);
+  EXPECT_EQ(none.chunks, 0u);
+  TransitionReport one = pool.sleep(SleepLevel::offload);
+  EXPECT_EQ(one.level, 1);
+  EXPECT_EQ(one.bytes_offloaded, 3 * n) << "parameters, preserved parameter and state";
+  EXPECT_EQ(one.bytes_discarded, n) << "the cache";
+  TransitionReport two = pool.sleep(SleepLevel::discard_parameters, {"weights"});
+  EXPECT_EQ(two.level, 2);
+  EXPECT_EQ(two.bytes_discarded, n) << "the parameter that is not preserved";
+  EXPECT_EQ(pool.stats().tags[1].level, 2);  // "weights", after "kv_cache"
+  pool.wake_up();
+  EXPECT_TRUE(this->all_poison(read(pool, l.param, n)));
+  EXPECT_EQ(read(pool, l.preserved, n), l.preserved_bytes);
+  EXPECT_EQ(read(pool, l.state, n), l.state_bytes);
+  EXPECT_TRUE(this->all_poison(read(pool, l.cache, n)));
+}
+
+TEST(SleepLevelNames, NamesAndNumbersParseToTheLevel) {
+  const std::pair<SleepLevel, std::string> table[] = {
+      {SleepLevel::none, "none"}, {SleepLevel::offload, "offload"}, {SleepLevel::discard_parameters, "discard_parameters"}};
+  for (int i = 0; i < 3; ++i) {
+    auto [level, name] = table[i];
+    EXPECT_EQ(static_cast<int>(level), i) << "the values are the levels' numbers (the C API passes them)";
+    EXPECT_EQ(to_string(level), name);
+    EXPECT_EQ(parse_sleep_level(name), level);
+    EXPECT_EQ(parse_sleep_level(std::to_string(i)), level);
+  }
+  try {
+    parse_sleep_level("deep");
+    ADD_FAILURE() << "expected invalid_argument";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("none, offload or discard_parameters"), std::string::npos) << e.what();
+  }
+}
+
 TYPED_TEST(SleepTest, ZeroFillOption) {
   Pool pool(this->driver(), this->small_pool(FillOnWake::zero));
   auto l = this->fill(pool, 5000);

@@ -11,10 +11,10 @@
 // segments). sleep(level, tags) releases the physical memory of every chunk of those tags and
 // keeps, in a persistent host store, only the bytes that must survive:
 //
-//   class       level 1    level 2
-//   parameter   offload    discard (offload if its name matches a preserve glob)
-//   state       offload    offload
-//   cache       discard    discard
+//   class       level 1 (offload)   level 2 (discard_parameters)
+//   parameter   offload             discard (offload if its name matches a preserve glob)
+//   state       offload             offload
+//   cache       discard             discard
 //
 // wake_up(tags) maps new physical memory at the very same addresses and restores the bytes.
 // Failures inside sleep or wake leave each chunk either awake with its bytes or asleep with
@@ -48,6 +48,17 @@ enum class FillOnWake : std::uint8_t { none, zero, poison };
 std::string_view to_string(FillOnWake f) noexcept;
 FillOnWake parse_fill_on_wake(std::string_view name);
 inline constexpr std::uint8_t poison_byte = 0xFF;
+
+// How deep a sleep goes (the table above); the values are the levels' numbers, as in vLLM's
+// sleep(level=...) and the C API.
+enum class SleepLevel : std::uint8_t {
+  none = 0,                // memory is not touched
+  offload = 1,             // parameters and state offloaded, cache discarded
+  discard_parameters = 2,  // parameters discarded too, unless preserved; state offloaded
+};
+std::string_view to_string(SleepLevel l) noexcept;
+// Accepts the names and the numbers 0, 1, 2; throws invalid_argument naming them.
+SleepLevel parse_sleep_level(std::string_view name);
 
 struct PoolOptions {
   int device = 0;
@@ -215,7 +226,9 @@ class Pool {
   void set_preserve(std::vector<std::string> globs);
   std::vector<std::string> preserve() const;
 
-  // level 0: nothing; 1 and 2: see the table above. Empty `tags` = every known tag.
+  // See the table above; SleepLevel::none does nothing. Empty `tags` = every known tag.
+  TransitionReport sleep(SleepLevel level, const std::vector<std::string>& tags = {});
+  // The level as its number: 0, 1 or 2 (anything else is invalid_argument).
   TransitionReport sleep(int level, const std::vector<std::string>& tags = {});
   TransitionReport wake_up(const std::vector<std::string>& tags = {});
   bool asleep(std::string_view tag) const;
@@ -251,8 +264,8 @@ class Pool {
   struct State;  // internals, defined in pool_state.hpp
 
  private:
-  // The engine itself (sleep.cpp), without observers; tags already resolved.
-  TransitionReport sleep_tags(int level, const std::vector<std::string>& tags);
+  // The engine itself (sleep.cpp, wake.cpp), without observers; tags already resolved.
+  TransitionReport sleep_tags(SleepLevel level, const std::vector<std::string>& tags);
   TransitionReport wake_tags(const std::vector<std::string>& tags);
 
   Driver& driver_;

@@ -1,11 +1,12 @@
-// Pool: reservation, chunks, sub-allocation, classes, tags, stats. Sleep and wake live in
-// sleep.cpp; the shared bookkeeping and its invariants in pool_state.hpp.
+// Pool: reservation, chunks, sub-allocation, classes, tags, stats. The sleep engine is
+// sleep.cpp and wake.cpp (plan -> pipeline -> apply or roll back); the shared bookkeeping and
+// its invariants are in pool_state.hpp, a chunk's physical lifetime in chunk.hpp.
 //
 // Size classes (the handle-size policy, see PoolOptions): small allocations are carved from
 // granularity-sized slabs, medium ones from slabs that grow with the (tag, class) up to
 // medium_slab_max, large ones get a chunk each. Few large handles keep the VMM calls of sleep
-// and wake few: on the test H200s releasing a 2 MiB handle costs 12 us but a 4 GiB one only
-// 2.7 ms, i.e. per byte large handles are about 9 times cheaper.
+// and wake few: a handle's create, map, unmap and release cost far less per byte for large
+// handles than for granularity-sized ones (DESIGN.md's performance model has the figures).
 //
 // The allocation fast path (a slab of the right (tag, class) with room) touches only the
 // slab's RangeAllocator and two maps: no driver call. Freed empty small slabs are kept, one
@@ -14,9 +15,10 @@
 #include "torpor/pool.hpp"
 
 #include <fmt/format.h>
-#include <fnmatch.h>
 
 #include <algorithm>
+#include <optional>
+#include <span>
 
 #include "pool/pool_state.hpp"
 #include "torpor/error.hpp"
@@ -63,6 +65,23 @@ FillOnWake parse_fill_on_wake(std::string_view name) {
   throw invalid_argument(fmt::format("unknown fill_on_wake '{}' (expected none, zero or poison)", name));
 }
 
+std::string_view to_string(SleepLevel l) noexcept {
+  switch (l) {
+    case SleepLevel::none: return "none";
+    case SleepLevel::offload: return "offload";
+    case SleepLevel::discard_parameters: return "discard_parameters";
+  }
+  return "?";
+}
+
+SleepLevel parse_sleep_level(std::string_view name) {
+  if (name == "none" || name == "0") return SleepLevel::none;
+  if (name == "offload" || name == "1") return SleepLevel::offload;
+  if (name == "discard_parameters" || name == "2") return SleepLevel::discard_parameters;
+  throw invalid_argument(
+      fmt::format("unknown sleep level '{}' (expected none, offload or discard_parameters, or 0, 1 or 2)", name));
+}
+
 namespace {
 
 void check_class(MemoryClass c) {
@@ -76,200 +95,113 @@ std::string hex(device_ptr p) { return fmt::format("{:#x}", p); }
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
-// State helpers
+// Construction and destruction
 
-PhysicalHandle Pool::State::create_memory(std::size_t bytes, const std::string& tag) {
-  try {
-    return driver.create(options.device, bytes, options.exportable);
-  } catch (const driver_error& e) {
-    if (!e.is_out_of_memory()) throw;
-    MemoryInfo mi{};
-    try {
-      mi = driver.memory_info(options.device);
-    } catch (...) {
-    }
-    throw out_of_memory(fmt::format("device {} out of memory: {} bytes for tag '{}' ({} of {} bytes free): {}",
-                                    options.device, bytes, tag, mi.free_bytes, mi.total_bytes, e.what()));
+namespace {
+
+void check_device(const PoolOptions& o, const DeviceProperties& props) {
+  if (!props.vmm_supported)
+    throw error(fmt::format("device {} ({}) does not support CUDA virtual memory management "
+                            "(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 0); torpor needs it",
+                            o.device, props.name));
+  if (o.exportable && !props.posix_fd_handles_supported)
+    throw error(
+        fmt::format("device {} cannot export memory as POSIX file descriptors; exportable pools need it", o.device));
+}
+
+// The handle-size policy's defaults, rounded to the granularity, and its consistency.
+void normalize_sizes(PoolOptions& o, const DeviceProperties& props, std::size_t gran) {
+  if (o.va_bytes == 0) o.va_bytes = 2 * props.total_bytes;
+  o.va_bytes = align_up(o.va_bytes, gran);
+  if (o.slab_bytes == 0) o.slab_bytes = gran;
+  if (o.slab_bytes % gran != 0)
+    throw invalid_argument(
+        fmt::format("PoolOptions::slab_bytes {} must be a multiple of the granularity {}", o.slab_bytes, gran));
+  if (o.small_limit == 0) o.small_limit = o.slab_bytes / 2;
+  if (o.small_limit > o.slab_bytes)
+    throw invalid_argument(fmt::format("PoolOptions::small_limit {} exceeds slab_bytes {}", o.small_limit, o.slab_bytes));
+  if (o.medium_limit != 0) {
+    o.medium_slab_min = align_up(std::max(o.medium_slab_min, gran), gran);
+    o.medium_slab_max = align_up(std::max(o.medium_slab_max, o.medium_slab_min), gran);
+    if (o.medium_limit > o.medium_slab_max)
+      throw invalid_argument(
+          fmt::format("PoolOptions::medium_limit {} exceeds medium_slab_max {}", o.medium_limit, o.medium_slab_max));
   }
 }
 
-PhysicalHandle Pool::State::map_new_memory(device_ptr va, std::size_t bytes, const std::string& tag) {
-  PhysicalHandle h = create_memory(bytes, tag);
-  bool mapped = false;
+// The sleep engine's knobs.
+void check_engine_options(PoolOptions& o) {
+  if (o.release_threads < 1 || o.release_threads > 64)
+    throw invalid_argument(fmt::format("PoolOptions::release_threads {} must be 1..64", o.release_threads));
+  if (o.copy_streams < 1 || o.copy_streams > 64)
+    throw invalid_argument(fmt::format("PoolOptions::copy_streams {} must be 1..64", o.copy_streams));
+  if (o.copy_piece_bytes < HostStore::alignment)
+    throw invalid_argument(
+        fmt::format("PoolOptions::copy_piece_bytes {} is below {}", o.copy_piece_bytes, HostStore::alignment));
+  o.copy_piece_bytes = align_up(o.copy_piece_bytes, HostStore::alignment);
+  if (o.staging_slots < 2 || o.staging_slot_bytes < HostStore::alignment)
+    throw invalid_argument("PoolOptions: the staging ring needs at least 2 slots of at least 256 bytes");
+}
+
+// The bookkeeping and the copy streams; on failure the streams created so far are destroyed.
+std::unique_ptr<Pool::State> make_state(Driver& driver, const PoolOptions& o, std::size_t gran, device_ptr va_base,
+                                        std::vector<int> access) {
+  auto state = std::make_unique<Pool::State>(driver, o, gran, va_base);
   try {
-    driver.map(va, bytes, h, 0);
-    mapped = true;
-    driver.set_access(va, bytes, access_devices);
+    state->memory.set_access_devices(std::move(access));
+    for (int i = 0; i < o.copy_streams; ++i) state->streams.push_back(driver.stream_create(o.device));
+    if (o.skip_unchanged) {
+      // Load the hash kernels now: the device memory a first launch takes (module, local
+      // memory) belongs to the pool's setup, not to the first sleep's "memory returned".
+      HashRange none{};
+      Hash128 ignored;
+      driver.hash(std::span<const HashRange>(&none, 1), &ignored, state->streams[0]);
+    }
   } catch (...) {
-    if (mapped) {
+    for (Stream st : state->streams) {
       try {
-        driver.unmap(va, bytes);
-      } catch (const std::exception& e) {
-        log::error("pool: rollback unmap of {} failed: {}", hex(va), e.what());
+        driver.stream_destroy(st);
+      } catch (...) {
       }
     }
-    release_or_defer(h);
     throw;
   }
-  return h;
+  return state;
 }
 
-Chunk& Pool::State::new_chunk(std::size_t bytes, const std::string& tag, MemoryClass cls, ChunkKind kind) {
-  auto off = va.allocate(bytes, granularity);
-  if (!off)
-    throw out_of_memory(fmt::format(
-        "pool VA reservation exhausted: {} bytes for tag '{}' do not fit ({} of {} bytes free, largest hole {}); "
-        "raise PoolOptions::va_bytes",
-        bytes, tag, va.free_bytes(), va.capacity(), va.largest_free()));
-  device_ptr at = va_base + *off;
-  PhysicalHandle h;
-  try {
-    h = map_new_memory(at, bytes, tag);
-  } catch (...) {
-    va.free(*off, bytes);
-    throw;
-  }
-  auto c = std::make_unique<Chunk>();
-  c->va = at;
-  c->bytes = bytes;
-  c->tag = tag;
-  c->cls = cls;
-  c->kind = kind;
-  c->handle = h;
-  if (c->slab()) c->space = RangeAllocator(bytes);
-  Chunk& ref = *c;
-  chunks[at] = std::move(c);
-  return ref;
-}
-
-void Pool::State::release_or_defer(PhysicalHandle h) noexcept {
-  try {
-    driver.release(h);
-  } catch (const std::exception& e) {
-    log::warn("pool: releasing a physical handle failed, will retry: {}", e.what());
-    pending_release.push_back(h);
-  }
-}
-
-void Pool::State::retry_pending_releases() noexcept {
-  std::vector<PhysicalHandle> still;
-  for (PhysicalHandle h : pending_release) {
+// Never throws: failures are logged.
+void destroy_streams_and_events(Pool::State& s) noexcept {
+  for (Stream st : s.streams) {
     try {
-      driver.release(h);
+      s.driver.stream_destroy(st);
     } catch (const std::exception& e) {
-      log::warn("pool: retrying a deferred release failed again: {}", e.what());
-      still.push_back(h);
+      log::error("pool: destroying a stream failed: {}", e.what());
     }
   }
-  pending_release = std::move(still);
-}
-
-void Pool::State::unmap_and_release(Chunk& c) {
-  driver.unmap(c.va, c.bytes);  // throws with nothing changed
-  PhysicalHandle h = c.handle;
-  c.handle = {};
-  release_or_defer(h);
-}
-
-void Pool::State::free_span(const HostSpan& span) noexcept {
-  try {
-    host.free(span.ptr, span.bytes);
-  } catch (const std::exception& e) {
-    log::error("pool: freeing a host copy failed: {}", e.what());
-  }
-}
-
-void Pool::State::drop_all_copies(std::map<std::size_t, HostCopy>& copies) noexcept {
-  for (auto& [off, c] : copies) free_span(c.span);
-  copies.clear();
-}
-
-void Pool::State::drop_copies(std::map<std::size_t, HostCopy>& copies, std::size_t lo, std::size_t hi) {
-  if (lo >= hi) return;
-  auto it = copies.upper_bound(lo);
-  if (it != copies.begin()) --it;
-  while (it != copies.end() && it->first < hi) {
-    std::size_t start = it->first;
-    HostCopy c = it->second;
-    std::size_t end = start + c.bytes;
-    if (end <= lo) {
-      ++it;
-      continue;
+  for (Event e : s.events) {
+    try {
+      s.driver.event_destroy(e);
+    } catch (const std::exception& ex) {
+      log::error("pool: destroying an event failed: {}", ex.what());
     }
-    it = copies.erase(it);
-    std::size_t cut_lo = std::max(lo, start);
-    std::size_t cut_hi = std::min(hi, end);
-    // Left piece keeps [start, cut_lo); right piece keeps [cut_hi, end) plus the store's
-    // rounding slack; the middle goes back to the store. Split pieces lose their hash.
-    std::size_t slack = c.span.bytes - c.bytes;
-    if (cut_lo > start) copies[start] = HostCopy{cut_lo - start, HostSpan{c.span.ptr, cut_lo - start, c.span.pinned}, {}, false};
-    if (cut_hi < end) {
-      copies[cut_hi] = HostCopy{end - cut_hi, HostSpan{c.span.ptr + (cut_hi - start), end - cut_hi + slack, c.span.pinned},
-                                {}, false};
-      free_span(HostSpan{c.span.ptr + (cut_lo - start), cut_hi - cut_lo, c.span.pinned});
-    } else {
-      free_span(HostSpan{c.span.ptr + (cut_lo - start), cut_hi - cut_lo + slack, c.span.pinned});
-    }
-    it = copies.lower_bound(cut_hi);
   }
+  s.staging.release();
 }
 
-Event Pool::State::event(std::size_t i) {
-  while (events.size() <= i) events.push_back(driver.event_create(options.device));
-  return events[i];
-}
-
-void Pool::State::dispose_chunk(Chunk& c) {
-  if (c.awake) unmap_and_release(c);  // may throw: then nothing changed
-  drop_all_copies(c.backups);
-  drop_all_copies(c.retained);
-  va.free(c.va - va_base, c.bytes);
-  chunks.erase(c.va);
-}
-
-bool Pool::State::preserved(const Segment& s) const {
-  for (const auto& g : preserve)
-    if (::fnmatch(g.c_str(), s.name.c_str(), 0) == 0) return true;
-  return false;
-}
-
-bool Pool::State::survives(const Segment& s, int level) const {
-  switch (s.cls) {
-    case MemoryClass::state: return true;
-    case MemoryClass::cache: return false;
-    case MemoryClass::parameter: return level <= 1 || preserved(s);
+// The pool's device and every distinct peer, each of which must be able to access it.
+std::vector<int> access_devices(Driver& driver, const PoolOptions& o, int count) {
+  std::vector<int> access{o.device};
+  for (int p : o.peer_devices) {
+    if (p < 0 || p >= count) throw invalid_argument(fmt::format("Pool: peer device {} does not exist", p));
+    if (p == o.device || std::find(access.begin(), access.end(), p) != access.end()) continue;
+    if (!driver.can_access_peer(p, o.device))
+      throw invalid_argument(fmt::format("Pool: device {} cannot access device {} (no peer access)", p, o.device));
+    access.push_back(p);
   }
-  return true;
+  return access;
 }
 
-Allocation* Pool::State::containing(device_ptr p) const {
-  auto up = allocations.upper_bound(p);
-  if (up == allocations.begin()) return nullptr;
-  Allocation* a = std::prev(up)->second.get();
-  return p < a->base + a->bytes ? a : nullptr;
-}
-
-std::vector<std::string> Pool::State::resolve_tags(const std::vector<std::string>& requested,
-                                                    const char* operation) const {
-  std::vector<std::string> out;
-  if (requested.empty()) {
-    for (auto& [t, s] : tags) out.push_back(t);
-    return out;
-  }
-  for (const auto& t : requested) {
-    if (!tags.count(t)) {
-      std::string known;
-      for (auto& [k, s] : tags) known += fmt::format("{}'{}'", known.empty() ? "" : ", ", k);
-      throw invalid_argument(fmt::format("{}: unknown tag '{}' (known tags: {})", operation, t,
-                                         known.empty() ? std::string("none yet") : known));
-    }
-    if (std::find(out.begin(), out.end(), t) == out.end()) out.push_back(t);
-  }
-  return out;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Pool
+}  // namespace
 
 Pool::Pool(Driver& driver, PoolOptions options) : driver_(driver), options_(std::move(options)) {
   int count = driver_.device_count();
@@ -277,72 +209,16 @@ Pool::Pool(Driver& driver, PoolOptions options) : driver_(driver), options_(std:
     throw invalid_argument(fmt::format("Pool: device {} does not exist ({} {} device(s) present)", options_.device,
                                        count, driver_.backend_name()));
   DeviceProperties props = driver_.device_properties(options_.device);
-  if (!props.vmm_supported)
-    throw error(fmt::format("device {} ({}) does not support CUDA virtual memory management "
-                            "(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 0); torpor needs it",
-                            options_.device, props.name));
-  if (options_.exportable && !props.posix_fd_handles_supported)
-    throw error(fmt::format("device {} cannot export memory as POSIX file descriptors; exportable pools need it",
-                            options_.device));
+  check_device(options_, props);
   granularity_ = props.granularity;
-  if (options_.va_bytes == 0) options_.va_bytes = 2 * props.total_bytes;
-  options_.va_bytes = align_up(options_.va_bytes, granularity_);
-  if (options_.slab_bytes == 0) options_.slab_bytes = granularity_;
-  if (options_.slab_bytes % granularity_ != 0)
-    throw invalid_argument(fmt::format("PoolOptions::slab_bytes {} must be a multiple of the granularity {}",
-                                       options_.slab_bytes, granularity_));
-  if (options_.small_limit == 0) options_.small_limit = options_.slab_bytes / 2;
-  if (options_.small_limit > options_.slab_bytes)
-    throw invalid_argument(fmt::format("PoolOptions::small_limit {} exceeds slab_bytes {}", options_.small_limit,
-                                       options_.slab_bytes));
-  if (options_.medium_limit != 0) {
-    options_.medium_slab_min = align_up(std::max(options_.medium_slab_min, granularity_), granularity_);
-    options_.medium_slab_max = align_up(std::max(options_.medium_slab_max, options_.medium_slab_min), granularity_);
-    if (options_.medium_limit > options_.medium_slab_max)
-      throw invalid_argument(fmt::format("PoolOptions::medium_limit {} exceeds medium_slab_max {}",
-                                         options_.medium_limit, options_.medium_slab_max));
-  }
-  if (options_.release_threads < 1 || options_.release_threads > 64)
-    throw invalid_argument(fmt::format("PoolOptions::release_threads {} must be 1..64", options_.release_threads));
-  if (options_.copy_streams < 1 || options_.copy_streams > 64)
-    throw invalid_argument(fmt::format("PoolOptions::copy_streams {} must be 1..64", options_.copy_streams));
-  if (options_.copy_piece_bytes < HostStore::alignment)
-    throw invalid_argument(fmt::format("PoolOptions::copy_piece_bytes {} is below {}", options_.copy_piece_bytes,
-                                       HostStore::alignment));
-  options_.copy_piece_bytes = align_up(options_.copy_piece_bytes, HostStore::alignment);
-  if (options_.staging_slots < 2 || options_.staging_slot_bytes < HostStore::alignment)
-    throw invalid_argument("PoolOptions: the staging ring needs at least 2 slots of at least 256 bytes");
-  std::vector<int> access{options_.device};
-  for (int p : options_.peer_devices) {
-    if (p < 0 || p >= count) throw invalid_argument(fmt::format("Pool: peer device {} does not exist", p));
-    if (p == options_.device || std::find(access.begin(), access.end(), p) != access.end()) continue;
-    if (!driver_.can_access_peer(p, options_.device))
-      throw invalid_argument(fmt::format("Pool: device {} cannot access device {} (no peer access)", p, options_.device));
-    access.push_back(p);
-  }
+  normalize_sizes(options_, props, granularity_);
+  check_engine_options(options_);
+  std::vector<int> access = access_devices(driver_, options_, count);
 
   va_base_ = driver_.reserve(options_.va_bytes, granularity_);
   try {
-    state_ = std::make_unique<State>(driver_, options_, granularity_, va_base_);
-    state_->access_devices = std::move(access);
-    for (int i = 0; i < options_.copy_streams; ++i) state_->streams.push_back(driver_.stream_create(options_.device));
-    if (options_.skip_unchanged) {
-      // Load the hash kernels now: the device memory a first launch takes (module, local
-      // memory) belongs to the pool's setup, not to the first sleep's "memory returned".
-      HashRange none{};
-      Hash128 ignored;
-      driver_.hash(std::span<const HashRange>(&none, 1), &ignored, state_->streams[0]);
-    }
+    state_ = make_state(driver_, options_, granularity_, va_base_, std::move(access));
   } catch (...) {
-    if (state_) {
-      for (Stream st : state_->streams) {
-        try {
-          driver_.stream_destroy(st);
-        } catch (...) {
-        }
-      }
-    }
-    state_.reset();
     try {
       driver_.free_reservation(va_base_, options_.va_bytes);
     } catch (const std::exception& e) {
@@ -367,7 +243,7 @@ Pool::~Pool() {
   for (auto& [va, c] : s.chunks) {
     if (c->awake && c->handle) {
       try {
-        s.unmap_and_release(*c);
+        c->unmap_and_release(s.memory);
       } catch (const std::exception& e) {
         log::error("pool: unmapping chunk {:#x} at destruction failed: {}", va, e.what());
       }
@@ -378,31 +254,9 @@ Pool::~Pool() {
   s.chunks.clear();
   s.allocations.clear();
   s.retry_pending_releases();
-  if (!s.pending_release.empty())
-    log::error("pool: {} physical handles could not be released at destruction", s.pending_release.size());
-  for (Stream st : s.streams) {
-    try {
-      driver_.stream_destroy(st);
-    } catch (const std::exception& e) {
-      log::error("pool: destroying a stream failed: {}", e.what());
-    }
-  }
-  for (auto* list : {&s.events, &s.staging_events}) {
-    for (Event e : *list) {
-      try {
-        driver_.event_destroy(e);
-      } catch (const std::exception& ex) {
-        log::error("pool: destroying an event failed: {}", ex.what());
-      }
-    }
-  }
-  if (s.staging != nullptr) {
-    try {
-      driver_.host_free(s.staging);
-    } catch (const std::exception& e) {
-      log::error("pool: freeing the staging ring failed: {}", e.what());
-    }
-  }
+  if (std::size_t n = s.memory.pending(); n != 0)
+    log::error("pool: {} physical handles could not be released at destruction", n);
+  destroy_streams_and_events(s);
   try {
     driver_.free_reservation(va_base_, options_.va_bytes);
   } catch (const std::exception& e) {
@@ -411,120 +265,162 @@ Pool::~Pool() {
   // HostStore's destructor frees the pinned blocks.
 }
 
-void* Pool::allocate(std::size_t bytes, const AllocationOptions& options) {
+// ---------------------------------------------------------------------------------------------
+// Allocation
+
+namespace {
+
+ChunkKind kind_for(std::size_t bytes, bool dedicated, const PoolOptions& o) {
+  if (dedicated) return ChunkKind::dedicated;
+  if (bytes <= o.small_limit) return ChunkKind::small_slab;
+  if (o.medium_limit != 0 && bytes <= o.medium_limit) return ChunkKind::medium_slab;
+  return ChunkKind::dedicated;
+}
+
+struct Placement {
+  Chunk* chunk = nullptr;
+  std::size_t offset = 0;
+  std::size_t footprint = 0;
+};
+
+// The fast path: room in a mapped slab of this kind and (tag, class). No driver call. Adds the
+// bytes of the pair's slabs to `pair_bytes` (medium slabs grow with them).
+std::optional<Placement> carve_from_slab(Pool::State& s, ChunkKind kind, std::size_t footprint,
+                                         const AllocationOptions& options, std::size_t& pair_bytes) {
+  for (auto& [va, c] : s.chunks) {
+    if (c->kind != kind || c->tag != options.tag || c->cls != options.memory_class || !c->awake) continue;
+    pair_bytes += c->bytes;
+    if (auto off = c->space.allocate(footprint, sub_alignment)) return Placement{c.get(), *off, footprint};
+  }
+  return std::nullopt;
+}
+
+Placement place(Pool::State& s, std::size_t bytes, const AllocationOptions& options) {
+  const PoolOptions& o = s.options;
+  ChunkKind kind = kind_for(bytes, options.dedicated, o);
+  if (kind == ChunkKind::dedicated) {
+    std::size_t footprint = align_up(bytes, s.granularity);
+    return Placement{&s.new_chunk(footprint, options.tag, options.memory_class, kind), 0, footprint};
+  }
+  std::size_t footprint = align_up(bytes, sub_alignment);
+  std::size_t pair_bytes = 0;
+  if (auto p = carve_from_slab(s, kind, footprint, options, pair_bytes)) return *p;
+  std::size_t slab = o.slab_bytes;
+  if (kind == ChunkKind::medium_slab)
+    slab = std::max(align_up(bytes, s.granularity),
+                    std::clamp(align_up(pair_bytes, s.granularity), o.medium_slab_min, o.medium_slab_max));
+  Chunk& c = s.new_chunk(slab, options.tag, options.memory_class, kind);
+  return Placement{&c, *c.space.allocate(footprint, sub_alignment), footprint};
+}
+
+void check_allocation(std::size_t bytes, const AllocationOptions& options, std::size_t va_bytes) {
   if (bytes == 0) throw invalid_argument("allocate: size 0 (torpor does not hand out empty allocations)");
   check_class(options.memory_class);
   if (options.tag.empty()) throw invalid_argument("allocate: empty tag (use \"default\" or a name)");
-  if (bytes > options_.va_bytes)
+  if (bytes > va_bytes)
     throw invalid_argument(fmt::format("allocate: {} bytes exceed the pool's whole VA reservation of {} bytes; "
                                        "raise PoolOptions::va_bytes",
-                                       bytes, options_.va_bytes));
+                                       bytes, va_bytes));
+}
+
+void forget_recently_freed(Pool::State& s, device_ptr base) {
+  if (s.recently_freed_set.erase(base)) {
+    auto it = std::find(s.recently_freed.begin(), s.recently_freed.end(), base);
+    if (it != s.recently_freed.end()) s.recently_freed.erase(it);
+  }
+}
+
+void remember_freed(Pool::State& s, device_ptr base) {
+  s.recently_freed.push_back(base);
+  s.recently_freed_set.insert(base);
+  if (s.recently_freed.size() > recently_freed_limit) {
+    s.recently_freed_set.erase(s.recently_freed.front());
+    s.recently_freed.pop_front();
+  }
+}
+
+}  // namespace
+
+void* Pool::allocate(std::size_t bytes, const AllocationOptions& options) {
+  check_allocation(bytes, options, options_.va_bytes);
   State& s = *state_;
   std::lock_guard lock(s.mu);
   auto tag_it = s.tags.find(options.tag);
   if (tag_it != s.tags.end() && tag_it->second.asleep)
     throw invalid_state(fmt::format("allocate: tag '{}' is asleep (level {}); wake_up({{\"{}\"}}) before allocating in it",
-                                    options.tag, tag_it->second.level, options.tag));
+                                    options.tag, static_cast<int>(tag_it->second.level), options.tag));
 
-  Chunk* chunk = nullptr;
-  std::size_t offset = 0;
-  std::size_t footprint = 0;
-  ChunkKind kind = options.dedicated                                           ? ChunkKind::dedicated
-                   : bytes <= options_.small_limit                               ? ChunkKind::small_slab
-                   : (options_.medium_limit != 0 && bytes <= options_.medium_limit) ? ChunkKind::medium_slab
-                                                                                 : ChunkKind::dedicated;
-  if (kind != ChunkKind::dedicated) {
-    footprint = align_up(bytes, sub_alignment);
-    // Fast path: a mapped slab of this size class and (tag, class) with room. No driver call.
-    std::size_t pair_bytes = 0;
-    for (auto& [va, c] : s.chunks) {
-      if (c->kind != kind || c->tag != options.tag || c->cls != options.memory_class || !c->awake) continue;
-      pair_bytes += c->bytes;
-      if (auto off = c->space.allocate(footprint, sub_alignment)) {
-        chunk = c.get();
-        offset = *off;
-        break;
-      }
-    }
-    if (chunk == nullptr) {
-      std::size_t slab = options_.slab_bytes;
-      if (kind == ChunkKind::medium_slab)
-        slab = std::max(align_up(bytes, granularity_),
-                        std::clamp(align_up(pair_bytes, granularity_), options_.medium_slab_min, options_.medium_slab_max));
-      chunk = &s.new_chunk(slab, options.tag, options.memory_class, kind);
-      offset = *chunk->space.allocate(footprint, sub_alignment);
-    }
-  } else {
-    footprint = align_up(bytes, granularity_);
-    chunk = &s.new_chunk(footprint, options.tag, options.memory_class, kind);
-  }
-
+  Placement at = place(s, bytes, options);
   auto a = std::make_unique<Allocation>();
-  a->base = chunk->va + offset;
+  a->base = at.chunk->va + at.offset;
   a->bytes = bytes;
-  a->footprint = footprint;
-  a->offset = offset;
-  a->chunk = chunk;
+  a->footprint = at.footprint;
+  a->offset = at.offset;
+  a->chunk = at.chunk;
   a->segments[0] = Segment{bytes, options.memory_class, options.name};
-  chunk->allocations[offset] = a.get();
+  at.chunk->allocations[at.offset] = a.get();
   device_ptr base = a->base;
   s.allocations[base] = std::move(a);
   s.tags.try_emplace(options.tag);
-  if (s.recently_freed_set.erase(base)) {
-    auto it = std::find(s.recently_freed.begin(), s.recently_freed.end(), base);
-    if (it != s.recently_freed.end()) s.recently_freed.erase(it);
-  }
+  forget_recently_freed(s, base);
   return reinterpret_cast<void*>(base);
 }
+
+namespace {
+
+// Why `p` cannot be freed: an interior pointer, a double free, or a foreign pointer.
+[[noreturn]] void reject_deallocate(const Pool::State& s, device_ptr p) {
+  if (p == 0) throw invalid_argument("deallocate: null pointer");
+  if (const Allocation* a = s.containing(p))
+    throw invalid_argument(fmt::format("deallocate: {} is inside allocation {} (+{} of {} bytes, tag '{}'); "
+                                       "pass the allocation's base address",
+                                       hex(p), hex(a->base), p - a->base, a->bytes, a->chunk->tag));
+  if (s.recently_freed_set.count(p))
+    throw invalid_argument(fmt::format("deallocate: {} was already freed (double free)", hex(p)));
+  throw invalid_argument(
+      fmt::format("deallocate: {} was not allocated by this pool (device {})", hex(p), s.options.device));
+}
+
+// An empty awake small slab is kept for the fast path, one per (tag, class); a second goes.
+void dispose_if_spare(Pool::State& s, Chunk& c) {
+  bool another_empty = false;
+  for (auto& [va, o] : s.chunks)
+    if (o.get() != &c && o->kind == c.kind && o->awake && o->allocations.empty() && o->tag == c.tag && o->cls == c.cls)
+      another_empty = true;
+  if (!another_empty) return;
+  try {
+    s.dispose_chunk(c);
+  } catch (const std::exception& e) {
+    log::warn("pool: releasing a spare slab failed, keeping it: {}", e.what());
+  }
+}
+
+// Takes `a` out of its chunk: the whole chunk when it was the last allocation of a dedicated
+// chunk, a medium slab or a sleeping slab; else its space and host copies.
+void remove_from_chunk(Pool::State& s, Allocation& a) {
+  Chunk& c = *a.chunk;
+  bool last = c.allocations.size() == 1;
+  if (last && (c.kind != ChunkKind::small_slab || !c.awake)) {
+    s.dispose_chunk(c);  // throws before changing anything if unmap fails
+    return;
+  }
+  s.drop_copies(c.awake ? c.retained : c.backups, a.offset, a.offset + a.footprint);
+  c.space.free(a.offset, a.footprint);
+  c.allocations.erase(a.offset);
+  if (c.allocations.empty()) dispose_if_spare(s, c);
+}
+
+}  // namespace
 
 void Pool::deallocate(void* ptr) {
   State& s = *state_;
   auto p = reinterpret_cast<device_ptr>(ptr);
   std::lock_guard lock(s.mu);
   auto it = s.allocations.find(p);
-  if (it == s.allocations.end()) {
-    if (ptr == nullptr) throw invalid_argument("deallocate: null pointer");
-    if (const Allocation* a = s.containing(p))
-      throw invalid_argument(fmt::format("deallocate: {} is inside allocation {} (+{} of {} bytes, tag '{}'); "
-                                         "pass the allocation's base address",
-                                         hex(p), hex(a->base), p - a->base, a->bytes, a->chunk->tag));
-    if (s.recently_freed_set.count(p))
-      throw invalid_argument(fmt::format("deallocate: {} was already freed (double free)", hex(p)));
-    throw invalid_argument(fmt::format("deallocate: {} was not allocated by this pool (device {})", hex(p),
-                                       options_.device));
-  }
-  Allocation& a = *it->second;
-  Chunk& c = *a.chunk;
-  bool last = c.allocations.size() == 1;
-  if (last && (c.kind != ChunkKind::small_slab || !c.awake)) {
-    s.dispose_chunk(c);  // throws before changing anything if unmap fails
-  } else {
-    s.drop_copies(c.awake ? c.retained : c.backups, a.offset, a.offset + a.footprint);
-    c.space.free(a.offset, a.footprint);
-    c.allocations.erase(a.offset);
-    if (c.allocations.empty()) {
-      // An empty awake small slab: keep one per (tag, class) for the fast path.
-      bool another_empty = false;
-      for (auto& [va, o] : s.chunks)
-        if (o.get() != &c && o->kind == c.kind && o->awake && o->allocations.empty() && o->tag == c.tag &&
-            o->cls == c.cls)
-          another_empty = true;
-      if (another_empty) {
-        try {
-          s.dispose_chunk(c);
-        } catch (const std::exception& e) {
-          log::warn("pool: releasing a spare slab failed, keeping it: {}", e.what());
-        }
-      }
-    }
-  }
-  s.allocations.erase(p);
-  s.recently_freed.push_back(p);
-  s.recently_freed_set.insert(p);
-  if (s.recently_freed.size() > recently_freed_limit) {
-    s.recently_freed_set.erase(s.recently_freed.front());
-    s.recently_freed.pop_front();
-  }
+  if (it == s.allocations.end()) reject_deallocate(s, p);
+  remove_from_chunk(s, *it->second);
+  s.allocations.erase(it);
+  remember_freed(s, p);
 }
 
 void Pool::mark(void* ptr, std::size_t bytes, MemoryClass memory_class, std::string_view name) {
@@ -592,6 +488,40 @@ std::optional<ChunkInfo> Pool::chunk_info(const void* ptr) const {
   return ChunkInfo{c.va, c.bytes, a.offset, c.awake, c.kind == ChunkKind::dedicated, c.handle};
 }
 
+namespace {
+
+// One chunk's share of the pool's and its tag's figures.
+void add_chunk_stats(const Chunk& c, PoolStats& st, TagStats& x) {
+  ++x.chunks;
+  ++st.chunks;
+  x.reserved_bytes += c.bytes;
+  for (auto& [off, r] : c.retained) st.retained_bytes += r.bytes;
+  if (c.awake) {
+    x.mapped_bytes += c.bytes;
+    st.mapped_bytes += c.bytes;
+    if (c.allocations.empty()) st.cached_bytes += c.bytes;
+  } else {
+    x.level = std::max(x.level, static_cast<int>(c.level));
+  }
+  for (auto& [off, a] : c.allocations) {
+    ++x.allocations;
+    ++st.allocations;
+    for (auto& [start, seg] : a->segments) {
+      ClassStats& cs = x.classes[static_cast<std::size_t>(seg.cls)];
+      std::size_t len = seg.end - start;
+      cs.allocated_bytes += len;
+      if (c.awake) continue;
+      std::size_t kept = c.backed_bytes(a->offset + start, a->offset + seg.end);
+      cs.offloaded_bytes += kept;
+      cs.discarded_bytes += len - kept;
+      x.offloaded_bytes += kept;
+      x.discarded_bytes += len - kept;
+    }
+  }
+}
+
+}  // namespace
+
 PoolStats Pool::stats() const {
   State& s = *state_;
   std::lock_guard lock(s.mu);
@@ -604,7 +534,7 @@ PoolStats Pool::stats() const {
   st.host_store_bytes = s.host.capacity();
   st.host_store_used_bytes = s.host.used();
   st.host_store_pinned_bytes = s.host.pinned_capacity();
-  st.pending_releases = s.pending_release.size();
+  st.pending_releases = s.memory.pending();
   for (auto& [va, n] : s.address_ranges) st.address_ranges_bytes += n;
   std::map<std::string, TagStats, std::less<>> by_tag;
   for (auto& [t, ts] : s.tags) {
@@ -612,43 +542,7 @@ PoolStats Pool::stats() const {
     x.tag = t;
     x.asleep = ts.asleep;
   }
-  for (auto& [va, cp] : s.chunks) {
-    const Chunk& c = *cp;
-    TagStats& x = by_tag[c.tag];
-    ++x.chunks;
-    ++st.chunks;
-    x.reserved_bytes += c.bytes;
-    for (auto& [off, r] : c.retained) st.retained_bytes += r.bytes;
-    if (c.awake) {
-      x.mapped_bytes += c.bytes;
-      st.mapped_bytes += c.bytes;
-      if (c.allocations.empty()) st.cached_bytes += c.bytes;
-    } else {
-      x.level = std::max(x.level, c.level);
-    }
-    for (auto& [off, a] : c.allocations) {
-      ++x.allocations;
-      ++st.allocations;
-      for (auto& [start, seg] : a->segments) {
-        ClassStats& cs = x.classes[static_cast<std::size_t>(seg.cls)];
-        std::size_t len = seg.end - start;
-        cs.allocated_bytes += len;
-        if (c.awake) continue;
-        // Bytes of this segment covered by backups.
-        std::size_t lo = a->offset + start, hi = a->offset + seg.end, kept = 0;
-        auto b = c.backups.upper_bound(lo);
-        if (b != c.backups.begin()) --b;
-        for (; b != c.backups.end() && b->first < hi; ++b) {
-          std::size_t blo = std::max(lo, b->first), bhi = std::min(hi, b->first + b->second.bytes);
-          if (bhi > blo) kept += bhi - blo;
-        }
-        cs.offloaded_bytes += kept;
-        cs.discarded_bytes += len - kept;
-        x.offloaded_bytes += kept;
-        x.discarded_bytes += len - kept;
-      }
-    }
-  }
+  for (auto& [va, c] : s.chunks) add_chunk_stats(*c, st, by_tag[c->tag]);
   for (auto& [t, x] : by_tag) st.tags.push_back(std::move(x));
   return st;
 }

@@ -1,0 +1,64 @@
+// The offload pipeline; the design note and invariants are in offload_pipeline.hpp.
+#include "pool/offload_pipeline.hpp"
+
+#include <chrono>
+#include <thread>
+
+namespace torpor {
+
+void OffloadPipeline::issue(std::size_t k, Stream stream) {
+  const ChunkPlan& cp = plan_.chunks[k];
+  for (const Piece& p : cp.pieces) {
+    if (p.skip) {
+      r_.bytes_skipped += p.bytes;
+      continue;
+    }
+    device_ptr src = cp.chunk->va + p.offset;
+    if (p.span.pinned) {
+      s_.driver.copy_async(p.span.ptr, reinterpret_cast<const void*>(src), p.bytes, stream);
+    } else {
+      s_.staging.to_host(p.span.ptr, src, p.bytes, stream);
+      r_.bytes_staged += p.bytes;
+    }
+    r_.bytes_offloaded += p.bytes;
+  }
+  s_.driver.event_record(s_.events[k], stream);
+}
+
+void OffloadPipeline::release_loop() {
+  while (auto k = issued_.pop()) {
+    if (worker_failed_) continue;  // drain after a failure
+    try {
+      s_.driver.event_synchronize(s_.events[*k]);
+      plan_.chunks[*k].chunk->unmap_and_release(s_.memory);  // a failed release is deferred
+    } catch (...) {
+      std::lock_guard lock(worker_mu_);
+      if (!worker_error_) worker_error_ = std::current_exception();
+      worker_failed_ = true;
+      continue;
+    }
+    released_[*k] = 1;
+  }
+}
+
+void OffloadPipeline::run() {
+  auto t = std::chrono::steady_clock::now();
+  std::vector<std::thread> workers;
+  for (int i = 0; i < s_.options.release_threads; ++i) workers.emplace_back([this] { release_loop(); });
+  for (std::size_t k = 0; k < plan_.chunks.size() && !worker_failed_; ++k) {
+    try {
+      issue(k, s_.streams[k % s_.streams.size()]);
+    } catch (...) {
+      issue_error_ = std::current_exception();
+      break;
+    }
+    issued_.push(k);
+  }
+  issued_.close();
+  for (auto& w : workers) w.join();
+  if (!error())
+    r_.phases.push_back(
+        {"offload_and_release", std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count()});
+}
+
+}  // namespace torpor

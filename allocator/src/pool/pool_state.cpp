@@ -1,0 +1,133 @@
+// Pool::State's helpers: chunk creation and disposal, host copies, the survival rule (asked of
+// sleep_policy.hpp), tag resolution. The invariants they keep are in pool_state.hpp.
+#include "pool/pool_state.hpp"
+
+#include <fmt/format.h>
+#include <fnmatch.h>
+
+#include <algorithm>
+
+#include "pool/sleep_policy.hpp"
+#include "torpor/error.hpp"
+#include "torpor/log.hpp"
+
+namespace torpor {
+
+Chunk& Pool::State::new_chunk(std::size_t bytes, const std::string& tag, MemoryClass cls, ChunkKind kind) {
+  auto c = std::make_unique<Chunk>();  // before anything that would need undoing
+  auto off = va.allocate(bytes, granularity);
+  if (!off)
+    throw out_of_memory(fmt::format(
+        "pool VA reservation exhausted: {} bytes for tag '{}' do not fit ({} of {} bytes free, largest hole {}); "
+        "raise PoolOptions::va_bytes",
+        bytes, tag, va.free_bytes(), va.capacity(), va.largest_free()));
+  c->va = va_base + *off;
+  c->bytes = bytes;
+  c->tag = tag;
+  c->cls = cls;
+  c->kind = kind;
+  try {
+    c->map_new(memory);
+  } catch (...) {
+    va.free(*off, bytes);
+    throw;
+  }
+  if (c->slab()) c->space = RangeAllocator(bytes);
+  Chunk& ref = *c;
+  chunks[ref.va] = std::move(c);
+  return ref;
+}
+
+void Pool::State::dispose_chunk(Chunk& c) {
+  if (c.awake) c.unmap_and_release(memory);  // may throw: then nothing changed
+  drop_all_copies(c.backups);
+  drop_all_copies(c.retained);
+  va.free(c.va - va_base, c.bytes);
+  chunks.erase(c.va);
+}
+
+void Pool::State::free_span(const HostSpan& span) noexcept {
+  try {
+    host.free(span.ptr, span.bytes);
+  } catch (const std::exception& e) {
+    log::error("pool: freeing a host copy failed: {}", e.what());
+  }
+}
+
+void Pool::State::drop_all_copies(std::map<std::size_t, HostCopy>& copies) noexcept {
+  for (auto& [off, c] : copies) free_span(c.span);
+  copies.clear();
+}
+
+void Pool::State::drop_copies(std::map<std::size_t, HostCopy>& copies, std::size_t lo, std::size_t hi) {
+  if (lo >= hi) return;
+  auto it = copies.upper_bound(lo);
+  if (it != copies.begin()) --it;
+  while (it != copies.end() && it->first < hi) {
+    std::size_t start = it->first;
+    HostCopy c = it->second;
+    std::size_t end = start + c.bytes;
+    if (end <= lo) {
+      ++it;
+      continue;
+    }
+    it = copies.erase(it);
+    std::size_t cut_lo = std::max(lo, start);
+    std::size_t cut_hi = std::min(hi, end);
+    // Left piece keeps [start, cut_lo); right piece keeps [cut_hi, end) plus the store's
+    // rounding slack; the middle goes back to the store. Split pieces lose their hash.
+    std::size_t slack = c.span.bytes - c.bytes;
+    if (cut_lo > start) copies[start] = HostCopy{cut_lo - start, HostSpan{c.span.ptr, cut_lo - start, c.span.pinned}, {}, false};
+    if (cut_hi < end) {
+      copies[cut_hi] = HostCopy{end - cut_hi, HostSpan{c.span.ptr + (cut_hi - start), end - cut_hi + slack, c.span.pinned},
+                                {}, false};
+      free_span(HostSpan{c.span.ptr + (cut_lo - start), cut_hi - cut_lo, c.span.pinned});
+    } else {
+      free_span(HostSpan{c.span.ptr + (cut_lo - start), cut_hi - cut_lo + slack, c.span.pinned});
+    }
+    it = copies.lower_bound(cut_hi);
+  }
+}
+
+Event Pool::State::event(std::size_t i) {
+  while (events.size() <= i) events.push_back(driver.event_create(options.device));
+  return events[i];
+}
+
+bool Pool::State::preserved(const Segment& s) const {
+  for (const auto& g : preserve)
+    if (::fnmatch(g.c_str(), s.name.c_str(), 0) == 0) return true;
+  return false;
+}
+
+bool Pool::State::survives(const Segment& s, SleepLevel level) const {
+  return torpor::survives(segment_fate(s.cls, level), [&] { return preserved(s); });
+}
+
+Allocation* Pool::State::containing(device_ptr p) const {
+  auto up = allocations.upper_bound(p);
+  if (up == allocations.begin()) return nullptr;
+  Allocation* a = std::prev(up)->second.get();
+  return p < a->base + a->bytes ? a : nullptr;
+}
+
+std::vector<std::string> Pool::State::resolve_tags(const std::vector<std::string>& requested,
+                                                    const char* operation) const {
+  std::vector<std::string> out;
+  if (requested.empty()) {
+    for (auto& [t, s] : tags) out.push_back(t);
+    return out;
+  }
+  for (const auto& t : requested) {
+    if (!tags.count(t)) {
+      std::string known;
+      for (auto& [k, s] : tags) known += fmt::format("{}'{}'", known.empty() ? "" : ", ", k);
+      throw invalid_argument(fmt::format("{}: unknown tag '{}' (known tags: {})", operation, t,
+                                         known.empty() ? std::string("none yet") : known));
+    }
+    if (std::find(out.begin(), out.end(), t) == out.end()) out.push_back(t);
+  }
+  return out;
+}
+
+}  // namespace torpor

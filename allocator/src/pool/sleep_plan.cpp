@@ -1,0 +1,118 @@
+// The sleep plan's steps; the design note and invariants are in sleep_plan.hpp.
+#include "pool/sleep_plan.hpp"
+
+#include <algorithm>
+#include <chrono>
+
+namespace torpor {
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+// Step 1 for one chunk: the surviving runs, cut into pieces.
+void split_into_pieces(const Pool::State& s, ChunkPlan& plan, SleepLevel level) {
+  const std::size_t piece_bytes = s.options.copy_piece_bytes;
+  std::size_t run_lo = 0, run_hi = 0;
+  auto flush = [&] {
+    for (std::size_t at = run_lo; at < run_hi; at += piece_bytes)
+      plan.pieces.push_back(Piece{at, std::min(piece_bytes, run_hi - at), {}, {}, false, false});
+    run_lo = run_hi = 0;
+  };
+  for (auto& [aoff, a] : plan.chunk->allocations) {
+    for (auto& [segstart, seg] : a->segments) {
+      std::size_t lo = a->offset + segstart, hi = a->offset + seg.end;
+      if (!s.survives(seg, level)) {
+        plan.discarded += hi - lo;
+        continue;
+      }
+      // Contiguous surviving ranges merge into one run: fewer, larger copies.
+      if (run_hi != lo || run_hi == 0) {
+        if (run_hi != 0) flush();
+        run_lo = lo;
+      }
+      run_hi = hi;
+    }
+  }
+  if (run_hi != 0) flush();
+}
+
+// Step 2: one device hash call for every piece of the plan.
+void hash_pieces(Pool::State& s, SleepPlan& plan, TransitionReport& r) {
+  std::vector<HashRange> ranges;
+  for (auto& cp : plan.chunks)
+    for (auto& p : cp.pieces) ranges.push_back(HashRange{reinterpret_cast<const void*>(cp.chunk->va + p.offset), p.bytes});
+  if (ranges.empty()) return;
+  auto t = clock_type::now();
+  std::vector<Hash128> hashes(ranges.size());
+  s.driver.hash(ranges, hashes.data(), s.streams[0]);
+  std::size_t k = 0;
+  for (auto& cp : plan.chunks)
+    for (auto& p : cp.pieces) {
+      p.hash = hashes[k++];
+      p.hashed = true;
+      r.bytes_hashed += p.bytes;
+    }
+  r.phases.push_back({"hash", std::chrono::duration<double>(clock_type::now() - t).count()});
+}
+
+// Step 3 for one chunk. Returns the host bytes its pieces without a span still need.
+std::size_t reuse_retained_copies(Pool::State& s, ChunkPlan& plan) {
+  Chunk& c = *plan.chunk;
+  for (auto& p : plan.pieces) {
+    auto it = c.retained.find(p.offset);
+    if (it == c.retained.end() || it->second.bytes != p.bytes) continue;
+    p.span = it->second.span;
+    p.skip = p.hashed && it->second.hashed && it->second.hash == p.hash;
+    c.retained.erase(it);
+  }
+  s.drop_all_copies(c.retained);
+  std::size_t needed = 0;
+  for (auto& p : plan.pieces)
+    if (p.span.ptr == nullptr) needed += HostStore::reserved_size(p.bytes);
+  return needed;
+}
+
+// Step 4: one reservation, then a span for every piece still without one.
+void take_host_spans(Pool::State& s, SleepPlan& plan, std::size_t needed) {
+  s.host.reserve(needed);
+  for (auto& cp : plan.chunks)
+    for (auto& p : cp.pieces)
+      if (p.span.ptr == nullptr) p.span = s.host.allocate(p.bytes);
+  for (std::size_t k = 0; k < plan.chunks.size(); ++k) s.event(k);  // create events before the pipeline
+}
+
+}  // namespace
+
+void SleepPlan::free_spans(Pool::State& s) noexcept {
+  for (auto& cp : chunks)
+    for (auto& p : cp.pieces)
+      if (p.span.ptr != nullptr) {
+        s.free_span(p.span);
+        p.span = {};
+      }
+}
+
+SleepPlan select_chunks(const Pool::State& s, const std::vector<std::string>& tags, SleepLevel level) {
+  SleepPlan plan;
+  plan.level = level;
+  for (auto& [va, c] : s.chunks) {
+    if (!has_tag(tags, c->tag)) continue;
+    if (c->awake) plan.chunks.push_back(ChunkPlan{c.get(), {}, 0});
+    else if (c->level < level) plan.deepen.push_back(c.get());
+  }
+  return plan;
+}
+
+void plan_offload(Pool::State& s, SleepPlan& plan, TransitionReport& r) {
+  for (auto& cp : plan.chunks) {
+    split_into_pieces(s, cp, plan.level);
+    r.pieces += cp.pieces.size();
+  }
+  if (s.options.skip_unchanged) hash_pieces(s, plan, r);
+  std::size_t needed = 0;
+  for (auto& cp : plan.chunks) needed += reuse_retained_copies(s, cp);
+  take_host_spans(s, plan, needed);
+}
+
+}  // namespace torpor

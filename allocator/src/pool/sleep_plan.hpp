@@ -1,0 +1,60 @@
+// The sleep plan: which chunks go to sleep, which of their bytes travel (in pieces), which
+// pieces are unchanged since their retained copy, and the host span each piece lands in.
+//
+// plan_offload() runs these steps on the thread that holds the pool's lock, after the device
+// work that may touch the memory finished:
+//   1. pieces: for every awake chunk, the allocated ranges that survive the level
+//      (sleep_policy.hpp), contiguous ranges merged into runs, runs cut into pieces of at most
+//      copy_piece_bytes; free space never travels;
+//   2. hash every piece on the device (skip_unchanged);
+//   3. a retained copy of exactly a piece's range lends the piece its span, and the copy is
+//      skipped when both hashes match; retained copies that match no piece are stale and go
+//      back to the store first;
+//   4. reserve host space for the other pieces in one go (one new block per tier at most: a
+//      steady cycle allocates no host memory), take a span for each, create one event per
+//      chunk for the pipeline.
+//
+// Invariants once planned: every piece owns a host span; the planned chunks hold no retained
+// copies; the plan owns its spans until apply moves them into the chunks' backups, and
+// free_spans() gives back the ones it still holds (after a failure).
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "pool/pool_state.hpp"
+
+namespace torpor {
+
+struct Piece {
+  std::size_t offset = 0;  // in the chunk
+  std::size_t bytes = 0;
+  HostSpan span;           // destination (null until assigned)
+  Hash128 hash;
+  bool hashed = false;
+  bool skip = false;       // the retained copy holds exactly these bytes
+};
+
+struct ChunkPlan {
+  Chunk* chunk = nullptr;
+  std::vector<Piece> pieces;
+  std::size_t discarded = 0;  // allocated bytes that do not travel
+};
+
+struct SleepPlan {
+  SleepLevel level = SleepLevel::none;
+  std::vector<ChunkPlan> chunks;  // awake chunks to put to sleep (empty slabs have no pieces)
+  std::vector<Chunk*> deepen;     // asleep at a shallower level: they only drop backups
+
+  // Gives back every span the plan still holds. Never throws.
+  void free_spans(Pool::State& s) noexcept;
+};
+
+// The chunks of `tags` a sleep at `level` changes, in VA order.
+SleepPlan select_chunks(const Pool::State& s, const std::vector<std::string>& tags, SleepLevel level);
+// Steps 1-4 above; records r.pieces, r.bytes_hashed and the "hash" phase. On failure the
+// caller gives back the spans already taken (free_spans).
+void plan_offload(Pool::State& s, SleepPlan& plan, TransitionReport& r);
+
+}  // namespace torpor
