@@ -80,6 +80,8 @@ LaunchResult launch_threads(const LaunchOptions& o, const RankBody& body) {
 
   LaunchResult result;
   result.backend = std::string(sel.driver->backend_name());
+  result.device_kernels = sel.driver->capabilities().compute == DriverCapabilities::Compute::device_kernels;
+  result.host_memory = sel.driver->capabilities().host_memory;
   std::unique_lock lock(sh->mu);
   for (;;) {
     if (sh->done == o.ranks) break;
@@ -215,6 +217,8 @@ LaunchResult launch_processes(const LaunchOptions& o) {
       if (report->contains("result")) out.result = (*report)["result"];
       out.error = report->value("error", std::string());
       if (report->contains("backend")) result.backend = (*report)["backend"].get<std::string>();
+      result.device_kernels = report->value("device_kernels", false);
+      result.host_memory = report->value("host_memory", false);
     }
     if (killed[r])
       out.error = first_failure && clock_type::now() < deadline
@@ -261,12 +265,15 @@ int run_worker(Backend backend, const GroupOptions& group_options, const RankBod
   }
   const int rank = group->rank();
   std::string backend_name;
+  bool device_kernels = false, host_memory = false;
   RankOutcome out = outcome_of(rank, [&] {
     DriverSelection sel = open_rank_driver(backend, group->size());
     backend_name = std::string(sel.driver->backend_name());
+    device_kernels = sel.driver->capabilities().compute == DriverCapabilities::Compute::device_kernels;
+    host_memory = sel.driver->capabilities().host_memory;
     return body(*sel.driver, *group, rank);
   });
-  line = {{"rank", rank}, {"ok", out.ok}, {"result", out.result}, {"backend", backend_name}};
+  line = {{"rank", rank}, {"ok", out.ok}, {"result", out.result}, {"backend", backend_name}, {"device_kernels", device_kernels}, {"host_memory", host_memory}};
   if (!out.ok) line["error"] = out.error;
   fmt::print("{}\n", line.dump());
   std::fflush(stdout);

@@ -48,7 +48,9 @@ struct RankOutcome {
 struct LaunchResult {
   std::vector<RankOutcome> ranks;
   bool abandoned = false;  // threads still running (see above)
-  std::string backend;     // "host" or "cuda"
+  std::string backend;     // "host" or "cuda": for reports only
+  bool device_kernels = false;  // the ranks' math ran as device kernels (their capability)
+  bool host_memory = false;     // the ranks' pool memory was host RAM (their capability)
 };
 
 // The driver a launch uses: `backend`, with the host backend's emulated machine big enough for

@@ -221,7 +221,7 @@ int rl_main(RlOptions o) {
   if (static_cast<int>(r.ranks.size()) != o.ranks) problems.push_back("not every rank reported");
   fmt::print("(returned: device memory given back by sleep(2), by cuMemGetInfo; trained: taken outside the pool by the "
              "training phase{}; changed: tokens that differ from the previous iteration's output)\n",
-             r.backend == "host" ? fmt::format(", capped at {} on the host backend", o.train_cap) : "");
+             r.host_memory ? fmt::format(", capped at {} on the host backend", o.train_cap) : "");
   const bool pass = problems.empty();
   if (pass)
     fmt::print("PASS: {} iterations on {} ranks; after every weight update the outputs equal a freshly built model's, "

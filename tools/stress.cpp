@@ -68,7 +68,7 @@ int stress_main(StressOptions o) {
   ex.cycles = o.cycles;
   ex.soak_patterns = soak_patterns().size();
   ex.negative_control = !o.negative_control.empty();
-  ex.graphs = r.backend == "cuda" && !o.model.no_graphs;
+  ex.graphs = r.device_kernels && !o.model.no_graphs;  // the runner captures graphs where its kernels run on a device
   StressSummary s = summarize(r, ex);
   s.json["processes"] = o.processes;
   if (o.json != "-") fmt::print("{}", render(s));
