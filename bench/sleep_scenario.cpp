@@ -364,7 +364,7 @@ int run(const Options& o) {
   auto first = [&](const char* key) { return cycles.front()[key]["wall_seconds"].get<double>(); };
   // Memory returned, steady state (cycles 2..N) and cycle 1 apart: the first sleep creates
   // the pinned host store, and mapping that much host memory for the GPU takes device
-  // memory for page tables (about 64 MiB for 32 GiB on the H200s), outside the pool.
+  // memory for page tables, outside the pool (bench/results/2026-11-30-sleep-h200.md: how much).
   double min_returned = 1, first_returned = 1;
   for (std::size_t i = 0; i < cycles.size(); ++i)
     for (const char* k : {"l1_sleep", "l1_sleep_unchanged", "l2_sleep"}) {

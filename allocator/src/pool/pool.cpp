@@ -4,8 +4,8 @@
 // Size classes (the handle-size policy, see PoolOptions): small allocations are carved from
 // granularity-sized slabs, medium ones from slabs that grow with the (tag, class) up to
 // medium_slab_max, large ones get a chunk each. Few large handles keep the VMM calls of sleep
-// and wake few: on the test H200s releasing a 2 MiB handle costs 12 us but a 4 GiB one only
-// 2.7 ms, i.e. per byte large handles are about 9 times cheaper.
+// and wake few: a VMM call's cost grows far more slowly than the handle's size, so per byte large
+// handles are much cheaper (bench/results/2026-11-30-vmm-costs-h200.md).
 //
 // The allocation fast path (a slab of the right (tag, class) with room) touches only the
 // slab's RangeAllocator and two maps: no driver call. Freed empty small slabs are kept, one

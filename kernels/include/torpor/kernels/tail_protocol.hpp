@@ -69,8 +69,8 @@ inline constexpr int tail_vector_elems = 8;
 // The lane layout a row's reduction follows on the GPU and the CPU: tail_row_lanes lanes, lane j
 // owning vectors j and j + tail_row_lanes of the row. On the GPU a lane is a thread: one block of
 // tail_row_lanes threads per row, or a cluster of blocks that split the lanes (blocks per row,
-// TailOptions::blocks_per_row). 512: a row's epilogue is issue-bound on few warps (measured: 1.8
-// us per row at 256 threads and 7168 hidden on an H200).
+// TailOptions::blocks_per_row). 512: a row's epilogue is issue-bound on few warps
+// (bench/results/2026-11-30-tail-tuned-2xh200.md, the step to 512 threads).
 inline constexpr int tail_row_lanes = 512;
 inline constexpr int tail_warp = 32;
 inline constexpr int tail_max_vectors_per_thread = tail_max_hidden / tail_vector_elems / tail_row_lanes;  // 2
