@@ -29,11 +29,8 @@
 //   4. the last block of the grid (a send-only block whenever there are more blocks than rows,
 //      so off the critical path) waits until every block has counted itself in -- every block
 //      has read the control block -- and advances it (I4).
-// Memory ordering: senders need no fence between clearing and sending (I3 relies on stream
-// order: the clear of call s happens a whole kernel before the store of call s + 1 that a peer
-// must see before it writes the cleared slot again; with a programmatic launch, call s + 1 does
-// nothing before its griddepcontrol.wait, which returns only once call s has completed and its
-// memory operations are visible). Pollers read the data with the same load that checks for the
+// Memory ordering: senders need no fence between clearing and sending (I3: a kernel boundary,
+// which griddepcontrol.wait keeps for a programmatic launch, separates them). Pollers read the data with the same load that checks for the
 // sentinel, so there is no flag/data ordering to get wrong. The block count (control.arrived) is
 // incremented only after the control reads returned their values (past the block's first
 // barrier) and read by the updater with ld.acquire: no fence, and nothing waits for a remote

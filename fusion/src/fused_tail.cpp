@@ -1,12 +1,11 @@
 // FusedTail: the Lamport tail's state and its host side (see tail_impl.hpp, and the protocol's
 // invariants in kernels/include/torpor/kernels/tail_protocol.hpp).
 //
-// State, all torpor memory of class state in the "weights" tag, so sleep (any level) offloads and
-// restores it bit for bit and the next call continues where the last one stopped:
-//   slots    a SymmetricBuffer ("tail.slots"), every peer's part mapped here; its peer table is
-//            the kernel's table (the multicast address is its last entry when bound);
+// The protocol's buffers, allocated here as class state, so sleep (any level) offloads and
+// restores them bit for bit and the next call continues where the last one stopped:
+//   slots    a SymmetricBuffer ("tail.slots"); its peer table is the protocol's table;
 //   control  this rank's TailControl ("tail.control").
-// Nothing is re-initialised on wake; reset() is the only re-initialisation and it is collective:
+// Nothing is re-initialised on wake. reset() makes the protocol's start state, collectively:
 // wait for this rank's work, barrier (every rank idle), fill this rank's part with the sentinel
 // and write a fresh control block, barrier (every rank clean before anyone calls again).
 #include <fmt/format.h>
