@@ -114,14 +114,14 @@ nlohmann::json rl_rank(const RlOptions& o, Driver& driver, Group& group, int dev
       row["train_checksum"] = fmt::format("{:016x}", checksum);
 
       t = clock_type::now();
-      e.pool.wake_up({"weights"});
+      e.pool.wake_up({tags::weights});
       row["wake_weights_s"] = since(t);
       version.updates = it;
       fusion::LoadReport lr = e.model->load_weights(version);
       row["load_s"] = lr.seconds;
       row["loaded_bytes"] = lr.bytes_loaded;
       t = clock_type::now();
-      e.pool.wake_up({"kv_cache"});
+      e.pool.wake_up({tags::kv_cache});
       row["wake_kv_s"] = since(t);
       t = clock_type::now();
       out = generate(*e.model);

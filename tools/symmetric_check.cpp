@@ -103,7 +103,7 @@ nlohmann::json check_rank(const Options& o, Driver& driver, Group& bootstrap, in
   Pool pool(driver, po);
   SymmetricHeap heap(pool, *group);
   MulticastDecision decision = decide_multicast(*group, driver, device);
-  SymmetricBuffer& buf = heap.allocate(bytes, {"weights", "symmetric-check", false});
+  SymmetricBuffer& buf = heap.allocate(bytes, {tags::weights, "symmetric-check", false});
   const std::size_t slice = buf.part_bytes() / static_cast<std::size_t>(n) / 8 * 8;
   const std::size_t stage_bytes = std::min<std::size_t>(slice, std::size_t{64} << 20);
   auto* stage = static_cast<std::uint64_t*>(driver.host_alloc(stage_bytes));

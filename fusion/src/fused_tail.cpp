@@ -31,7 +31,7 @@ FusedTail::FusedTail(SymmetricHeap& heap, const TailShape& shape, const TailOpti
     : TailBase(heap, shape, options, TailPath::fused_unicast, "") {
   const std::size_t bytes = kernels::tail_slot_bytes(ranks_, shape_.max_tokens, shape_.hidden);
   // Collective, all-or-nothing across ranks (the heap's contract); asks the group for multicast.
-  slots_ = &heap_.allocate(bytes, {"weights", "tail.slots", want_multicast});
+  slots_ = &heap_.allocate(bytes, {tags::weights, "tail.slots", want_multicast});
   multicast_ = slots_->multicast_address() != nullptr;
   path_ = multicast_ ? TailPath::fused_multicast : TailPath::fused_unicast;
   if (multicast_) {
@@ -48,7 +48,7 @@ FusedTail::FusedTail(SymmetricHeap& heap, const TailShape& shape, const TailOpti
   // Local setup; its outcome is agreed on before anyone waits in reset()'s barrier.
   std::string failure;
   try {
-    control_ = pool_.allocate(sizeof(TailControl), {"weights", MemoryClass::state, "tail.control"});
+    control_ = pool_.allocate(sizeof(TailControl), {tags::weights, MemoryClass::state, "tail.control"});
     if (cuda_) {
 #if defined(TORPOR_KERNELS_CUDA)
       DeviceGuard guard(device_);

@@ -36,7 +36,7 @@ UnfusedTail::UnfusedTail(SymmetricHeap& heap, const TailShape& shape, const Tail
     kernels::tail_preload(shape_.hidden, false, 1);
   }
   const std::size_t bytes = static_cast<std::size_t>(shape_.max_tokens) * static_cast<std::size_t>(shape_.hidden) * sizeof(float);
-  scratch_ = pool_.allocate(bytes, {"weights", MemoryClass::cache, "tail.scratch"});
+  scratch_ = pool_.allocate(bytes, {tags::weights, MemoryClass::cache, "tail.scratch"});
   try {
     if (ranks_ > 1) comm_ = std::make_unique<NcclComm>(group_, device_);
   } catch (...) {
@@ -94,10 +94,9 @@ void UnfusedTail::run(const TailArgs& args, Stream stream) {
     return;
   }
 #if defined(TORPOR_KERNELS_CUDA)
-  if (pool_.asleep("weights"))
-    throw invalid_state(fmt::format("{}: its scratch buffer (tag 'weights') is asleep; wake the pool before calling the "
-                                    "tail",
-                                    who()));
+  if (pool_.asleep(tags::weights))
+    throw invalid_state(fmt::format("{}: its scratch buffer (tag '{}') is asleep; wake the pool before calling the tail",
+                                    who(), tags::weights));
   DeviceGuard guard(device_);
   void* s = cuda_stream(stream);
   auto* scratch = static_cast<float*>(scratch_);

@@ -5,8 +5,8 @@
  *
  *   torpor_pool_options o; torpor_pool_options_init(&o);
  *   torpor_pool_t pool; torpor_pool_create(&o, &pool);
- *   void* w; torpor_alloc(pool, 1 << 20, "weights", TORPOR_CLASS_PARAMETER, "layer0.w", &w);
- *   const char* tags[] = {"weights"};
+ *   void* w; torpor_alloc(pool, 1 << 20, TORPOR_TAG_WEIGHTS, TORPOR_CLASS_PARAMETER, "layer0.w", &w);
+ *   const char* tags[] = {TORPOR_TAG_WEIGHTS};
  *   torpor_sleep(pool, 2, NULL, 0);      // all tags
  *   torpor_wake_up(pool, tags, 1);       // weights only
  *   torpor_pool_destroy(pool);
@@ -21,6 +21,12 @@ extern "C" {
 #endif
 
 typedef struct torpor_pool_s* torpor_pool_t;
+
+/* The tags torpor's clients share by convention (torpor/tags.hpp says what each holds). To the
+ * pool a tag is any non-empty string. */
+#define TORPOR_TAG_WEIGHTS "weights"
+#define TORPOR_TAG_KV_CACHE "kv_cache"
+#define TORPOR_TAG_CUDA_GRAPH "cuda_graph"
 
 typedef enum torpor_status {
   TORPOR_OK = 0,

@@ -9,12 +9,18 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "api/c_api_internal.hpp"
 #include "torpor/backend.hpp"
 #include "torpor/error.hpp"
 #include "torpor/pool.hpp"
+
+// torpor.h's tag macros are torpor/tags.hpp's strings.
+static_assert(std::string_view(TORPOR_TAG_WEIGHTS) == torpor::tags::weights);
+static_assert(std::string_view(TORPOR_TAG_KV_CACHE) == torpor::tags::kv_cache);
+static_assert(std::string_view(TORPOR_TAG_CUDA_GRAPH) == torpor::tags::cuda_graph);
 
 namespace {
 
