@@ -205,7 +205,7 @@ def _mempool(torch, tag: str, device: int, memory_class: MemoryClass):
 
 def _allocation_error(tag: str, device: int, status: int):
     message = f"PyTorch could not allocate in torpor pool '{tag}' on device {device}: {_lib.last_error()}"
-    return error_for(status, message) if status else OutOfMemory(message)
+    return error_for(status, message) if status != _lib.status_ok() else OutOfMemory(message)
 
 
 @contextlib.contextmanager

@@ -91,7 +91,21 @@ torpor_status torpor_find(torpor_pool_t pool, const void* ptr, void** base, size
 torpor_status torpor_copy(torpor_pool_t pool, void* dst, const void* src, size_t bytes);
 
 const char* torpor_last_error(void);
+/* "TORPOR_ERROR_TIMEOUT" for TORPOR_ERROR_TIMEOUT, ...; "TORPOR_ERROR_UNKNOWN" for any other value. */
 const char* torpor_status_name(torpor_status status);
+
+/* The enumerations above as the library defines them, so that a binding (the Python package)
+ * takes the values from the library instead of copying them:
+ *   torpor_status_value: the value of the status named `name` as written in this header
+ *     ("TORPOR_ERROR_TIMEOUT"); -1 for NULL or a name this library does not define;
+ *   torpor_class_name, torpor_backend_name, torpor_fill_name: the lower-case name of a class
+ *     ("parameter", "state", "cache"), backend ("auto", "host", "cuda") or fill ("none",
+ *     "zero", "poison"), the names torpor's messages and tools use; NULL for a value out of
+ *     range, so counting up from 0 until NULL enumerates them. */
+int torpor_status_value(const char* name);
+const char* torpor_class_name(int memory_class);
+const char* torpor_backend_name(int backend);
+const char* torpor_fill_name(int fill);
 
 #ifdef __cplusplus
 }
