@@ -30,8 +30,9 @@
 //      so off the critical path) waits until every block has counted itself in -- every block
 //      has read the control block -- and advances it (I4).
 // Memory ordering: senders need no fence between clearing and sending (I3: a kernel boundary,
-// which griddepcontrol.wait keeps for a programmatic launch, separates them). Pollers read the data with the same load that checks for the
-// sentinel, so there is no flag/data ordering to get wrong. The block count (control.arrived) is
+// which griddepcontrol.wait keeps for a programmatic launch, separates them). Pollers read the
+// data with the same load that checks for the sentinel, so there is no flag/data ordering to get
+// wrong. The block count (control.arrived) is
 // incremented only after the control reads returned their values (past the block's first
 // barrier) and read by the updater with ld.acquire: no fence, and nothing waits for a remote
 // store's acknowledgement inside the kernel. The cluster (C > 1) synchronises once, at entry

@@ -235,7 +235,9 @@ class Plan {
 }  // namespace
 
 SleepPattern plan_level1() { return {"sleep 1, wake all", 1, {}, {{}}}; }
-SleepPattern plan_level2() { return {"sleep 2, wake weights, reload, wake kv_cache", 2, {}, {{tags::weights}, {tags::kv_cache}}}; }
+SleepPattern plan_level2() {
+  return {"sleep 2, wake weights, reload, wake kv_cache", 2, {}, {{tags::weights}, {tags::kv_cache}}};
+}
 
 const std::vector<SleepPattern>& soak_patterns() {
   static const std::vector<SleepPattern> patterns = {

@@ -95,7 +95,8 @@ void UnfusedTail::run(const TailArgs& args, Stream stream) {
   }
 #if defined(TORPOR_KERNELS_CUDA)
   if (pool_.asleep(tags::weights))
-    throw invalid_state(fmt::format("{}: its scratch buffer (tag '{}') is asleep; wake the pool before calling the tail",
+    throw invalid_state(fmt::format("{}: its scratch buffer (tag '{}') is asleep; wake the pool before calling "
+                                    "the tail",
                                     who(), tags::weights));
   DeviceGuard guard(device_);
   void* s = cuda_stream(stream);
