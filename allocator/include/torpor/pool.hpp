@@ -216,9 +216,9 @@ class Pool {
   void set_preserve(std::vector<std::string> globs);
   std::vector<std::string> preserve() const;
 
-  // level 0: nothing; 1 and 2: see the table above. Empty `tags` = every known tag.
-  TransitionReport sleep(int level, const std::vector<std::string>& tags = {});
-  TransitionReport wake_up(const std::vector<std::string>& tags = {});
+  // level 0: nothing; 1 and 2: see the table above. Empty `requested` = every known tag.
+  TransitionReport sleep(int level, const std::vector<std::string>& requested = {});
+  TransitionReport wake_up(const std::vector<std::string>& requested = {});
   bool asleep(std::string_view tag) const;
   std::vector<std::string> tags() const;
 

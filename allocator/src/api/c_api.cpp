@@ -198,16 +198,16 @@ torpor_status torpor_pool_create(const torpor_pool_options* options, torpor_pool
   });
 }
 
-torpor_status torpor_pool_destroy(torpor_pool_t handle) {
+torpor_status torpor_pool_destroy(torpor_pool_t pool) {
   std::shared_ptr<CPool> p;
   {
     Registry& r = registry();
     std::lock_guard lock(r.mu);
-    auto it = r.pools.find(reinterpret_cast<std::uintptr_t>(handle));
+    auto it = r.pools.find(reinterpret_cast<std::uintptr_t>(pool));
     if (it == r.pools.end())
       return fail(TORPOR_ERROR_INVALID_HANDLE,
                   fmt::format("torpor_pool_destroy: pool handle {} is not a live pool (destroyed twice?)",
-                              static_cast<void*>(handle)));
+                              static_cast<void*>(pool)));
     p = std::move(it->second);
     r.pools.erase(it);
   }
