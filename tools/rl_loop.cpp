@@ -176,7 +176,7 @@ int rl_main(RlOptions o) {
                     std::to_string(o.iterations), "--update-seed", std::to_string(o.update_seed), "--update-scale",
                     fmt::format("{}", o.update_scale), "--train-fraction", fmt::format("{}", o.train_fraction),
                     "--train-cap", o.train_cap, "--timeout", std::to_string(o.group_timeout_s)};
-  if (!o.progress) lo.worker_args.push_back("--no-progress");
+  if (!o.progress) lo.worker_args.emplace_back("--no-progress");
   auto m = o.model.args();
   lo.worker_args.insert(lo.worker_args.end(), m.begin(), m.end());
   LaunchResult r = launch(lo, [&o](Driver& d, Group& g, int dev) { return rl_rank(o, d, g, dev); });
@@ -217,7 +217,7 @@ int rl_main(RlOptions o) {
       }
     all.push_back(pr);
   }
-  if (static_cast<int>(r.ranks.size()) != o.ranks) problems.push_back("not every rank reported");
+  if (static_cast<int>(r.ranks.size()) != o.ranks) problems.emplace_back("not every rank reported");
   fmt::print("(returned: device memory given back by sleep(2), by cuMemGetInfo; trained: taken outside the pool by the "
              "training phase{}; changed: tokens that differ from the previous iteration's output)\n",
              r.backend == "host" ? fmt::format(", capped at {} on the host backend", o.train_cap) : "");

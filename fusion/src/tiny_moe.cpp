@@ -65,14 +65,14 @@ void validate(const TinyMoeConfig& c, int ranks) {
 }
 
 // Fills for the host copy of a parameter.
-auto dense(std::string logical, float scale, std::size_t count) {
+auto dense(const std::string& logical, float scale, std::size_t count) {
   std::uint64_t h = weight_name_hash(logical);
   return [h, scale, count](const WeightVersion& v, bf16* out) {
     for (std::size_t i = 0; i < count; ++i) out[i] = bf16::from_float(scale * weight_value(v, h, i));
   };
 }
 
-auto norm(std::string logical, std::size_t count) {
+auto norm(const std::string& logical, std::size_t count) {
   std::uint64_t h = weight_name_hash(logical);
   return [h, count](const WeightVersion& v, bf16* out) {
     for (std::size_t i = 0; i < count; ++i) out[i] = bf16::from_float(1.0f + 0.1f * weight_value(v, h, i));

@@ -394,6 +394,7 @@ TransitionReport Pool::sleep_tags(int level, const std::vector<std::string>& tag
   // Releasing is a driver call per chunk whose cost grows with its size; a few threads
   // overlap them (the copies they wait for still complete in issue order).
   std::vector<std::thread> workers;
+  workers.reserve(static_cast<std::size_t>(options_.release_threads));
   for (int i = 0; i < options_.release_threads; ++i) workers.emplace_back(release_loop);
   std::exception_ptr issue_error;
   double copy_seconds = 0;
