@@ -14,7 +14,7 @@
 #ifndef TORPOR_TORPOR_H
 #define TORPOR_TORPOR_H
 
-#include <stddef.h>
+#include <stddef.h> /* NOLINT(modernize-deprecated-headers): a C header */
 
 #ifdef __cplusplus
 extern "C" {
