@@ -25,6 +25,6 @@ __version__ = "0.1.0"
 __all__ = [
     "CuMemAllocator", "DriverError", "InternalError", "InvalidArgument", "InvalidHandle", "InvalidState",
     "LibraryNotFound", "MemoryClass", "OutOfMemory", "Pool", "Registration", "Timeout", "TorchUnavailable",
-    "TorporError", "Unavailable", "configure", "errors", "last_error", "library_path", "pools", "register_parameters", "sleep",
-    "stats", "tags", "use_pool", "wake_up",
+    "TorporError", "Unavailable", "configure", "errors", "last_error", "library_path", "pools", "register_parameters",
+    "sleep", "stats", "tags", "use_pool", "wake_up",
 ]

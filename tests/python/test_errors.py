@@ -116,7 +116,8 @@ def test_import_does_not_need_torch_and_torch_calls_say_so():
     out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert len(lines) == 3 and all(l.startswith("TU this part of torpor needs PyTorch") for l in lines[:2]), out.stdout
+    needs_torch = [line.startswith("TU this part of torpor needs PyTorch") for line in lines[:2]]
+    assert len(lines) == 3 and all(needs_torch), out.stdout
     assert lines[2] == "{} {} {}", "no pools yet: sleep and wake do nothing"
 
 
