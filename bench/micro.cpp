@@ -14,10 +14,10 @@ namespace {
 void BM_SmallAllocateFree(benchmark::State& state) {
   torpor::HostDriver driver;
   torpor::Pool pool(driver);
-  void* keep = pool.allocate(4096, {"weights", torpor::MemoryClass::state, ""});  // slab stays mapped
+  void* keep = pool.allocate(4096, {torpor::tags::weights, torpor::MemoryClass::state, ""});  // slab stays mapped
   auto n = static_cast<std::size_t>(state.range(0));
   for (auto _ : state) {
-    void* p = pool.allocate(n, {"weights", torpor::MemoryClass::state, ""});
+    void* p = pool.allocate(n, {torpor::tags::weights, torpor::MemoryClass::state, ""});
     benchmark::DoNotOptimize(p);
     pool.deallocate(p);
   }

@@ -81,14 +81,14 @@ Scenario build(Pool& pool, const Options& o) {
     std::string name = fmt::format("layers.{}.w{}", i / 8, i % 8);
     if (i < o.shared) {
       // A PyTorch-style segment: the tensor and, behind it, a buffer the module computed.
-      void* seg = pool.allocate(o.param_bytes + shared_tail, {"weights", MemoryClass::state, name + ".segment"});
+      void* seg = pool.allocate(o.param_bytes + shared_tail, {tags::weights, MemoryClass::state, name + ".segment"});
       pool.mark(seg, o.param_bytes, MemoryClass::parameter, name);
       s.allocations.push_back(seg);
       s.params.push_back({seg, o.param_bytes});
       s.state.push_back({static_cast<std::byte*>(seg) + o.param_bytes, shared_tail});
       s.state_bytes += shared_tail;
     } else {
-      void* p = pool.allocate(o.param_bytes, {"weights", MemoryClass::parameter, name});
+      void* p = pool.allocate(o.param_bytes, {tags::weights, MemoryClass::parameter, name});
       s.allocations.push_back(p);
       s.params.push_back({p, o.param_bytes});
     }
@@ -98,14 +98,14 @@ Scenario build(Pool& pool, const Options& o) {
     std::size_t n = o.state_min + rng() % (o.state_max - o.state_min + 1);
     n = std::min(n, o.state_bytes - s.state_bytes);
     n = std::max<std::size_t>(n, 256);
-    void* p = pool.allocate(n, {"weights", MemoryClass::state, "buffers"});
+    void* p = pool.allocate(n, {tags::weights, MemoryClass::state, "buffers"});
     s.allocations.push_back(p);
     s.state.push_back({p, n});
     s.state_bytes += n;
   }
   for (std::size_t done = 0; done < o.cache_bytes; done += o.cache_alloc) {
     std::size_t n = std::min(o.cache_alloc, o.cache_bytes - done);
-    s.allocations.push_back(pool.allocate(n, {"kv_cache", MemoryClass::cache, "kv"}));
+    s.allocations.push_back(pool.allocate(n, {tags::kv_cache, MemoryClass::cache, "kv"}));
     s.cache_bytes += n;
   }
   return s;
@@ -339,9 +339,9 @@ int run(const Options& o) {
       step("l1_wake_unchanged", [&] { return pool.wake_up(); });
       expect_same(hs, hashes(d, st, s.state), "state after an unchanged level 1");
       step("l2_sleep", [&] { return pool.sleep(2); });
-      step("l2_wake_weights", [&] { return pool.wake_up({"weights"}); });
+      step("l2_wake_weights", [&] { return pool.wake_up({tags::weights}); });
       mutate(d, st, s.params, c + 200);  // the weight update an RL loop would load here
-      step("l2_wake_kv", [&] { return pool.wake_up({"kv_cache"}); });
+      step("l2_wake_kv", [&] { return pool.wake_up({tags::kv_cache}); });
       expect_same(hs, hashes(d, st, s.state), "state after level 2");
       auto g = [&](const char* k) { return cj[k]["wall_seconds"].get<double>(); };
       fmt::print("cycle {}: L1 sleep {:.3f} s wake {:.3f} s | unchanged sleep {:.3f} s | L2 sleep {:.3f} s wake {:.3f}+{:.3f} s"
@@ -364,7 +364,7 @@ int run(const Options& o) {
   auto first = [&](const char* key) { return cycles.front()[key]["wall_seconds"].get<double>(); };
   // Memory returned, steady state (cycles 2..N) and cycle 1 apart: the first sleep creates
   // the pinned host store, and mapping that much host memory for the GPU takes device
-  // memory for page tables (about 64 MiB for 32 GiB on the H200s), outside the pool.
+  // memory for page tables, outside the pool (bench/results/2026-11-30-sleep-h200.md: how much).
   double min_returned = 1, first_returned = 1;
   for (std::size_t i = 0; i < cycles.size(); ++i)
     for (const char* k : {"l1_sleep", "l1_sleep_unchanged", "l2_sleep"}) {

@@ -29,12 +29,10 @@
 //   4. the last block of the grid (a send-only block whenever there are more blocks than rows,
 //      so off the critical path) waits until every block has counted itself in -- every block
 //      has read the control block -- and advances it (I4).
-// Memory ordering: senders need no fence between clearing and sending (I3 relies on stream
-// order: the clear of call s happens a whole kernel before the store of call s + 1 that a peer
-// must see before it writes the cleared slot again; with a programmatic launch, call s + 1 does
-// nothing before its griddepcontrol.wait, which returns only once call s has completed and its
-// memory operations are visible). Pollers read the data with the same load that checks for the
-// sentinel, so there is no flag/data ordering to get wrong. The block count (control.arrived) is
+// Memory ordering: senders need no fence between clearing and sending (I3: a kernel boundary,
+// which griddepcontrol.wait keeps for a programmatic launch, separates them). Pollers read the
+// data with the same load that checks for the sentinel, so there is no flag/data ordering to get
+// wrong. The block count (control.arrived) is
 // incremented only after the control reads returned their values (past the block's first
 // barrier) and read by the updater with ld.acquire: no fence, and nothing waits for a remote
 // store's acknowledgement inside the kernel. The cluster (C > 1) synchronises once, at entry
@@ -100,9 +98,9 @@ __device__ __forceinline__ std::uint32_t load_acquire(const std::uint32_t* p) {
 }
 
 // A bounded spin's clock (I5). %globaltimer is read on the first check and then on every 32nd
-// only: a read costs 14 ns on an H200 (torpor_bench_tail), cheap, but the deadline needs no finer
-// resolution than a few microseconds against its 5 s default, and the first read's value is not
-// used until the 32nd check, so no check waits for it.
+// only: a read is cheap (bench/results/2026-11-30-tail-clusters-2xh200.md), but the deadline needs
+// no finer resolution than a few microseconds against its 5 s default, and the first read's value
+// is not used until the 32nd check, so no check waits for it.
 struct SpinDeadline {
   std::uint64_t start = 0;
   std::uint32_t checks = 0;
@@ -412,8 +410,8 @@ static_assert(offsetof(TailControl, error) + offsetof(TailErrorRecord, flag) + 4
 // multiprocessors instead of queueing at one. The warps' partial sums of squares are pushed into
 // every block of the cluster (st.async into its shared memory, each store counted off a
 // transaction barrier there), so a block waits for the others' sums with one local wait: no
-// cluster-wide barrier per row and none at exit (measured on two H200s: 0.4-0.5 us less a call
-// than a cluster barrier per row with the sums read remotely after it, and an exit barrier).
+// cluster-wide barrier per row and none at exit, which was faster than a cluster barrier per row
+// with the sums read remotely after it and an exit barrier (bench/results/2026-11-30-tail-push-2xh200.md).
 // C = 1: one block per row, no cluster.
 __device__ __forceinline__ int cluster_block_rank() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -592,7 +590,8 @@ __global__ void __launch_bounds__(T / C, C) tail_fused_kernel(TailParams p) {
   // Count this block in: thread 0's control reads returned their values before the barrier
   // (they were written to shared memory), so the updater, which overwrites the control block only
   // after seeing every count, cannot change what they read. A relaxed add: a release here compiles
-  // to a fence that held thread 0, and the block behind it, for about a microsecond (--trace).
+  // to a fence that held thread 0, and the block behind it, visibly in --trace
+  // (bench/results/2026-11-30-tail-tuned-2xh200.md).
   if (threadIdx.x == 0) count_in(&c->arrived);
 
   const int slot = static_cast<int>(s_calls % tail_slot_count);

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Installs what torpor needs from Debian (or Ubuntu): compiler, CMake, Ninja and the dev
-# packages. The CUDA toolkit (nvcc, cuda.h) is expected where NVIDIA installs it
-# (/usr/local/cuda); without it torpor builds the host backend alone.
+# packages, and the lint and format tools scripts/lint.sh runs (clang-format and clang-tidy 14,
+# the version the tree follows, packaged by Debian 12 and Ubuntu 24.04 alike; flake8; black).
+# The CUDA toolkit (nvcc, cuda.h) is expected where NVIDIA installs it (/usr/local/cuda);
+# without it torpor builds the host backend alone.
 set -euo pipefail
 packages=(g++ cmake ninja-build libfmt-dev libcli11-dev nlohmann-json3-dev libgtest-dev libgmock-dev
-          libbenchmark-dev python3 python3-pytest python3-pip python3-setuptools python3-wheel)
+          libbenchmark-dev python3 python3-pytest python3-pip python3-setuptools python3-wheel
+          clang-format-14 clang-tidy-14 flake8 black)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

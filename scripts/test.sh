@@ -3,7 +3,9 @@
 # this). Three builds:
 #   build/        release build, CUDA backend compiled when nvcc is present; every test
 #                 (cuda-typed tests skip, saying why, when no GPU is present), then an
-#                 install and a project outside the tree built against it with find_package
+#                 install and a project outside the tree built against it with find_package,
+#                 then scripts/lint.sh (format and lint; clang-tidy uses this build's
+#                 compile_commands.json)
 #   build-asan/   host backend under AddressSanitizer + UndefinedBehaviorSanitizer; every test
 #   build-tsan/   host backend under ThreadSanitizer; the threaded tests
 # Set TORPOR_SKIP_SANITIZERS=1 to run the first build only.
@@ -12,7 +14,7 @@ cd "$(dirname "$0")/.."
 source scripts/env.sh
 jobs=$(nproc)
 
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_EXPORT_COMPILE_COMMANDS=ON
 cmake --build build -j "$jobs"
 ctest --test-dir build -j "$jobs" --output-on-failure
 # The installed package works for a project outside the tree (find_package(torpor)).
@@ -20,6 +22,7 @@ cmake --install build --prefix build/_install > /dev/null
 cmake -S tests/consumer -B build/_consumer -G Ninja -DCMAKE_PREFIX_PATH="$PWD/build/_install" > /dev/null
 cmake --build build/_consumer > /dev/null
 LD_LIBRARY_PATH="$PWD/build/_install/lib:${LD_LIBRARY_PATH:-}" build/_consumer/consumer
+scripts/lint.sh
 
 if [ "${TORPOR_SKIP_SANITIZERS:-0}" != 1 ]; then
   cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DTORPOR_CUDA=OFF -DTORPOR_BUILD_BENCH=OFF \

@@ -6,7 +6,7 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
-#include <signal.h>
+#include <signal.h>  // NOLINT(modernize-deprecated-headers): kill() and sigaction are POSIX, not in <csignal>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -20,8 +20,6 @@
 #include <thread>
 
 #include "torpor/error.hpp"
-
-extern char** environ;
 
 namespace torpor::cli {
 
@@ -67,6 +65,7 @@ LaunchResult launch_threads(const LaunchOptions& o, const RankBody& body) {
   sh->out.resize(static_cast<std::size_t>(o.ranks));
   sh->finished.assign(static_cast<std::size_t>(o.ranks), false);
   std::vector<std::thread> threads;
+  threads.reserve(static_cast<std::size_t>(o.ranks));
   for (int r = 0; r < o.ranks; ++r)
     threads.emplace_back([sh, r] {
       RankOutcome out = outcome_of(r, [&] { return sh->body(*sh->driver, *sh->groups[static_cast<std::size_t>(r)], r); });

@@ -31,8 +31,8 @@ std::vector<std::string> ModelFlags::args() const {
                                 "--shared-inter", std::to_string(c.shared_inter), "--prompts", std::to_string(prompts),
                                 "--prompt-len", std::to_string(prompt_len), "--new-tokens", std::to_string(new_tokens),
                                 "--seed", std::to_string(seed), "--wait-timeout-ms", std::to_string(wait_timeout_ms)};
-  if (no_graphs) a.push_back("--no-graphs");
-  if (unfused) a.push_back("--unfused");
+  if (no_graphs) a.emplace_back("--no-graphs");
+  if (unfused) a.emplace_back("--unfused");
   return a;
 }
 

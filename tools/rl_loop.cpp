@@ -115,14 +115,14 @@ nlohmann::json rl_rank(const RlOptions& o, Driver& driver, Group& group, int dev
       row["train_checksum"] = fmt::format("{:016x}", checksum);
 
       t = clock_type::now();
-      e.pool.wake_up({"weights"});
+      e.pool.wake_up({tags::weights});
       row["wake_weights_s"] = since(t);
       version.updates = it;
       fusion::LoadReport lr = e.model->load_weights(version);
       row["load_s"] = lr.seconds;
       row["loaded_bytes"] = lr.bytes_loaded;
       t = clock_type::now();
-      e.pool.wake_up({"kv_cache"});
+      e.pool.wake_up({tags::kv_cache});
       row["wake_kv_s"] = since(t);
       t = clock_type::now();
       out = generate(*e.model);
@@ -177,7 +177,7 @@ int rl_main(RlOptions o) {
                     std::to_string(o.iterations), "--update-seed", std::to_string(o.update_seed), "--update-scale",
                     fmt::format("{}", o.update_scale), "--train-fraction", fmt::format("{}", o.train_fraction),
                     "--train-cap", o.train_cap, "--timeout", std::to_string(o.group_timeout_s)};
-  if (!o.progress) lo.worker_args.push_back("--no-progress");
+  if (!o.progress) lo.worker_args.emplace_back("--no-progress");
   auto m = o.model.args();
   lo.worker_args.insert(lo.worker_args.end(), m.begin(), m.end());
   LaunchResult r = launch(lo, [&o](Driver& d, Group& g, int dev) { return rl_rank(o, d, g, dev); });
@@ -218,7 +218,7 @@ int rl_main(RlOptions o) {
       }
     all.push_back(pr);
   }
-  if (static_cast<int>(r.ranks.size()) != o.ranks) problems.push_back("not every rank reported");
+  if (static_cast<int>(r.ranks.size()) != o.ranks) problems.emplace_back("not every rank reported");
   fmt::print("(returned: device memory given back by sleep(2), by cuMemGetInfo; trained: taken outside the pool by the "
              "training phase{}; changed: tokens that differ from the previous iteration's output)\n",
              r.host_memory ? fmt::format(", capped at {} on the host backend", o.train_cap) : "");

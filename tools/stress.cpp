@@ -24,16 +24,16 @@ std::vector<std::string> worker_args(const StressOptions& o, int ranks) {
                                 "--cycles", std::to_string(o.cycles), "--fill-on-wake", o.fill, "--timeout",
                                 std::to_string(o.group_timeout_s)};
   for (const auto& g : o.preserve) {
-    a.push_back("--preserve");
+    a.emplace_back("--preserve");
     a.push_back(g);
   }
   if (!o.negative_control.empty()) {
-    a.push_back("--negative-control");
+    a.emplace_back("--negative-control");
     a.push_back(o.negative_control);
-    a.push_back("--negative-control-rank");
+    a.emplace_back("--negative-control-rank");
     a.push_back(std::to_string(o.negative_rank));
   }
-  if (!o.progress) a.push_back("--no-progress");
+  if (!o.progress) a.emplace_back("--no-progress");
   auto m = o.model.args();
   a.insert(a.end(), m.begin(), m.end());
   return a;

@@ -167,16 +167,16 @@ class Plan {
     row["discarded"] = sr.bytes_discarded;
     row["released"] = sr.bytes_released;
     row["returned"] = free_asleep > free_before ? free_asleep - free_before : 0;
-    const bool reload = p.level == 2 && has_tag(p.sleep_tags, "weights");
+    const bool reload = p.level == 2 && has_tag(p.sleep_tags, tags::weights);
     bool reloaded = false;
     double wake_s = 0;
     std::size_t restored = 0;
-    for (const auto& tags : p.wakes) {
+    for (const auto& woken : p.wakes) {
       auto tw = clock_type::now();
-      TransitionReport wr = engine_.pool.wake_up(tags);
+      TransitionReport wr = engine_.pool.wake_up(woken);
       wake_s += since(tw);
       restored += wr.bytes_restored;
-      if (reload && !reloaded && has_tag(tags, "weights")) {
+      if (reload && !reloaded && has_tag(woken, tags::weights)) {
         fusion::LoadReport lr = engine_.model->load_weights(fusion::WeightVersion{o_.model.seed}, o_.preserve);
         row["reload_s"] = lr.seconds;
         row["reloaded_bytes"] = lr.bytes_loaded;
@@ -234,16 +234,18 @@ class Plan {
 }  // namespace
 
 SleepPattern plan_level1() { return {"sleep 1, wake all", 1, {}, {{}}}; }
-SleepPattern plan_level2() { return {"sleep 2, wake weights, reload, wake kv_cache", 2, {}, {{"weights"}, {"kv_cache"}}}; }
+SleepPattern plan_level2() {
+  return {"sleep 2, wake weights, reload, wake kv_cache", 2, {}, {{tags::weights}, {tags::kv_cache}}};
+}
 
 const std::vector<SleepPattern>& soak_patterns() {
   static const std::vector<SleepPattern> patterns = {
       {"L1 all, wake all", 1, {}, {{}}},
-      {"L2 all, wake weights + reload, wake kv_cache", 2, {}, {{"weights"}, {"kv_cache"}}},
-      {"L1 kv_cache only, wake kv_cache", 1, {"kv_cache"}, {{"kv_cache"}}},
-      {"L2 all, wake kv_cache, wake weights + reload", 2, {}, {{"kv_cache"}, {"weights"}}},
-      {"L1 all, wake weights, wake kv_cache", 1, {}, {{"weights"}, {"kv_cache"}}},
-      {"L2 weights only, wake weights + reload", 2, {"weights"}, {{"weights"}}},
+      {"L2 all, wake weights + reload, wake kv_cache", 2, {}, {{tags::weights}, {tags::kv_cache}}},
+      {"L1 kv_cache only, wake kv_cache", 1, {tags::kv_cache}, {{tags::kv_cache}}},
+      {"L2 all, wake kv_cache, wake weights + reload", 2, {}, {{tags::kv_cache}, {tags::weights}}},
+      {"L1 all, wake weights, wake kv_cache", 1, {}, {{tags::weights}, {tags::kv_cache}}},
+      {"L2 weights only, wake weights + reload", 2, {tags::weights}, {{tags::weights}}},
   };
   return patterns;
 }

@@ -115,7 +115,7 @@ StressSummary summarize(const LaunchResult& launch, const StressExpectations& ex
       if (std::string p = growth(soak, warmup, key, what, r.rank, g); !p.empty()) s.problems.push_back(p);
     // Device memory in use after each cycle (cuMemGetInfo): reported, not judged, since on a GPU it
     // includes every other user of the device; live physical bytes and mapped bytes are judged.
-    if (soak.size() > 0 && soak.front()["device_used"].is_number()) {
+    if (!soak.empty() && soak.front()["device_used"].is_number()) {
       std::size_t lo = SIZE_MAX, hi = 0;
       for (const auto& row : soak) {
         lo = std::min(lo, row["device_used"].get<std::size_t>());
@@ -141,7 +141,7 @@ StressSummary summarize(const LaunchResult& launch, const StressExpectations& ex
   j["steps"] = steps;
   if (expect.negative_control) {
     // The run must fail: its success would mean the zeroed state went unnoticed.
-    if (s.problems.empty()) s.problems.push_back("negative control: the run reported no failure");
+    if (s.problems.empty()) s.problems.emplace_back("negative control: the run reported no failure");
     for (const auto& pr : j["per_rank"])
       if (pr.contains("negative_control")) {
         j["negative_control"] = pr["negative_control"];

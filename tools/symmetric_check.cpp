@@ -103,7 +103,7 @@ nlohmann::json check_rank(const Options& o, Driver& driver, Group& bootstrap, in
   Pool pool(driver, po);
   SymmetricHeap heap(pool, *group);
   MulticastDecision decision = decide_multicast(*group, driver, device);
-  SymmetricBuffer& buf = heap.allocate(bytes, {"weights", "symmetric-check", false});
+  SymmetricBuffer& buf = heap.allocate(bytes, {tags::weights, "symmetric-check", false});
   const std::size_t slice = buf.part_bytes() / static_cast<std::size_t>(n) / 8 * 8;
   const std::size_t stage_bytes = std::min<std::size_t>(slice, std::size_t{64} << 20);
   auto* stage = static_cast<std::uint64_t*>(driver.host_alloc(stage_bytes));
@@ -125,6 +125,7 @@ nlohmann::json check_rank(const Options& o, Driver& driver, Group& bootstrap, in
   }
   group->barrier();
   std::vector<void*> peers_before;
+  peers_before.reserve(static_cast<std::size_t>(n));
   for (int p = 0; p < n; ++p) peers_before.push_back(buf.peer(p));
   void* local_before = buf.local();
   void* table_before = buf.peer_table();
@@ -254,7 +255,7 @@ int parent(const Options& o) {
   lo.group = group_options(o);
   lo.worker_args = {"symmetric-check", "--worker", "--ranks", std::to_string(o.ranks), "--bytes", o.bytes, "--backend",
                     o.backend, "--timeout", std::to_string(o.timeout_s), "--group", o.group};
-  if (o.timeout_check) lo.worker_args.push_back("--timeout-check");
+  if (o.timeout_check) lo.worker_args.emplace_back("--timeout-check");
   lo.deadline = std::chrono::seconds(o.timeout_s + 60);
   const LaunchResult launched =
       launch(lo, [&](Driver& d, Group& g, int device) { return check_rank(o, d, g, device); });

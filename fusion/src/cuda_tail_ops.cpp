@@ -111,12 +111,12 @@ class CudaTailOps final : public TailOps {
     }
     const std::size_t bytes =
         static_cast<std::size_t>(shape_.max_tokens) * static_cast<std::size_t>(shape_.hidden) * sizeof(float);
-    scratch_ = pool_.allocate(bytes, {"weights", MemoryClass::cache, "tail.scratch"});
+    scratch_ = pool_.allocate(bytes, {tags::weights, MemoryClass::cache, "tail.scratch"});
     if (group_.size() > 1) comm_ = std::make_unique<NcclComm>(group_, device_);
   }
 
   void unfused(const kernels::TailParams& p, Stream stream) override {
-    if (pool_.asleep("weights"))
+    if (pool_.asleep(tags::weights))
       throw invalid_state(fmt::format("{}: its scratch buffer (tag 'weights') is asleep; wake the pool before calling "
                                       "the tail",
                                       who_()));

@@ -1,12 +1,11 @@
 // FusedTail: the Lamport tail's state and its host side (see tail_impl.hpp, and the protocol's
 // invariants in kernels/include/torpor/kernels/tail_protocol.hpp).
 //
-// State, all torpor memory of class state in the "weights" tag, so sleep (any level) offloads and
-// restores it bit for bit and the next call continues where the last one stopped:
-//   slots    a SymmetricBuffer ("tail.slots"), every peer's part mapped here; its peer table is
-//            the kernel's table (the multicast address is its last entry when bound);
+// The protocol's buffers, allocated here as class state, so sleep (any level) offloads and
+// restores them bit for bit and the next call continues where the last one stopped:
+//   slots    a SymmetricBuffer ("tail.slots"); its peer table is the protocol's table;
 //   control  this rank's TailControl ("tail.control").
-// Nothing is re-initialised on wake; reset() is the only re-initialisation and it is collective:
+// Nothing is re-initialised on wake. reset() makes the protocol's start state, collectively:
 // wait for this rank's work, barrier (every rank idle), fill this rank's part with the sentinel
 // and write a fresh control block, barrier (every rank clean before anyone calls again).
 // The calls themselves, and the copies of the control block, run through the tail's TailOps.
@@ -26,7 +25,7 @@ FusedTail::FusedTail(SymmetricHeap& heap, const TailShape& shape, const TailOpti
     : TailBase(heap, shape, options, TailPath::fused_unicast, "") {
   const std::size_t bytes = kernels::tail_slot_bytes(ranks_, shape_.max_tokens, shape_.hidden);
   // Collective, all-or-nothing across ranks (the heap's contract); asks the group for multicast.
-  slots_ = &heap_.allocate(bytes, {"weights", "tail.slots", want_multicast});
+  slots_ = &heap_.allocate(bytes, {tags::weights, "tail.slots", want_multicast});
   multicast_ = slots_->multicast_address() != nullptr;
   path_ = multicast_ ? TailPath::fused_multicast : TailPath::fused_unicast;
   if (multicast_) {
@@ -44,7 +43,7 @@ FusedTail::FusedTail(SymmetricHeap& heap, const TailShape& shape, const TailOpti
   std::string failure;
   std::string launch_note;
   try {
-    control_ = pool_.allocate(sizeof(TailControl), {"weights", MemoryClass::state, "tail.control"});
+    control_ = pool_.allocate(sizeof(TailControl), {tags::weights, MemoryClass::state, "tail.control"});
     launch_note = ops_->prepare_fused(multicast_);
   } catch (const std::exception& e) {
     failure = e.what();

@@ -86,12 +86,13 @@ LatentMoERunner::LatentMoERunner(SymmetricHeap& heap, Compute& compute, const La
       gu[static_cast<std::size_t>(e)] = weights_.experts_gate_up + static_cast<std::size_t>(e) * 2 * inter_r_ * L;
       dn[static_cast<std::size_t>(e)] = weights_.experts_down + static_cast<std::size_t>(e) * L * inter_r_;
     }
-    const std::size_t table_bytes = static_cast<std::size_t>(E) * sizeof(const bf16*);
+    // A table of device pointers: the pointer's size is meant.
+    const std::size_t table_bytes = static_cast<std::size_t>(E) * sizeof(const bf16*);  // NOLINT(bugprone-sizeof-expression)
     gate_up_table_ = static_cast<const bf16**>(
-        pool_.allocate(table_bytes, {"weights", MemoryClass::state, options_.name + ".experts.gate_up_table"}));
+        pool_.allocate(table_bytes, {tags::weights, MemoryClass::state, options_.name + ".experts.gate_up_table"}));
     allocations_.push_back(gate_up_table_);
     down_table_ = static_cast<const bf16**>(
-        pool_.allocate(table_bytes, {"weights", MemoryClass::state, options_.name + ".experts.down_table"}));
+        pool_.allocate(table_bytes, {tags::weights, MemoryClass::state, options_.name + ".experts.down_table"}));
     allocations_.push_back(down_table_);
     pool_.copy(gate_up_table_, gu.data(), table_bytes);
     pool_.copy(down_table_, dn.data(), table_bytes);

@@ -65,14 +65,14 @@ void validate(const TinyMoeConfig& c, int ranks) {
 }
 
 // Fills for the host copy of a parameter.
-auto dense(std::string logical, float scale, std::size_t count) {
+auto dense(const std::string& logical, float scale, std::size_t count) {
   std::uint64_t h = weight_name_hash(logical);
   return [h, scale, count](const WeightVersion& v, bf16* out) {
     for (std::size_t i = 0; i < count; ++i) out[i] = bf16::from_float(scale * weight_value(v, h, i));
   };
 }
 
-auto norm(std::string logical, std::size_t count) {
+auto norm(const std::string& logical, std::size_t count) {
   std::uint64_t h = weight_name_hash(logical);
   return [h, count](const WeightVersion& v, bf16* out) {
     for (std::size_t i = 0; i < count; ++i) out[i] = bf16::from_float(1.0f + 0.1f * weight_value(v, h, i));
@@ -129,7 +129,7 @@ T* TinyMoeLM::alloc(std::size_t count, const std::string& tag, MemoryClass cls, 
 
 bf16* TinyMoeLM::param(std::size_t count, const std::string& name,
                        std::function<void(const WeightVersion&, bf16*)> fill) {
-  bf16* p = alloc<bf16>(count, "weights", MemoryClass::parameter, name);
+  bf16* p = alloc<bf16>(count, tags::weights, MemoryClass::parameter, name);
   params_.push_back({name, p, count, std::move(fill)});
   return p;
 }
@@ -187,24 +187,24 @@ TinyMoeLM::TinyMoeLM(SymmetricHeap& heap, Compute& compute, const TinyMoeConfig&
   // validated above (the runner validates its own config before its collective call too).
   try {
     build_params();
-    pos_table_ = alloc<bf16>(S * H, "weights", MemoryClass::state, "pos_table");
+    pos_table_ = alloc<bf16>(S * H, tags::weights, MemoryClass::state, "pos_table");
     for (int l = 0; l < c.layers; ++l) {
       Layer& y = layers_[static_cast<std::size_t>(l)];
-      y.k_cache = alloc<bf16>(B * S * D, "kv_cache", MemoryClass::cache, fmt::format("layers.{}.k_cache", l));
-      y.v_cache = alloc<bf16>(B * S * D, "kv_cache", MemoryClass::cache, fmt::format("layers.{}.v_cache", l));
+      y.k_cache = alloc<bf16>(B * S * D, tags::kv_cache, MemoryClass::cache, fmt::format("layers.{}.k_cache", l));
+      y.v_cache = alloc<bf16>(B * S * D, tags::kv_cache, MemoryClass::cache, fmt::format("layers.{}.v_cache", l));
     }
-    seq_ = alloc<std::int32_t>(B * S, "kv_cache", MemoryClass::cache, "decode.seq");
-    control_ = alloc<std::int32_t>(2, "kv_cache", MemoryClass::cache, "decode.control");
-    x_ = alloc<bf16>(B * H, "kv_cache", MemoryClass::cache, "decode.x");
-    xn_ = alloc<bf16>(B * H, "kv_cache", MemoryClass::cache, "decode.x_norm");
-    h_ = alloc<bf16>(B * H, "kv_cache", MemoryClass::cache, "decode.h");
-    hn_ = alloc<bf16>(B * H, "kv_cache", MemoryClass::cache, "decode.h_norm");
-    qkv_ = alloc<bf16>(B * 3 * D, "kv_cache", MemoryClass::cache, "decode.qkv");
-    att_ = alloc<bf16>(B * D, "kv_cache", MemoryClass::cache, "decode.attn");
-    o_ = alloc<bf16>(B * H, "kv_cache", MemoryClass::cache, "decode.attn_out");
-    logits_ = alloc<float>(B * V, "kv_cache", MemoryClass::cache, "decode.logits");
+    seq_ = alloc<std::int32_t>(B * S, tags::kv_cache, MemoryClass::cache, "decode.seq");
+    control_ = alloc<std::int32_t>(2, tags::kv_cache, MemoryClass::cache, "decode.control");
+    x_ = alloc<bf16>(B * H, tags::kv_cache, MemoryClass::cache, "decode.x");
+    xn_ = alloc<bf16>(B * H, tags::kv_cache, MemoryClass::cache, "decode.x_norm");
+    h_ = alloc<bf16>(B * H, tags::kv_cache, MemoryClass::cache, "decode.h");
+    hn_ = alloc<bf16>(B * H, tags::kv_cache, MemoryClass::cache, "decode.h_norm");
+    qkv_ = alloc<bf16>(B * 3 * D, tags::kv_cache, MemoryClass::cache, "decode.qkv");
+    att_ = alloc<bf16>(B * D, tags::kv_cache, MemoryClass::cache, "decode.attn");
+    o_ = alloc<bf16>(B * H, tags::kv_cache, MemoryClass::cache, "decode.attn_out");
+    logits_ = alloc<float>(B * V, tags::kv_cache, MemoryClass::cache, "decode.logits");
     if (std::size_t ws = compute_.workspace_bytes(); ws > 0)
-      compute_.set_workspace(alloc<std::byte>(ws, "kv_cache", MemoryClass::cache, "compute.workspace"), ws);
+      compute_.set_workspace(alloc<std::byte>(ws, tags::kv_cache, MemoryClass::cache, "compute.workspace"), ws);
 
     // Computed at load, never reloaded: the sinusoidal position table.
     std::vector<bf16> table(S * H);

@@ -108,11 +108,11 @@ def main(argv=None) -> int:
     torpor.configure(backend="cuda", fill_on_wake="poison")  # a forgotten reload shows as NaN
     cfg = Config(max_seq=args.prompt_len + args.new_tokens)
     torch.manual_seed(args.seed)
-    with torpor.use_pool("weights"):
+    with torpor.use_pool(torpor.tags.WEIGHTS):
         engine = TinyLM(cfg, device="cuda").eval()
     reg = torpor.register_parameters(engine)
     kv_bytes = int(torch.cuda.mem_get_info()[0] * args.kv_fraction) // (2 << 20) * (2 << 20)
-    with torpor.use_pool("kv_cache"):
+    with torpor.use_pool(torpor.tags.KV_CACHE):
         kv_pool = torch.empty(kv_bytes, dtype=torch.uint8, device="cuda")
     cache = make_kv_cache(cfg, args.batch, kv_pool)
     prompts = torch.randint(0, cfg.vocab, (args.batch, args.prompt_len),
@@ -140,12 +140,12 @@ def main(argv=None) -> int:
         with phase("free"):
             torch.cuda.empty_cache()
         with phase("wake_weights"):
-            torpor.wake_up(["weights"])
+            torpor.wake_up([torpor.tags.WEIGHTS])
         with phase("load"), torch.no_grad():
             for n, p in engine.named_parameters():
                 p.copy_(weights[n])
         with phase("wake_kv_cache"):
-            torpor.wake_up(["kv_cache"])
+            torpor.wake_up([torpor.tags.KV_CACHE])
         with phase("generate"):
             tokens = generate(engine, prompts, args.new_tokens, cache)
         with phase("verify"):

@@ -12,7 +12,7 @@ libtorpor.so is found through TORPOR_LIBRARY, then a copy bundled at install tim
 repository's build directories, then the system path (see torpor._lib).
 """
 
-from . import errors
+from . import errors, tags
 from ._lib import last_error, library_path
 from .compat import CuMemAllocator
 from .errors import (DriverError, InternalError, InvalidArgument, InvalidHandle, InvalidState, LibraryNotFound,
@@ -25,6 +25,6 @@ __version__ = "0.1.0"
 __all__ = [
     "CuMemAllocator", "DriverError", "InternalError", "InvalidArgument", "InvalidHandle", "InvalidState",
     "LibraryNotFound", "MemoryClass", "OutOfMemory", "Pool", "Registration", "Timeout", "TorchUnavailable",
-    "TorporError", "Unavailable", "configure", "errors", "last_error", "library_path", "pools", "register_parameters", "sleep",
-    "stats", "use_pool", "wake_up",
+    "TorporError", "Unavailable", "configure", "errors", "last_error", "library_path", "pools", "register_parameters",
+    "sleep", "stats", "tags", "use_pool", "wake_up",
 ]

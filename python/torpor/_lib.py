@@ -11,7 +11,9 @@ order, the first hit wins:
    ``build/allocator/`` then ``build-gpu/allocator/``.
 4. The system's library path (``libtorpor.so.0``, where ``cmake --install`` puts it).
 
-The library is loaded once per process, on first use, so ``import torpor`` never fails.
+The library is loaded once per process, on first use, so ``import torpor`` never fails. On
+loading, the values of the C enumerations (status codes, memory classes, backends, fills) are
+read from the library (torpor_status_value, torpor_class_name, ...), never copied here.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import os
 import pathlib
 import threading
 
-from .errors import LibraryNotFound, error_for
+from .errors import InternalError, LibraryNotFound, bind_status_codes, error_for
 
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 _REPO_DIR = _PACKAGE_DIR.parent.parent  # python/torpor -> repository root, in a checkout
@@ -30,6 +32,12 @@ _REPO_DIR = _PACKAGE_DIR.parent.parent  # python/torpor -> repository root, in a
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _path: str | None = None
+_status_ok: int | None = None
+# enumeration -> {lower-case name: value}, read from the library when it loads.
+_enums: dict[str, dict[str, int]] = {}
+_ENUM_NAME_FUNCTIONS = {"memory_class": "torpor_class_name", "backend": "torpor_backend_name",
+                        "fill": "torpor_fill_name"}
+_ENUM_LIMIT = 256  # no enumeration of torpor.h comes near; guards against a library that never says NULL
 
 
 class PoolOptions(ctypes.Structure):
@@ -124,6 +132,10 @@ def _prototypes(lib: ctypes.CDLL) -> None:
         "torpor_copy": (I, [P, P, P, S]),
         "torpor_last_error": (C, []),
         "torpor_status_name": (C, [I]),
+        "torpor_status_value": (I, [C]),
+        "torpor_class_name": (C, [I]),
+        "torpor_backend_name": (C, [I]),
+        "torpor_fill_name": (C, [I]),
         # torch_allocator.h
         "torpor_torch_malloc": (P, [S, I, P]),
         "torpor_torch_free": (None, [P, S, I, P]),
@@ -146,6 +158,26 @@ def _prototypes(lib: ctypes.CDLL) -> None:
         fn.argtypes = argtypes
 
 
+def _enumerate(name_of) -> dict[str, int]:
+    """{name: value} of one enumeration, from its torpor_*_name function (NULL past the end)."""
+    out = {}
+    for value in range(_ENUM_LIMIT):
+        name = name_of(value)
+        if name is None:
+            break
+        out[name.decode()] = value
+    return out
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    """Read the C enumerations' values from the library."""
+    global _status_ok
+    _status_ok = lib.torpor_status_value(b"TORPOR_OK")
+    bind_status_codes(lambda name: lib.torpor_status_value(name.encode()))
+    for enum, fn in _ENUM_NAME_FUNCTIONS.items():
+        _enums[enum] = _enumerate(getattr(lib, fn))
+
+
 def lib() -> ctypes.CDLL:
     """The loaded library (loaded on first call)."""
     global _lib, _path
@@ -155,8 +187,26 @@ def lib() -> ctypes.CDLL:
                 loaded, path = _load()
                 _path = path
                 _prototypes(loaded)
+                _bind(loaded)
                 _lib = loaded
     return _lib
+
+
+def enum_values(enum: str) -> dict[str, int]:
+    """{name: value} of a C enumeration as the library defines it: "memory_class" (parameter,
+    state, cache), "backend" (auto, host, cuda) or "fill" (none, zero, poison); in value order."""
+    lib()
+    return _enums[enum]
+
+
+def enum_value(enum: str, name: str) -> int:
+    """The library's value of `name` in a C enumeration (see enum_values)."""
+    try:
+        return enum_values(enum)[name]
+    except KeyError:
+        raise InternalError(f"{library_path()} defines no {enum} '{name}' (it has {', '.join(enum_values(enum))}): "
+                            f"it is older or newer than this Python package; rebuild libtorpor.so from the same "
+                            f"checkout") from None
 
 
 def library_path() -> str:
@@ -172,9 +222,16 @@ def last_error() -> str:
     return msg.decode(errors="replace") if msg else ""
 
 
+def status_ok() -> int:
+    """TORPOR_OK's value."""
+    lib()
+    assert _status_ok is not None
+    return _status_ok
+
+
 def check(status: int) -> None:
     """Raise the typed exception for a failed C API call."""
-    if status != 0:
+    if status != status_ok():
         raise error_for(status, last_error())
 
 

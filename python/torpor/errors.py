@@ -4,14 +4,22 @@ One class per status code of the C API (torpor.h), each also deriving from the b
 exception a Python caller would expect (InvalidArgument is a ValueError, OutOfMemory a
 MemoryError, ...), so generic handlers keep working. The message is torpor's own
 (torpor_last_error()), which names the thing and the fix.
+
+A class knows its status by name (``status_name``, as written in torpor.h); the numeric code
+(``status``) comes from the library when it loads (torpor._lib binds it), so nothing here
+copies the C values. Before that the classes are importable, raisable and catchable, and
+``status`` is None.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 
 class TorporError(Exception):
     """Base of every torpor error. ``status`` is the C API's status code (None for errors
-    raised by the Python layer itself), ``status_name`` its name."""
+    raised by the Python layer itself, and before the library is loaded), ``status_name`` its
+    name."""
 
     status: int | None = None
     status_name: str = "TORPOR_ERROR"
@@ -24,49 +32,49 @@ class TorporError(Exception):
 class InvalidArgument(TorporError, ValueError):
     """A request that can never succeed as asked: bad size, pointer, tag, class, level."""
 
-    status, status_name = 1, "TORPOR_ERROR_INVALID_ARGUMENT"
+    status_name = "TORPOR_ERROR_INVALID_ARGUMENT"
 
 
 class InvalidState(TorporError, RuntimeError):
     """A valid request in the wrong state, e.g. allocating into a sleeping tag."""
 
-    status, status_name = 2, "TORPOR_ERROR_INVALID_STATE"
+    status_name = "TORPOR_ERROR_INVALID_STATE"
 
 
 class OutOfMemory(TorporError, MemoryError):
     """Device memory, address space or the host backing store is exhausted."""
 
-    status, status_name = 3, "TORPOR_ERROR_OUT_OF_MEMORY"
+    status_name = "TORPOR_ERROR_OUT_OF_MEMORY"
 
 
 class DriverError(TorporError, RuntimeError):
     """A CUDA driver call (or the host backend's emulation of one) failed."""
 
-    status, status_name = 4, "TORPOR_ERROR_DRIVER"
+    status_name = "TORPOR_ERROR_DRIVER"
 
 
 class Timeout(TorporError, TimeoutError):
     """A bounded wait ran out."""
 
-    status, status_name = 5, "TORPOR_ERROR_TIMEOUT"
+    status_name = "TORPOR_ERROR_TIMEOUT"
 
 
 class InvalidHandle(TorporError, ValueError):
     """The pool was destroyed (or never created)."""
 
-    status, status_name = 6, "TORPOR_ERROR_INVALID_HANDLE"
+    status_name = "TORPOR_ERROR_INVALID_HANDLE"
 
 
 class InternalError(TorporError, RuntimeError):
     """A bug in torpor: please report it with the message."""
 
-    status, status_name = 7, "TORPOR_ERROR_INTERNAL"
+    status_name = "TORPOR_ERROR_INTERNAL"
 
 
 class Unavailable(TorporError, RuntimeError):
     """The backend or feature is not available here (e.g. the cuda backend without a usable GPU)."""
 
-    status, status_name = 8, "TORPOR_ERROR_UNAVAILABLE"
+    status_name = "TORPOR_ERROR_UNAVAILABLE"
 
 
 class LibraryNotFound(TorporError, ImportError):
@@ -77,14 +85,34 @@ class TorchUnavailable(TorporError, ImportError):
     """A PyTorch entry point was called where PyTorch or a CUDA device is missing."""
 
 
-_BY_STATUS = {cls.status: cls for cls in (InvalidArgument, InvalidState, OutOfMemory, DriverError,
-                                          Timeout, InvalidHandle, InternalError, Unavailable)}
+# The classes of the C API's error statuses (TORPOR_OK has none).
+STATUS_CLASSES: tuple[type[TorporError], ...] = (InvalidArgument, InvalidState, OutOfMemory, DriverError, Timeout,
+                                                 InvalidHandle, InternalError, Unavailable)
+
+_by_status: dict[int, type[TorporError]] = {}
+
+
+def bind_status_codes(value_of: Callable[[str], int]) -> None:
+    """Give every status class its code from the loaded library. value_of: a status name ->
+    its code, or -1 when the library does not define that name (an older library: the class
+    then keeps status None and is never chosen by error_for)."""
+    by_status = {}
+    for cls in STATUS_CLASSES:
+        code = value_of(cls.status_name)
+        cls.status = code if code >= 0 else None
+        if cls.status is not None:
+            by_status[code] = cls
+    _by_status.clear()
+    _by_status.update(by_status)
 
 
 def error_for(status: int, message: str) -> TorporError:
-    """The exception for a C API status code."""
-    cls = _BY_STATUS.get(status)
+    """The exception for a C API status code (one the loaded library returned)."""
+    if not _by_status:
+        from . import _lib  # the codes are bound when the library loads
+
+        _lib.lib()
+    cls = _by_status.get(status)
     if cls is None:
-        err = InternalError(f"unknown torpor status {status}: {message}")
-        return err
+        return InternalError(f"unknown torpor status {status}: {message}")
     return cls(message)

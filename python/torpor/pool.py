@@ -17,35 +17,42 @@ import json
 from typing import Iterable, Union
 
 from . import _lib
-from .errors import InvalidArgument
+from .errors import InvalidArgument, InvalidHandle
 
 
-class MemoryClass(enum.IntEnum):
-    """What the bytes are (the values of torpor_class)."""
+class MemoryClass(enum.Enum):
+    """What the bytes are. A member's value is the class's name; int(member) is the C API's
+    value (torpor_class), and MemoryClass(int) the member of a C value, both as the loaded
+    library defines them."""
 
-    PARAMETER = 0  # reloadable weights: offloaded at level 1, discarded at level 2
-    STATE = 1      # must survive bit-exact: always offloaded
-    CACHE = 2      # recomputable (KV cache, free space): always discarded
+    PARAMETER = "parameter"  # reloadable weights: offloaded at level 1, discarded at level 2
+    STATE = "state"          # must survive bit-exact: always offloaded
+    CACHE = "cache"          # recomputable (KV cache, free space): always discarded
+
+    def __int__(self) -> int:
+        return _lib.enum_value("memory_class", self.value)
+
+    @classmethod
+    def _missing_(cls, value):
+        if isinstance(value, int) and not isinstance(value, bool):
+            for name, code in _lib.enum_values("memory_class").items():
+                if code == value:
+                    return cls(name)
+        return None
 
 
 ClassLike = Union[MemoryClass, int, str]
 Tags = Union[None, str, Iterable[str]]
 
-_BACKENDS = {"auto": 0, "host": 1, "cuda": 2}
-_FILLS = {"none": 0, "zero": 1, "poison": 2}
-
 
 def to_memory_class(value: ClassLike) -> MemoryClass:
-    """MemoryClass from a MemoryClass, its value, or its name ("parameter", "state", "cache")."""
-    if isinstance(value, str):
-        try:
-            return MemoryClass[value.upper()]
-        except KeyError:
-            raise InvalidArgument(f"unknown memory class '{value}' (expected parameter, state or cache)") from None
+    """MemoryClass from a MemoryClass, its C value, or its name ("parameter", "state", "cache")."""
+    key = value.lower() if isinstance(value, str) else value
     try:
-        return MemoryClass(value)
+        return MemoryClass(key)
     except ValueError:
-        raise InvalidArgument(f"unknown memory class {value!r} (expected parameter, state or cache)") from None
+        shown = f"'{value}'" if isinstance(value, str) else repr(value)
+        raise InvalidArgument(f"unknown memory class {shown} (expected parameter, state or cache)") from None
 
 
 def _choice(table: dict, value: str, what: str) -> int:
@@ -63,11 +70,11 @@ def pool_options(device: int = 0, backend: str = "auto", va_bytes: int = 0, fill
     o = _lib.PoolOptions()
     _lib.lib().torpor_pool_options_init(ctypes.byref(o))
     o.device = int(device)
-    o.backend = _choice(_BACKENDS, backend, "backend")
+    o.backend = _choice(_lib.enum_values("backend"), backend, "backend")
     if va_bytes < 0:
         raise InvalidArgument(f"va_bytes {va_bytes} is negative (0 = twice the device's memory)")
     o.va_bytes = int(va_bytes)
-    o.fill_on_wake = _choice(_FILLS, fill_on_wake, "fill_on_wake")
+    o.fill_on_wake = _choice(_lib.enum_values("fill"), fill_on_wake, "fill_on_wake")
     o.exportable = 1 if exportable else 0
     return o
 
@@ -157,7 +164,7 @@ class Pool:
         """"cuda" or "host"."""
         name = _lib.lib().torpor_pool_backend(self.handle)
         if not name:
-            _lib.check(6)
+            _lib.check(InvalidHandle.status)
         return name.decode()
 
     def alloc(self, nbytes: int, tag: str = "default", memory_class: ClassLike = MemoryClass.STATE,
@@ -195,7 +202,7 @@ class Pool:
     def contains(self, ptr: int) -> bool:
         """Whether ptr lies inside an allocation of this pool."""
         status = _lib.lib().torpor_find(self.handle, ptr, None, None)
-        if status == 1:  # TORPOR_ERROR_INVALID_ARGUMENT: not inside any allocation
+        if status == InvalidArgument.status:  # not inside any allocation
             return False
         _lib.check(status)
         return True

@@ -58,8 +58,7 @@ from dataclasses import dataclass, field
 from . import _lib, _marks
 from .errors import InvalidArgument, InvalidState, OutOfMemory, TorchUnavailable, error_for
 from .pool import ClassLike, MemoryClass, Pool, Tags, pool_options, tag_list, to_memory_class
-
-KV_CACHE_TAG = "kv_cache"
+from .tags import KV_CACHE
 
 
 @dataclass
@@ -176,7 +175,7 @@ def configure(*, backend: str = "auto", fill_on_wake: str = "none", va_bytes: in
 
 
 def _default_class(tag: str) -> MemoryClass:
-    return MemoryClass.CACHE if tag == KV_CACHE_TAG else MemoryClass.STATE
+    return MemoryClass.CACHE if tag == KV_CACHE else MemoryClass.STATE
 
 
 def _mempool(torch, tag: str, device: int, memory_class: MemoryClass):
@@ -206,7 +205,7 @@ def _mempool(torch, tag: str, device: int, memory_class: MemoryClass):
 
 def _allocation_error(tag: str, device: int, status: int):
     message = f"PyTorch could not allocate in torpor pool '{tag}' on device {device}: {_lib.last_error()}"
-    return error_for(status, message) if status else OutOfMemory(message)
+    return error_for(status, message) if status != _lib.status_ok() else OutOfMemory(message)
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
 
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "torpor/torpor.h"
@@ -84,6 +85,35 @@ TEST_F(CPoolFixture, ErrorsAreStatusCodesWithMessages) {
   EXPECT_EQ(torpor_free(pool, p), TORPOR_OK);
   EXPECT_EQ(torpor_free(pool, p), TORPOR_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(torpor_last_error()).find("double free"), std::string::npos);
+}
+
+// What a binding builds its tables from: every enumerator of torpor.h by name and value, and
+// nothing past the ends (the Python suite checks the same against the header's text).
+TEST(CApiEnums, NamesAndValuesMatchTheHeader) {
+  EXPECT_EQ(torpor_status_value("TORPOR_OK"), TORPOR_OK);
+  EXPECT_EQ(torpor_status_value("TORPOR_ERROR_TIMEOUT"), TORPOR_ERROR_TIMEOUT);
+  EXPECT_EQ(torpor_status_value("TORPOR_ERROR_UNAVAILABLE"), TORPOR_ERROR_UNAVAILABLE);
+  EXPECT_EQ(torpor_status_value("TORPOR_ERROR_UNKNOWN"), -1);
+  EXPECT_EQ(torpor_status_value("timeout"), -1);
+  EXPECT_EQ(torpor_status_value(nullptr), -1);
+
+  const std::vector<std::pair<int, const char*>> classes = {
+      {TORPOR_CLASS_PARAMETER, "parameter"}, {TORPOR_CLASS_STATE, "state"}, {TORPOR_CLASS_CACHE, "cache"}};
+  for (const auto& [value, name] : classes) EXPECT_STREQ(torpor_class_name(value), name);
+  EXPECT_EQ(torpor_class_name(-1), nullptr);
+  EXPECT_EQ(torpor_class_name(TORPOR_CLASS_CACHE + 1), nullptr);
+
+  EXPECT_STREQ(torpor_backend_name(TORPOR_BACKEND_AUTO), "auto");
+  EXPECT_STREQ(torpor_backend_name(TORPOR_BACKEND_HOST), "host");
+  EXPECT_STREQ(torpor_backend_name(TORPOR_BACKEND_CUDA), "cuda");
+  EXPECT_EQ(torpor_backend_name(-1), nullptr);
+  EXPECT_EQ(torpor_backend_name(TORPOR_BACKEND_CUDA + 1), nullptr);
+
+  EXPECT_STREQ(torpor_fill_name(TORPOR_FILL_NONE), "none");
+  EXPECT_STREQ(torpor_fill_name(TORPOR_FILL_ZERO), "zero");
+  EXPECT_STREQ(torpor_fill_name(TORPOR_FILL_POISON), "poison");
+  EXPECT_EQ(torpor_fill_name(-1), nullptr);
+  EXPECT_EQ(torpor_fill_name(TORPOR_FILL_POISON + 1), nullptr);
 }
 
 TEST_F(CPoolFixture, MarkAndPreserveThroughTheCApi) {

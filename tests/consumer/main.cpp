@@ -12,6 +12,7 @@
 #include <torpor/pool.hpp>
 #include <torpor/stream.hpp>
 #include <torpor/symmetric.hpp>
+#include <torpor/tags.hpp>
 #include <torpor/torch_allocator.h>
 #include <torpor/torpor.h>
 
@@ -20,7 +21,7 @@
 int main() {
   auto sel = torpor::open_driver(torpor::Backend::host);
   torpor::Pool pool(*sel.driver);
-  void* p = pool.allocate(1000, {"weights", torpor::MemoryClass::state, "x"});
+  void* p = pool.allocate(1000, {torpor::tags::weights, torpor::MemoryClass::state, "x"});
   pool.sleep(1);
   pool.wake_up();
   pool.deallocate(p);

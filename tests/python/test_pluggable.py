@@ -53,7 +53,7 @@ def test_segments_land_in_the_current_tag_and_class(lib, segment):
     tags = pool.stats()["tags"]
     assert tags["py.weights"]["classes"]["state"]["allocated_bytes"] == 2 * MiB
     assert tags["py.kv_cache"]["classes"]["cache"]["allocated_bytes"] == 4 * MiB
-    assert lib.torpor_current_tag() == b"py.kv_cache" and lib.torpor_current_class() == MemoryClass.CACHE
+    assert lib.torpor_current_tag() == b"py.kv_cache" and MemoryClass(lib.torpor_current_class()) is MemoryClass.CACHE
 
 
 def test_a_failed_malloc_returns_null_and_keeps_the_reason(lib, segment):

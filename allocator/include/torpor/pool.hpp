@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "torpor/driver.hpp"
+#include "torpor/tags.hpp"
 
 namespace torpor {
 

@@ -53,11 +53,11 @@
 namespace torpor {
 
 struct SymmetricHeapOptions {
-  std::string table_tag = "weights";  // where peer tables live (class state)
+  std::string table_tag = tags::weights;  // where peer tables live (class state)
 };
 
 struct SymmetricBufferOptions {
-  std::string tag = "weights";  // the pool tag of this rank's part (class state)
+  std::string tag = tags::weights;  // the pool tag of this rank's part (class state)
   std::string name;             // allocation name (the table is named name + ".peers")
   bool multicast = false;       // bind a multicast object when the group can use one
 };

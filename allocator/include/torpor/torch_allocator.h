@@ -28,7 +28,7 @@
 #ifndef TORPOR_TORCH_ALLOCATOR_H
 #define TORPOR_TORCH_ALLOCATOR_H
 
-#include <stddef.h>
+#include <stddef.h> /* NOLINT(modernize-deprecated-headers): a C header */
 
 #include "torpor/torpor.h"
 

@@ -5,8 +5,8 @@
  *
  *   torpor_pool_options o; torpor_pool_options_init(&o);
  *   torpor_pool_t pool; torpor_pool_create(&o, &pool);
- *   void* w; torpor_alloc(pool, 1 << 20, "weights", TORPOR_CLASS_PARAMETER, "layer0.w", &w);
- *   const char* tags[] = {"weights"};
+ *   void* w; torpor_alloc(pool, 1 << 20, TORPOR_TAG_WEIGHTS, TORPOR_CLASS_PARAMETER, "layer0.w", &w);
+ *   const char* tags[] = {TORPOR_TAG_WEIGHTS};
  *   torpor_sleep(pool, 2, NULL, 0);      // all tags
  *   torpor_wake_up(pool, tags, 1);       // weights only
  *   torpor_pool_destroy(pool);
@@ -14,13 +14,19 @@
 #ifndef TORPOR_TORPOR_H
 #define TORPOR_TORPOR_H
 
-#include <stddef.h>
+#include <stddef.h> /* NOLINT(modernize-deprecated-headers): a C header */
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
 typedef struct torpor_pool_s* torpor_pool_t;
+
+/* The tags torpor's clients share by convention (torpor/tags.hpp says what each holds). To the
+ * pool a tag is any non-empty string. */
+#define TORPOR_TAG_WEIGHTS "weights"
+#define TORPOR_TAG_KV_CACHE "kv_cache"
+#define TORPOR_TAG_CUDA_GRAPH "cuda_graph"
 
 typedef enum torpor_status {
   TORPOR_OK = 0,
@@ -85,7 +91,21 @@ torpor_status torpor_find(torpor_pool_t pool, const void* ptr, void** base, size
 torpor_status torpor_copy(torpor_pool_t pool, void* dst, const void* src, size_t bytes);
 
 const char* torpor_last_error(void);
+/* "TORPOR_ERROR_TIMEOUT" for TORPOR_ERROR_TIMEOUT, ...; "TORPOR_ERROR_UNKNOWN" for any other value. */
 const char* torpor_status_name(torpor_status status);
+
+/* The enumerations above as the library defines them, so that a binding (the Python package)
+ * takes the values from the library instead of copying them:
+ *   torpor_status_value: the value of the status named `name` as written in this header
+ *     ("TORPOR_ERROR_TIMEOUT"); -1 for NULL or a name this library does not define;
+ *   torpor_class_name, torpor_backend_name, torpor_fill_name: the lower-case name of a class
+ *     ("parameter", "state", "cache"), backend ("auto", "host", "cuda") or fill ("none",
+ *     "zero", "poison"), the names torpor's messages and tools use; NULL for a value out of
+ *     range, so counting up from 0 until NULL enumerates them. */
+int torpor_status_value(const char* name);
+const char* torpor_class_name(int memory_class);
+const char* torpor_backend_name(int backend);
+const char* torpor_fill_name(int fill);
 
 #ifdef __cplusplus
 }

@@ -8,13 +8,28 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "api/c_api_internal.hpp"
 #include "torpor/backend.hpp"
 #include "torpor/error.hpp"
 #include "torpor/pool.hpp"
+
+// torpor.h's tag macros are torpor/tags.hpp's strings.
+static_assert(std::string_view(TORPOR_TAG_WEIGHTS) == torpor::tags::weights);
+static_assert(std::string_view(TORPOR_TAG_KV_CACHE) == torpor::tags::kv_cache);
+static_assert(std::string_view(TORPOR_TAG_CUDA_GRAPH) == torpor::tags::cuda_graph);
+// The C enumerations' values are the C++ ones, so a class or fill converts by a cast.
+static_assert(static_cast<int>(torpor::MemoryClass::parameter) == TORPOR_CLASS_PARAMETER &&
+              static_cast<int>(torpor::MemoryClass::state) == TORPOR_CLASS_STATE &&
+              static_cast<int>(torpor::MemoryClass::cache) == TORPOR_CLASS_CACHE &&
+              torpor::memory_class_count == TORPOR_CLASS_CACHE + 1);
+static_assert(static_cast<int>(torpor::FillOnWake::none) == TORPOR_FILL_NONE &&
+              static_cast<int>(torpor::FillOnWake::zero) == TORPOR_FILL_ZERO &&
+              static_cast<int>(torpor::FillOnWake::poison) == TORPOR_FILL_POISON);
 
 namespace {
 
@@ -96,6 +111,20 @@ torpor_status with_pool(const char* fn, torpor_pool_t handle, F&& f) {
   return guarded(fn, [&] { f(*p); });
 }
 
+// The highest torpor_status (they run from TORPOR_OK up without gaps); tests/python/test_constants.py
+// checks every status of torpor.h against torpor_status_value.
+constexpr int status_last = TORPOR_ERROR_UNAVAILABLE;
+
+// torpor_backend -> Backend; nullopt for a value out of range.
+std::optional<Backend> backend_of(int b) {
+  switch (b) {
+    case TORPOR_BACKEND_AUTO: return Backend::automatic;
+    case TORPOR_BACKEND_HOST: return Backend::host;
+    case TORPOR_BACKEND_CUDA: return Backend::cuda;
+    default: return std::nullopt;
+  }
+}
+
 MemoryClass to_class(int c) {
   if (c < 0 || c >= static_cast<int>(memory_class_count))
     throw invalid_argument(fmt::format("unknown memory class {} (expected 0 = TORPOR_CLASS_PARAMETER, "
@@ -149,17 +178,12 @@ torpor_status torpor_pool_create(const torpor_pool_options* options, torpor_pool
     torpor_pool_options o;
     torpor_pool_options_init(&o);
     if (options != nullptr) o = *options;
-    Backend b;
-    switch (o.backend) {
-      case TORPOR_BACKEND_AUTO: b = Backend::automatic; break;
-      case TORPOR_BACKEND_HOST: b = Backend::host; break;
-      case TORPOR_BACKEND_CUDA: b = Backend::cuda; break;
-      default: throw invalid_argument(fmt::format("unknown backend {} (0 auto, 1 host, 2 cuda)", o.backend));
-    }
+    const std::optional<Backend> b = backend_of(o.backend);
+    if (!b) throw invalid_argument(fmt::format("unknown backend {} (0 auto, 1 host, 2 cuda)", o.backend));
     if (o.fill_on_wake < TORPOR_FILL_NONE || o.fill_on_wake > TORPOR_FILL_POISON)
       throw invalid_argument(fmt::format("unknown fill_on_wake {} (0 none, 1 zero, 2 poison)", o.fill_on_wake));
     auto cp = std::make_shared<CPool>();
-    cp->driver = shared_driver(b);
+    cp->driver = shared_driver(*b);
     PoolOptions po;
     po.device = o.device;
     po.va_bytes = o.va_bytes;
@@ -174,16 +198,16 @@ torpor_status torpor_pool_create(const torpor_pool_options* options, torpor_pool
   });
 }
 
-torpor_status torpor_pool_destroy(torpor_pool_t handle) {
+torpor_status torpor_pool_destroy(torpor_pool_t pool) {
   std::shared_ptr<CPool> p;
   {
     Registry& r = registry();
     std::lock_guard lock(r.mu);
-    auto it = r.pools.find(reinterpret_cast<std::uintptr_t>(handle));
+    auto it = r.pools.find(reinterpret_cast<std::uintptr_t>(pool));
     if (it == r.pools.end())
       return fail(TORPOR_ERROR_INVALID_HANDLE,
                   fmt::format("torpor_pool_destroy: pool handle {} is not a live pool (destroyed twice?)",
-                              static_cast<void*>(handle)));
+                              static_cast<void*>(pool)));
     p = std::move(it->second);
     r.pools.erase(it);
   }
@@ -290,6 +314,28 @@ const char* torpor_status_name(torpor_status s) {
     case TORPOR_ERROR_UNAVAILABLE: return "TORPOR_ERROR_UNAVAILABLE";
   }
   return "TORPOR_ERROR_UNKNOWN";
+}
+
+int torpor_status_value(const char* name) {
+  if (name == nullptr) return -1;
+  for (int s = TORPOR_OK; s <= status_last; ++s)
+    if (std::string_view(torpor_status_name(static_cast<torpor_status>(s))) == name) return s;
+  return -1;
+}
+
+const char* torpor_class_name(int memory_class) {
+  if (memory_class < 0 || memory_class >= static_cast<int>(memory_class_count)) return nullptr;
+  return to_string(static_cast<MemoryClass>(memory_class)).data();
+}
+
+const char* torpor_backend_name(int backend) {
+  const std::optional<Backend> b = backend_of(backend);
+  return b ? to_string(*b).data() : nullptr;
+}
+
+const char* torpor_fill_name(int fill) {
+  if (fill < TORPOR_FILL_NONE || fill > TORPOR_FILL_POISON) return nullptr;
+  return to_string(static_cast<FillOnWake>(fill)).data();
 }
 
 }  // extern "C"

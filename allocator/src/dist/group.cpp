@@ -60,7 +60,6 @@ void HubClientGroup::raise(const Received& r) {
     case FailReason::mismatch:
       throw invalid_state(text + "; then call recover() on every rank");
     case FailReason::left:
-      throw invalid_state(text);
     case FailReason::recovery:
     case FailReason::stale:
       throw invalid_state(text);
@@ -249,6 +248,7 @@ std::vector<std::unique_ptr<Group>> make_thread_group(int size, const GroupOptio
   if (size < 1) throw invalid_argument(fmt::format("make_thread_group: size {} must be at least 1", size));
   auto shared = std::make_shared<detail::ThreadShared>(size);
   std::vector<std::unique_ptr<Group>> out;
+  out.reserve(static_cast<std::size_t>(size));
   for (int r = 0; r < size; ++r) out.push_back(std::make_unique<detail::ThreadGroup>(shared, r, size, options));
   return out;
 }

@@ -13,7 +13,7 @@ namespace torpor::detail {
 namespace {
 
 constexpr std::uint32_t frame_magic = 0x54525047;  // "TRPG"
-constexpr std::size_t frame_data_limit = 32 * 1024;
+constexpr std::size_t frame_data_limit = std::size_t{32} * 1024;
 constexpr std::size_t frame_fd_limit = 64;
 // A message's later frames are sent right after its first; waiting longer than this for one
 // means the peer is stuck or gone.

@@ -82,7 +82,7 @@ struct NcclGroup::Impl {
   }
 
   // Polls the communicator's state; false when the deadline passes while it is in progress.
-  bool settle(clock_type::time_point deadline) {
+  bool settle(clock_type::time_point deadline) const {
     for (;;) {
       ncclResult_t state = ncclSuccess;
       check(api.get_async_error(comm, &state), "ncclCommGetAsyncError");

@@ -47,6 +47,7 @@ std::string one_line(std::string s) {
 
 std::string ids_of(const std::vector<SymmetricBuffer*>& bs) {
   std::vector<std::uint64_t> ids;
+  ids.reserve(bs.size());
   for (auto* b : bs) ids.push_back(b->id());
   return fmt::format("[{}]", fmt::join(ids, ", "));
 }
@@ -437,6 +438,7 @@ SymmetricBuffer& SymmetricHeap::allocate(std::size_t bytes, const SymmetricBuffe
     int raw = fd.get();
     auto fds = group_.all_gather_fds(std::span(&raw, 1));
     std::vector<int> by_rank;
+    by_rank.reserve(fds.size());
     for (auto& f : fds) by_rank.push_back(f.size() == 1 ? f[0].get() : -1);
     step("mapping the peers' parts", [&] { import_peers(*b, by_rank); });
     if (b->mc_) setup_multicast(*b);
@@ -549,6 +551,7 @@ void SymmetricHeap::after_wake(Pool&, const std::vector<std::string>&, bool ok) 
       step("mapping the peers' parts", [&] {
         for (std::size_t i = 0; i < work.size(); ++i) {
           std::vector<int> by_rank;
+          by_rank.reserve(fds.size());
           for (auto& f : fds) by_rank.push_back(i < f.size() ? f[i].get() : -1);
           import_peers(*work[i], by_rank);
         }

@@ -1,11 +1,11 @@
 // HostStore: the persistent host backing store that offloaded bytes live in while a pool
 // sleeps (and, with skip-unchanged, after it wakes, as retained copies).
 //
-// Two tiers. Page-locked blocks come from the driver (cuMemHostAlloc; about 2.2 GB/s on the
-// test H200s, so it must never happen per cycle): reserve(n) adds one block big enough for a
-// whole sleep and later cycles of the same size reuse it. When `pinned_limit` is set, bytes
-// beyond it live in ordinary pageable blocks (mmap) instead; the sleep engine moves those
-// through a small pinned staging ring. Blocks are kept until release_unused() or destruction.
+// Two tiers. Page-locked blocks come from the driver (cuMemHostAlloc, far slower than the copies
+// it backs, so it must never happen per cycle; bench/results/2026-11-30-sleep-h200.md): reserve(n)
+// adds one block big enough for a whole sleep and later cycles of the same size reuse it. When
+// `pinned_limit` is set, bytes beyond it live in ordinary pageable blocks (mmap) instead; the
+// sleep engine moves those through a small pinned staging ring. Blocks are kept until release_unused() or destruction.
 // Not thread-safe: the pool locks.
 #pragma once
 

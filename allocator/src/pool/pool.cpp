@@ -5,8 +5,8 @@
 // Size classes (the handle-size policy, see PoolOptions): small allocations are carved from
 // granularity-sized slabs, medium ones from slabs that grow with the (tag, class) up to
 // medium_slab_max, large ones get a chunk each. Few large handles keep the VMM calls of sleep
-// and wake few: a handle's create, map, unmap and release cost far less per byte for large
-// handles than for granularity-sized ones (DESIGN.md's performance model has the figures).
+// and wake few: a VMM call's cost grows far more slowly than the handle's size, so per byte large
+// handles are much cheaper (bench/results/2026-11-30-vmm-costs-h200.md).
 //
 // The allocation fast path (a slab of the right (tag, class) with room) touches only the
 // slab's RangeAllocator and two maps: no driver call. Freed empty small slabs are kept, one

@@ -68,7 +68,7 @@ struct LatentMoEWeights {
 
 struct LatentMoEOptions {
   std::string name = "moe";           // allocation names start with it ("layers.0.moe")
-  std::string scratch_tag = "kv_cache";
+  std::string scratch_tag = tags::kv_cache;
   TailOptions tail;
 };
 

@@ -9,8 +9,9 @@
 // interface (this header is the contract between the tail-fusion op and the runner):
 //   - fused: one kernel per call, Lamport one-shot all-reduce over symmetric slot buffers
 //     (unicast over the peer table, or one multimem store to the multicast address), bounded
-//     waits; its state (slots, control blocks, peer table) is torpor memory of class state in the
-//     "weights" tag and survives level-2 sleep without re-initialisation;
+//     waits (the protocol: torpor/kernels/tail_protocol.hpp); its state (slots, control blocks,
+//     peer table) is torpor memory of class state in the "weights" tag and survives level-2 sleep
+//     without re-initialisation;
 //   - unfused (the default path): finalize kernel, an all-reduce through the group (NCCL on GPUs,
 //     the Group's all-gather on the host backend), then residual + RMSNorm.
 // Both produce the same tokens. make_tail() is collective: every rank probes, the ranks agree on

@@ -1,7 +1,6 @@
 // Where a fused tail keeps its state, for tests, tools and anyone who wants to look at it (not for
-// the hot path). The bytes follow kernels/include/torpor/kernels/tail_protocol.hpp: the control
-// block is one TailControl, the slots are this rank's part of a SymmetricBuffer laid out as
-// [3 slots][R source ranks][max_tokens][hidden] bf16.
+// the hot path). The bytes follow kernels/include/torpor/kernels/tail_protocol.hpp (TailControl;
+// the slots' layout, tail_slot_offset).
 #pragma once
 
 #include <cstddef>

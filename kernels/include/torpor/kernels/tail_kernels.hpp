@@ -20,9 +20,10 @@ namespace torpor::kernels {
 // 9.0 (thread-block clusters).
 // The default (TailOptions::blocks_per_row = 0), per call: a call that receives at most
 // tail_cluster_max_rows rows uses clusters of tail_cluster_blocks blocks per row where clusters
-// exist; a larger call one block per row. Measured on two H200s (hidden 7168, same run):
-// 5.7-5.9 us against 6.3 at 1 token, 6.4-6.7 against 6.6-6.9 at 8, equal at 32, and 14.7
-// against 12.9 us at 128 tokens, where the wider blocks keep more loads in flight.
+// exist; a larger call one block per row. A cluster shortens a call of a handful of rows by
+// spreading each row over more multiprocessors; with many rows every multiprocessor is busy anyway
+// and the wider blocks keep more loads in flight (the "1 / 4 / 8 blocks per row" column of
+// bench/results/2026-11-30-tail-push-2xh200.md).
 inline constexpr int tail_cluster_blocks = 4;
 inline constexpr int tail_cluster_max_rows = 32;
 // Whether `device` has thread-block clusters (compute capability 9.0+).

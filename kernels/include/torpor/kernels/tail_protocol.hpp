@@ -1,6 +1,8 @@
 // The MoE tail's Lamport protocol: memory layout, control block, error record, and the exact
 // fp32 arithmetic, shared by the CUDA kernels (kernels/tail.cu) and the CPU reference
 // (kernels/reference/tail_reference.cpp). Both include this header, so they agree bit for bit.
+// This is the one description of the protocol: the kernels, the reference, fusion/ (which owns
+// the buffers) and the README point here and say only what is theirs.
 //
 // Buffers (all torpor memory of class state in the "weights" tag, so they survive level-2 sleep):
 //   slots    one SymmetricBuffer; rank r's part is [3 slots][R source ranks][max_tokens][hidden]
@@ -10,6 +12,9 @@
 //   control  one TailControl per rank in its own memory.
 //   table    the slots' peer table: R + 1 uint64 (every rank's part as mapped here, then the
 //            multicast address or 0).
+// Start (and reset after a failure): every element of every slot is the sentinel and every
+// control block is fresh (tail_fresh_control), set up with every rank idle; that makes I1 true
+// for call 0.
 //
 // Invariants (call s uses slot s % 3; `calls` in the control block counts finished calls):
 //   I1  Before call s, slot s % 3 of every part holds the sentinel (-0.0, 0x8000) in every element
@@ -69,8 +74,8 @@ inline constexpr int tail_vector_elems = 8;
 // The lane layout a row's reduction follows on the GPU and the CPU: tail_row_lanes lanes, lane j
 // owning vectors j and j + tail_row_lanes of the row. On the GPU a lane is a thread: one block of
 // tail_row_lanes threads per row, or a cluster of blocks that split the lanes (blocks per row,
-// TailOptions::blocks_per_row). 512: a row's epilogue is issue-bound on few warps (measured: 1.8
-// us per row at 256 threads and 7168 hidden on an H200).
+// TailOptions::blocks_per_row). 512: a row's epilogue is issue-bound on few warps
+// (bench/results/2026-11-30-tail-tuned-2xh200.md, the step to 512 threads).
 inline constexpr int tail_row_lanes = 512;
 inline constexpr int tail_warp = 32;
 inline constexpr int tail_max_vectors_per_thread = tail_max_hidden / tail_vector_elems / tail_row_lanes;  // 2

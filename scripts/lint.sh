@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# Lint and format checks, as CI runs them (scripts/test.sh calls this after its first build):
+#   clang-format  every tracked C++ and CUDA file against .clang-format (--dry-run --Werror)
+#   clang-tidy    .clang-tidy's checks on the C++ sources of allocator/, fusion/ and tools/ that
+#                 the build compiles, with its compile_commands.json (build/, or
+#                 TORPOR_LINT_BUILD=DIR; scripts/test.sh's first configure exports it)
+#   flake8        Python lint (.flake8) on every tracked .py file
+#   black         Python format (python/pyproject.toml's [tool.black]) of the same files, --check
+# `scripts/lint.sh --fix` applies clang-format and black instead of checking (no linters then).
+#
+# A tool that is missing is skipped, saying so, and does not fail the run (the GPU machines have
+# none; scripts/install-deps.sh installs them all on Debian 12 and Ubuntu 24.04). So is a
+# formatter of another major version than the tree follows (clang-format 14, black 23: other
+# versions format differently). A check that runs and finds something fails the run.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+fix=0
+case "${1:-}" in
+  --fix) fix=1 ;;
+  "") ;;
+  *) echo "usage: scripts/lint.sh [--fix]" >&2; exit 2 ;;
+esac
+jobs=$(nproc)
+build=${TORPOR_LINT_BUILD:-build}
+failed=()
+skipped=()
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+say() { echo "lint: $*"; }
+skip() {  # part, reason...
+  local part=$1
+  shift
+  skipped+=("$part")
+  say "skipped $part: $*"
+}
+# The first of the named commands that is installed.
+first_tool() {
+  local t
+  for t in "$@"; do command -v "$t" >/dev/null 2>&1 && { echo "$t"; return; }; done
+}
+major_version() { "$1" --version 2>/dev/null | grep -oE '[0-9]+\.[0-9]+' | head -1 | cut -d. -f1; }
+# Formatters must be the version the tree follows.
+formatter() {  # name, wanted major version, candidates...
+  local name=$1 want=$2 tool version
+  shift 2
+  tool=$(first_tool "$@")
+  if [ -z "$tool" ]; then
+    skip "$name" "not installed (scripts/install-deps.sh installs it)"
+    return 1
+  fi
+  version=$(major_version "$tool")
+  if [ "$version" != "$want" ]; then
+    skip "$name" "$tool is version $version; the tree follows version $want, and other versions format differently"
+    return 1
+  fi
+  echo "$tool" > "$tmp/$name.tool"
+}
+
+mapfile -d '' cxx_files < <(git ls-files -z '*.cpp' '*.hpp' '*.h' '*.cu' '*.cuh')
+mapfile -d '' py_files < <(git ls-files -z '*.py')
+
+# --- C++ and CUDA format ---------------------------------------------------------------------
+start=$SECONDS
+if formatter clang-format 14 clang-format-14 clang-format; then
+  cf=$(cat "$tmp/clang-format.tool")
+  if [ "$fix" = 1 ]; then
+    printf '%s\0' "${cxx_files[@]}" | xargs -0 -P "$jobs" -n 16 "$cf" -i --style=file
+    say "clang-format applied to ${#cxx_files[@]} files"
+  else
+    printf '%s\0' "${cxx_files[@]}" |
+      xargs -0 -P "$jobs" -n 16 "$cf" --dry-run --Werror --ferror-limit=1 --style=file > "$tmp/format.log" 2>&1
+    bad=$(grep -c ': error: code should be clang-formatted' "$tmp/format.log")
+    if [ "$bad" -gt 0 ]; then
+      grep -A2 ': error: ' "$tmp/format.log" | head -40
+      say "clang-format: $bad of ${#cxx_files[@]} files differ from .clang-format (the first difference of each" \
+          "is above, up to 10); scripts/lint.sh --fix formats them"
+      failed+=(clang-format)
+    elif [ -s "$tmp/format.log" ]; then
+      cat "$tmp/format.log"
+      failed+=(clang-format)
+    else
+      say "clang-format: ${#cxx_files[@]} files ok ($((SECONDS - start)) s)"
+    fi
+  fi
+fi
+
+# --- C++ lint ----------------------------------------------------------------------------------
+start=$SECONDS
+ct=$(first_tool clang-tidy-14 clang-tidy)
+if [ "$fix" = 1 ]; then
+  :
+elif [ -z "$ct" ]; then
+  skip clang-tidy "not installed (scripts/install-deps.sh installs it)"
+elif [ ! -f "$build/compile_commands.json" ]; then
+  skip clang-tidy "no $build/compile_commands.json (configure with -DCMAKE_EXPORT_COMPILE_COMMANDS=ON, as" \
+    "scripts/test.sh does, or set TORPOR_LINT_BUILD)"
+else
+  [ "$(major_version "$ct")" = 14 ] || say "clang-tidy: $ct is not version 14, which the tree is checked with;" \
+    "a newer one may report findings of checks that 14 lacks"
+  # The sources this build compiles (a build without CUDA has no cuda_*.cpp of fusion/).
+  python3 - "$build/compile_commands.json" > "$tmp/tidy.files" <<'EOF'
+import json, os, subprocess, sys
+compiled = {os.path.realpath(e["file"]) for e in json.load(open(sys.argv[1]))}
+tracked = subprocess.run(["git", "ls-files", "allocator/*.cpp", "fusion/*.cpp", "tools/*.cpp"],
+                         capture_output=True, text=True, check=True).stdout.split()
+for f in tracked:
+    print(f if os.path.realpath(f) in compiled else "-" + f)
+EOF
+  mapfile -t tidy_files < <(grep -v '^-' "$tmp/tidy.files")
+  not_built=$(grep -c '^-' "$tmp/tidy.files")
+  mkdir -p "$tmp/tidy"
+  # One clang-tidy per file, $jobs at a time; a file's output is kept when it has findings.
+  printf '%s\n' "${tidy_files[@]}" | xargs -P "$jobs" -I{} sh -c \
+    'log="$3/$(echo "$2" | tr / _)"; "$0" -p "$1" --quiet --warnings-as-errors="*" "$2" > "$log" 2>&1 || touch "$log.failed"' \
+    "$ct" "$build" {} "$tmp/tidy"
+  mapfile -t tidy_failed < <(find "$tmp/tidy" -name '*.failed' | sort)
+  if [ ${#tidy_failed[@]} -gt 0 ]; then
+    for f in "${tidy_failed[@]}"; do grep -v ' warnings\? generated\.$' "${f%.failed}"; done
+    say "clang-tidy: findings in ${#tidy_failed[@]} of ${#tidy_files[@]} files (above); fix them, or silence one" \
+        "on its line with NOLINT(check): reason"
+    failed+=(clang-tidy)
+  else
+    say "clang-tidy: ${#tidy_files[@]} files ok ($((SECONDS - start)) s; $not_built not compiled by $build/, not checked)"
+  fi
+fi
+
+# --- Python lint -------------------------------------------------------------------------------
+start=$SECONDS
+fl=$(first_tool flake8)
+if [ "$fix" = 1 ]; then
+  :
+elif [ -z "$fl" ]; then
+  skip flake8 "not installed (scripts/install-deps.sh installs it)"
+elif "$fl" "${py_files[@]}"; then
+  say "flake8: ${#py_files[@]} files ok ($((SECONDS - start)) s)"
+else
+  say "flake8: findings above"
+  failed+=(flake8)
+fi
+
+# --- Python format -----------------------------------------------------------------------------
+start=$SECONDS
+if formatter black 23 black; then
+  bl=$(cat "$tmp/black.tool")
+  if [ "$fix" = 1 ]; then
+    "$bl" -q --config python/pyproject.toml "${py_files[@]}"
+    say "black applied to ${#py_files[@]} files"
+  elif "$bl" --check --config python/pyproject.toml "${py_files[@]}" 2> "$tmp/black.log"; then
+    say "black: ${#py_files[@]} files ok ($((SECONDS - start)) s)"
+  else
+    head -20 "$tmp/black.log"
+    say "black: $(grep -c '^would reformat' "$tmp/black.log") of ${#py_files[@]} files differ (above, up to 20);" \
+        "scripts/lint.sh --fix formats them"
+    failed+=(black)
+  fi
+fi
+
+if [ ${#failed[@]} -gt 0 ]; then
+  say "FAILED: ${failed[*]}${skipped:+ (skipped: ${skipped[*]})}"
+  exit 1
+fi
+say "passed${skipped:+ (skipped: ${skipped[*]})}"

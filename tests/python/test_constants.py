@@ -1,0 +1,81 @@
+"""The Python package's constants agree with the C and C++ headers, which are the oracle here:
+parsed from the source tree, not taken from the library or the package."""
+
+import re
+import subprocess
+import sys
+
+import torpor
+from conftest import REPO, subprocess_env
+from torpor import errors
+
+INCLUDE = REPO / "allocator" / "include" / "torpor"
+
+
+def test_the_tag_names_are_the_cpp_apis():
+    cpp = dict(re.findall(r'inline constexpr char (\w+)\[\] = "([^"]*)";', (INCLUDE / "tags.hpp").read_text()))
+    c = dict(re.findall(r'#define TORPOR_TAG_(\w+) "([^"]*)"', (INCLUDE / "torpor.h").read_text()))
+    assert cpp and {k.upper(): v for k, v in cpp.items()} == c, "tags.hpp and torpor.h name the same tags"
+    py = {name: getattr(torpor.tags, name) for name in torpor.tags.__all__}
+    assert py == c
+
+
+def header_enum(name: str) -> dict[str, int]:
+    """The enumerators of torpor.h's `typedef enum name { ... }`."""
+    text = (INCLUDE / "torpor.h").read_text()
+    body = re.search(r"typedef enum %s \{(.*?)\}" % name, text, re.S).group(1)
+    body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
+    return {k: int(v) for k, v in re.findall(r"(\w+)\s*=\s*(-?\d+)", body)}
+
+
+def lower_names(enumerators: dict[str, int], prefix: str) -> dict[str, int]:
+    return {k[len(prefix):].lower(): v for k, v in enumerators.items()}
+
+
+def test_every_c_status_has_its_python_class_with_the_same_value():
+    statuses = header_enum("torpor_status")
+    assert "TORPOR_OK" in statuses and len(statuses) >= 9, statuses
+    lib = torpor._lib.lib()
+    by_name = {cls.status_name: cls for cls in errors.STATUS_CLASSES}
+    assert set(by_name) == set(statuses) - {"TORPOR_OK"}, "one Python class per error status of torpor.h"
+    assert torpor._lib.status_ok() == statuses["TORPOR_OK"]
+    for name, value in statuses.items():
+        assert lib.torpor_status_name(value).decode() == name
+        if name == "TORPOR_OK":
+            continue
+        cls = by_name[name]
+        assert cls.status == value, name
+        err = errors.error_for(value, "message")
+        assert type(err) is cls and err.status == value and str(err) == "message"
+
+
+def test_classes_backends_and_fills_are_the_headers():
+    classes = lower_names(header_enum("torpor_class"), "TORPOR_CLASS_")
+    backends = lower_names(header_enum("torpor_backend"), "TORPOR_BACKEND_")
+    fills = lower_names(header_enum("torpor_fill"), "TORPOR_FILL_")
+    assert torpor._lib.enum_values("memory_class") == classes
+    assert torpor._lib.enum_values("backend") == backends
+    assert torpor._lib.enum_values("fill") == fills
+    assert {m.value for m in torpor.MemoryClass} == set(classes)
+    for member in torpor.MemoryClass:
+        assert int(member) == classes[member.value]
+        assert torpor.MemoryClass(classes[member.value]) is member
+        assert torpor.pool.to_memory_class(classes[member.value]) is member
+    o = torpor.pool.pool_options(0, "cuda", 0, "poison")
+    assert (o.backend, o.fill_on_wake) == (backends["cuda"], fills["poison"])
+
+
+def test_the_errors_are_usable_before_the_library_loads_and_without_it():
+    code = ("import torpor, torpor._lib as L\n"
+            "assert L._lib is None and torpor.InvalidArgument.status is None\n"
+            "try:\n    raise torpor.InvalidArgument('x')\nexcept ValueError as e:\n    assert e.status is None\n"
+            "assert torpor.MemoryClass('state') is torpor.MemoryClass.STATE and L._lib is None\n"
+            "try:\n    torpor.Pool(0, backend='host', va_bytes=1 << 30).close()\n"
+            "except torpor.LibraryNotFound:\n    print('missing')\n"
+            "print(torpor.InvalidArgument.status)\n")
+    value = header_enum("torpor_status")["TORPOR_ERROR_INVALID_ARGUMENT"]
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.split() == [str(value)], out.stdout + out.stderr
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(TORPOR_LIBRARY="/nonexistent/libtorpor.so"),
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.split() == ["missing", "None"], out.stdout + out.stderr
