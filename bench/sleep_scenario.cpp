@@ -22,9 +22,9 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "pool/range_allocator.hpp"
 #include "torpor/backend.hpp"
 #include "torpor/error.hpp"
-#include "pool/range_allocator.hpp"
 #include "torpor/pool.hpp"
 
 namespace {
@@ -32,9 +32,7 @@ namespace {
 using namespace torpor;
 using clock_type = std::chrono::steady_clock;
 
-double seconds_since(clock_type::time_point t) {
-  return std::chrono::duration<double>(clock_type::now() - t).count();
-}
+double seconds_since(clock_type::time_point t) { return std::chrono::duration<double>(clock_type::now() - t).count(); }
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -76,7 +74,9 @@ struct Scenario {
 Scenario build(Pool& pool, const Options& o) {
   Scenario s;
   std::mt19937_64 rng(42);
-  std::size_t shared_tail = std::max<std::size_t>(o.state_min, std::min<std::size_t>(o.state_bytes / 8 / std::max<std::size_t>(o.shared, 1), o.state_max));
+  std::size_t shared_tail =
+      std::max<std::size_t>(o.state_min,
+                            std::min<std::size_t>(o.state_bytes / 8 / std::max<std::size_t>(o.shared, 1), o.state_max));
   for (std::size_t i = 0; i < o.param_count; ++i) {
     std::string name = fmt::format("layers.{}.w{}", i / 8, i % 8);
     if (i < o.shared) {
@@ -169,8 +169,10 @@ Ceiling measure_ceiling(Driver& d, Stream st, const std::vector<Range>& ranges, 
       for (std::size_t off = 0; off < r.bytes;) {
         std::size_t n = std::min(r.bytes - off, buffer_bytes - used);
         auto* dev = static_cast<std::byte*>(r.p) + off;
-        if (to_host) d.copy_async(buf + used, dev, n, st);
-        else d.copy_async(dev, buf + used, n, st);
+        if (to_host)
+          d.copy_async(buf + used, dev, n, st);
+        else
+          d.copy_async(dev, buf + used, n, st);
         used = (used + n) % buffer_bytes;
         off += n;
       }
@@ -186,7 +188,9 @@ Ceiling measure_ceiling(Driver& d, Stream st, const std::vector<Range>& ranges, 
 }
 
 double returned_fraction(std::size_t free_before, std::size_t free_after, std::size_t mapped) {
-  return mapped == 0 ? 1.0 : (static_cast<double>(free_after) - static_cast<double>(free_before)) / static_cast<double>(mapped);
+  return mapped == 0
+             ? 1.0
+             : (static_cast<double>(free_after) - static_cast<double>(free_before)) / static_cast<double>(mapped);
 }
 
 nlohmann::json report_json(const TransitionReport& r) { return nlohmann::json::parse(to_json(r)); }
@@ -221,7 +225,8 @@ Baseline run_baseline(Driver& d, int device, const Options& o, int cycles) {
     add(std::max<std::size_t>(n, 256), true);
     s += n;
   }
-  for (std::size_t done = 0; done < o.cache_bytes; done += o.cache_alloc) add(std::min(o.cache_alloc, o.cache_bytes - done), false);
+  for (std::size_t done = 0; done < o.cache_bytes; done += o.cache_alloc)
+    add(std::min(o.cache_alloc, o.cache_bytes - done), false);
   device_ptr base = d.reserve(total, g);
   int dev = device;
   std::span<const int> access(&dev, 1);
@@ -262,7 +267,8 @@ Baseline run_baseline(Driver& d, int device, const Options& o, int cycles) {
       }
     }
     b.wake_seconds.push_back(seconds_since(t));
-    fmt::print("  baseline cycle {}: sleep {:.3f} s, wake {:.3f} s\n", c + 1, b.sleep_seconds.back(), b.wake_seconds.back());
+    fmt::print("  baseline cycle {}: sleep {:.3f} s, wake {:.3f} s\n", c + 1, b.sleep_seconds.back(),
+               b.wake_seconds.back());
   }
   for (auto& a : allocs) {
     d.unmap(a.va, a.bytes);
@@ -283,10 +289,11 @@ int run(const Options& o) {
   j["backend"] = std::string(to_string(sel.backend));
   j["device"] = props.name;
   if (const char* c = std::getenv("TORPOR_COMMIT")) j["commit"] = c;
-  j["scenario"] = {{"param_count", o.param_count}, {"param_bytes", o.param_bytes}, {"state_bytes", o.state_bytes},
-                   {"state_min", o.state_min},     {"state_max", o.state_max},     {"shared", o.shared},
-                   {"cache_bytes", o.cache_bytes}, {"cache_alloc", o.cache_alloc}, {"cycles", o.cycles},
-                   {"release_threads", o.release_threads}};
+  j["scenario"] = {{"param_count", o.param_count}, {"param_bytes", o.param_bytes},
+                   {"state_bytes", o.state_bytes}, {"state_min", o.state_min},
+                   {"state_max", o.state_max},     {"shared", o.shared},
+                   {"cache_bytes", o.cache_bytes}, {"cache_alloc", o.cache_alloc},
+                   {"cycles", o.cycles},           {"release_threads", o.release_threads}};
 
   Ceiling ceiling;
   std::vector<nlohmann::json> cycles;
@@ -309,8 +316,8 @@ int run(const Options& o) {
     all.insert(all.end(), s.state.begin(), s.state.end());
     ceiling = measure_ceiling(d, st, all, o.ceiling_buffer);
     fmt::print("ceiling: D2H {:.3f} s ({:.1f} GB/s), H2D {:.3f} s ({:.1f} GB/s) for {}\n", ceiling.d2h_seconds,
-               ceiling.bytes / ceiling.d2h_seconds / 1e9, ceiling.h2d_seconds, ceiling.bytes / ceiling.h2d_seconds / 1e9,
-               format_bytes(ceiling.bytes));
+               ceiling.bytes / ceiling.d2h_seconds / 1e9, ceiling.h2d_seconds,
+               ceiling.bytes / ceiling.h2d_seconds / 1e9, format_bytes(ceiling.bytes));
 
     for (int c = 1; c <= o.cycles; ++c) {
       nlohmann::json cj;
@@ -327,7 +334,8 @@ int run(const Options& o) {
         double secs = seconds_since(t0);
         nlohmann::json x = report_json(r);
         x["wall_seconds"] = secs;
-        if (r.operation == "sleep") x["returned"] = returned_fraction(free_before, d.memory_info(device).free_bytes, mapped);
+        if (r.operation == "sleep")
+          x["returned"] = returned_fraction(free_before, d.memory_info(device).free_bytes, mapped);
         cj[name] = x;
         return secs;
       };
@@ -344,7 +352,8 @@ int run(const Options& o) {
       step("l2_wake_kv", [&] { return pool.wake_up({tags::kv_cache}); });
       expect_same(hs, hashes(d, st, s.state), "state after level 2");
       auto g = [&](const char* k) { return cj[k]["wall_seconds"].get<double>(); };
-      fmt::print("cycle {}: L1 sleep {:.3f} s wake {:.3f} s | unchanged sleep {:.3f} s | L2 sleep {:.3f} s wake {:.3f}+{:.3f} s"
+      fmt::print("cycle {}: L1 sleep {:.3f} s wake {:.3f} s | unchanged sleep {:.3f} s | L2 sleep {:.3f} s wake "
+                 "{:.3f}+{:.3f} s"
                  " | returned L1 {:.4f} L2 {:.4f}\n",
                  c, g("l1_sleep"), g("l1_wake"), g("l1_sleep_unchanged"), g("l2_sleep"), g("l2_wake_weights"),
                  g("l2_wake_kv"), cj["l1_sleep"]["returned"].get<double>(), cj["l2_sleep"]["returned"].get<double>());
@@ -386,7 +395,8 @@ int run(const Options& o) {
   double base_round = o.baseline ? median(base.sleep_seconds) + median(base.wake_seconds) : 0;
   fmt::print("\n{:<34} {:>12} {:>12} {:>10} {:>11}\n", "phase", "first s", "steady s", "GB/s", "of ceiling");
   auto row = [&](const char* name, double f, double s, double bytes, double ceil) {
-    fmt::print("{:<34} {:>12.3f} {:>12.3f} {:>10.1f} {:>10.1f}%\n", name, f, s, bytes / s / 1e9, 100 * (bytes / s) / ceil);
+    fmt::print("{:<34} {:>12.3f} {:>12.3f} {:>10.1f} {:>10.1f}%\n", name, f, s, bytes / s / 1e9,
+               100 * (bytes / s) / ceil);
   };
   row("ceiling D2H (pinned copy)", ceiling.d2h_seconds, ceiling.d2h_seconds, ceiling.bytes, ceil_d2h);
   row("ceiling H2D (pinned copy)", ceiling.h2d_seconds, ceiling.h2d_seconds, ceiling.bytes, ceil_h2d);
@@ -394,28 +404,39 @@ int run(const Options& o) {
   row("torpor L1 wake", first("l1_wake"), w1, moved, ceil_h2d);
   fmt::print("{:<34} {:>12.3f} {:>12.3f}\n", "torpor L1 sleep (unchanged)", first("l1_sleep_unchanged"), unchanged);
   fmt::print("{:<34} {:>12.3f} {:>12.3f}\n", "torpor L2 sleep", first("l2_sleep"), s2);
-  fmt::print("{:<34} {:>12.3f} {:>12.3f}\n", "torpor L2 wake (weights + kv)", first("l2_wake_weights") + first("l2_wake_kv"), w2);
+  fmt::print("{:<34} {:>12.3f} {:>12.3f}\n", "torpor L2 wake (weights + kv)",
+             first("l2_wake_weights") + first("l2_wake_kv"), w2);
   if (o.baseline) {
-    fmt::print("{:<34} {:>12.3f} {:>12.3f}\n", "baseline sleep (per allocation)", base.sleep_seconds.front(), median(base.sleep_seconds));
-    fmt::print("{:<34} {:>12.3f} {:>12.3f}\n", "baseline wake (per allocation)", base.wake_seconds.front(), median(base.wake_seconds));
+    fmt::print("{:<34} {:>12.3f} {:>12.3f}\n", "baseline sleep (per allocation)", base.sleep_seconds.front(),
+               median(base.sleep_seconds));
+    fmt::print("{:<34} {:>12.3f} {:>12.3f}\n", "baseline wake (per allocation)", base.wake_seconds.front(),
+               median(base.wake_seconds));
   }
   fmt::print("minimum memory returned after a sleep: {:.5f} of mapped bytes (steady), {:.5f} in cycle 1\n",
              min_returned, first_returned);
 
-  nlohmann::json targets = {
-      {"l1_sleep_of_ceiling", {{"value", (moved / s1) / ceil_d2h}, {"target", ">= 0.90"}, {"met", (moved / s1) / ceil_d2h >= 0.9}}},
-      {"l1_wake_of_ceiling", {{"value", (moved / w1) / ceil_h2d}, {"target", ">= 0.90"}, {"met", (moved / w1) / ceil_h2d >= 0.9}}},
-      {"l1_unchanged_sleep_seconds", {{"value", unchanged}, {"target", "<= 0.050"}, {"met", unchanged <= 0.05}}},
-      {"l2_sleep_seconds", {{"value", s2}, {"target", "<= 0.100"}, {"met", s2 <= 0.1}}},
-      {"l2_wake_seconds", {{"value", w2}, {"target", "<= 0.150"}, {"met", w2 <= 0.15}}},
-      {"returned_fraction", {{"value", min_returned}, {"target", ">= 0.999"}, {"met", min_returned >= 0.999}}}};
+  nlohmann::json targets =
+      {{"l1_sleep_of_ceiling",
+        {{"value", (moved / s1) / ceil_d2h}, {"target", ">= 0.90"}, {"met", (moved / s1) / ceil_d2h >= 0.9}}},
+       {"l1_wake_of_ceiling",
+        {{"value", (moved / w1) / ceil_h2d}, {"target", ">= 0.90"}, {"met", (moved / w1) / ceil_h2d >= 0.9}}},
+       {"l1_unchanged_sleep_seconds", {{"value", unchanged}, {"target", "<= 0.050"}, {"met", unchanged <= 0.05}}},
+       {"l2_sleep_seconds", {{"value", s2}, {"target", "<= 0.100"}, {"met", s2 <= 0.1}}},
+       {"l2_wake_seconds", {{"value", w2}, {"target", "<= 0.150"}, {"met", w2 <= 0.15}}},
+       {"returned_fraction", {{"value", min_returned}, {"target", ">= 0.999"}, {"met", min_returned >= 0.999}}}};
   if (o.baseline)
-    targets["l1_round_trip_speedup"] = {{"value", base_round / (s1 + w1)}, {"target", ">= 10"}, {"met", base_round / (s1 + w1) >= 10}};
+    targets["l1_round_trip_speedup"] = {{"value", base_round / (s1 + w1)},
+                                        {"target", ">= 10"},
+                                        {"met", base_round / (s1 + w1) >= 10}};
   fmt::print("\ntargets (steady state):\n");
   for (auto& [k, v] : targets.items())
     fmt::print("  {:<30} {:>10.4f}  target {:<8} {}\n", k, v["value"].get<double>(), v["target"].get<std::string>(),
                v["met"].get<bool>() ? "met" : "MISSED");
-  j["steady"] = {{"l1_sleep", s1}, {"l1_wake", w1}, {"l1_sleep_unchanged", unchanged}, {"l2_sleep", s2}, {"l2_wake", w2}};
+  j["steady"] = {{"l1_sleep", s1},
+                 {"l1_wake", w1},
+                 {"l1_sleep_unchanged", unchanged},
+                 {"l2_sleep", s2},
+                 {"l2_wake", w2}};
   j["first"] = {{"l1_sleep", first("l1_sleep")}, {"l1_wake", first("l1_wake")}};
   j["baseline"] = {{"sleep_seconds", base.sleep_seconds}, {"wake_seconds", base.wake_seconds}};
   j["targets"] = targets;
@@ -435,24 +456,31 @@ int main(int argc, char** argv) {
   Options o;
   app.add_option("--backend", o.backend, "auto, host or cuda")->check(CLI::IsMember({"auto", "host", "cuda"}));
   app.add_option("--params", o.param_count, "parameter tensors (default 2048)");
-  app.add_option_function<std::string>("--param-bytes", [&](const std::string& s) { o.param_bytes = parse_size(s); },
-                                        "bytes per parameter tensor (default 16M)");
-  app.add_option_function<std::string>("--state-bytes", [&](const std::string& s) { o.state_bytes = parse_size(s); },
-                                        "state bytes in all (default 256M)");
-  app.add_option_function<std::string>("--state-min", [&](const std::string& s) { o.state_min = parse_size(s); },
-                                        "smallest state allocation (default 64K)");
-  app.add_option_function<std::string>("--state-max", [&](const std::string& s) { o.state_max = parse_size(s); },
-                                        "largest state allocation (default 4M)");
+  app.add_option_function<std::string>(
+      "--param-bytes", [&](const std::string& s) { o.param_bytes = parse_size(s); },
+      "bytes per parameter tensor (default 16M)");
+  app.add_option_function<std::string>(
+      "--state-bytes", [&](const std::string& s) { o.state_bytes = parse_size(s); },
+      "state bytes in all (default 256M)");
+  app.add_option_function<std::string>(
+      "--state-min", [&](const std::string& s) { o.state_min = parse_size(s); },
+      "smallest state allocation (default 64K)");
+  app.add_option_function<std::string>(
+      "--state-max", [&](const std::string& s) { o.state_max = parse_size(s); },
+      "largest state allocation (default 4M)");
   app.add_option("--shared", o.shared, "parameter segments that also hold a state range (default 64)");
-  app.add_option_function<std::string>("--cache-bytes", [&](const std::string& s) { o.cache_bytes = parse_size(s); },
-                                        "KV cache bytes (default 16G)");
-  app.add_option_function<std::string>("--cache-alloc", [&](const std::string& s) { o.cache_alloc = parse_size(s); },
-                                        "bytes per KV cache allocation (default 1G)");
-  app.add_option("--cycles", o.cycles, "torpor cycles (default 5; cycle 1 is reported apart)")->check(CLI::Range(1, 100));
+  app.add_option_function<std::string>(
+      "--cache-bytes", [&](const std::string& s) { o.cache_bytes = parse_size(s); }, "KV cache bytes (default 16G)");
+  app.add_option_function<std::string>(
+      "--cache-alloc", [&](const std::string& s) { o.cache_alloc = parse_size(s); },
+      "bytes per KV cache allocation (default 1G)");
+  app.add_option("--cycles", o.cycles, "torpor cycles (default 5; cycle 1 is reported apart)")
+      ->check(CLI::Range(1, 100));
   app.add_flag("!--no-baseline", o.baseline, "skip the per-allocation baseline");
   app.add_option("--baseline-cycles", o.baseline_cycles, "baseline cycles (default 2)")->check(CLI::Range(1, 100));
-  app.add_option_function<std::string>("--ceiling-buffer", [&](const std::string& s) { o.ceiling_buffer = parse_size(s); },
-                                        "pinned buffer for the ceiling copies (default 2G)");
+  app.add_option_function<std::string>(
+      "--ceiling-buffer", [&](const std::string& s) { o.ceiling_buffer = parse_size(s); },
+      "pinned buffer for the ceiling copies (default 2G)");
   app.add_option("--release-threads", o.release_threads, "PoolOptions::release_threads (default 2)")
       ->check(CLI::Range(1, 64));
   app.add_option("--json", o.json, "write every number to this JSON file");

@@ -20,19 +20,19 @@
 //
 // Targets (issue 5): fused >= 2x faster than unfused for <= 32 tokens, <= 6 us at 8 tokens.
 // Prints a table and writes --json. Needs two GPUs with peer access; prints SKIP otherwise.
-#include <CLI/CLI.hpp>
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "driver/cuda_driver.hpp"
 #include "nccl_comm.hpp"
 #include "support/processes.hpp"
-#include "driver/cuda_driver.hpp"
 #include "torpor/fusion/tail.hpp"
 #include "torpor/fusion/tail_state.hpp"
 #include "torpor/group.hpp"
@@ -46,9 +46,10 @@ namespace torpor::bench {
 void launch_peer_store(void* dst, const void* src, std::size_t bytes, int blocks, void* stream);
 void launch_ping_pong(void* own, void* peer, int rounds, bool starter, void* stream);
 void launch_empty(int blocks, int threads, bool programmatic, void* stream);
-void launch_lamport_floor(void* own, void* peer, std::uint32_t* calls, const void* inputs, int n, int features, void* stream);
+void launch_lamport_floor(void* own, void* peer, std::uint32_t* calls, const void* inputs, int n, int features,
+                          void* stream);
 void load_latency(const void* p, int scope, double* ns_per_load, double* timer_step_ns, double* timer_read_ns);
-}
+}  // namespace torpor::bench
 
 namespace {
 
@@ -64,7 +65,7 @@ struct Options {
   int replays = 20;
   std::string json_path;
   bool trace = false;
-  std::vector<int> blocks_per_row;  // extra fused tails, one per value (TailOptions::blocks_per_row)
+  std::vector<int> blocks_per_row;            // extra fused tails, one per value (TailOptions::blocks_per_row)
   std::vector<int> floor_features = {0, 15};  // Lamport exchange variants (bench::launch_lamport_floor)
 };
 
@@ -209,10 +210,12 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
   bench::load_latency(link.peer(1 - r), 0, &sys_peer_ns, &timer_step_ns, &timer_read_ns);
   // An empty kernel of the fused kernel's grid at 8 tokens.
   const int empty_blocks = (8 * o.hidden / 8 + kernels::tail_row_lanes - 1) / kernels::tail_row_lanes;
-  const double empty_so_us =
-      slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { bench::launch_empty(empty_blocks, kernels::tail_row_lanes, false, s); }));
-  const double empty_pdl_us =
-      slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { bench::launch_empty(empty_blocks, kernels::tail_row_lanes, true, s); }));
+  const double empty_so_us = slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] {
+                                       bench::launch_empty(empty_blocks, kernels::tail_row_lanes, false, s);
+                                     }));
+  const double empty_pdl_us = slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] {
+                                        bench::launch_empty(empty_blocks, kernels::tail_row_lanes, true, s);
+                                      }));
 
   // The tails and their tensors.
   fusion::TailShape shape;
@@ -229,7 +232,8 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
   kernels::TailTrace* trace = nullptr;
   std::unique_ptr<fusion::Tail> traced;
   if (o.trace) {
-    trace = static_cast<kernels::TailTrace*>(pool.allocate(sizeof(kernels::TailTrace), {"bench", MemoryClass::state, "bench.trace"}));
+    trace = static_cast<kernels::TailTrace*>(
+        pool.allocate(sizeof(kernels::TailTrace), {"bench", MemoryClass::state, "bench.trace"}));
     fusion::TailOptions to;
     to.trace = trace;
     traced = fusion::make_tail(heap, shape, to);
@@ -246,7 +250,9 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
   auto unfused = fusion::make_tail(heap, shape, uo);
   fusion::detail::NcclComm nccl(group, r);
   const std::size_t th = static_cast<std::size_t>(max_tokens) * o.hidden;
-  auto alloc = [&](std::size_t bytes, const char* name) { return pool.allocate(bytes, {"activations", MemoryClass::state, name}); };
+  auto alloc = [&](std::size_t bytes, const char* name) {
+    return pool.allocate(bytes, {"activations", MemoryClass::state, name});
+  };
   auto* expert = static_cast<bf16*>(alloc(th * o.top_k * sizeof(bf16), "expert_out"));
   auto* shared = static_cast<bf16*>(alloc(th * sizeof(bf16), "shared_out"));
   auto* residual = static_cast<bf16*>(alloc(th * sizeof(bf16), "residual"));
@@ -268,21 +274,24 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
   json rows = json::array();
   const Stream ts = kernels::from_native(s, r);
   if (r == 0) {
-    fmt::print("tail fusion bench: 2 GPUs, hidden {}, top_k {} + shared expert, bf16, CUDA graphs of {} calls x {} replays\n",
-               o.hidden, o.top_k, o.calls_per_graph, o.replays);
+    fmt::print(
+        "tail fusion bench: 2 GPUs, hidden {}, top_k {} + shared expert, bf16, CUDA graphs of {} calls x {} replays\n",
+        o.hidden, o.top_k, o.calls_per_graph, o.replays);
     fmt::print("path: {}\n", fused->reason());
     if (auto st = fusion::tail_state(*fused))
       fmt::print("fused grid: {} blocks per row up to {} rows, else {} ({} blocks resident at most)\n",
                  st->blocks_per_row_few_rows, kernels::tail_cluster_max_rows, st->blocks_per_row_many_rows,
                  st->capacity_blocks);
-    fmt::print("link (SM stores to the peer's memory): {:.1f} GB/s one way alone, {:.1f} + {:.1f} GB/s both ways at once\n",
-               one_way, both[0], both[1]);
+    fmt::print(
+        "link (SM stores to the peer's memory): {:.1f} GB/s one way alone, {:.1f} + {:.1f} GB/s both ways at once\n",
+        one_way, both[0], both[1]);
     fmt::print("store seen by the peer (ping-pong): {:.2f} us one way\n", latency_us);
     fmt::print("one thread's dependent loads: local {:.0f} ns (.sys), {:.0f} ns (.gpu); the peer's {:.0f} ns (.sys); "
                "globaltimer step {:.0f} ns, "
                "one read {:.0f} ns\n",
                sys_local_ns, gpu_local_ns, sys_peer_ns, timer_step_ns, timer_read_ns);
-    fmt::print("empty kernel ({} blocks) per call in a graph: {:.2f} us in stream order, {:.2f} us as a programmatic dependent\n",
+    fmt::print("empty kernel ({} blocks) per call in a graph: {:.2f} us in stream order, {:.2f} us as a programmatic "
+               "dependent\n",
                empty_blocks, empty_so_us, empty_pdl_us);
     fmt::print("{:>6} {:>10} {:>12} {:>11} {:>10} {:>8} {:>11} {:>10} {:>7}\n", "tokens", "fused us", "fused-so us",
                "unfused us", "nccl us", "speedup", "bytes/rank", "fused GB/s", "% link");
@@ -299,9 +308,11 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
     a.norm_out = norm_out;
     const double f_us = slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { fused->run(a, ts); }));
     fused->check();
-    const double so_us = slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { fused_so->run(a, ts); }));
+    const double so_us =
+        slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { fused_so->run(a, ts); }));
     fused_so->check();
-    const double u_us = slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { unfused->run(a, ts); }));
+    const double u_us =
+        slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { unfused->run(a, ts); }));
     unfused->check();
     // The Lamport exchange alone (bench::launch_lamport_floor) for this row count: the floor
     // under the fused kernel's send + receive, then with the fused kernel's other work added.
@@ -316,33 +327,38 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
       cuda(cudaDeviceSynchronize(), "zero the floor buffers");
       group.barrier();
       const double us = slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] {
-        bench::launch_lamport_floor(link.local(), link.peer(1 - r), floor_calls, expert, floor_n, features, s);
-      }));
+                                  bench::launch_lamport_floor(link.local(), link.peer(1 - r), floor_calls, expert,
+                                                              floor_n, features, s);
+                                }));
       floors[std::to_string(features)] = us;
       floor_line += fmt::format("{}{}: {:.2f}", floor_line.empty() ? "" : ", ", features, us);
     }
     if (r == 0)
-      fmt::print("  {} tokens, Lamport exchange alone (features 1 loads, 2 self copy, 4 clear stores, 8 transposed poll, "
-                 "16 1024 straight-line FMAs, 64 straight-line code run before the wait too, "
-                 "128 12 branches over 4 KB of code each, 256 the same over a few bytes): "
-                 "{} us\n", t, floor_line);
+      fmt::print(
+          "  {} tokens, Lamport exchange alone (features 1 loads, 2 self copy, 4 clear stores, 8 transposed poll, "
+          "16 1024 straight-line FMAs, 64 straight-line code run before the wait too, "
+          "128 12 branches over 4 KB of code each, 256 the same over a few bytes): "
+          "{} us\n",
+          t, floor_line);
     json by_blocks_row = json::object();
     for (std::size_t i = 0; i < by_blocks.size(); ++i) {
-      const double b_us = slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { by_blocks[i]->run(a, ts); }));
+      const double b_us =
+          slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { by_blocks[i]->run(a, ts); }));
       by_blocks[i]->check();
       by_blocks_row[std::to_string(o.blocks_per_row[i])] = b_us;
       if (r == 0)
-        fmt::print("  {} tokens, fused with {} blocks per row: {:.2f} us ({:.2f}x unfused)\n", t, o.blocks_per_row[i], b_us,
-                   u_us / b_us);
+        fmt::print("  {} tokens, fused with {} blocks per row: {:.2f} us ({:.2f}x unfused)\n", t, o.blocks_per_row[i],
+                   b_us, u_us / b_us);
     }
     const double n_us = slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] {
-      nccl.all_reduce_sum_bf16(scratch, static_cast<std::size_t>(t) * o.hidden, s);
-    }));
+                                  nccl.all_reduce_sum_bf16(scratch, static_cast<std::size_t>(t) * o.hidden, s);
+                                }));
     json trace_row;
     if (traced) {
       cuda(cudaMemset(trace, 0, sizeof(kernels::TailTrace)), "zero the trace");
       cuda(cudaDeviceSynchronize(), "zero the trace");
-      const double t_us = slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { traced->run(a, ts); }));
+      const double t_us =
+          slowest(group, time_graph(group, s, o.calls_per_graph, o.replays, [&] { traced->run(a, ts); }));
       traced->check();
       kernels::TailTrace tr{};
       cuda(cudaMemcpy(&tr, trace, sizeof tr, cudaMemcpyDeviceToHost), "read the trace");
@@ -351,26 +367,32 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
       for (auto v : tr.phase_ns) phases.push_back(static_cast<double>(v) / n / 1000.0);
       const double gap = tr.gaps ? static_cast<double>(tr.gap_ns) / static_cast<double>(tr.gaps) / 1000.0 : 0.0;
       const double upd = static_cast<double>(tr.updater_ns) / n / 1000.0;
-      static const char* names[kernels::tail_trace_phases] = {"waited", "control read", "partial", "set up", "sent",
-                                                              "cleared", "vectors in", "residual", "row barrier", "block's in", "epilogue", "end"};
+      static const char* names[kernels::tail_trace_phases] = {"waited",      "control read", "partial",    "set up",
+                                                              "sent",        "cleared",      "vectors in", "residual",
+                                                              "row barrier", "block's in",   "epilogue",   "end"};
       // Per block: the spread of its mean times over the grid (min / median / max, and the slowest
       // block), from its own wait's return.
       json per_block = json::object();
       {
-        static const char* bnames[kernels::tail_block_stamps + 1] = {
-            "waited after block 0", "partial", "sent", "cleared", "row in", "all sent", "all in", "poll rounds", "end"};
+        static const char* bnames[kernels::tail_block_stamps + 1] =
+            {"waited after block 0", "partial", "sent", "cleared", "row in", "all sent", "all in",
+             "poll rounds",          "end"};
         for (int k = -1; k < kernels::tail_block_stamps; ++k) {
           std::vector<std::pair<double, int>> v;
           for (int b = 0; b < kernels::tail_trace_blocks; ++b) {
             if (tr.block_ns[b][kernels::tail_block_stamps - 1] == 0) continue;  // not in the grid
-            const double x = k < 0 ? static_cast<double>(tr.block_waited_ns[b]) : static_cast<double>(tr.block_ns[b][k]);
+            const double x =
+                k < 0 ? static_cast<double>(tr.block_waited_ns[b]) : static_cast<double>(tr.block_ns[b][k]);
             if (k >= 0 && x == 0) continue;  // a stamp this block does not have
             v.push_back({x / n / 1000.0, b});
           }
           if (v.empty()) continue;
           std::sort(v.begin(), v.end());
-          per_block[bnames[k + 1]] = {{"blocks", v.size()}, {"min", v.front().first}, {"median", v[v.size() / 2].first},
-                                      {"max", v.back().first}, {"slowest_block", v.back().second}};
+          per_block[bnames[k + 1]] = {{"blocks", v.size()},
+                                      {"min", v.front().first},
+                                      {"median", v[v.size() / 2].first},
+                                      {"max", v.back().first},
+                                      {"slowest_block", v.back().second}};
         }
       }
       json named = json::object();
@@ -390,33 +412,44 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
           const json tj = json::parse(std::string(reinterpret_cast<const char*>(b.data()), b.size()));
           std::string line;
           for (int k = 0; k < kernels::tail_trace_phases; ++k)
-            line += fmt::format("{}{} {:.2f}", k ? ", " : "", names[k], tj["block0_us_from_entry"][names[k]].get<double>());
-          fmt::print("  trace rank {} ({:.2f} us/call traced), block 0 from entry: {}; entry - previous end {:.2f}; updater "
-                     "done {:.2f}; SM clock {:.2f} GHz\n",
-                     tj["rank"].get<int>(), tj["traced_us"].get<double>(), line,
-                     tj["entry_minus_previous_end_us"].get<double>(), tj["updater_done_us"].get<double>(),
-                     tj["sm_ghz"].get<double>());
+            line +=
+                fmt::format("{}{} {:.2f}", k ? ", " : "", names[k], tj["block0_us_from_entry"][names[k]].get<double>());
+          fmt::print(
+              "  trace rank {} ({:.2f} us/call traced), block 0 from entry: {}; entry - previous end {:.2f}; updater "
+              "done {:.2f}; SM clock {:.2f} GHz\n",
+              tj["rank"].get<int>(), tj["traced_us"].get<double>(), line,
+              tj["entry_minus_previous_end_us"].get<double>(), tj["updater_done_us"].get<double>(),
+              tj["sm_ghz"].get<double>());
           std::string blocks;
           for (const auto& [name, d] : tj["per_block_us_from_own_wait"].items())
-            blocks += fmt::format("{}{} {:.2f}/{:.2f}/{:.2f} (#{})", blocks.empty() ? "" : "; ", name, d["min"].get<double>(),
-                                  d["median"].get<double>(), d["max"].get<double>(), d["slowest_block"].get<int>());
+            blocks +=
+                fmt::format("{}{} {:.2f}/{:.2f}/{:.2f} (#{})", blocks.empty() ? "" : "; ", name, d["min"].get<double>(),
+                            d["median"].get<double>(), d["max"].get<double>(), d["slowest_block"].get<int>());
           fmt::print("    per block (min/median/max over {} blocks, slowest block): {}\n",
-                     tj["per_block_us_from_own_wait"].contains("end") ? tj["per_block_us_from_own_wait"]["end"]["blocks"].get<int>() : 0,
+                     tj["per_block_us_from_own_wait"].contains("end")
+                         ? tj["per_block_us_from_own_wait"]["end"]["blocks"].get<int>()
+                         : 0,
                      blocks);
         }
     }
     const double bytes = static_cast<double>(t) * o.hidden * sizeof(bf16) * (ranks - 1);
     const double gbps = bytes / (f_us * 1e-6) / 1e9;
     if (r == 0)
-      fmt::print("{:>6} {:>10.2f} {:>12.2f} {:>11.2f} {:>10.2f} {:>7.2f}x {:>11.0f} {:>10.1f} {:>6.1f}%\n", t, f_us, so_us,
-                 u_us, n_us, u_us / f_us, bytes, gbps, 100.0 * gbps / one_way);
-    rows.push_back({{"tokens", t}, {"fused_us", f_us}, {"fused_stream_order_us", so_us}, {"unfused_us", u_us},
+      fmt::print("{:>6} {:>10.2f} {:>12.2f} {:>11.2f} {:>10.2f} {:>7.2f}x {:>11.0f} {:>10.1f} {:>6.1f}%\n", t, f_us,
+                 so_us, u_us, n_us, u_us / f_us, bytes, gbps, 100.0 * gbps / one_way);
+    rows.push_back({{"tokens", t},
+                    {"fused_us", f_us},
+                    {"fused_stream_order_us", so_us},
+                    {"unfused_us", u_us},
                     {"nccl_allreduce_us", n_us},
                     {"lamport_exchange_us_by_features", floors},
-                    {"speedup", u_us / f_us}, {"bytes_per_rank", bytes}, {"fused_gbps", gbps},
+                    {"speedup", u_us / f_us},
+                    {"bytes_per_rank", bytes},
+                    {"fused_gbps", gbps},
                     {"link_fraction", gbps / one_way}});
     if (traced) rows.back()["trace_rank0"] = trace_row;
-    if (!by_blocks.empty()) rows.back()["fused_us_by_blocks_per_row"] = by_blocks_row;  // (rank 0's own; the table printed both)
+    if (!by_blocks.empty())
+      rows.back()["fused_us_by_blocks_per_row"] = by_blocks_row;  // (rank 0's own; the table printed both)
   }
   if (r == 0) {
     std::string speedups;
@@ -449,7 +482,8 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
                 {"link_gbps_one_way", one_way},
                 {"link_gbps_both_ways", both},
                 {"peer_store_latency_us", latency_us},
-                {"load_latency_ns", {{"local_sys", sys_local_ns}, {"local_gpu", gpu_local_ns}, {"peer_sys", sys_peer_ns}}},
+                {"load_latency_ns",
+                 {{"local_sys", sys_local_ns}, {"local_gpu", gpu_local_ns}, {"peer_sys", sys_peer_ns}}},
                 {"globaltimer_step_ns", timer_step_ns},
                 {"globaltimer_read_ns", timer_read_ns},
                 {"empty_kernel_blocks", empty_blocks},
@@ -486,16 +520,18 @@ int main(int argc, char** argv) {
   app.add_option("--json", o.json_path, "write the results here");
   app.add_option("--blocks-per-row", o.blocks_per_row,
                  "also time the fused tail with each of these blocks per row (1, 4, 8; TailOptions::blocks_per_row)");
-  app.add_option("--floor-features", o.floor_features,
-                 "Lamport exchange floors to time, as feature masks: 1 the partial's input loads, 2 a copy to itself, "
-                 "4 the clear's stores, 8 a transposed poll, 16 1024 straight-line FMAs, 64 the "
-                 "straight-line code run before griddepcontrol.wait too, 128 12 branches over 4 KB of code, 256 the same "
-                 "over a few bytes");
+  app.add_option(
+      "--floor-features", o.floor_features,
+      "Lamport exchange floors to time, as feature masks: 1 the partial's input loads, 2 a copy to itself, "
+      "4 the clear's stores, 8 a transposed poll, 16 1024 straight-line FMAs, 64 the "
+      "straight-line code run before griddepcontrol.wait too, 128 12 branches over 4 KB of code, 256 the same "
+      "over a few bytes");
   app.add_flag("--trace", o.trace, "also time a fused tail that stamps its phases (where a call's time goes)");
   CLI11_PARSE(app, argc, argv);
   // Fork before anything touches CUDA: the parent never does.
   const Rendezvous rv = Rendezvous::create();
-  auto outcomes = test::run_ranks(ranks, [&](int r) { rank_main(r, rv, o); }, std::chrono::seconds(540));
+  auto outcomes = test::run_ranks(
+      ranks, [&](int r) { rank_main(r, rv, o); }, std::chrono::seconds(540));
   rv.remove();
   const std::string failed = test::failures(outcomes);
   if (!failed.empty()) {

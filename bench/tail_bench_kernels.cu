@@ -27,7 +27,8 @@ void check_launch(const char* what) {
 
 __global__ void peer_store_kernel(uint4* dst, const uint4* src, std::size_t n) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n; i += stride) dst[i] = src[i];
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n; i += stride)
+    dst[i] = src[i];
 }
 
 // Rank 0 starts: it writes 1 to the peer, waits for 1 in its own word, writes 2, waits for 2, ...
@@ -114,8 +115,8 @@ __device__ __forceinline__ float big_block(float a) {
   for (int s = 0; s < 256; ++s) a = fmaf(a, 0.999f, static_cast<float>(s));
   return a;
 }
-__global__ void lamport_floor_kernel(uint4* own, uint4* peer, std::uint32_t* calls, const uint4* inputs, int n, int features,
-                                     std::uint32_t mask) {
+__global__ void lamport_floor_kernel(uint4* own, uint4* peer, std::uint32_t* calls, const uint4* inputs, int n,
+                                     int features, std::uint32_t mask) {
   float work = 0.0f;
   if ((features & 64) && (features & 16)) work += straight_line_fmas(static_cast<float>(threadIdx.x), 0.5f);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -151,7 +152,8 @@ __global__ void lamport_floor_kernel(uint4* own, uint4* peer, std::uint32_t* cal
     for (int k = 0; k < 9; ++k) fold += x[k].x ^ x[k].y ^ x[k].z ^ x[k].w;
   }
   const std::uint32_t v = e + (fold & mask);
-  if (features & 2) asm volatile("st.relaxed.sys.global.v4.u32 [%0], {%1, %1, %1, %1};" ::"l"(own + n + i), "r"(v) : "memory");
+  if (features & 2)
+    asm volatile("st.relaxed.sys.global.v4.u32 [%0], {%1, %1, %1, %1};" ::"l"(own + n + i), "r"(v) : "memory");
   asm volatile("st.relaxed.sys.global.v4.u32 [%0], {%1, %1, %1, %1};" ::"l"(peer + i), "r"(v) : "memory");
   if (features & 4) {
     own[2 * n + 2 * i] = make_uint4(v, v, v, v);
@@ -201,8 +203,10 @@ void load_latency(const void* p, int scope, double* ns_per_load, double* timer_s
   std::uint64_t* out = nullptr;
   cudaError_t e = cudaMalloc(&out, 4 * sizeof(std::uint64_t));
   if (e == cudaSuccess) {
-    if (scope == 0) load_latency_kernel<0><<<1, 1>>>(static_cast<const std::uint32_t*>(p), n, 0u, out);
-    else load_latency_kernel<1><<<1, 1>>>(static_cast<const std::uint32_t*>(p), n, 0u, out);
+    if (scope == 0)
+      load_latency_kernel<0><<<1, 1>>>(static_cast<const std::uint32_t*>(p), n, 0u, out);
+    else
+      load_latency_kernel<1><<<1, 1>>>(static_cast<const std::uint32_t*>(p), n, 0u, out);
     e = cudaGetLastError();
   }
   std::uint64_t host[4] = {};
@@ -217,7 +221,8 @@ void load_latency(const void* p, int scope, double* ns_per_load, double* timer_s
 namespace {
 // A launch on `stream`, as a programmatic dependent of the kernel before it when `programmatic`;
 // the config points at `attribute`.
-cudaLaunchConfig_t launch_config(int blocks, int threads, void* stream, bool programmatic, cudaLaunchAttribute& attribute) {
+cudaLaunchConfig_t launch_config(int blocks, int threads, void* stream, bool programmatic,
+                                 cudaLaunchAttribute& attribute) {
   attribute = cudaLaunchAttribute{};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
@@ -231,11 +236,13 @@ cudaLaunchConfig_t launch_config(int blocks, int threads, void* stream, bool pro
 }
 }  // namespace
 
-void launch_lamport_floor(void* own, void* peer, std::uint32_t* calls, const void* inputs, int n, int features, void* stream) {
+void launch_lamport_floor(void* own, void* peer, std::uint32_t* calls, const void* inputs, int n, int features,
+                          void* stream) {
   cudaLaunchAttribute attribute;
   const cudaLaunchConfig_t config = launch_config((n + 127) / 128, 128, stream, true, attribute);
-  const cudaError_t e = cudaLaunchKernelEx(&config, lamport_floor_kernel, static_cast<uint4*>(own), static_cast<uint4*>(peer), calls,
-                                           static_cast<const uint4*>(inputs), n, features, 0u);
+  const cudaError_t e =
+      cudaLaunchKernelEx(&config, lamport_floor_kernel, static_cast<uint4*>(own), static_cast<uint4*>(peer), calls,
+                         static_cast<const uint4*>(inputs), n, features, 0u);
   if (e != cudaSuccess) throw std::runtime_error(std::string("lamport_floor_kernel: ") + cudaGetErrorString(e));
 }
 

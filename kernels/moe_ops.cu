@@ -128,7 +128,8 @@ __global__ void attention_kernel(const bf16* qkv, bf16* k_cache, bf16* v_cache, 
 }
 
 // One thread per row: experts <= max_experts, top_k <= max_top_k.
-__global__ void router_kernel(const float* logits, int rows, int experts, int top_k, std::int32_t* idx, float* weights) {
+__global__ void router_kernel(const float* logits, int rows, int experts, int top_k, std::int32_t* idx,
+                              float* weights) {
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= rows) return;
   const float* l = logits + static_cast<std::size_t>(r) * experts;
@@ -159,7 +160,8 @@ __global__ void router_kernel(const float* logits, int rows, int experts, int to
   }
   for (int k = 0; k < top_k; ++k) {
     idx[static_cast<std::size_t>(r) * top_k + k] = chosen_idx[k];
-    weights[static_cast<std::size_t>(r) * top_k + k] = chosen > 0.f ? chosen_w[k] / chosen : 1.f / static_cast<float>(top_k);
+    weights[static_cast<std::size_t>(r) * top_k + k] =
+        chosen > 0.f ? chosen_w[k] / chosen : 1.f / static_cast<float>(top_k);
   }
 }
 
@@ -189,8 +191,8 @@ __global__ void expert_pointers_kernel(const std::int32_t* idx, int count, int t
 }
 
 // One block per row: (value, index) reduction, ties to the lower index, NaN skipped.
-__global__ void argmax_kernel(const float* logits, int vocab, std::int32_t* seq, int seq_stride, const std::int32_t* pos,
-                              const std::int32_t* prompt_len) {
+__global__ void argmax_kernel(const float* logits, int vocab, std::int32_t* seq, int seq_stride,
+                              const std::int32_t* pos, const std::int32_t* prompt_len) {
   __shared__ float sv[block];
   __shared__ int si[block];
   const int next_pos = *pos + 1;
@@ -280,7 +282,8 @@ int attention_decode(const bf16* qkv, bf16* k_cache, bf16* v_cache, const std::i
   return launched();
 }
 
-int router_topk(const float* logits, int rows, int experts, int top_k, std::int32_t* idx, float* weights, Stream stream) {
+int router_topk(const float* logits, int rows, int experts, int top_k, std::int32_t* idx, float* weights,
+                Stream stream) {
   router_kernel<<<(rows + 63) / 64, 64, 0, native(stream)>>>(logits, rows, experts, top_k, idx, weights);
   return launched();
 }
@@ -294,8 +297,8 @@ int expert_pointers(const std::int32_t* idx, int count, int top_k, const bf16* c
                     const bf16* const* down_table, int experts, const bf16* x_lat, int latent, bf16* gate_up_out,
                     int inter, bf16* act, bf16* y_lat, ExpertPointers out, Stream stream) {
   expert_pointers_kernel<<<(count + 63) / 64, 64, 0, native(stream)>>>(idx, count, top_k, gate_up_table, down_table,
-                                                                          experts, x_lat, latent, gate_up_out, inter,
-                                                                          act, y_lat, out);
+                                                                       experts, x_lat, latent, gate_up_out, inter, act,
+                                                                       y_lat, out);
   return launched();
 }
 

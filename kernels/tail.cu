@@ -129,8 +129,7 @@ __device__ __forceinline__ uint4 load_poll(const uint4* p) {
 }
 
 __device__ __forceinline__ void store_peer(uint4* p, uint4 v) {
-  asm volatile("st.relaxed.sys.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
-               "r"(v.w)
+  asm volatile("st.relaxed.sys.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
 }
 
@@ -183,8 +182,8 @@ __device__ __forceinline__ void unpack(uint4 v, float (&out)[tail_vector_elems])
 __device__ __forceinline__ uint4 load_input(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
 // I5/I6: the first failure of a call (any block) writes the record; later ones leave it.
-__device__ __noinline__ void record_error(TailControl* c, TailOp op, int rank, int peer, int slot, int token, std::uint64_t call,
-                             std::uint64_t waited_ns, std::uint32_t seen_magic) {
+__device__ __noinline__ void record_error(TailControl* c, TailOp op, int rank, int peer, int slot, int token,
+                                          std::uint64_t call, std::uint64_t waited_ns, std::uint32_t seen_magic) {
   if (atomicCAS(&c->error.flag, 0u, 1u) != 0u) return;
   c->error.op = static_cast<std::uint32_t>(op);
   c->error.rank = rank;
@@ -248,7 +247,8 @@ __device__ __forceinline__ RowInputs<VPT> load_row_inputs(const TailParams& p, i
 #pragma unroll
   for (int v = 0; v < VPT; ++v) {
     const int vec = lane + v * T;
-    if (vec < V) in.residual[v] = load_input(p.residual_in + static_cast<std::size_t>(row) * p.hidden + vec * tail_vector_elems);
+    if (vec < V)
+      in.residual[v] = load_input(p.residual_in + static_cast<std::size_t>(row) * p.hidden + vec * tail_vector_elems);
   }
   return in;
 }
@@ -314,8 +314,9 @@ __device__ __forceinline__ float warp_sum(float ss) {
 
 // norm_out of lane `lane`'s vectors of a row, from the rounded residual sums x.
 template <int VPT>
-__device__ __forceinline__ void store_norm(const TailParams& p, int row, int lane, const float (&x)[VPT][tail_vector_elems],
-                                           const uint4 (&gamma)[VPT], float inv) {
+__device__ __forceinline__ void store_norm(const TailParams& p, int row, int lane,
+                                           const float (&x)[VPT][tail_vector_elems], const uint4 (&gamma)[VPT],
+                                           float inv) {
   const int V = p.hidden / tail_vector_elems;
   const std::size_t base = static_cast<std::size_t>(row) * p.hidden;
 #pragma unroll
@@ -364,14 +365,15 @@ struct SourceRows {
 
 // -1 when every vector arrived; else the first source (rank) still missing one at the deadline.
 template <int VPT>
-__device__ __forceinline__ int wait_sources(const TailParams& p, const bf16* own_part, int slot, int src0, int n, int row,
-                                            int lane, SourceRows<VPT>& in, SpinDeadline& deadline, std::uint64_t& waited) {
+__device__ __forceinline__ int wait_sources(const TailParams& p, const bf16* own_part, int slot, int src0, int n,
+                                            int row, int lane, SourceRows<VPT>& in, SpinDeadline& deadline,
+                                            std::uint64_t& waited) {
   const int V = p.hidden / tail_vector_elems;
 #pragma unroll
   for (int g = 0; g < sources_together; ++g) {
     if (g >= n) break;
-    in.row_at[g] =
-        reinterpret_cast<const uint4*>(own_part + tail_slot_offset(slot, src0 + g, row, 0, p.ranks, p.max_tokens, p.hidden));
+    in.row_at[g] = reinterpret_cast<const uint4*>(
+        own_part + tail_slot_offset(slot, src0 + g, row, 0, p.ranks, p.max_tokens, p.hidden));
 #pragma unroll
     for (int v = 0; v < VPT; ++v)
       if (lane + v * T < V) in.got[g][v] = load_poll(in.row_at[g] + lane + v * T);
@@ -453,7 +455,8 @@ __device__ __forceinline__ void row_barrier_init(std::uint64_t* bar) {
 // and the clear), which nobody in the cluster reads.
 __device__ __forceinline__ void row_barrier_expect(std::uint64_t* bar, std::uint32_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.expect_tx.relaxed.cta.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)), "r"(bytes)
+  asm volatile("mbarrier.arrive.expect_tx.relaxed.cta.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)),
+               "r"(bytes)
                : "memory");
 #endif
 }
@@ -488,7 +491,7 @@ __device__ __forceinline__ void push_to_block(uint2* local, std::uint64_t* bar, 
 
 template <int VPT, int C, bool MULTICAST>
 __global__ void __launch_bounds__(T / C, C) tail_fused_kernel(TailParams p) {
-  constexpr int TB = T / C;          // threads per block
+  constexpr int TB = T / C;           // threads per block
   constexpr int WB = TB / tail_warp;  // warps per block
   __shared__ std::uint64_t s_table[tail_max_ranks + 1];
   __shared__ std::uint64_t s_calls;
@@ -559,7 +562,8 @@ __global__ void __launch_bounds__(T / C, C) tail_fused_kernel(TailParams p) {
   if (threadIdx.x <= p.ranks) s_table[threadIdx.x] = table_entry;
   TORPOR_TAIL_STAMP(tail_stamp_partial);
   if (threadIdx.x == 0) {
-    const std::uint32_t words[12] = {cw0.x, cw0.y, cw0.z, cw0.w, cw1.x, cw1.y, cw1.z, cw1.w, cw2.x, cw2.y, cw2.z, cw2.w};
+    const std::uint32_t words[12] = {cw0.x, cw0.y, cw0.z, cw0.w, cw1.x, cw1.y,
+                                     cw1.z, cw1.w, cw2.x, cw2.y, cw2.z, cw2.w};
     const std::uint32_t magic = words[offsetof(TailControl, magic) / 4];
     const std::uint64_t calls = static_cast<std::uint64_t>(words[offsetof(TailControl, calls) / 4]) |
                                 (static_cast<std::uint64_t>(words[offsetof(TailControl, calls) / 4 + 1]) << 32);
@@ -606,12 +610,13 @@ __global__ void __launch_bounds__(T / C, C) tail_fused_kernel(TailParams p) {
       const int row = i / V;
       const int vec = i - row * V;
       const uint4 v = i == gtid ? first : partial_vector<4>(p, row, vec);
-      const std::size_t off = tail_slot_offset(slot, p.rank, row, vec * tail_vector_elems, p.ranks, p.max_tokens, p.hidden);
+      const std::size_t off =
+          tail_slot_offset(slot, p.rank, row, vec * tail_vector_elems, p.ranks, p.max_tokens, p.hidden);
       if constexpr (MULTICAST) {
         store_multicast(reinterpret_cast<bf16*>(s_table[p.ranks]) + off, v);
       } else {
         for (int j = 0, d = p.rank; j < p.ranks; ++j, d = d + 1 == p.ranks ? 0 : d + 1) {  // self first, then
-                                                                                     // the peers in turn
+                                                                                           // the peers in turn
           if (!tail_receives(p, d, row)) continue;
           store_peer(reinterpret_cast<uint4*>(reinterpret_cast<bf16*>(s_table[d]) + off), v);
         }
@@ -629,7 +634,8 @@ __global__ void __launch_bounds__(T / C, C) tail_fused_kernel(TailParams p) {
     const int clear_vectors = (s_clear_end - s_clear_begin) * V;
     const uint4 sentinel = make_uint4(tail_sentinel_pair, tail_sentinel_pair, tail_sentinel_pair, tail_sentinel_pair);
     for (int src = 0; src < p.ranks && clear_vectors > 0; ++src) {
-      uint4* rows = own + tail_slot_offset(prev, src, s_clear_begin, 0, p.ranks, p.max_tokens, p.hidden) / tail_vector_elems;
+      uint4* rows =
+          own + tail_slot_offset(prev, src, s_clear_begin, 0, p.ranks, p.max_tokens, p.hidden) / tail_vector_elems;
       for (int i = gtid; i < clear_vectors; i += gstride) rows[i] = sentinel;
     }
 
@@ -658,8 +664,8 @@ __global__ void __launch_bounds__(T / C, C) tail_fused_kernel(TailParams p) {
         SourceRows<VPT> got;
         const int missing = wait_sources<VPT>(p, own_part, slot, src0, n, row, lane, got, deadline, waited);
         if (missing >= 0) {
-          record_error(c, MULTICAST ? TailOp::wait_multicast : TailOp::wait_unicast, p.rank, missing, slot, row, s_calls,
-                       waited, tail_control_magic);
+          record_error(c, MULTICAST ? TailOp::wait_multicast : TailOp::wait_unicast, p.rank, missing, slot, row,
+                       s_calls, waited, tail_control_magic);
           failed = true;
           break;
         }
@@ -743,8 +749,9 @@ __global__ void __launch_bounds__(T / C, C) tail_fused_kernel(TailParams p) {
       c->calls = s_calls + 1;
     }
     c->arrived = 0;
-    if (tracer) atomicAdd(reinterpret_cast<unsigned long long*>(&p.trace->updater_ns),
-                          static_cast<unsigned long long>(globaltimer() - stamp[0]));
+    if (tracer)
+      atomicAdd(reinterpret_cast<unsigned long long*>(&p.trace->updater_ns),
+                static_cast<unsigned long long>(globaltimer() - stamp[0]));
   }
   if (tracer && blockIdx.x < tail_trace_blocks) {
     // Calls are ordered (each waits for the last), so this block's thread 0 is the only writer of
@@ -753,7 +760,8 @@ __global__ void __launch_bounds__(T / C, C) tail_fused_kernel(TailParams p) {
     TailTrace* t = p.trace;
     const std::uint64_t w = stamp[1 + tail_stamp_waited];
     t->block_waited_ns[blockIdx.x] +=
-        static_cast<std::int64_t>(w) - static_cast<std::int64_t>(*static_cast<volatile std::uint64_t*>(&t->block0_waited));
+        static_cast<std::int64_t>(w) -
+        static_cast<std::int64_t>(*static_cast<volatile std::uint64_t*>(&t->block0_waited));
     const int which[4] = {tail_stamp_partial, tail_stamp_sent, tail_stamp_cleared, tail_stamp_block_in};
     for (int k = 0; k < 4; ++k)
       if (stamp[1 + which[k]] != 0) t->block_ns[blockIdx.x][k] += stamp[1 + which[k]] - w;
@@ -836,7 +844,8 @@ __global__ void tail_fill_u16_kernel(std::uint16_t* dst, std::uint16_t value, st
     dst[i] = value;
 }
 
-static_assert(tail_max_vectors_per_thread == 2, "the launchers below instantiate the kernels for 1 and 2 vectors per thread");
+static_assert(tail_max_vectors_per_thread == 2,
+              "the launchers below instantiate the kernels for 1 and 2 vectors per thread");
 int vectors_per_thread(int hidden) {
   const int V = hidden / tail_vector_elems;
   return (V + T - 1) / T;
@@ -851,7 +860,8 @@ const void* fused_symbol(int blocks_per_row) {
     case 4: return reinterpret_cast<const void*>(&tail_fused_kernel<VPT, 4, MC>);
     case 8: return reinterpret_cast<const void*>(&tail_fused_kernel<VPT, 8, MC>);
     default:
-      throw invalid_argument("tail kernels: " + std::to_string(blocks_per_row) + " blocks per row; it must be 1, 4 or 8");
+      throw invalid_argument("tail kernels: " + std::to_string(blocks_per_row) +
+                             " blocks per row; it must be 1, 4 or 8");
   }
 }
 
@@ -880,18 +890,19 @@ std::string tail_device_support(int device, bool multicast, int blocks_per_row) 
   const std::string cc = std::to_string(major) + "." + std::to_string(minor);
   if (!valid_blocks_per_row(blocks_per_row))
     return std::to_string(blocks_per_row) + " blocks per row; it must be 1, 4 or 8";
-  if (major < 7) return "device " + std::to_string(device) + " has compute capability " + cc + "; the fused tail needs 7.0";
+  if (major < 7)
+    return "device " + std::to_string(device) + " has compute capability " + cc + "; the fused tail needs 7.0";
   if (multicast && major < 9)
     return "device " + std::to_string(device) + " has compute capability " + cc + "; multimem stores need 9.0";
   if (blocks_per_row > 1 && major < 9)
-    return "device " + std::to_string(device) + " has compute capability " + cc + "; " + std::to_string(blocks_per_row) +
-           " blocks per row need thread-block clusters (9.0); use 1";
+    return "device " + std::to_string(device) + " has compute capability " + cc + "; " +
+           std::to_string(blocks_per_row) + " blocks per row need thread-block clusters (9.0); use 1";
   cudaFuncAttributes attr{};
   cudaError_t e = cudaFuncGetAttributes(&attr, fused_kernel(64, multicast, blocks_per_row));
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
-    return "no fused-tail kernel image for device " + std::to_string(device) + " (compute capability " + cc + "): " +
-           cudaGetErrorName(e) + "; add it to CMAKE_CUDA_ARCHITECTURES";
+    return "no fused-tail kernel image for device " + std::to_string(device) + " (compute capability " + cc +
+           "): " + cudaGetErrorName(e) + "; add it to CMAKE_CUDA_ARCHITECTURES";
   }
   return "";
 }
@@ -908,8 +919,9 @@ int tail_blocks_per_row(int device, int option, bool few_rows) {
 }
 
 void tail_preload(int hidden, bool multicast, int blocks_per_row) {
-  const void* kernels[] = {fused_kernel(hidden, multicast, blocks_per_row), reinterpret_cast<const void*>(&tail_finalize_kernel),
-                           residual_norm_kernel(hidden), reinterpret_cast<const void*>(&tail_fill_u16_kernel)};
+  const void* kernels[] = {fused_kernel(hidden, multicast, blocks_per_row),
+                           reinterpret_cast<const void*>(&tail_finalize_kernel), residual_norm_kernel(hidden),
+                           reinterpret_cast<const void*>(&tail_fill_u16_kernel)};
   for (const void* k : kernels) {
     cudaFuncAttributes attr{};
     check(cudaFuncGetAttributes(&attr, k), "cudaFuncGetAttributes (loading the tail kernels)");
@@ -959,7 +971,8 @@ int tail_fused_capacity(int hidden, bool multicast, int blocks_per_row) {
   }
   cudaLaunchAttribute attributes[2];
   // The grid is a placeholder: the answer is how many clusters of this shape fit at once.
-  const cudaLaunchConfig_t config = fused_config(dim3(static_cast<unsigned>(blocks_per_row)), blocks_per_row, nullptr, false, attributes);
+  const cudaLaunchConfig_t config =
+      fused_config(dim3(static_cast<unsigned>(blocks_per_row)), blocks_per_row, nullptr, false, attributes);
   int clusters = 0;
   check(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config), "cudaOccupancyMaxActiveClusters");
   if (clusters < 1)
@@ -994,8 +1007,8 @@ void launch_tail_fused(const TailParams& p, int blocks_per_row, int capacity, St
   const cudaError_t e = cudaLaunchKernelExC(&config, kernel, arg_ptrs);
   if (e != cudaSuccess) (void)cudaGetLastError();  // report this launch's error, not a stale one
   if (e != cudaSuccess)
-    throw error(std::string("launching tail_fused_kernel failed: ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) +
-                ")");
+    throw error(std::string("launching tail_fused_kernel failed: ") + cudaGetErrorName(e) + " (" +
+                cudaGetErrorString(e) + ")");
 }
 
 void launch_tail_finalize(const TailParams& p, float* partial, Stream stream) {
@@ -1022,8 +1035,8 @@ void launch_fill_u16(void* dst, std::uint16_t value, std::size_t elements, Strea
   if (elements == 0) return;
   std::size_t blocks = (elements + T - 1) / T;
   if (blocks > 4096) blocks = 4096;
-  tail_fill_u16_kernel<<<static_cast<unsigned>(blocks), T, 0, native(stream)>>>(
-      static_cast<std::uint16_t*>(dst), value, elements);
+  tail_fill_u16_kernel<<<static_cast<unsigned>(blocks), T, 0, native(stream)>>>(static_cast<std::uint16_t*>(dst), value,
+                                                                                elements);
   check_launch("tail_fill_u16_kernel");
 }
 

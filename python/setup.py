@@ -24,8 +24,10 @@ def library_to_bundle():
         for path in (pathlib.Path(env), HERE.parent / env):
             if path.is_file():
                 return path
-        raise SystemExit(f"TORPOR_LIBRARY={env} is not a file (relative paths are tried from {os.getcwd()} and "
-                         f"{HERE.parent}); point it at libtorpor.so or unset it")
+        raise SystemExit(
+            f"TORPOR_LIBRARY={env} is not a file (relative paths are tried from {os.getcwd()} and "
+            f"{HERE.parent}); point it at libtorpor.so or unset it"
+        )
     default = HERE.parent / "build" / "allocator" / "libtorpor.so"
     return default if default.is_file() else None
 
@@ -35,8 +37,11 @@ class BuildPyWithLibrary(build_py):
         super().run()
         lib = library_to_bundle()
         if lib is None:
-            self.announce("torpor: no libtorpor.so to bundle (set TORPOR_LIBRARY or build the repository first); "
-                          "the package will look for it at run time", level=3)
+            self.announce(
+                "torpor: no libtorpor.so to bundle (set TORPOR_LIBRARY or build the repository first); "
+                "the package will look for it at run time",
+                level=3,
+            )
             return
         target = pathlib.Path(self.build_lib) / "torpor" / "_lib"
         target.mkdir(parents=True, exist_ok=True)

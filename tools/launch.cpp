@@ -68,7 +68,8 @@ LaunchResult launch_threads(const LaunchOptions& o, const RankBody& body) {
   threads.reserve(static_cast<std::size_t>(o.ranks));
   for (int r = 0; r < o.ranks; ++r)
     threads.emplace_back([sh, r] {
-      RankOutcome out = outcome_of(r, [&] { return sh->body(*sh->driver, *sh->groups[static_cast<std::size_t>(r)], r); });
+      RankOutcome out =
+          outcome_of(r, [&] { return sh->body(*sh->driver, *sh->groups[static_cast<std::size_t>(r)], r); });
       std::lock_guard lock(sh->mu);
       if (!out.ok && !sh->first_failure) sh->first_failure = clock_type::now();
       sh->out[static_cast<std::size_t>(r)] = std::move(out);
@@ -128,7 +129,8 @@ LaunchResult launch_processes(const LaunchOptions& o) {
     std::vector<std::string> env;
     for (char** e = environ; *e != nullptr; ++e) {
       std::string_view s(*e);
-      if (s.starts_with("TORPOR_GROUP_RENDEZVOUS=") || s.starts_with("TORPOR_RANK=") || s.starts_with("TORPOR_WORLD_SIZE="))
+      if (s.starts_with("TORPOR_GROUP_RENDEZVOUS=") || s.starts_with("TORPOR_RANK=") ||
+          s.starts_with("TORPOR_WORLD_SIZE="))
         continue;
       env.emplace_back(s);
     }
@@ -240,9 +242,10 @@ DriverSelection open_rank_driver(Backend backend, int ranks) {
   host.devices = std::max(host.devices, ranks);
   DriverSelection sel = open_driver(backend, host);
   if (int count = sel.driver->device_count(); count < ranks)
-    throw invalid_argument(fmt::format("{} ranks need {} devices (one per rank); the {} backend has {}{}", ranks, ranks,
-                                       sel.driver->backend_name(), count,
-                                       sel.backend == Backend::cuda ? " GPUs: pass --ranks N with N <= the GPU count" : ""));
+    throw invalid_argument(
+        fmt::format("{} ranks need {} devices (one per rank); the {} backend has {}{}", ranks, ranks,
+                    sel.driver->backend_name(), count,
+                    sel.backend == Backend::cuda ? " GPUs: pass --ranks N with N <= the GPU count" : ""));
   return sel;
 }
 
@@ -272,7 +275,12 @@ int run_worker(Backend backend, const GroupOptions& group_options, const RankBod
     host_memory = sel.driver->capabilities().host_memory;
     return body(*sel.driver, *group, rank);
   });
-  line = {{"rank", rank}, {"ok", out.ok}, {"result", out.result}, {"backend", backend_name}, {"device_kernels", device_kernels}, {"host_memory", host_memory}};
+  line = {{"rank", rank},
+          {"ok", out.ok},
+          {"result", out.result},
+          {"backend", backend_name},
+          {"device_kernels", device_kernels},
+          {"host_memory", host_memory}};
   if (!out.ok) line["error"] = out.error;
   fmt::print("{}\n", line.dump());
   std::fflush(stdout);

@@ -48,8 +48,8 @@ struct RankOutcome {
 
 struct LaunchResult {
   std::vector<RankOutcome> ranks;
-  bool abandoned = false;  // threads still running (see above)
-  std::string backend;     // "host" or "cuda": for reports only
+  bool abandoned = false;       // threads still running (see above)
+  std::string backend;          // "host" or "cuda": for reports only
   bool device_kernels = false;  // the ranks' math ran as device kernels (their capability)
   bool host_memory = false;     // the ranks' pool memory was host RAM (their capability)
 };
@@ -70,7 +70,8 @@ int run_worker(Backend backend, const GroupOptions& group, const RankBody& body)
 // measured before failing.
 class rank_failure : public std::runtime_error {
  public:
-  rank_failure(const std::string& what, nlohmann::json partial) : std::runtime_error(what), partial_(std::move(partial)) {}
+  rank_failure(const std::string& what, nlohmann::json partial)
+      : std::runtime_error(what), partial_(std::move(partial)) {}
   const nlohmann::json& partial() const noexcept { return partial_; }
 
  private:

@@ -24,13 +24,14 @@ fusion::TinyMoeOptions ModelFlags::model_options() const {
 
 std::vector<std::string> ModelFlags::args() const {
   const auto& c = config;
-  std::vector<std::string> a = {"--vocab", std::to_string(c.vocab), "--hidden", std::to_string(c.hidden),
-                                "--layers", std::to_string(c.layers), "--head-dim", std::to_string(c.head_dim),
-                                "--experts", std::to_string(c.experts), "--top-k", std::to_string(c.top_k),
-                                "--latent", std::to_string(c.latent), "--inter", std::to_string(c.inter),
-                                "--shared-inter", std::to_string(c.shared_inter), "--prompts", std::to_string(prompts),
-                                "--prompt-len", std::to_string(prompt_len), "--new-tokens", std::to_string(new_tokens),
-                                "--seed", std::to_string(seed), "--wait-timeout-ms", std::to_string(wait_timeout_ms)};
+  std::vector<std::string> a =
+      {"--vocab",        std::to_string(c.vocab),        "--hidden",          std::to_string(c.hidden),
+       "--layers",       std::to_string(c.layers),       "--head-dim",        std::to_string(c.head_dim),
+       "--experts",      std::to_string(c.experts),      "--top-k",           std::to_string(c.top_k),
+       "--latent",       std::to_string(c.latent),       "--inter",           std::to_string(c.inter),
+       "--shared-inter", std::to_string(c.shared_inter), "--prompts",         std::to_string(prompts),
+       "--prompt-len",   std::to_string(prompt_len),     "--new-tokens",      std::to_string(new_tokens),
+       "--seed",         std::to_string(seed),           "--wait-timeout-ms", std::to_string(wait_timeout_ms)};
   if (no_graphs) a.emplace_back("--no-graphs");
   if (unfused) a.emplace_back("--unfused");
   return a;
@@ -60,20 +61,22 @@ void add_model_flags(CLI::App* cmd, ModelFlags& f) {
       ->capture_default_str()
       ->group(g);
   cmd->add_flag("--no-graphs", f.no_graphs, "Run decode steps eagerly instead of replaying CUDA graphs")->group(g);
-  cmd->add_flag("--unfused", f.unfused,
-                "Take the tail's default (unfused) path even where the fused one can be built; the tokens must be the same")
+  cmd->add_flag(
+         "--unfused", f.unfused,
+         "Take the tail's default (unfused) path even where the fused one can be built; the tokens must be the same")
       ->group(g);
 }
 
 RankEngine::RankEngine(Driver& driver, Group& group, int device, const ModelFlags& flags, FillOnWake fill,
                        const std::vector<std::string>& preserve, const fusion::WeightVersion& version)
-    : pool(driver, [&] {
-        PoolOptions po;
-        po.device = device;
-        po.exportable = true;  // the tail's symmetric buffers are exported to the peers
-        po.fill_on_wake = fill;
-        return po;
-      }()),
+    : pool(driver,
+           [&] {
+             PoolOptions po;
+             po.device = device;
+             po.exportable = true;  // the tail's symmetric buffers are exported to the peers
+             po.fill_on_wake = fill;
+             return po;
+           }()),
       heap(pool, group) {
   if (!preserve.empty()) pool.set_preserve(preserve);
   compute = fusion::make_compute(driver, device);

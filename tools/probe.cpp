@@ -159,7 +159,8 @@ void print_human(const nlohmann::json& j) {
 }  // namespace
 
 void add_probe(CLI::App& app, int& exit_code) {
-  auto* cmd = app.add_subcommand("probe", "Report the backend, devices, VMM support, peer access and multicast decision");
+  auto* cmd =
+      app.add_subcommand("probe", "Report the backend, devices, VMM support, peer access and multicast decision");
   struct Options {
     std::string backend = "auto";
     bool json = false;

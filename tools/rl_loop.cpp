@@ -53,7 +53,9 @@ nlohmann::json rl_rank(const RlOptions& o, Driver& driver, Group& group, int dev
   // Where pool memory is the machine's RAM (the host backend), "all the memory sleep returned" is
   // RAM too: the training phase takes at most --train-cap of it.
   const std::size_t cap = driver.capabilities().host_memory ? parse_size(o.train_cap) : 0;
-  auto generate = [&](fusion::TinyMoeLM& m) { return m.generate(prompts, o.model.prompts, o.model.prompt_len, o.model.new_tokens); };
+  auto generate = [&](fusion::TinyMoeLM& m) {
+    return m.generate(prompts, o.model.prompts, o.model.prompt_len, o.model.new_tokens);
+  };
 
   nlohmann::json result = {{"rank", rank},
                            {"device", device},
@@ -173,10 +175,15 @@ int rl_main(RlOptions o) {
   lo.backend = backend;
   lo.group = go;
   lo.failure_grace = std::chrono::milliseconds(o.model.wait_timeout_ms) + go.timeout + std::chrono::seconds(5);
-  lo.worker_args = {"rl-loop", "--worker", "--backend", o.backend, "--ranks", std::to_string(o.ranks), "--iterations",
-                    std::to_string(o.iterations), "--update-seed", std::to_string(o.update_seed), "--update-scale",
-                    fmt::format("{}", o.update_scale), "--train-fraction", fmt::format("{}", o.train_fraction),
-                    "--train-cap", o.train_cap, "--timeout", std::to_string(o.group_timeout_s)};
+  lo.worker_args = {"rl-loop",          "--worker",
+                    "--backend",        o.backend,
+                    "--ranks",          std::to_string(o.ranks),
+                    "--iterations",     std::to_string(o.iterations),
+                    "--update-seed",    std::to_string(o.update_seed),
+                    "--update-scale",   fmt::format("{}", o.update_scale),
+                    "--train-fraction", fmt::format("{}", o.train_fraction),
+                    "--train-cap",      o.train_cap,
+                    "--timeout",        std::to_string(o.group_timeout_s)};
   if (!o.progress) lo.worker_args.emplace_back("--no-progress");
   auto m = o.model.args();
   lo.worker_args.insert(lo.worker_args.end(), m.begin(), m.end());
@@ -202,9 +209,10 @@ int rl_main(RlOptions o) {
         fmt::print("{:>4} {:>4} {:>8.3f} {:>10} {:>10} {:>5.1f}% {:>8.3f} {:>8.3f} {:>8.3f} {:>8.3f} {:>8.3f} {:>8.3f} "
                    "{:>7} {:>8}\n",
                    out.rank, row.value("iteration", 0), row.value("sleep_s", 0.0),
-                   format_bytes(row.value("returned", std::size_t{0})), format_bytes(row.value("train_bytes", std::size_t{0})),
-                   share * 100, row.value("train_s", 0.0), row.value("wake_weights_s", 0.0), row.value("load_s", 0.0),
-                   row.value("wake_kv_s", 0.0), row.value("generate_s", 0.0), row.value("fresh_model_s", 0.0),
+                   format_bytes(row.value("returned", std::size_t{0})),
+                   format_bytes(row.value("train_bytes", std::size_t{0})), share * 100, row.value("train_s", 0.0),
+                   row.value("wake_weights_s", 0.0), row.value("load_s", 0.0), row.value("wake_kv_s", 0.0),
+                   row.value("generate_s", 0.0), row.value("fresh_model_s", 0.0),
                    fmt::format("{}/{}", matching, prompts), row.value("tokens_changed_by_update", std::size_t{0}));
         if (matching != prompts)
           problems.push_back(fmt::format("rank {} iteration {}: {}/{} prompts match the freshly built model ({} tokens "
@@ -233,7 +241,10 @@ int rl_main(RlOptions o) {
   }
   if (!o.json.empty()) {
     std::ofstream f(o.json);
-    f << nlohmann::json{{"backend", r.backend}, {"ranks", all}, {"processes", o.processes}, {"pass", pass},
+    f << nlohmann::json{{"backend", r.backend},
+                        {"ranks", all},
+                        {"processes", o.processes},
+                        {"pass", pass},
                         {"problems", problems}}
              .dump(2)
       << "\n";
@@ -264,13 +275,16 @@ void add_rl_loop(CLI::App& app, int& exit_code) {
   cmd->add_option("--update-seed", o->update_seed, "Seed of the weight updates")->capture_default_str();
   cmd->add_option("--update-scale", o->update_scale, "Size of one update, relative to the weights' scale")
       ->capture_default_str();
-  cmd->add_option("--train-fraction", o->train_fraction, "Share of the returned memory the training phase takes (0.9 .. 1)")
+  cmd->add_option("--train-fraction", o->train_fraction,
+                  "Share of the returned memory the training phase takes (0.9 .. 1)")
       ->capture_default_str();
-  cmd->add_option("--train-cap", o->train_cap, "Host backend only: at most this much host memory for the training phase")
+  cmd->add_option("--train-cap", o->train_cap,
+                  "Host backend only: at most this much host memory for the training phase")
       ->capture_default_str();
   cmd->add_option("--json", o->json, "Also write the results as JSON to this file");
   cmd->add_option("--timeout", o->group_timeout_s, "Bound on every group wait, in seconds")->capture_default_str();
-  cmd->add_flag("--no-progress", [o](std::int64_t) { o->progress = false; }, "No progress line on the terminal");
+  cmd->add_flag(
+      "--no-progress", [o](std::int64_t) { o->progress = false; }, "No progress line on the terminal");
   add_model_flags(cmd, o->model);
   cmd->add_flag("--worker", o->worker, "Internal: run as one rank (group from the environment)")->group("");
   cmd->callback([o, &exit_code] {

@@ -20,9 +20,12 @@ namespace torpor::cli {
 namespace {
 
 std::vector<std::string> worker_args(const StressOptions& o, int ranks) {
-  std::vector<std::string> a = {"stress", "--worker", "--backend", o.backend, "--ranks", std::to_string(ranks),
-                                "--cycles", std::to_string(o.cycles), "--fill-on-wake", o.fill, "--timeout",
-                                std::to_string(o.group_timeout_s)};
+  std::vector<std::string> a = {"stress",         "--worker",
+                                "--backend",      o.backend,
+                                "--ranks",        std::to_string(ranks),
+                                "--cycles",       std::to_string(o.cycles),
+                                "--fill-on-wake", o.fill,
+                                "--timeout",      std::to_string(o.group_timeout_s)};
   for (const auto& g : o.preserve) {
     a.emplace_back("--preserve");
     a.push_back(g);
@@ -50,7 +53,8 @@ int stress_main(StressOptions o) {
   if (o.ranks < 1) throw invalid_argument(fmt::format("--ranks {}: at least one rank is needed", o.ranks));
   if (o.negative_rank < 0) o.negative_rank = o.ranks - 1;
   if (o.negative_rank >= o.ranks)
-    throw invalid_argument(fmt::format("--negative-control-rank {}: there are only {} ranks", o.negative_rank, o.ranks));
+    throw invalid_argument(
+        fmt::format("--negative-control-rank {}: there are only {} ranks", o.negative_rank, o.ranks));
   GroupOptions go;
   go.timeout = std::chrono::seconds(o.group_timeout_s);
   LaunchOptions lo;
@@ -61,7 +65,8 @@ int stress_main(StressOptions o) {
   // After a failure the others get the tail's wait bound plus the group's to notice.
   lo.failure_grace = std::chrono::milliseconds(o.model.wait_timeout_ms) + go.timeout + std::chrono::seconds(5);
   lo.worker_args = worker_args(o, o.ranks);
-  LaunchResult r = launch(lo, [&o](Driver& driver, Group& group, int device) { return stress_rank(o, driver, group, device); });
+  LaunchResult r =
+      launch(lo, [&o](Driver& driver, Group& group, int device) { return stress_rank(o, driver, group, device); });
 
   StressExpectations ex;
   ex.ranks = o.ranks;
@@ -115,21 +120,25 @@ void add_stress(CLI::App& app, int& exit_code) {
   cmd->add_option("--cycles", o->cycles, "Soak: this many more sleep/wake cycles, mixed levels and partial wakes")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  cmd->add_option("--fill-on-wake", o->fill, "What discarded bytes hold on wake: poison (NaN: a missed reload shows), zero, none")
+  cmd->add_option("--fill-on-wake", o->fill,
+                  "What discarded bytes hold on wake: poison (NaN: a missed reload shows), zero, none")
       ->check(CLI::IsMember({"poison", "zero", "none"}))
       ->capture_default_str();
   cmd->add_option("--preserve", o->preserve,
                   "Glob of parameter names kept by level 2 (offloaded) instead of reloaded; repeatable "
                   "(e.g. 'layers.*.moe.experts.*')");
-  cmd->add_option("--negative-control", o->negative_control,
-                  "zero-flags: after the first level-2 wake, zero the tail's slots and control blocks on one rank; "
-                  "the run must then fail, naming the rank and the op (exit non-zero); the tail's wait bound is then 2000 ms "
-                  "and the group's that plus 10 s, unless given")
+  cmd->add_option(
+         "--negative-control", o->negative_control,
+         "zero-flags: after the first level-2 wake, zero the tail's slots and control blocks on one rank; "
+         "the run must then fail, naming the rank and the op (exit non-zero); the tail's wait bound is then 2000 ms "
+         "and the group's that plus 10 s, unless given")
       ->check(CLI::IsMember({"zero-flags"}));
-  cmd->add_option("--negative-control-rank", o->negative_rank, "The rank whose tail state is zeroed (default: the last)");
+  cmd->add_option("--negative-control-rank", o->negative_rank,
+                  "The rank whose tail state is zeroed (default: the last)");
   cmd->add_option("--json", o->json, "Also write the results as JSON to this file ('-': JSON on stdout, no table)");
   cmd->add_option("--timeout", o->group_timeout_s, "Bound on every group wait, in seconds")->capture_default_str();
-  cmd->add_flag("--no-progress", [o](std::int64_t) { o->progress = false; }, "No progress line on the terminal");
+  cmd->add_flag(
+      "--no-progress", [o](std::int64_t) { o->progress = false; }, "No progress line on the terminal");
   add_model_flags(cmd, o->model);
   cmd->add_flag("--worker", o->worker, "Internal: run as one rank (group from the environment)")->group("");
   cmd->callback([o, cmd, &exit_code] {

@@ -40,7 +40,8 @@ class Plan {
         device_(device),
         rank_(group.rank()),
         progress_(group.rank() == 0 && o.progress),
-        engine_(driver, group, device, o.model, parse_fill_on_wake(o.fill), o.preserve, fusion::WeightVersion{o.model.seed}),
+        engine_(driver, group, device, o.model, parse_fill_on_wake(o.fill), o.preserve,
+                fusion::WeightVersion{o.model.seed}),
         prompts_(fusion::make_prompts(o.model.seed, o.model.prompts, o.model.prompt_len, o.model.config.vocab)) {}
 
   nlohmann::json run() {
@@ -70,10 +71,11 @@ class Plan {
     step(++n, total, "generate again", [&](nlohmann::json&) {});
     step(++n, total, "sleep 1, wake all", [&](nlohmann::json& row) { transition(plan_level1(), row); });
     for (int i = 0; i < 2; ++i) {
-      step(++n, total, fmt::format("sleep 2, wake weights, reload, wake kv_cache #{}", i + 1), [&](nlohmann::json& row) {
-        transition(plan_level2(), row);
-        if (i == 0 && o_.negative_control == "zero-flags") zero_tail_state(row);
-      });
+      step(++n, total, fmt::format("sleep 2, wake weights, reload, wake kv_cache #{}", i + 1),
+           [&](nlohmann::json& row) {
+             transition(plan_level2(), row);
+             if (i == 0 && o_.negative_control == "zero-flags") zero_tail_state(row);
+           });
     }
     const auto& patterns = soak_patterns();
     for (int c = 0; c < o_.cycles; ++c) {
@@ -198,9 +200,10 @@ class Plan {
   void zero_tail_state(nlohmann::json& row) {
     auto states = engine_.model->tail_states();
     if (states.empty())
-      throw error(fmt::format("negative control zero-flags: the tails took the unfused path ({}), which keeps no device "
-                              "state to zero; it needs the fused path",
-                              engine_.model->tail_reasons().front()));
+      throw error(
+          fmt::format("negative control zero-flags: the tails took the unfused path ({}), which keeps no device "
+                      "state to zero; it needs the fused path",
+                      engine_.model->tail_reasons().front()));
     const int target = negative_rank();
     group_.barrier();
     std::size_t zeroed = 0;

@@ -42,7 +42,7 @@ struct StressOptions {
 struct SleepPattern {
   std::string name;
   int level = 1;
-  std::vector<std::string> sleep_tags;         // empty = every tag
+  std::vector<std::string> sleep_tags;          // empty = every tag
   std::vector<std::vector<std::string>> wakes;  // each: empty = every tag
 };
 

@@ -74,25 +74,40 @@ StressSummary summarize(const LaunchResult& launch, const StressExpectations& ex
     if (pr.contains("steps"))
       for (std::size_t i = 0; i < pr["steps"].size(); ++i) {
         const auto& row = pr["steps"][i];
-        if (steps.size() <= i) steps.push_back({{"step", row.value("step", "")}, {"level", 0}, {"ranks", 0},
-                                                {"offloaded", 0}, {"skipped", 0}, {"discarded", 0}, {"released", 0},
-                                                {"returned", 0}, {"restored", 0}, {"sleep_s", 0.0}, {"wake_s", 0.0},
-                                                {"reload_s", 0.0}, {"generate_s", 0.0}, {"matching", -1},
-                                                {"prompts", 0}, {"mismatched_tokens", 0}, {"kind", row.value("kind", "plan")}});
+        if (steps.size() <= i)
+          steps.push_back({{"step", row.value("step", "")},
+                           {"level", 0},
+                           {"ranks", 0},
+                           {"offloaded", 0},
+                           {"skipped", 0},
+                           {"discarded", 0},
+                           {"released", 0},
+                           {"returned", 0},
+                           {"restored", 0},
+                           {"sleep_s", 0.0},
+                           {"wake_s", 0.0},
+                           {"reload_s", 0.0},
+                           {"generate_s", 0.0},
+                           {"matching", -1},
+                           {"prompts", 0},
+                           {"mismatched_tokens", 0},
+                           {"kind", row.value("kind", "plan")}});
         auto& a = steps[i];
         a["ranks"] = a["ranks"].get<int>() + 1;
         a["level"] = std::max(a["level"].get<int>(), row.value("level", 0));
-        for (const char* k : {"offloaded", "skipped", "discarded", "released", "returned", "restored", "mismatched_tokens"})
+        for (const char* k :
+             {"offloaded", "skipped", "discarded", "released", "returned", "restored", "mismatched_tokens"})
           a[k] = a[k].get<std::size_t>() + num(row, k);
-        for (const char* k : {"sleep_s", "wake_s", "reload_s", "generate_s"}) a[k] = std::max(a[k].get<double>(), sec(row, k));
+        for (const char* k : {"sleep_s", "wake_s", "reload_s", "generate_s"})
+          a[k] = std::max(a[k].get<double>(), sec(row, k));
         if (row.contains("matching")) {
           int m = row["matching"].get<int>();
           a["matching"] = a["matching"].get<int>() < 0 ? m : std::min(a["matching"].get<int>(), m);
           a["prompts"] = row.value("prompts", 0);
           if (m < row.value("prompts", 0))
-            s.problems.push_back(fmt::format("step '{}': rank {}: {}/{} prompts match the first output ({} tokens differ)",
-                                             row.value("step", ""), r.rank, m, row.value("prompts", 0),
-                                             num(row, "mismatched_tokens")));
+            s.problems.push_back(
+                fmt::format("step '{}': rank {}: {}/{} prompts match the first output ({} tokens differ)",
+                            row.value("step", ""), r.rank, m, row.value("prompts", 0), num(row, "mismatched_tokens")));
         }
         if (row.contains("error")) a["error"] = row["error"];
         if (row.value("kind", "") == "soak") {
@@ -110,8 +125,8 @@ StressSummary summarize(const LaunchResult& launch, const StressExpectations& ex
     }
     nlohmann::json g;
     const std::size_t warmup = std::min<std::size_t>(static_cast<std::size_t>(expect.cycles), expect.soak_patterns);
-    for (auto [key, what] : {std::pair{"live_physical", "live physical bytes"}, std::pair{"host_store", "the host store"},
-                             std::pair{"mapped", "mapped bytes"}})
+    for (auto [key, what] : {std::pair{"live_physical", "live physical bytes"},
+                             std::pair{"host_store", "the host store"}, std::pair{"mapped", "mapped bytes"}})
       if (std::string p = growth(soak, warmup, key, what, r.rank, g); !p.empty()) s.problems.push_back(p);
     // Device memory in use after each cycle (cuMemGetInfo): reported, not judged, since on a GPU it
     // includes every other user of the device; live physical bytes and mapped bytes are judged.
@@ -127,10 +142,12 @@ StressSummary summarize(const LaunchResult& launch, const StressExpectations& ex
     j["per_rank"].push_back(pr);
   }
   for (const auto& [text, ranks] : errors)
-    s.problems.insert(s.problems.begin(), fmt::format("{} {}: {}", ranks.size() == 1 ? "rank" : "ranks", fmt::join(ranks, ","), text));
+    s.problems.insert(s.problems.begin(),
+                      fmt::format("{} {}: {}", ranks.size() == 1 ? "rank" : "ranks", fmt::join(ranks, ","), text));
   if (digests.size() > 1) {
     std::string text;
-    for (const auto& [d, ranks] : digests) text += fmt::format("{}{} on ranks {}", text.empty() ? "" : ", ", d, fmt::join(ranks, ","));
+    for (const auto& [d, ranks] : digests)
+      text += fmt::format("{}{} on ranks {}", text.empty() ? "" : ", ", d, fmt::join(ranks, ","));
     s.problems.push_back("the ranks decoded different tokens (reference digests: " + text + ")");
   }
   if (static_cast<int>(launch.ranks.size()) != expect.ranks)
@@ -162,16 +179,17 @@ std::string render(const StressSummary& s) {
   for (const auto& a : j["steps"]) {
     const int level = a["level"].get<int>();
     const int m = a["matching"].get<int>();
-    std::string match = a.contains("error") ? "ERROR" : (m < 0 ? "-" : fmt::format("{}/{}", m, a["prompts"].get<int>()));
+    std::string match =
+        a.contains("error") ? "ERROR" : (m < 0 ? "-" : fmt::format("{}/{}", m, a["prompts"].get<int>()));
     if (level == 0)
-      out += fmt::format("{:<52} {:>5} {:>10} {:>10} {:>10} {:>8} {:>8} {:>7}\n", a["step"].get<std::string>(), "-", "-",
-                         "-", "-", "-", "-", match);
+      out += fmt::format("{:<52} {:>5} {:>10} {:>10} {:>10} {:>8} {:>8} {:>7}\n", a["step"].get<std::string>(), "-",
+                         "-", "-", "-", "-", "-", match);
     else
-      out += fmt::format("{:<52} {:>5} {:>10} {:>10} {:>10} {:>8.3f} {:>8.3f} {:>7}\n", a["step"].get<std::string>(), level,
-                         format_bytes(a["offloaded"].get<std::size_t>() + a["skipped"].get<std::size_t>()),
-                         format_bytes(a["discarded"].get<std::size_t>()),
-                         format_bytes(a["returned"].get<std::size_t>()), a["sleep_s"].get<double>(),
-                         a["wake_s"].get<double>(), match);
+      out +=
+          fmt::format("{:<52} {:>5} {:>10} {:>10} {:>10} {:>8.3f} {:>8.3f} {:>7}\n", a["step"].get<std::string>(),
+                      level, format_bytes(a["offloaded"].get<std::size_t>() + a["skipped"].get<std::size_t>()),
+                      format_bytes(a["discarded"].get<std::size_t>()), format_bytes(a["returned"].get<std::size_t>()),
+                      a["sleep_s"].get<double>(), a["wake_s"].get<double>(), match);
   }
   out += "(bytes summed over the ranks; offloaded: backed up in the host store, copied now or unchanged since the last "
          "copy; returned: device memory given back while asleep, by cuMemGetInfo; seconds: the slowest rank)\n";

@@ -35,7 +35,6 @@
 #include "torpor/pool.hpp"
 #include "torpor/symmetric.hpp"
 
-
 namespace torpor::cli {
 
 namespace {
@@ -145,12 +144,13 @@ nlohmann::json check_rank(const Options& o, Driver& driver, Group& bootstrap, in
   for (int p = 0; p < n; ++p) addresses = addresses && buf.peer(p) == peers_before[static_cast<std::size_t>(p)];
   std::vector<std::uint64_t> table(static_cast<std::size_t>(n) + 1);
   pool.copy(table.data(), buf.peer_table(), table.size() * 8);
-  for (int p = 0; p < n; ++p) addresses = addresses && table[static_cast<std::size_t>(p)] == reinterpret_cast<std::uint64_t>(buf.peer(p));
+  for (int p = 0; p < n; ++p)
+    addresses = addresses && table[static_cast<std::size_t>(p)] == reinterpret_cast<std::uint64_t>(buf.peer(p));
 
   bool own_ok = true, peers_ok = true;
   for (int w = 0; w < n; ++w)
-    own_ok = own_ok && matches(pool, static_cast<std::byte*>(buf.local()) + static_cast<std::size_t>(w) * slice, slice, w,
-                               rank, stage, stage_bytes, expect);
+    own_ok = own_ok && matches(pool, static_cast<std::byte*>(buf.local()) + static_cast<std::size_t>(w) * slice, slice,
+                               w, rank, stage, stage_bytes, expect);
   for (int p = 0; p < n; ++p)
     peers_ok = peers_ok && matches(pool, static_cast<std::byte*>(buf.peer(p)) + static_cast<std::size_t>(rank) * slice,
                                    slice, rank, p, stage, stage_bytes, expect);
@@ -210,8 +210,9 @@ nlohmann::json check_rank(const Options& o, Driver& driver, Group& bootstrap, in
 
 // Whether a rank's row passes every check.
 bool row_passes(const nlohmann::json& j) {
-  return j.value("memory_returned", false) && j.value("addresses_unchanged", false) && j.value("own_bytes_intact", false) &&
-         j.value("peer_bytes_intact", false) && j.value("timeout_check", std::string("FAIL")).rfind("FAIL", 0) != 0;
+  return j.value("memory_returned", false) && j.value("addresses_unchanged", false) &&
+         j.value("own_bytes_intact", false) && j.value("peer_bytes_intact", false) &&
+         j.value("timeout_check", std::string("FAIL")).rfind("FAIL", 0) != 0;
 }
 
 // Why this machine cannot run the check on `backend`, or "".
@@ -231,11 +232,11 @@ std::string skip_reason(const Options& o) {
   if (sel.backend == Backend::host) return o.group == "nccl" ? "no usable GPU for the nccl group: " + sel.reason : "";
   Driver& d = *sel.driver;
   int count = d.device_count();
-  if (count < o.ranks)
-    return fmt::format("needs {} GPUs (one per rank), this machine has {}", o.ranks, count);
+  if (count < o.ranks) return fmt::format("needs {} GPUs (one per rank), this machine has {}", o.ranks, count);
   for (int a = 0; a < o.ranks; ++a)
     for (int b2 = 0; b2 < o.ranks; ++b2)
-      if (a != b2 && !d.can_access_peer(a, b2)) return fmt::format("GPU {} cannot access GPU {} (no peer access)", a, b2);
+      if (a != b2 && !d.can_access_peer(a, b2))
+        return fmt::format("GPU {} cannot access GPU {} (no peer access)", a, b2);
   if (!d.device_properties(0).posix_fd_handles_supported) return "GPU 0 cannot export memory as POSIX fds";
   return "";
 }
@@ -253,8 +254,8 @@ int parent(const Options& o) {
   lo.processes = true;
   lo.backend = parse_backend(o.backend);
   lo.group = group_options(o);
-  lo.worker_args = {"symmetric-check", "--worker", "--ranks", std::to_string(o.ranks), "--bytes", o.bytes, "--backend",
-                    o.backend, "--timeout", std::to_string(o.timeout_s), "--group", o.group};
+  lo.worker_args = {"symmetric-check", "--worker", "--ranks",   std::to_string(o.ranks),     "--bytes", o.bytes,
+                    "--backend",       o.backend,  "--timeout", std::to_string(o.timeout_s), "--group", o.group};
   if (o.timeout_check) lo.worker_args.emplace_back("--timeout-check");
   lo.deadline = std::chrono::seconds(o.timeout_s + 60);
   const LaunchResult launched =
@@ -274,9 +275,10 @@ int parent(const Options& o) {
     }
     const nlohmann::json& j = out.result;
     all.push_back(j);
-    double gbs = j["peer_copy_seconds"].get<double>() > 0
-                     ? static_cast<double>(j["peer_copy_bytes"].get<std::size_t>()) / j["peer_copy_seconds"].get<double>() / 1e9
-                     : 0.0;
+    double gbs =
+        j["peer_copy_seconds"].get<double>() > 0
+            ? static_cast<double>(j["peer_copy_bytes"].get<std::size_t>()) / j["peer_copy_seconds"].get<double>() / 1e9
+            : 0.0;
     auto yes = [](bool b) { return b ? "ok" : "FAIL"; };
     fmt::print("{:>4} {:>6} {:>10} {:>11.1f} {:>12} {:>12} {:>12} {:>8.3f} {:>8.3f} {:>9} {:>6} {:>6}\n", r,
                j["device"].get<int>(), format_bytes(j["part_bytes"].get<std::size_t>()), gbs,
@@ -293,8 +295,8 @@ int parent(const Options& o) {
     if (j["timeout_check"].get<std::string>() != "not run")
       fmt::print("timeout check ({} group), rank {}: {}\n", j["group"].get<std::string>(), j["rank"].get<int>(),
                  j["timeout_check"].get<std::string>());
-  fmt::print("{}\n", ok ? "PASS: every rank's memory returned while asleep; addresses and bytes intact after wake"
-                        : "FAIL");
+  fmt::print("{}\n",
+             ok ? "PASS: every rank's memory returned while asleep; addresses and bytes intact after wake" : "FAIL");
   if (!o.json.empty()) {
     std::ofstream f(o.json);
     f << nlohmann::json{{"ranks", all}, {"pass", ok}}.dump(2) << "\n";

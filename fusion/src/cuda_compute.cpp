@@ -14,8 +14,8 @@
 //     calls use its native handle (s_).
 // cuBLAS results are bit-reproducible run to run on one GPU model (same handle, stream and
 // workspace), which the token-for-token comparisons of `torpor stress` rely on.
-#include <cuda_runtime.h>
 #include <cublas_v2.h>
+#include <cuda_runtime.h>
 #include <fmt/format.h>
 
 #include "compute_impl.hpp"
@@ -36,7 +36,8 @@ void check_cuda(cudaError_t status, const char* call, std::string_view what) {
 
 void check_cublas(cublasStatus_t status, const char* call, std::string_view what) {
   if (status == CUBLAS_STATUS_SUCCESS) return;
-  std::string msg = fmt::format("{} ({}): {} ({})", call, what, cublasGetStatusName(status), cublasGetStatusString(status));
+  std::string msg =
+      fmt::format("{} ({}): {} ({})", call, what, cublasGetStatusName(status), cublasGetStatusString(status));
   if (status == CUBLAS_STATUS_ALLOC_FAILED) throw out_of_memory(msg);
   throw driver_error(static_cast<int>(status), call, msg);
 }
@@ -86,7 +87,8 @@ class CudaCompute final : public Compute {
   }
   ~CudaCompute() override {
     cublasStatus_t st = cublasDestroy(blas_);
-    if (st != CUBLAS_STATUS_SUCCESS) log::error("cublasDestroy (device {}) failed: {}", device_, cublasGetStatusName(st));
+    if (st != CUBLAS_STATUS_SUCCESS)
+      log::error("cublasDestroy (device {}) failed: {}", device_, cublasGetStatusName(st));
     release_stream();
   }
 
@@ -115,7 +117,8 @@ class CudaCompute final : public Compute {
   void embed(const std::int32_t* seq, int seq_stride, const std::int32_t* pos, const bf16* tok_emb, int vocab,
              const bf16* pos_table, bf16* out, int batch, int hidden) override {
     detail::DeviceGuard guard(device_);
-    check_launch(gpu::embed(seq, seq_stride, pos, tok_emb, vocab, pos_table, out, batch, hidden, stream_), "embed", "launch");
+    check_launch(gpu::embed(seq, seq_stride, pos, tok_emb, vocab, pos_table, out, batch, hidden, stream_), "embed",
+                 "launch");
   }
   void rmsnorm(const bf16* x, const bf16* gamma, bf16* out, int rows, int hidden, float eps) override {
     detail::DeviceGuard guard(device_);
@@ -151,7 +154,8 @@ class CudaCompute final : public Compute {
   void argmax_next(const float* logits, int batch, int vocab, std::int32_t* seq, int seq_stride,
                    const std::int32_t* pos, const std::int32_t* prompt_len) override {
     detail::DeviceGuard guard(device_);
-    check_launch(gpu::argmax_next(logits, batch, vocab, seq, seq_stride, pos, prompt_len, stream_), "argmax_next", "launch");
+    check_launch(gpu::argmax_next(logits, batch, vocab, seq, seq_stride, pos, prompt_len, stream_), "argmax_next",
+                 "launch");
   }
   void advance(std::int32_t* pos) override {
     detail::DeviceGuard guard(device_);
@@ -193,13 +197,15 @@ class CudaCompute final : public Compute {
   std::size_t workspace_bytes() const noexcept override { return std::size_t{32} << 20; }
   void set_workspace(void* p, std::size_t bytes) override {
     detail::DeviceGuard guard(device_);
-    check_cublas(cublasSetWorkspace(blas_, p, bytes), "cublasSetWorkspace", fmt::format("{} bytes of pool memory", bytes));
+    check_cublas(cublasSetWorkspace(blas_, p, bytes), "cublasSetWorkspace",
+                 fmt::format("{} bytes of pool memory", bytes));
   }
 
   void* outside_allocate(std::size_t bytes) override {
     detail::DeviceGuard guard(device_);
     void* p = nullptr;
-    check_cuda(cudaMalloc(&p, bytes), "cudaMalloc", fmt::format("{} bytes outside the pool on device {}", bytes, device_));
+    check_cuda(cudaMalloc(&p, bytes), "cudaMalloc",
+               fmt::format("{} bytes outside the pool on device {}", bytes, device_));
     return p;
   }
   void outside_free(void* p, std::size_t) noexcept override {
@@ -214,7 +220,8 @@ class CudaCompute final : public Compute {
     try {
       check_cuda(cudaMemsetAsync(sum, 0, sizeof *sum, s_), "cudaMemsetAsync", "the touch checksum");
       check_launch(gpu::touch(p, bytes, seed, sum, stream_), "touch", fmt::format("{} bytes", bytes));
-      check_cuda(cudaMemcpyAsync(&host, sum, sizeof host, cudaMemcpyDeviceToHost, s_), "cudaMemcpyAsync", "the checksum");
+      check_cuda(cudaMemcpyAsync(&host, sum, sizeof host, cudaMemcpyDeviceToHost, s_), "cudaMemcpyAsync",
+                 "the checksum");
       synchronize();
     } catch (...) {
       cudaFree(sum);

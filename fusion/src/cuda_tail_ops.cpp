@@ -84,7 +84,8 @@ class CudaTailOps final : public TailOps {
     kernels::TailControl c{};
     DeviceGuard guard(device_);
     const cudaStream_t s = kernels::native(stream_);
-    TORPOR_CUDA_CHECK(cudaMemcpyAsync(&c, control, sizeof c, cudaMemcpyDeviceToHost, s), who_() + ": reading the control block");
+    TORPOR_CUDA_CHECK(cudaMemcpyAsync(&c, control, sizeof c, cudaMemcpyDeviceToHost, s),
+                      who_() + ": reading the control block");
     TORPOR_CUDA_CHECK(cudaStreamSynchronize(s), who_() + ": reading the control block");
     return c;
   }
@@ -93,7 +94,8 @@ class CudaTailOps final : public TailOps {
     DeviceGuard guard(device_);
     const cudaStream_t s = kernels::native(stream_);
     kernels::launch_fill_u16(slots, kernels::tail_sentinel, elements, stream_);
-    TORPOR_CUDA_CHECK(cudaMemcpyAsync(control, &fresh, sizeof fresh, cudaMemcpyHostToDevice, s), who_() + ": writing the control block");
+    TORPOR_CUDA_CHECK(cudaMemcpyAsync(control, &fresh, sizeof fresh, cudaMemcpyHostToDevice, s),
+                      who_() + ": writing the control block");
     TORPOR_CUDA_CHECK(cudaStreamSynchronize(s), who_() + ": initialising the slots");
   }
 

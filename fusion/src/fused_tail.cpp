@@ -50,7 +50,8 @@ FusedTail::FusedTail(SymmetricHeap& heap, const TailShape& shape, const TailOpti
   }
   std::vector<std::vector<std::byte>> outcomes;
   try {
-    outcomes = group_.all_gather(std::span<const std::byte>(reinterpret_cast<const std::byte*>(failure.data()), failure.size()));
+    outcomes = group_.all_gather(
+        std::span<const std::byte>(reinterpret_cast<const std::byte*>(failure.data()), failure.size()));
   } catch (...) {
     release();
     throw;
@@ -101,8 +102,8 @@ void FusedTail::run(const TailArgs& args, Stream stream) {
   // Sleeping state faults on the host backend and is an illegal address on a GPU (which poisons
   // the context): refuse instead.
   if (pool_.asleep(slots_->tag()))
-    throw invalid_state(fmt::format("{}: its state (tag '{}') is asleep; wake the pool before calling the tail", who(),
-                                    slots_->tag()));
+    throw invalid_state(
+        fmt::format("{}: its state (tag '{}') is asleep; wake the pool before calling the tail", who(), slots_->tag()));
   p.multicast = multicast_;
   p.peer_table = static_cast<const std::uint64_t*>(slots_->peer_table());
   p.control = static_cast<TailControl*>(control_);
@@ -117,14 +118,17 @@ void FusedTail::check() {
     const auto op = static_cast<TailOp>(e.op);
     if (op == TailOp::wait_unicast || op == TailOp::wait_multicast)
       throw timeout_error(fmt::format(
-          "tail fusion ({}): rank {} waited {:.1f} ms for rank {}'s partial of token {} in slot {} (call {}) and gave up "
+          "tail fusion ({}): rank {} waited {:.1f} ms for rank {}'s partial of token {} in slot {} (call {}) and gave "
+          "up "
           "(TailOptions::wait_timeout {} ms): rank {} did not make the same call, or its tail state was lost; later "
           "calls do nothing until reset() on every rank",
           op == TailOp::wait_multicast ? "fused multicast" : "fused unicast", e.rank,
-          static_cast<double>(e.waited_ns) / 1e6, e.peer, e.token, e.slot, e.call, options_.wait_timeout.count(), e.peer));
+          static_cast<double>(e.waited_ns) / 1e6, e.peer, e.token, e.slot, e.call, options_.wait_timeout.count(),
+          e.peer));
     if (op == TailOp::block_arrival)
       throw timeout_error(fmt::format(
-          "tail fusion: on rank {} the call's last block waited {:.1f} ms for the call's other blocks to start (slot {}, "
+          "tail fusion: on rank {} the call's last block waited {:.1f} ms for the call's other blocks to start (slot "
+          "{}, "
           "call {}) and gave up without advancing the control block: the fused grid was not resident at once (another "
           "kernel holding the device's multiprocessors?); later calls do nothing until reset() on every rank",
           e.rank, static_cast<double>(e.waited_ns) / 1e6, e.slot, e.call));
@@ -149,7 +153,7 @@ void FusedTail::reset() {
   ops_->wait_idle();  // calls in flight on this rank finish first
   group_.barrier();   // every rank idle: nobody stores into a part being cleared
   initialise_local();
-  group_.barrier();   // every part clean before any rank calls again
+  group_.barrier();  // every part clean before any rank calls again
 }
 
 }  // namespace torpor::fusion::detail

@@ -3,12 +3,11 @@
 // returns, so synchronize() has nothing to wait for and there are no graphs: a decode step is
 // simply run again. Touching a sleeping address faults here as on a GPU, so a step that runs
 // while its tags sleep is caught.
+#include <fmt/format.h>
 #include <sys/mman.h>
 
 #include <cerrno>
 #include <cstring>
-
-#include <fmt/format.h>
 
 #include "compute_impl.hpp"
 #include "torpor/error.hpp"
@@ -84,8 +83,8 @@ class HostCompute final : public Compute {
   void* outside_allocate(std::size_t bytes) override {
     void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED)
-      throw out_of_memory(fmt::format("host compute: mmap of {} bytes outside the pool failed: {}", bytes,
-                                      std::strerror(errno)));
+      throw out_of_memory(
+          fmt::format("host compute: mmap of {} bytes outside the pool failed: {}", bytes, std::strerror(errno)));
     return p;
   }
   void outside_free(void* p, std::size_t bytes) noexcept override {

@@ -87,7 +87,8 @@ LatentMoERunner::LatentMoERunner(SymmetricHeap& heap, Compute& compute, const La
       dn[static_cast<std::size_t>(e)] = weights_.experts_down + static_cast<std::size_t>(e) * L * inter_r_;
     }
     // A table of device pointers: the pointer's size is meant.
-    const std::size_t table_bytes = static_cast<std::size_t>(E) * sizeof(const bf16*);  // NOLINT(bugprone-sizeof-expression)
+    const std::size_t table_bytes =
+        static_cast<std::size_t>(E) * sizeof(const bf16*);  // NOLINT(bugprone-sizeof-expression)
     gate_up_table_ = static_cast<const bf16**>(
         pool_.allocate(table_bytes, {tags::weights, MemoryClass::state, options_.name + ".experts.gate_up_table"}));
     allocations_.push_back(gate_up_table_);

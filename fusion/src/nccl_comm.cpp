@@ -36,7 +36,9 @@ struct NcclComm::Impl {
   int size = 0;
   int device = 0;
 
-  std::string who() const { return fmt::format("tail all-reduce communicator, rank {} of {} (device {})", rank, size, device); }
+  std::string who() const {
+    return fmt::format("tail all-reduce communicator, rank {} of {} (device {})", rank, size, device);
+  }
   void check(ncclResult_t r, const char* call) const {
     if (r == ncclSuccess) return;
     throw error(fmt::format("{}: {} failed: {} ({})", who(), call, api().error_string(r), static_cast<int>(r)));
@@ -58,11 +60,13 @@ NcclComm::NcclComm(Group& group, int device) : impl_(std::make_unique<Impl>()) {
   std::string why;
   const bool ok = available(&why);
   std::string mine = ok ? std::string() : why;
-  auto verdicts = group.all_gather(std::span<const std::byte>(reinterpret_cast<const std::byte*>(mine.data()), mine.size()));
+  auto verdicts =
+      group.all_gather(std::span<const std::byte>(reinterpret_cast<const std::byte*>(mine.data()), mine.size()));
   for (std::size_t r = 0; r < verdicts.size(); ++r)
     if (!verdicts[r].empty())
-      throw unavailable(fmt::format("{}: rank {} cannot use NCCL: {}", d.who(), r,
-                                    std::string(reinterpret_cast<const char*>(verdicts[r].data()), verdicts[r].size())));
+      throw unavailable(
+          fmt::format("{}: rank {} cannot use NCCL: {}", d.who(), r,
+                      std::string(reinterpret_cast<const char*>(verdicts[r].data()), verdicts[r].size())));
 
   apply_nccl_nvls_policy();  // before the first NCCL call: the kill switches apply to NCCL too
   ncclUniqueId id{};
@@ -88,12 +92,14 @@ NcclComm::~NcclComm() {
 }
 
 void NcclComm::all_reduce_sum_f32(void* buffer, std::size_t count, void* stream) {
-  impl_->check(api().all_reduce(buffer, buffer, count, ncclFloat32, ncclSum, impl_->comm, static_cast<cudaStream_t>(stream)),
+  impl_->check(api().all_reduce(buffer, buffer, count, ncclFloat32, ncclSum, impl_->comm,
+                                static_cast<cudaStream_t>(stream)),
                "ncclAllReduce");
 }
 
 void NcclComm::all_reduce_sum_bf16(void* buffer, std::size_t count, void* stream) {
-  impl_->check(api().all_reduce(buffer, buffer, count, ncclBfloat16, ncclSum, impl_->comm, static_cast<cudaStream_t>(stream)),
+  impl_->check(api().all_reduce(buffer, buffer, count, ncclBfloat16, ncclSum, impl_->comm,
+                                static_cast<cudaStream_t>(stream)),
                "ncclAllReduce");
 }
 

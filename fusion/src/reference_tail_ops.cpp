@@ -21,7 +21,8 @@ namespace {
 
 class ReferenceTailOps final : public TailOps {
  public:
-  ReferenceTailOps(SymmetricHeap& heap, TailName who) : driver_(heap.pool().driver()), group_(heap.group()), who_(std::move(who)) {}
+  ReferenceTailOps(SymmetricHeap& heap, TailName who)
+      : driver_(heap.pool().driver()), group_(heap.group()), who_(std::move(who)) {}
 
   bool synchronous() const noexcept override { return true; }
   void check_stream(Stream) const override {}  // nothing is enqueued: any stream will do
@@ -30,8 +31,9 @@ class ReferenceTailOps final : public TailOps {
     FusedSupport s;
     const auto multicast = driver_.capabilities().multicast;
     if (multicast != DriverCapabilities::Multicast::emulated)
-      s.multicast_why_not = fmt::format("the host multicast emulation is out of reach (the {} driver reports multicast: {})",
-                                        driver_.backend_name(), to_string(multicast));
+      s.multicast_why_not =
+          fmt::format("the host multicast emulation is out of reach (the {} driver reports multicast: {})",
+                      driver_.backend_name(), to_string(multicast));
     return s;
   }
 

@@ -89,7 +89,8 @@ kernels::TailParams TailBase::params(const TailArgs& a, Stream stream) const {
                                          who(), f.name, f.p));
   }
   if (a.topk_weights == nullptr || (reinterpret_cast<std::uintptr_t>(a.topk_weights) & 3u) != 0)
-    throw invalid_argument(fmt::format("{}: TailArgs::topk_weights must be a non-null, 4-byte aligned float array", who()));
+    throw invalid_argument(
+        fmt::format("{}: TailArgs::topk_weights must be a non-null, 4-byte aligned float array", who()));
   if (shape_.shared_expert && (a.shared_out == nullptr || !aligned16(a.shared_out)))
     throw invalid_argument(fmt::format("{}: the shape has a shared expert, so TailArgs::shared_out must be a 16-byte "
                                        "aligned [tokens][hidden] tensor",
@@ -116,7 +117,8 @@ kernels::TailParams TailBase::params(const TailArgs& a, Stream stream) const {
   p.rank = rank_;
   p.eps = shape_.eps;
   p.reduce_scatter = shape_.mode == TailMode::reduce_scatter;
-  p.timeout_ns = static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(options_.wait_timeout).count());
+  p.timeout_ns =
+      static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(options_.wait_timeout).count());
   p.trace = static_cast<kernels::TailTrace*>(options_.trace);
   return p;
 }
@@ -227,7 +229,8 @@ std::unique_ptr<Tail> make_tail(SymmetricHeap& heap, const TailShape& shape, con
   mine.shape_problem = shape_problem(shape, options);
   if (mine.shape_problem.empty()) probe_fused(heap, shape, options, mine);
   const std::string bytes = encode(mine);
-  auto gathered = group.all_gather(std::span<const std::byte>(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size()));
+  auto gathered =
+      group.all_gather(std::span<const std::byte>(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size()));
   std::vector<Verdict> all;
   for (std::size_t r = 0; r < gathered.size(); ++r) all.push_back(decode(gathered[r], r));
 
@@ -235,9 +238,10 @@ std::unique_ptr<Tail> make_tail(SymmetricHeap& heap, const TailShape& shape, con
     if (!all[r].shape_problem.empty())
       throw invalid_argument(fmt::format("make_tail on rank {}: rank {}: {}", rank, r, all[r].shape_problem));
     if (all[r].shape != all[0].shape)
-      throw invalid_argument(fmt::format("make_tail on rank {}: the ranks disagree on the shape or options (rank 0: {}; "
-                                         "rank {}: {}); every rank must pass the same",
-                                         rank, all[0].shape, r, all[r].shape));
+      throw invalid_argument(
+          fmt::format("make_tail on rank {}: the ranks disagree on the shape or options (rank 0: {}; "
+                      "rank {}: {}); every rank must pass the same",
+                      rank, all[0].shape, r, all[r].shape));
   }
   std::string unfused_why, multicast_why;
   for (std::size_t r = 0; r < all.size() && unfused_why.empty(); ++r)

@@ -89,8 +89,10 @@ auto gate_up_shard(const std::string& prefix, int experts, int inter, int latent
     for (std::size_t e = 0; e < static_cast<std::size_t>(experts); ++e)
       for (std::size_t j = 0; j < 2 * ir; ++j) {
         const bool gate = j < ir;
-        const std::size_t row = e * static_cast<std::size_t>(inter) + static_cast<std::size_t>(rank) * ir + (gate ? j : j - ir);
-        for (std::size_t c = 0; c < L; ++c) out[o++] = bf16::from_float(scale * weight_value(v, gate ? hg : hu, row * L + c));
+        const std::size_t row =
+            e * static_cast<std::size_t>(inter) + static_cast<std::size_t>(rank) * ir + (gate ? j : j - ir);
+        for (std::size_t c = 0; c < L; ++c)
+          out[o++] = bf16::from_float(scale * weight_value(v, gate ? hg : hu, row * L + c));
       }
   };
 }
@@ -139,7 +141,8 @@ void TinyMoeLM::build_params() {
   const std::size_t V = static_cast<std::size_t>(c.vocab), H = static_cast<std::size_t>(c.hidden),
                     D = static_cast<std::size_t>(c.head_dim), E = static_cast<std::size_t>(c.experts),
                     L = static_cast<std::size_t>(c.latent);
-  const std::size_t ir = static_cast<std::size_t>(c.inter / ranks_), sr = static_cast<std::size_t>(c.shared_inter / ranks_);
+  const std::size_t ir = static_cast<std::size_t>(c.inter / ranks_),
+                    sr = static_cast<std::size_t>(c.shared_inter / ranks_);
   const float sH = 1.0f / std::sqrt(static_cast<float>(H)), sD = 1.0f / std::sqrt(static_cast<float>(D)),
               sL = 1.0f / std::sqrt(static_cast<float>(L));
   tok_emb_ = param(V * H, "tok_emb", dense("tok_emb", 1.0f, V * H));
@@ -212,7 +215,8 @@ TinyMoeLM::TinyMoeLM(SymmetricHeap& heap, Compute& compute, const TinyMoeConfig&
       for (std::size_t i = 0; i < H; i += 2) {
         double freq = std::pow(10000.0, -static_cast<double>(i) / static_cast<double>(H));
         table[p * H + i] = bf16::from_float(static_cast<float>(std::sin(static_cast<double>(p) * freq)));
-        if (i + 1 < H) table[p * H + i + 1] = bf16::from_float(static_cast<float>(std::cos(static_cast<double>(p) * freq)));
+        if (i + 1 < H)
+          table[p * H + i + 1] = bf16::from_float(static_cast<float>(std::cos(static_cast<double>(p) * freq)));
       }
     pool_.copy(pos_table_, table.data(), table.size() * sizeof(bf16));
 
@@ -325,8 +329,8 @@ std::vector<std::int32_t> TinyMoeLM::generate(const std::vector<std::int32_t>& p
     throw invalid_argument(fmt::format("generate: prompt_len {} + new_tokens {} must fit max_seq {} (both at least 1)",
                                        prompt_len, new_tokens, c.max_seq));
   if (prompts.size() != static_cast<std::size_t>(batch) * static_cast<std::size_t>(prompt_len))
-    throw invalid_argument(fmt::format("generate: {} prompt tokens given, batch x prompt_len = {}", prompts.size(),
-                                       batch * prompt_len));
+    throw invalid_argument(
+        fmt::format("generate: {} prompt tokens given, batch x prompt_len = {}", prompts.size(), batch * prompt_len));
   const std::size_t S = static_cast<std::size_t>(c.max_seq);
   std::vector<std::int32_t> seq(static_cast<std::size_t>(batch) * S, 0);
   for (int b = 0; b < batch; ++b)

@@ -1,12 +1,12 @@
 // CPU reference implementations of the MoE runner's small ops (moe_ops.hpp). They are the
 // host backend's kernels and the GPU kernels' oracle, so they favour the plainest loop that
 // states the math: fp32 accumulation in index order, one rounding to bf16 per output.
+#include "torpor/kernels/moe_ops.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
-
-#include "torpor/kernels/moe_ops.hpp"
 
 namespace torpor::kernels::ref {
 
@@ -120,7 +120,8 @@ void attention_decode(const bf16* qkv, bf16* k_cache, bf16* v_cache, const std::
     }
     for (int d = 0; d < head_dim; ++d) {
       float acc = 0.f;
-      for (int j = 0; j <= p; ++j) acc += score[static_cast<std::size_t>(j)] * f(vc[static_cast<std::size_t>(j) * head_dim + d]);
+      for (int j = 0; j <= p; ++j)
+        acc += score[static_cast<std::size_t>(j)] * f(vc[static_cast<std::size_t>(j) * head_dim + d]);
       out[static_cast<std::size_t>(r) * head_dim + d] = b(acc / sum);
     }
   }
@@ -144,7 +145,8 @@ void router_topk(const float* logits, int rows, int experts, int top_k, std::int
     for (int k = 0; k < top_k; ++k) {
       int best = -1;
       for (int e = 0; e < experts; ++e)
-        if (!taken[static_cast<std::size_t>(e)] && (best < 0 || p[static_cast<std::size_t>(e)] > p[static_cast<std::size_t>(best)]))
+        if (!taken[static_cast<std::size_t>(e)] &&
+            (best < 0 || p[static_cast<std::size_t>(e)] > p[static_cast<std::size_t>(best)]))
           best = e;
       taken[static_cast<std::size_t>(best)] = 1;
       idx[static_cast<std::size_t>(r) * top_k + k] = best;

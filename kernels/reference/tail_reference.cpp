@@ -60,7 +60,8 @@ class Waiter {
     std::atomic_ref<std::uint64_t> ref(*const_cast<std::uint64_t*>(a));  // only loads through it
     for (unsigned n = 0;; ++n) {
       out = ref.load(std::memory_order_acquire);
-      if (!tail_word_has_sentinel(static_cast<std::uint32_t>(out)) && !tail_word_has_sentinel(static_cast<std::uint32_t>(out >> 32)))
+      if (!tail_word_has_sentinel(static_cast<std::uint32_t>(out)) &&
+          !tail_word_has_sentinel(static_cast<std::uint32_t>(out >> 32)))
         return true;
       if (n < 64) continue;
       const auto now = clock_type::now();
@@ -114,7 +115,8 @@ void residual_norm_row(const TailParams& p, int row, const float* sum, std::vect
     x[static_cast<std::size_t>(col)] = tail_bf16_to_float(r);
   }
   const float inv = tail_inv_rms(reference_sum_squares(x.data(), p.hidden), p.hidden, p.eps);
-  for (int col = 0; col < p.hidden; ++col) norm_out[col] = tail_norm_element(x[static_cast<std::size_t>(col)], inv, gamma[col]);
+  for (int col = 0; col < p.hidden; ++col)
+    norm_out[col] = tail_norm_element(x[static_cast<std::size_t>(col)], inv, gamma[col]);
 }
 
 }  // namespace
@@ -146,13 +148,15 @@ void reference_fill_sentinel(bf16* dst, std::size_t elements) {
 }
 
 void reference_finalize(const TailParams& p, bf16* partial) {
-  for (int row = 0; row < p.tokens; ++row) partial_row(p, row, bits(partial) + static_cast<std::size_t>(row) * p.hidden);
+  for (int row = 0; row < p.tokens; ++row)
+    partial_row(p, row, bits(partial) + static_cast<std::size_t>(row) * p.hidden);
 }
 
 void reference_residual_norm(const TailParams& p, const float* sum) {
   const TailRows out = tail_output_rows(p);
   std::vector<float> x;
-  for (int row = out.begin; row < out.end; ++row) residual_norm_row(p, row, sum + static_cast<std::size_t>(row) * p.hidden, x);
+  for (int row = out.begin; row < out.end; ++row)
+    residual_norm_row(p, row, sum + static_cast<std::size_t>(row) * p.hidden, x);
 }
 
 void reference_tail_fused(const TailParams& p, const ReferenceHooks& hooks) {

@@ -39,10 +39,18 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iterations", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--kv-fraction", type=float, default=0.5,
-                    help="KV-cache pool size, as a fraction of the free device memory at start")
-    ap.add_argument("--train-fraction", type=float, default=0.92,
-                    help="the trainer's allocation, as a fraction of the memory sleep returned (>= 0.9)")
+    ap.add_argument(
+        "--kv-fraction",
+        type=float,
+        default=0.5,
+        help="KV-cache pool size, as a fraction of the free device memory at start",
+    )
+    ap.add_argument(
+        "--train-fraction",
+        type=float,
+        default=0.92,
+        help="the trainer's allocation, as a fraction of the memory sleep returned (>= 0.9)",
+    )
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -73,13 +81,13 @@ def train(torch, weights: dict, nbytes: int, seed: int, lr: float) -> dict:
     """The trainer: holds `nbytes` of device memory outside torpor, works in all of it, and
     returns new weights (old + lr * seeded noise), on the host."""
     buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    buf.fill_(1)                                          # touch every byte
-    n = min(4096, int((nbytes // 12) ** 0.5))            # three n x n fp32 matrices fit
+    buf.fill_(1)  # touch every byte
+    n = min(4096, int((nbytes // 12) ** 0.5))  # three n x n fp32 matrices fit
     mats = buf[: 3 * n * n * 4].view(torch.float32).view(3, n, n)
     mats[0].normal_()
     mats[1].normal_()
-    torch.matmul(mats[0], mats[1], out=mats[2])           # and do work in it
-    checksum = float(buf[-(1 << 20):].sum()) + float(mats[2].abs().mean())
+    torch.matmul(mats[0], mats[1], out=mats[2])  # and do work in it
+    checksum = float(buf[-(1 << 20) :].sum()) + float(mats[2].abs().mean())
     gen = torch.Generator(device="cuda").manual_seed(seed)
     new = {}
     for name, w in weights.items():
@@ -115,12 +123,15 @@ def main(argv=None) -> int:
     with torpor.use_pool(torpor.tags.KV_CACHE):
         kv_pool = torch.empty(kv_bytes, dtype=torch.uint8, device="cuda")
     cache = make_kv_cache(cfg, args.batch, kv_pool)
-    prompts = torch.randint(0, cfg.vocab, (args.batch, args.prompt_len),
-                            generator=torch.Generator().manual_seed(args.seed + 1)).cuda()
+    prompts = torch.randint(
+        0, cfg.vocab, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(args.seed + 1)
+    ).cuda()
     weights = {n: p.detach().cpu() for n, p in engine.named_parameters()}
     print(f"rl_loop: {torch.cuda.get_device_name()}, libtorpor {torpor.library_path()}")
-    print(f"engine: {reg.parameters} parameters ({reg.nbytes} bytes), KV-cache pool {kv_bytes / 2**30:.1f} GiB, "
-          f"batch {args.batch}, {args.new_tokens} new tokens")
+    print(
+        f"engine: {reg.parameters} parameters ({reg.nbytes} bytes), KV-cache pool {kv_bytes / 2**30:.1f} GiB, "
+        f"batch {args.batch}, {args.new_tokens} new tokens"
+    )
 
     names = ["sleep", "train", "free", "wake_weights", "load", "wake_kv_cache", "generate", "verify"]
     print("iter " + " ".join(f"{n:>13}" for n in names) + "   returned GiB  train GiB  tokens")
@@ -162,19 +173,40 @@ def main(argv=None) -> int:
         iteration_ok = same and returned >= 0.999 * mapped and train_bytes >= 0.9 * returned
         ok &= iteration_ok
         verdict = "equal" if same else f"DIFFER in {int((tokens != reference).sum())} tokens"
-        print(f"{it:>4} " + " ".join(f"{phase.seconds[n] * 1e3:>10.1f} ms" for n in names)
-              + f"   {returned / 2**30:>12.2f}  {train_bytes / 2**30:>9.2f}  {verdict}"
-              + ("" if changed else " (same as the previous iteration)"))
+        print(
+            f"{it:>4} "
+            + " ".join(f"{phase.seconds[n] * 1e3:>10.1f} ms" for n in names)
+            + f"   {returned / 2**30:>12.2f}  {train_bytes / 2**30:>9.2f}  {verdict}"
+            + ("" if changed else " (same as the previous iteration)")
+        )
         if returned < 0.999 * mapped:
             print(f"     sleep returned {returned} bytes, less than 99.9% of the {mapped} bytes mapped")
-        results.append({"iteration": it, "seconds": phase.seconds, "mapped_bytes": mapped,
-                        "returned_bytes": returned, "train_bytes": train_bytes, "tokens_equal": same,
-                        "tokens_changed_since_previous": changed, "ok": iteration_ok})
+        results.append(
+            {
+                "iteration": it,
+                "seconds": phase.seconds,
+                "mapped_bytes": mapped,
+                "returned_bytes": returned,
+                "train_bytes": train_bytes,
+                "tokens_equal": same,
+                "tokens_changed_since_previous": changed,
+                "ok": iteration_ok,
+            }
+        )
     print("rl_loop: " + ("PASS: every iteration matched a freshly built model" if ok else "FAIL"))
     if args.json:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                         "args": {k: str(v) for k, v in vars(args).items()},
-                                         "iterations": results, "ok": ok}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "iterations": results,
+                    "ok": ok,
+                },
+                indent=2,
+            )
+        )
     return 0 if ok else 1
 
 

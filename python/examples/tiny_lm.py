@@ -60,11 +60,11 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.attn_norm(x)).view(B, T, 3, H, hd).unbind(2)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if k_cache is not None:
-            k_cache[:B, start:start + T] = k
-            v_cache[:B, start:start + T] = v
+            k_cache[:B, start : start + T] = k
+            v_cache[:B, start : start + T] = v
             # Only what was written: the rest of the cache is undefined (after a sleep it is
             # discarded memory, NaN when torpor poisons it).
-            k, v = k_cache[:B, :start + T], v_cache[:B, :start + T]
+            k, v = k_cache[:B, : start + T], v_cache[:B, : start + T]
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
         causal = torch.ones(T, k.shape[1], dtype=torch.bool, device=x.device).tril(diagonal=start)
         attn = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
@@ -92,7 +92,7 @@ class TinyLM(nn.Module):
     def forward(self, tokens, start: int = 0, cache=None):
         T = tokens.shape[1]
         x = self.embed(tokens)
-        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
+        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
         for i, block in enumerate(self.blocks):
             k_cache, v_cache = (cache[0][i], cache[1][i]) if cache is not None else (None, None)
             x = block(x, cos, sin, k_cache, v_cache, start)

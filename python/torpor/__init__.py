@@ -15,16 +15,49 @@ repository's build directories, then the system path (see torpor._lib).
 from . import errors, tags
 from ._lib import last_error, library_path
 from .compat import CuMemAllocator
-from .errors import (DriverError, InternalError, InvalidArgument, InvalidHandle, InvalidState, LibraryNotFound,
-                     OutOfMemory, Timeout, TorchUnavailable, TorporError, Unavailable)
+from .errors import (
+    DriverError,
+    InternalError,
+    InvalidArgument,
+    InvalidHandle,
+    InvalidState,
+    LibraryNotFound,
+    OutOfMemory,
+    Timeout,
+    TorchUnavailable,
+    TorporError,
+    Unavailable,
+)
 from .pool import MemoryClass, Pool
 from .torch_pools import Registration, configure, pools, register_parameters, sleep, stats, use_pool, wake_up
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CuMemAllocator", "DriverError", "InternalError", "InvalidArgument", "InvalidHandle", "InvalidState",
-    "LibraryNotFound", "MemoryClass", "OutOfMemory", "Pool", "Registration", "Timeout", "TorchUnavailable",
-    "TorporError", "Unavailable", "configure", "errors", "last_error", "library_path", "pools", "register_parameters",
-    "sleep", "stats", "tags", "use_pool", "wake_up",
+    "CuMemAllocator",
+    "DriverError",
+    "InternalError",
+    "InvalidArgument",
+    "InvalidHandle",
+    "InvalidState",
+    "LibraryNotFound",
+    "MemoryClass",
+    "OutOfMemory",
+    "Pool",
+    "Registration",
+    "Timeout",
+    "TorchUnavailable",
+    "TorporError",
+    "Unavailable",
+    "configure",
+    "errors",
+    "last_error",
+    "library_path",
+    "pools",
+    "register_parameters",
+    "sleep",
+    "stats",
+    "tags",
+    "use_pool",
+    "wake_up",
 ]

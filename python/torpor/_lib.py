@@ -35,8 +35,11 @@ _path: str | None = None
 _status_ok: int | None = None
 # enumeration -> {lower-case name: value}, read from the library when it loads.
 _enums: dict[str, dict[str, int]] = {}
-_ENUM_NAME_FUNCTIONS = {"memory_class": "torpor_class_name", "backend": "torpor_backend_name",
-                        "fill": "torpor_fill_name"}
+_ENUM_NAME_FUNCTIONS = {
+    "memory_class": "torpor_class_name",
+    "backend": "torpor_backend_name",
+    "fill": "torpor_fill_name",
+}
 _ENUM_LIMIT = 256  # no enumeration of torpor.h comes near; guards against a library that never says NULL
 
 
@@ -70,7 +73,8 @@ def _load() -> tuple[ctypes.CDLL, str]:
         except OSError as e:
             raise LibraryNotFound(
                 f"TORPOR_LIBRARY={env} could not be loaded: {e}. Point it at libtorpor.so "
-                f"(e.g. build/allocator/libtorpor.so after `cmake --build build`), or unset it") from None
+                f"(e.g. build/allocator/libtorpor.so after `cmake --build build`), or unset it"
+            ) from None
     tried = []
     for path, where in _candidates():
         if os.path.exists(path):
@@ -89,12 +93,17 @@ def _load() -> tuple[ctypes.CDLL, str]:
     raise LibraryNotFound(
         "libtorpor.so was not found. Build it (`cmake -S . -B build -G Ninja && cmake --build build`), "
         "then set TORPOR_LIBRARY=/path/to/libtorpor.so or reinstall the package from a tree that has it. "
-        "Tried: " + "; ".join(tried))
+        "Tried: " + "; ".join(tried)
+    )
 
 
 class _DlInfo(ctypes.Structure):
-    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
-                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+    _fields_ = [
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    ]
 
 
 def _loaded_path(lib: ctypes.CDLL, fallback: str) -> str:
@@ -153,7 +162,8 @@ def _prototypes(lib: ctypes.CDLL) -> None:
         except AttributeError:
             raise LibraryNotFound(
                 f"{library_path()} has no {name}: it is older than this Python package; rebuild libtorpor.so "
-                f"from the same checkout") from None
+                f"from the same checkout"
+            ) from None
         fn.restype = restype
         fn.argtypes = argtypes
 
@@ -204,9 +214,11 @@ def enum_value(enum: str, name: str) -> int:
     try:
         return enum_values(enum)[name]
     except KeyError:
-        raise InternalError(f"{library_path()} defines no {enum} '{name}' (it has {', '.join(enum_values(enum))}): "
-                            f"it is older or newer than this Python package; rebuild libtorpor.so from the same "
-                            f"checkout") from None
+        raise InternalError(
+            f"{library_path()} defines no {enum} '{name}' (it has {', '.join(enum_values(enum))}): "
+            f"it is older or newer than this Python package; rebuild libtorpor.so from the same "
+            f"checkout"
+        ) from None
 
 
 def library_path() -> str:

@@ -44,8 +44,8 @@ class Span:
 @dataclass
 class Plan:
     marks: list[Mark]
-    foreign: list[int]       # segment addresses that cannot be torpor's (expandable segments)
-    parameters: int = 0      # parameter spans marked
+    foreign: list[int]  # segment addresses that cannot be torpor's (expandable segments)
+    parameters: int = 0  # parameter spans marked
     parameter_bytes: int = 0
 
 

@@ -50,8 +50,12 @@ class CuMemAllocator:
 
     def get_current_usage(self) -> int:
         """Bytes allocated in the pools (PyTorch's segments), asleep or not."""
-        return sum(c["allocated_bytes"] for s in torch_pools.stats().values() for t in s["tags"].values()
-                   for c in t["classes"].values())
+        return sum(
+            c["allocated_bytes"]
+            for s in torch_pools.stats().values()
+            for t in s["tags"].values()
+            for c in t["classes"].values()
+        )
 
 
 __all__ = ["CuMemAllocator", "MemoryClass"]

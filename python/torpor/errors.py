@@ -86,8 +86,16 @@ class TorchUnavailable(TorporError, ImportError):
 
 
 # The classes of the C API's error statuses (TORPOR_OK has none).
-STATUS_CLASSES: tuple[type[TorporError], ...] = (InvalidArgument, InvalidState, OutOfMemory, DriverError, Timeout,
-                                                 InvalidHandle, InternalError, Unavailable)
+STATUS_CLASSES: tuple[type[TorporError], ...] = (
+    InvalidArgument,
+    InvalidState,
+    OutOfMemory,
+    DriverError,
+    Timeout,
+    InvalidHandle,
+    InternalError,
+    Unavailable,
+)
 
 _by_status: dict[int, type[TorporError]] = {}
 

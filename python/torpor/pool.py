@@ -26,8 +26,8 @@ class MemoryClass(enum.Enum):
     library defines them."""
 
     PARAMETER = "parameter"  # reloadable weights: offloaded at level 1, discarded at level 2
-    STATE = "state"          # must survive bit-exact: always offloaded
-    CACHE = "cache"          # recomputable (KV cache, free space): always discarded
+    STATE = "state"  # must survive bit-exact: always offloaded
+    CACHE = "cache"  # recomputable (KV cache, free space): always discarded
 
     def __int__(self) -> int:
         return _lib.enum_value("memory_class", self.value)
@@ -62,8 +62,9 @@ def _choice(table: dict, value: str, what: str) -> int:
         raise InvalidArgument(f"unknown {what} '{value}' (expected {', '.join(table)})") from None
 
 
-def pool_options(device: int = 0, backend: str = "auto", va_bytes: int = 0, fill_on_wake: str = "none",
-                 exportable: bool = False) -> _lib.PoolOptions:
+def pool_options(
+    device: int = 0, backend: str = "auto", va_bytes: int = 0, fill_on_wake: str = "none", exportable: bool = False
+) -> _lib.PoolOptions:
     """torpor_pool_options, validated. backend: auto (TORPOR_BACKEND, else cuda when usable,
     else host), host or cuda. fill_on_wake: what discarded bytes hold after wake (none, zero,
     or poison: 0xFF bytes, NaN in fp32/fp16/bf16, so a forgotten weight reload shows)."""
@@ -108,8 +109,15 @@ def _json(fn, handle) -> dict:
 class Pool:
     """One device's torpor pool (see the module note)."""
 
-    def __init__(self, device: int = 0, *, backend: str = "auto", va_bytes: int = 0,
-                 fill_on_wake: str = "none", exportable: bool = False):
+    def __init__(
+        self,
+        device: int = 0,
+        *,
+        backend: str = "auto",
+        va_bytes: int = 0,
+        fill_on_wake: str = "none",
+        exportable: bool = False,
+    ):
         o = pool_options(device, backend, va_bytes, fill_on_wake, exportable)
         handle = ctypes.c_void_p()
         _lib.check(_lib.lib().torpor_pool_create(ctypes.byref(o), ctypes.byref(handle)))
@@ -161,21 +169,25 @@ class Pool:
 
     @property
     def backend(self) -> str:
-        """"cuda" or "host"."""
+        """ "cuda" or "host"."""
         name = _lib.lib().torpor_pool_backend(self.handle)
         if not name:
             _lib.check(InvalidHandle.status)
         return name.decode()
 
-    def alloc(self, nbytes: int, tag: str = "default", memory_class: ClassLike = MemoryClass.STATE,
-              name: str | None = None) -> int:
+    def alloc(
+        self, nbytes: int, tag: str = "default", memory_class: ClassLike = MemoryClass.STATE, name: str | None = None
+    ) -> int:
         """Allocate `nbytes` in `tag` with one class for the whole allocation; its address."""
         if not isinstance(tag, str) or not tag:
             raise InvalidArgument(f"tag {tag!r} is not a non-empty string")
         out = ctypes.c_void_p()
         cls = to_memory_class(memory_class)
-        _lib.check(_lib.lib().torpor_alloc(self.handle, int(nbytes), tag.encode(), int(cls),
-                                           name.encode() if name else None, ctypes.byref(out)))
+        _lib.check(
+            _lib.lib().torpor_alloc(
+                self.handle, int(nbytes), tag.encode(), int(cls), name.encode() if name else None, ctypes.byref(out)
+            )
+        )
         return out.value
 
     def free(self, ptr: int) -> None:

@@ -73,11 +73,11 @@ class Registration:
 @dataclass
 class _State:
     lock: threading.RLock = field(default_factory=threading.RLock)
-    allocator: object = None                          # torch.cuda.memory.CUDAPluggableAllocator
-    mempools: dict = field(default_factory=dict)      # (tag, device) -> torch.cuda.MemPool
-    classes: dict = field(default_factory=dict)       # tag -> MemoryClass of its allocations
-    modules: list = field(default_factory=list)       # (weakref to nn.Module, prefix)
-    preserve: list = field(default_factory=list)      # globs
+    allocator: object = None  # torch.cuda.memory.CUDAPluggableAllocator
+    mempools: dict = field(default_factory=dict)  # (tag, device) -> torch.cuda.MemPool
+    classes: dict = field(default_factory=dict)  # tag -> MemoryClass of its allocations
+    modules: list = field(default_factory=list)  # (weakref to nn.Module, prefix)
+    preserve: list = field(default_factory=list)  # globs
     expandable_off_depth: int = 0
 
 
@@ -86,20 +86,24 @@ _state = _State()
 
 # -- PyTorch, lazily ------------------------------------------------------------------------
 
+
 def _torch():
     try:
         import torch
     except ImportError as e:
-        raise TorchUnavailable(f"this part of torpor needs PyTorch, which cannot be imported ({e}); "
-                               f"torpor.Pool works without it") from None
+        raise TorchUnavailable(
+            f"this part of torpor needs PyTorch, which cannot be imported ({e}); " f"torpor.Pool works without it"
+        ) from None
     return torch
 
 
 def _cuda_torch():
     torch = _torch()
     if not torch.cuda.is_available():
-        raise TorchUnavailable("PyTorch sees no CUDA device (torch.cuda.is_available() is False); torpor's "
-                               "PyTorch pools need one. torpor.Pool works without it, on the host backend")
+        raise TorchUnavailable(
+            "PyTorch sees no CUDA device (torch.cuda.is_available() is False); torpor's "
+            "PyTorch pools need one. torpor.Pool works without it, on the host backend"
+        )
     return torch
 
 
@@ -164,6 +168,7 @@ def _expandable_segments_off(torch):
 
 # -- pools ---------------------------------------------------------------------------------
 
+
 def configure(*, backend: str = "auto", fill_on_wake: str = "none", va_bytes: int = 0) -> None:
     """Options of the pools PyTorch allocates in; call before the first allocation (later,
     only the same options are accepted). backend: auto (TORPOR_BACKEND, else cuda when
@@ -185,7 +190,8 @@ def _mempool(torch, tag: str, device: int, memory_class: MemoryClass):
             raise InvalidArgument(
                 f"use_pool: tag '{tag}' already allocates class {known.name.lower()}; a tag has one class "
                 f"(PyTorch reuses its free blocks for anything), so use another tag for "
-                f"{memory_class.name.lower()} bytes")
+                f"{memory_class.name.lower()} bytes"
+            )
         key = (tag, device)
         pool = _state.mempools.get(key)
         if pool is None:
@@ -194,7 +200,8 @@ def _mempool(torch, tag: str, device: int, memory_class: MemoryClass):
             Pool.torch(device).set_preserve(_state.preserve)
             if _state.allocator is None:
                 _state.allocator = torch.cuda.memory.CUDAPluggableAllocator(
-                    _lib.library_path(), "torpor_torch_malloc", "torpor_torch_free")
+                    _lib.library_path(), "torpor_torch_malloc", "torpor_torch_free"
+                )
                 _keep_forever(_state.allocator)
             pool = torch.cuda.memory.MemPool(_state.allocator.allocator())
             _keep_forever(pool)
@@ -230,8 +237,10 @@ def use_pool(tag: str = "default", memory_class: ClassLike | None = None, device
     # faults. So refuse up front (a sleep inside the block is caught by torpor_torch_malloc).
     tag_stats = Pool.torch(dev).stats()["tags"].get(tag)
     if tag_stats is not None and tag_stats["asleep"]:
-        raise InvalidState(f"use_pool: tag '{tag}' is asleep on device {dev} (level {tag_stats['level']}); "
-                           f"wake_up(['{tag}']) before allocating in it")
+        raise InvalidState(
+            f"use_pool: tag '{tag}' is asleep on device {dev} (level {tag_stats['level']}); "
+            f"wake_up(['{tag}']) before allocating in it"
+        )
     lib = _lib.lib()
     previous_tag, previous_class = lib.torpor_current_tag(), lib.torpor_current_class()
     _lib.check(lib.torpor_set_current_tag(tag.encode()))
@@ -262,6 +271,7 @@ def pools() -> dict[int, Pool]:
 
 
 # -- parameters -----------------------------------------------------------------------------
+
 
 def _span_bytes(t) -> int:
     """Bytes from a tensor's first element to past its last (exact for any strided view)."""
@@ -337,20 +347,25 @@ def _refresh_classes(device: int, tags: list[str], spans: list[_marks.Span]) -> 
             continue  # a tag allocated through the C API directly, not by PyTorch
         # One pool's segments on this device (filtered again in case a PyTorch version lists
         # every pool's).
-        segments = [s for s in mempool.snapshot()
-                    if s.get("device", device) == device
-                    and tuple(s.get("segment_pool_id", mempool.id)) == tuple(mempool.id)]
+        segments = [
+            s
+            for s in mempool.snapshot()
+            if s.get("device", device) == device and tuple(s.get("segment_pool_id", mempool.id)) == tuple(mempool.id)
+        ]
         plan = _marks.plan(segments, cls, spans)
         if plan.foreign:
             warnings.warn(
                 f"torpor: {len(plan.foreign)} segment(s) of torpor pool '{tag}' on device {device} were mapped by "
                 f"PyTorch itself (expandable segments), not by torpor: sleep cannot release them. Set "
                 f"expandable_segments:False in PYTORCH_CUDA_ALLOC_CONF, or allocate only inside torpor.use_pool",
-                RuntimeWarning, stacklevel=3)
+                RuntimeWarning,
+                stacklevel=3,
+            )
         _marks.apply(pool, plan)
 
 
 # -- sleep ----------------------------------------------------------------------------------
+
 
 def _tags_by_device(tags: list[str] | None, operation: str) -> dict[int, list[str]]:
     devices = _devices()
@@ -378,8 +393,10 @@ def sleep(level: int = 1, tags: Tags = None) -> dict[int, dict]:
     tags = tag_list(tags)
     if tags == [] or not _devices():
         if tags:
-            raise InvalidArgument(f"sleep: unknown tag '{tags[0]}' (no torpor pool exists yet; allocate inside "
-                                  f"torpor.use_pool(tag) first)")
+            raise InvalidArgument(
+                f"sleep: unknown tag '{tags[0]}' (no torpor pool exists yet; allocate inside "
+                f"torpor.use_pool(tag) first)"
+            )
         return {}
     torch = _cuda_torch()
     selected = _tags_by_device(tags, "sleep")

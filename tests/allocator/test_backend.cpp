@@ -3,9 +3,9 @@
 
 #include <cstdlib>
 
+#include "driver/multicast_policy.hpp"
 #include "torpor/backend.hpp"
 #include "torpor/error.hpp"
-#include "driver/multicast_policy.hpp"
 
 namespace torpor {
 namespace {
@@ -15,12 +15,16 @@ class ScopedEnv {
  public:
   ScopedEnv(const char* name, const char* value) : name_(name) {
     if (const char* old = std::getenv(name)) old_ = old;
-    if (value) ::setenv(name, value, 1);
-    else ::unsetenv(name);
+    if (value)
+      ::setenv(name, value, 1);
+    else
+      ::unsetenv(name);
   }
   ~ScopedEnv() {
-    if (old_) ::setenv(name_, old_->c_str(), 1);
-    else ::unsetenv(name_);
+    if (old_)
+      ::setenv(name_, old_->c_str(), 1);
+    else
+      ::unsetenv(name_);
   }
 
  private:

@@ -30,13 +30,14 @@ TYPED_TEST_SUITE(BadInputTest, Backends, BackendNames);
 
 TYPED_TEST(BadInputTest, ZeroBytes) {
   Pool pool(this->driver(), this->small_pool());
-  this->template expect_rejected<invalid_argument>(pool, [&] { pool.allocate(0); }, "size 0");
+  this->template expect_rejected<invalid_argument>(
+      pool, [&] { pool.allocate(0); }, "size 0");
 }
 
 TYPED_TEST(BadInputTest, MoreThanTheReservation) {
   Pool pool(this->driver(), this->small_pool());
-  this->template expect_rejected<invalid_argument>(pool, [&] { pool.allocate(pool.va_bytes() + 1); },
-                                                   "exceed the pool's whole VA reservation");
+  this->template expect_rejected<invalid_argument>(
+      pool, [&] { pool.allocate(pool.va_bytes() + 1); }, "exceed the pool's whole VA reservation");
 }
 
 TYPED_TEST(BadInputTest, DoubleFree) {
@@ -44,7 +45,8 @@ TYPED_TEST(BadInputTest, DoubleFree) {
   void* keep = pool.allocate(100);
   void* p = pool.allocate(100);
   pool.deallocate(p);
-  this->template expect_rejected<invalid_argument>(pool, [&] { pool.deallocate(p); }, "double free");
+  this->template expect_rejected<invalid_argument>(
+      pool, [&] { pool.deallocate(p); }, "double free");
   pool.deallocate(keep);
 }
 
@@ -52,17 +54,18 @@ TYPED_TEST(BadInputTest, FreeOfUnknownPointer) {
   Pool pool(this->driver(), this->small_pool());
   void* keep = pool.allocate(100);
   int on_stack = 0;
-  this->template expect_rejected<invalid_argument>(pool, [&] { pool.deallocate(&on_stack); },
-                                                   "was not allocated by this pool");
-  this->template expect_rejected<invalid_argument>(pool, [&] { pool.deallocate(nullptr); }, "null pointer");
+  this->template expect_rejected<invalid_argument>(
+      pool, [&] { pool.deallocate(&on_stack); }, "was not allocated by this pool");
+  this->template expect_rejected<invalid_argument>(
+      pool, [&] { pool.deallocate(nullptr); }, "null pointer");
   pool.deallocate(keep);
 }
 
 TYPED_TEST(BadInputTest, FreeOfInteriorPointer) {
   Pool pool(this->driver(), this->small_pool());
   void* p = pool.allocate(1000);
-  this->template expect_rejected<invalid_argument>(pool, [&] { pool.deallocate(at(p, 10)); },
-                                                   "pass the allocation's base address");
+  this->template expect_rejected<invalid_argument>(
+      pool, [&] { pool.deallocate(at(p, 10)); }, "pass the allocation's base address");
   pool.deallocate(p);
 }
 
@@ -72,9 +75,10 @@ TYPED_TEST(BadInputTest, MarkOutsideAnyAllocation) {
   int on_stack = 0;
   this->template expect_rejected<invalid_argument>(
       pool, [&] { pool.mark(&on_stack, 4, MemoryClass::parameter); }, "not inside any allocation");
-  this->template expect_rejected<invalid_argument>(pool, [&] { pool.mark(at(p, 900), 200, MemoryClass::parameter); },
-                                                   "runs past the end");
-  this->template expect_rejected<invalid_argument>(pool, [&] { pool.mark(p, 0, MemoryClass::parameter); }, "size 0");
+  this->template expect_rejected<invalid_argument>(
+      pool, [&] { pool.mark(at(p, 900), 200, MemoryClass::parameter); }, "runs past the end");
+  this->template expect_rejected<invalid_argument>(
+      pool, [&] { pool.mark(p, 0, MemoryClass::parameter); }, "size 0");
   pool.deallocate(p);
 }
 
@@ -82,9 +86,13 @@ TYPED_TEST(BadInputTest, UnknownClass) {
   Pool pool(this->driver(), this->small_pool());
   void* p = pool.allocate(1000);
   this->template expect_rejected<invalid_argument>(
-      pool, [&] { pool.allocate(10, {"t", static_cast<MemoryClass>(7), ""}); }, "unknown memory class 7");
-  this->template expect_rejected<invalid_argument>(pool, [&] { pool.mark(p, 10, static_cast<MemoryClass>(3)); },
-                                                   "unknown memory class 3");
+      pool,
+      [&] {
+        pool.allocate(10, {"t", static_cast<MemoryClass>(7), ""});
+      },
+      "unknown memory class 7");
+  this->template expect_rejected<invalid_argument>(
+      pool, [&] { pool.mark(p, 10, static_cast<MemoryClass>(3)); }, "unknown memory class 3");
   EXPECT_THROW(parse_memory_class("weights"), invalid_argument);
   pool.deallocate(p);
 }
@@ -92,10 +100,12 @@ TYPED_TEST(BadInputTest, UnknownClass) {
 TYPED_TEST(BadInputTest, SleepLevelOutOfRange) {
   Pool pool(this->driver(), this->small_pool());
   void* p = pool.allocate(1000);
-  this->template expect_rejected<invalid_argument>(pool, [&] { pool.sleep(3); }, "level 3 is not 0, 1 or 2");
-  this->template expect_rejected<invalid_argument>(pool, [&] { pool.sleep(-1); }, "level -1");
-  this->template expect_rejected<invalid_argument>(pool, [&] { pool.sleep(static_cast<SleepLevel>(3)); },
-                                                   "level 3 is not 0, 1 or 2");
+  this->template expect_rejected<invalid_argument>(
+      pool, [&] { pool.sleep(3); }, "level 3 is not 0, 1 or 2");
+  this->template expect_rejected<invalid_argument>(
+      pool, [&] { pool.sleep(-1); }, "level -1");
+  this->template expect_rejected<invalid_argument>(
+      pool, [&] { pool.sleep(static_cast<SleepLevel>(3)); }, "level 3 is not 0, 1 or 2");
   EXPECT_THROW(parse_sleep_level("deep"), invalid_argument);
   EXPECT_THROW(parse_sleep_level("3"), invalid_argument);
   pool.deallocate(p);
@@ -106,11 +116,12 @@ TYPED_TEST(BadInputTest, WakeOrSleepOfUnknownTag) {
   void* p = pool.allocate(1000, {"weights", MemoryClass::state, ""});
   pool.sleep(1);
   std::vector<std::string> bad{"weights", "kv_cahce"};
-  this->template expect_rejected<invalid_argument>(pool, [&] { pool.wake_up(bad); },
-                                                   "unknown tag 'kv_cahce' (known tags: 'weights')");
+  this->template expect_rejected<invalid_argument>(
+      pool, [&] { pool.wake_up(bad); }, "unknown tag 'kv_cahce' (known tags: 'weights')");
   EXPECT_TRUE(pool.asleep("weights")) << "no tag of a rejected call woke";
   pool.wake_up();
-  this->template expect_rejected<invalid_argument>(pool, [&] { pool.sleep(1, bad); }, "unknown tag 'kv_cahce'");
+  this->template expect_rejected<invalid_argument>(
+      pool, [&] { pool.sleep(1, bad); }, "unknown tag 'kv_cahce'");
   EXPECT_FALSE(pool.asleep("weights"));
   pool.deallocate(p);
 }
@@ -120,7 +131,11 @@ TYPED_TEST(BadInputTest, AllocateIntoASleepingTag) {
   void* p = pool.allocate(1000, {"kv_cache", MemoryClass::cache, ""});
   pool.sleep(2);
   this->template expect_rejected<invalid_state>(
-      pool, [&] { pool.allocate(10, {"kv_cache", MemoryClass::cache, ""}); }, "tag 'kv_cache' is asleep");
+      pool,
+      [&] {
+        pool.allocate(10, {"kv_cache", MemoryClass::cache, ""});
+      },
+      "tag 'kv_cache' is asleep");
   pool.wake_up();
   pool.deallocate(p);
 }

@@ -97,8 +97,9 @@ TEST(CApiEnums, NamesAndValuesMatchTheHeader) {
   EXPECT_EQ(torpor_status_value("timeout"), -1);
   EXPECT_EQ(torpor_status_value(nullptr), -1);
 
-  const std::vector<std::pair<int, const char*>> classes = {
-      {TORPOR_CLASS_PARAMETER, "parameter"}, {TORPOR_CLASS_STATE, "state"}, {TORPOR_CLASS_CACHE, "cache"}};
+  const std::vector<std::pair<int, const char*>> classes = {{TORPOR_CLASS_PARAMETER, "parameter"},
+                                                            {TORPOR_CLASS_STATE, "state"},
+                                                            {TORPOR_CLASS_CACHE, "cache"}};
   for (const auto& [value, name] : classes) EXPECT_STREQ(torpor_class_name(value), name);
   EXPECT_EQ(torpor_class_name(-1), nullptr);
   EXPECT_EQ(torpor_class_name(TORPOR_CLASS_CACHE + 1), nullptr);

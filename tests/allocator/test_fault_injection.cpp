@@ -96,14 +96,11 @@ void check_clean(HostDriver* host) {
   EXPECT_EQ(c.host_bytes, 0u);
 }
 
-const DriverCall sleep_kinds[] = {DriverCall::device_synchronize, DriverCall::hash,
-                                  DriverCall::host_alloc,         DriverCall::event_create,
-                                  DriverCall::copy,               DriverCall::event_record,
-                                  DriverCall::event_synchronize,  DriverCall::unmap,
-                                  DriverCall::release};
+const DriverCall sleep_kinds[] = {DriverCall::device_synchronize, DriverCall::hash,  DriverCall::host_alloc,
+                                  DriverCall::event_create,       DriverCall::copy,  DriverCall::event_record,
+                                  DriverCall::event_synchronize,  DriverCall::unmap, DriverCall::release};
 const DriverCall wake_kinds[] = {DriverCall::create, DriverCall::map,  DriverCall::set_access,
                                  DriverCall::copy,   DriverCall::fill, DriverCall::stream_synchronize};
-
 
 TYPED_TEST(FaultTest, EveryFailureInsideSleepLeavesThePoolConsistent) {
   std::size_t g = this->granularity();
@@ -135,8 +132,10 @@ TYPED_TEST(FaultTest, EveryFailureInsideSleepLeavesThePoolConsistent) {
         // A failed release is deferred, not thrown: the chunk is unmapped and asleep either way.
         EXPECT_EQ(threw, kind != DriverCall::release);
         EXPECT_EQ(faulty.failures(), 1u);
-        if (kind == DriverCall::release) EXPECT_EQ(pool.stats().pending_releases, 1u);
-        else check_accounting(pool, this->host());
+        if (kind == DriverCall::release)
+          EXPECT_EQ(pool.stats().pending_releases, 1u);
+        else
+          check_accounting(pool, this->host());
         check_items(pool, items, g, false);  // awake chunks still hold every byte
         faulty.clear();
         pool.sleep(2);  // the retry succeeds

@@ -26,7 +26,9 @@ namespace {
 using namespace std::chrono_literals;
 
 std::span<const std::byte> bytes_of(const std::string& s) { return std::as_bytes(std::span(s.data(), s.size())); }
-std::string text_of(const std::vector<std::byte>& v) { return std::string(reinterpret_cast<const char*>(v.data()), v.size()); }
+std::string text_of(const std::vector<std::byte>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size());
+}
 
 // A memfd holding `text`, to pass around and read back.
 UniqueFd memfd_with(const std::string& text) {
@@ -65,7 +67,8 @@ void exercise_collectives(int rank, Group& g) {
   auto all = g.all_gather(bytes_of(mine));
   check(all.size() == static_cast<std::size_t>(n), "all_gather size");
   for (int r = 0; r < n; ++r)
-    check(text_of(all[static_cast<std::size_t>(r)]) == std::string(static_cast<std::size_t>(r + 1), static_cast<char>('a' + r)),
+    check(text_of(all[static_cast<std::size_t>(r)]) ==
+              std::string(static_cast<std::size_t>(r + 1), static_cast<char>('a' + r)),
           "all_gather bytes of rank " + std::to_string(r));
   // Descriptors: rank r passes r % 3 memfds.
   std::vector<UniqueFd> own;
@@ -157,7 +160,8 @@ void timeout_and_recovery(MakeGroups make) {
   for (int r = 0; r < n; ++r) {
     if (r == absent) continue;
     EXPECT_EQ(missing[static_cast<std::size_t>(r)], std::vector<int>{absent}) << "rank " << r;
-    EXPECT_NE(broken[static_cast<std::size_t>(r)].find("call recover()"), std::string::npos) << broken[static_cast<std::size_t>(r)];
+    EXPECT_NE(broken[static_cast<std::size_t>(r)].find("call recover()"), std::string::npos)
+        << broken[static_cast<std::size_t>(r)];
   }
   EXPECT_LT(late_seconds[absent], 0.5) << "the late rank must not wait for a timeout of its own";
 }
@@ -170,8 +174,10 @@ TEST(GroupThreadsTimeout, DifferentCollectivesAtTheSamePositionAreAnError) {
   auto groups = make_thread_group(2, fast(2s));
   auto errors = on_threads(groups, [](int rank, Group& g) {
     try {
-      if (rank == 0) g.barrier();
-      else g.all_gather(bytes_of("y"));
+      if (rank == 0)
+        g.barrier();
+      else
+        g.all_gather(bytes_of("y"));
       ADD_FAILURE() << "mismatched collectives completed";
     } catch (const invalid_state& e) {
       EXPECT_NE(std::string(e.what()).find("mismatch"), std::string::npos) << e.what();
@@ -264,7 +270,7 @@ TEST_P(UnixGroupThreads, AllGatherDescriptorsAndBarrier) {
     });
     for (auto& e : errors) EXPECT_EQ(e, "");
   }
-  struct stat st{};
+  struct stat st {};
   EXPECT_NE(::stat(rv.directory.c_str(), &st), 0) << "rank 0 removes the rendezvous directory";
 }
 INSTANTIATE_TEST_SUITE_P(Ranks, UnixGroupThreads, ::testing::Values(1, 2, 4, 8));
@@ -344,8 +350,7 @@ TEST(UnixGroupThreadsAdmission, IntrudersAreRefusedAndTheGroupStillForms) {
     ::close(s);
   }
   std::vector<std::thread> rest;
-  for (int r = 1; r < n; ++r)
-    rest.emplace_back(join, r);
+  for (int r = 1; r < n; ++r) rest.emplace_back(join, r);
   host.join();
   for (auto& t : rest) t.join();
   for (auto& g : groups) ASSERT_TRUE(g);
@@ -425,7 +430,7 @@ TEST(RendezvousTest, RoundTripsAndRejectsMalformedText) {
   EXPECT_NE(other.secret, rv.secret);
   EXPECT_NE(other.directory, rv.directory);
   other.remove();
-  struct stat st{};
+  struct stat st {};
   ASSERT_EQ(::stat(rv.directory.c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0700u);
   EXPECT_THROW(Rendezvous::parse("/tmp/x"), invalid_argument);

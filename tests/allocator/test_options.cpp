@@ -27,12 +27,16 @@ class ScopedEnv {
  public:
   ScopedEnv(const char* name, const char* value) : name_(name) {
     if (const char* old = std::getenv(name)) old_ = old;
-    if (value) ::setenv(name, value, 1);
-    else ::unsetenv(name);
+    if (value)
+      ::setenv(name, value, 1);
+    else
+      ::unsetenv(name);
   }
   ~ScopedEnv() {
-    if (old_) ::setenv(name_, old_->c_str(), 1);
-    else ::unsetenv(name_);
+    if (old_)
+      ::setenv(name_, old_->c_str(), 1);
+    else
+      ::unsetenv(name_);
   }
 
  private:
@@ -75,11 +79,11 @@ TEST(Options, DefaultsWhenUnsetOrEmpty) {
 }
 
 TEST(Options, LogLevelsInAnyCaseAndOff) {
-  const std::pair<const char*, log::level> cases[] = {
-      {"off", log::level::off},     {"OFF", log::level::off},     {"error", log::level::error},
-      {"Error", log::level::error}, {"warn", log::level::warn},   {"WARN", log::level::warn},
-      {"info", log::level::info},   {"iNfO", log::level::info},   {"debug", log::level::debug},
-      {"DEBUG", log::level::debug}};
+  const std::pair<const char*, log::level> cases[] = {{"off", log::level::off},     {"OFF", log::level::off},
+                                                      {"error", log::level::error}, {"Error", log::level::error},
+                                                      {"warn", log::level::warn},   {"WARN", log::level::warn},
+                                                      {"info", log::level::info},   {"iNfO", log::level::info},
+                                                      {"debug", log::level::debug}, {"DEBUG", log::level::debug}};
   for (auto [text, level] : cases) {
     ScopedEnv env("TORPOR_LOG", text);
     EXPECT_EQ(options::log_level(), level) << text;
@@ -196,7 +200,8 @@ TEST(Options, UnixGroupFromEnvironmentNamesTheVariable) {
 TEST(Options, KillSwitchValuesAndFreshReads) {
   const options::Option& torpor_switch = options::option(options::id::disable_multicast);
   const options::Option& nccl_switch = options::option(options::id::nccl_nvls_enable);
-  for (const char* unset : {"0", "false", "No", "OFF", ""}) EXPECT_FALSE(options::switch_set(torpor_switch, unset)) << unset;
+  for (const char* unset : {"0", "false", "No", "OFF", ""})
+    EXPECT_FALSE(options::switch_set(torpor_switch, unset)) << unset;
   for (const char* set : {"1", "true", "yes", "anything"}) EXPECT_TRUE(options::switch_set(torpor_switch, set)) << set;
   EXPECT_FALSE(options::switch_set(torpor_switch, std::nullopt));
   for (const char* off : {"0", "false", "no", "Off"}) EXPECT_TRUE(options::switch_set(nccl_switch, off)) << off;
@@ -262,8 +267,10 @@ TEST(Options, ReadmeConfigurationTableMatches) {
     std::smatch m;
     if (inside && std::regex_search(line, m, row)) {
       std::string def = m[2].str();
-      if (def == "unset") def.clear();
-      else if (def.size() >= 2 && def.front() == '`' && def.back() == '`') def = def.substr(1, def.size() - 2);
+      if (def == "unset")
+        def.clear();
+      else if (def.size() >= 2 && def.front() == '`' && def.back() == '`')
+        def = def.substr(1, def.size() - 2);
       rows.emplace_back(m[1].str(), def);
     }
   }

@@ -213,12 +213,14 @@ TYPED_TEST(PoolTest, ObserversSeeSleepAndWakeAndCanRefuse) {
   pool.sleep(0);
   pool.sleep(2);
   pool.wake_up();
-  EXPECT_EQ(obs.events, (std::vector<std::string>{"before_sleep 2 1", "after_sleep ok", "before_wake", "after_wake ok"}));
+  EXPECT_EQ(obs.events,
+            (std::vector<std::string>{"before_sleep 2 1", "after_sleep ok", "before_wake", "after_wake ok"}));
   obs.events.clear();
   obs.refuse_sleep = true;
   EXPECT_THROW(pool.sleep(1), timeout_error);
   EXPECT_FALSE(pool.asleep("weights")) << "a refused sleep changes nothing";
-  EXPECT_EQ(obs.events, (std::vector<std::string>{"before_sleep 1 1"})) << "the observer that refused is not called back";
+  EXPECT_EQ(obs.events, (std::vector<std::string>{"before_sleep 1 1"}))
+      << "the observer that refused is not called back";
   pool.remove_observer(&obs);
   pool.sleep(1);
   pool.wake_up();

@@ -23,11 +23,11 @@ TYPED_TEST_SUITE(PropertyTest, Backends, BackendNames);
 struct ModelAllocation {
   std::size_t n = 0;
   std::string tag;
-  std::vector<std::uint8_t> bytes;   // expected contents while awake
-  std::vector<MemoryClass> cls;      // per byte
-  std::vector<std::string> names;    // per byte (names are few; copies are cheap enough here)
-  std::vector<bool> backed;          // while asleep: bytes that have a host copy
-  int level = 0;                     // 0 = awake
+  std::vector<std::uint8_t> bytes;  // expected contents while awake
+  std::vector<MemoryClass> cls;     // per byte
+  std::vector<std::string> names;   // per byte (names are few; copies are cheap enough here)
+  std::vector<bool> backed;         // while asleep: bytes that have a host copy
+  int level = 0;                    // 0 = awake
 };
 
 bool survives(MemoryClass c, const std::string& name, int level) {

@@ -2,10 +2,10 @@
 
 #include <cstring>
 
-#include "torpor/error.hpp"
-#include "torpor/host_driver.hpp"
 #include "pool/host_store.hpp"
 #include "pool/range_allocator.hpp"
+#include "torpor/error.hpp"
+#include "torpor/host_driver.hpp"
 
 namespace torpor {
 namespace {

@@ -3,9 +3,9 @@
 
 #include <cstdio>
 
+#include "pool/host_store.hpp"
 #include "support/backends.hpp"
 #include "torpor/error.hpp"
-#include "pool/host_store.hpp"
 
 namespace torpor::test {
 namespace {
@@ -105,8 +105,9 @@ TYPED_TEST(SleepTest, NamedLevelsDoWhatTheirNumbersDo) {
 }
 
 TEST(SleepLevelNames, NamesAndNumbersParseToTheLevel) {
-  const std::pair<SleepLevel, std::string> table[] = {
-      {SleepLevel::none, "none"}, {SleepLevel::offload, "offload"}, {SleepLevel::discard_parameters, "discard_parameters"}};
+  const std::pair<SleepLevel, std::string> table[] = {{SleepLevel::none, "none"},
+                                                      {SleepLevel::offload, "offload"},
+                                                      {SleepLevel::discard_parameters, "discard_parameters"}};
   for (int i = 0; i < 3; ++i) {
     auto [level, name] = table[i];
     EXPECT_EQ(static_cast<int>(level), i) << "the values are the levels' numbers (the C API passes them)";

@@ -2,10 +2,10 @@
 // skip-unchanged optimisation, the handle-size policy and the device content hash.
 #include <gtest/gtest.h>
 
+#include "pool/host_store.hpp"
 #include "support/backends.hpp"
 #include "torpor/content_hash.hpp"
 #include "torpor/error.hpp"
-#include "pool/host_store.hpp"
 
 namespace torpor::test {
 namespace {
@@ -111,7 +111,8 @@ TYPED_TEST(EngineTest, BeyondTheHostStoreLimitBackupsGoThroughTheStagingRing) {
   Pool pool(this->driver(), o);
   auto items = straddling(pool, 100000, g, MemoryClass::state, 4);
   std::mt19937_64 rng(40);
-  items.push_back(Filled{pool.allocate(40 * g + 3, {"weights", MemoryClass::state, "big"}), random_bytes(rng, 40 * g + 3)});
+  items.push_back(
+      Filled{pool.allocate(40 * g + 3, {"weights", MemoryClass::state, "big"}), random_bytes(rng, 40 * g + 3)});
   write(pool, items.back().p, items.back().bytes);
   void* cache = pool.allocate(5 * g, {"kv_cache", MemoryClass::cache, ""});
   std::size_t total = 0;

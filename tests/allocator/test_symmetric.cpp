@@ -43,7 +43,8 @@ GroupOptions with_timeout(std::chrono::milliseconds t) {
 
 std::vector<std::uint8_t> pattern(int writer, int owner, int round, std::size_t n) {
   std::vector<std::uint8_t> v(n);
-  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<std::uint8_t>(writer * 31 + owner * 7 + round * 101 + i * 13 + 1);
+  for (std::size_t i = 0; i < n; ++i)
+    v[i] = static_cast<std::uint8_t>(writer * 31 + owner * 7 + round * 101 + i * 13 + 1);
   return v;
 }
 
@@ -107,7 +108,8 @@ void sleep_wake_cycle(HostDriver& host, Driver& driver, Group& group, int device
 
   for (SymmetricBuffer* b : {&slots, &big}) {
     auto t = read_table(pool, *b);
-    for (int r = 0; r < n; ++r) check(t[static_cast<std::size_t>(r)] == reinterpret_cast<std::uint64_t>(b->peer(r)), "peer table entry");
+    for (int r = 0; r < n; ++r)
+      check(t[static_cast<std::size_t>(r)] == reinterpret_cast<std::uint64_t>(b->peer(r)), "peer table entry");
     check(t[static_cast<std::size_t>(n)] == 0, "no multicast address in the table");
     check(b->peer(group.rank()) == b->local(), "own entry is the local part");
     write_through_peers(pool, *b, slice, 1);
@@ -119,8 +121,8 @@ void sleep_wake_cycle(HostDriver& host, Driver& driver, Group& group, int device
 
   pool.sleep(2);
   group.barrier();  // every rank asleep
-  check(host.live_physical_bytes(device) == 0,
-        "zero live physical bytes on device " + std::to_string(device) + " while asleep (a peer's import would keep it)");
+  check(host.live_physical_bytes(device) == 0, "zero live physical bytes on device " + std::to_string(device) +
+                                                   " while asleep (a peer's import would keep it)");
   check(!slots.peers_mapped() && !big.peers_mapped(), "no peer mapping while asleep");
   if (shared_driver) {
     auto c = host.counters();
@@ -151,7 +153,8 @@ void sleep_wake_cycle(HostDriver& host, Driver& driver, Group& group, int device
                 pattern(group.rank(), p, 1, slice),
             "bytes read back through the peer mapping after wake");
     auto t = read_table(pool, *b);
-    for (int r = 0; r < n; ++r) check(t[static_cast<std::size_t>(r)] == reinterpret_cast<std::uint64_t>(b->peer(r)), "peer table after wake");
+    for (int r = 0; r < n; ++r)
+      check(t[static_cast<std::size_t>(r)] == reinterpret_cast<std::uint64_t>(b->peer(r)), "peer table after wake");
   }
   group.barrier();  // every rank has checked before new writes land
   for (SymmetricBuffer* b : {&slots, &big}) write_through_peers(pool, *b, slice, 2);
@@ -197,7 +200,8 @@ TEST_P(SymmetricThreads, PeerWritesSurviveLevel2SleepWithEveryAddressUnchanged) 
   const int n = GetParam();
   HostDriver host(host_options());
   auto groups = make_thread_group(n, with_timeout(20s));
-  auto errors = on_threads(n, [&](int r) { sleep_wake_cycle(host, host, *groups[static_cast<std::size_t>(r)], r, true); });
+  auto errors =
+      on_threads(n, [&](int r) { sleep_wake_cycle(host, host, *groups[static_cast<std::size_t>(r)], r, true); });
   EXPECT_EQ(joined(errors), "");
   auto c = host.counters();
   EXPECT_EQ(c.live_handles, 0u);
@@ -270,7 +274,8 @@ TEST(SymmetricThreadsMismatch, ARankThatDoesNotSleepIsNamedAndTheGroupRecovers) 
       } catch (const group_timeout& e) {
         check(e.missing() == std::vector<int>{absent}, std::string("missing rank named: ") + e.what());
         check(std::string(e.what()).find("rank(s) [2] did not arrive") != std::string::npos, e.what());
-        check(std::string(e.what()).find("collective sleep level 2 of symmetric buffers [1]") != std::string::npos, e.what());
+        check(std::string(e.what()).find("collective sleep level 2 of symmetric buffers [1]") != std::string::npos,
+              e.what());
       }
       // Nothing changed: still awake, peers still mapped, bytes still there.
       check(!pool.asleep("weights") && b.peers_mapped(), "a failed collective sleep changes nothing");
@@ -396,7 +401,8 @@ TEST(SymmetricThreadsMismatch, AFailedAllocationOnOneRankFailsEveryRankAndLeaves
     } catch (const driver_error&) {
       check(r == 1, "the failing rank rethrows its driver error");
     } catch (const error& e) {
-      check(std::string(e.what()).find("mapping the peers' parts failed on rank(s) [1]") != std::string::npos, e.what());
+      check(std::string(e.what()).find("mapping the peers' parts failed on rank(s) [1]") != std::string::npos,
+            e.what());
     }
     check(heap.buffers().empty(), "no buffer on any rank");
     g.barrier();
@@ -416,8 +422,8 @@ TEST(SymmetricThreadsMismatch, AFailedAllocationOnOneRankFailsEveryRankAndLeaves
 // store out only within one driver instance).
 
 void unset_kill_switches() {
-  for (const char* v : {"TORPOR_DISABLE_MULTICAST", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
-                        "NCCL_NVLS_ENABLE"})
+  for (const char* v :
+       {"TORPOR_DISABLE_MULTICAST", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "NCCL_NVLS_ENABLE"})
     ::unsetenv(v);
 }
 
@@ -686,7 +692,8 @@ TEST(SymmetricProcessesProbe, HostDriverProcessesNeverShareMulticast) {
     SymmetricHeap heap(pool, group);
     heap.allocate(64 * 1024, {"weights", "nvls", true});
     auto d = *heap.multicast_decision();
-    check(!d.use && d.reason.find("cannot share a multicast object with a rank in another process") != std::string::npos,
+    check(!d.use &&
+              d.reason.find("cannot share a multicast object with a rank in another process") != std::string::npos,
           d.reason);
     check(multicast_calls(counting) == 0, "no multicast call");
     group.barrier();

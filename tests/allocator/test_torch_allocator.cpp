@@ -3,9 +3,8 @@
 // every failure returns NULL (or logs) with a message naming the cause.
 #include <gtest/gtest.h>
 
-#include <nlohmann/json.hpp>
-
 #include <cstring>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 #include <vector>

@@ -1,4 +1,8 @@
 // Every installed header, so that a public header including an internal one fails here.
+#include <torpor/torch_allocator.h>
+#include <torpor/torpor.h>
+
+#include <cstdio>
 #include <torpor/backend.hpp>
 #include <torpor/content_hash.hpp>
 #include <torpor/driver.hpp>
@@ -13,10 +17,6 @@
 #include <torpor/stream.hpp>
 #include <torpor/symmetric.hpp>
 #include <torpor/tags.hpp>
-#include <torpor/torch_allocator.h>
-#include <torpor/torpor.h>
-
-#include <cstdio>
 
 int main() {
   auto sel = torpor::open_driver(torpor::Backend::host);

@@ -24,7 +24,8 @@ inline HostDriverOptions small_host_machine(int devices) {
 }
 
 // Runs fn on `n` rank threads; returns one error text per rank ("" = it returned normally).
-inline std::vector<std::string> on_ranks(int n, const std::function<void(int rank, Group& group, HostDriver& driver)>& fn,
+inline std::vector<std::string> on_ranks(int n,
+                                         const std::function<void(int rank, Group& group, HostDriver& driver)>& fn,
                                          std::shared_ptr<HostDriver> driver = nullptr) {
   if (!driver) driver = std::make_shared<HostDriver>(small_host_machine(n));
   GroupOptions go;

@@ -101,8 +101,8 @@ inline CallInputs random_call(const TailShape& s, int ranks, int tokens, std::ui
 struct Expected {
   int tokens = 0;
   int hidden = 0;
-  std::vector<double> residual;     // residual + sum of partials
-  std::vector<double> abs_partials; // sum over ranks of |partial|
+  std::vector<double> residual;      // residual + sum of partials
+  std::vector<double> abs_partials;  // sum over ranks of |partial|
   std::vector<double> norm;
   std::vector<double> inv;    // per token: 1 / sqrt(mean(residual^2) + eps)
   std::vector<double> gamma;  // per column
@@ -163,7 +163,8 @@ inline std::string check_outputs(const Expected& e, const bf16* residual_out, co
       const std::size_t i = static_cast<std::size_t>(t) * h + col;
       ex[static_cast<std::size_t>(col)] = u * (e.abs_partials[i] + std::abs(e.residual[i]));
       ss += e.residual[i] * e.residual[i];
-      dss += 2 * std::abs(e.residual[i]) * ex[static_cast<std::size_t>(col)] + ex[static_cast<std::size_t>(col)] * ex[static_cast<std::size_t>(col)];
+      dss += 2 * std::abs(e.residual[i]) * ex[static_cast<std::size_t>(col)] +
+             ex[static_cast<std::size_t>(col)] * ex[static_cast<std::size_t>(col)];
     }
     const double inv = e.inv[static_cast<std::size_t>(t)];
     const double rel_inv = 0.5 * dss / ss + 1e-6;
@@ -173,15 +174,16 @@ inline std::string check_outputs(const Expected& e, const bf16* residual_out, co
       const double bound_r = margin * ex[static_cast<std::size_t>(col)] + 1e-7;
       const double g = std::abs(e.gamma[static_cast<std::size_t>(col)]);
       const double bound_n =
-          margin * (g * (ex[static_cast<std::size_t>(col)] * inv + std::abs(e.residual[i]) * inv * rel_inv) + u * std::abs(e.norm[i])) +
+          margin * (g * (ex[static_cast<std::size_t>(col)] * inv + std::abs(e.residual[i]) * inv * rel_inv) +
+                    u * std::abs(e.norm[i])) +
           1e-7;
       const double err_r = std::abs(got_r - e.residual[i]), err_n = std::abs(got_n - e.norm[i]);
       if (!(std::isfinite(got_r) && err_r <= bound_r) || !(std::isfinite(got_n) && err_n <= bound_n)) {
         if (++bad <= 5)
-          report += "token " + std::to_string(t) + " col " + std::to_string(col) + ": residual " + std::to_string(got_r) +
-                    " (exact " + std::to_string(e.residual[i]) + ", bound " + std::to_string(bound_r) + "), norm " +
-                    std::to_string(got_n) + " (exact " + std::to_string(e.norm[i]) + ", bound " + std::to_string(bound_n) +
-                    ")\n";
+          report += "token " + std::to_string(t) + " col " + std::to_string(col) + ": residual " +
+                    std::to_string(got_r) + " (exact " + std::to_string(e.residual[i]) + ", bound " +
+                    std::to_string(bound_r) + "), norm " + std::to_string(got_n) + " (exact " +
+                    std::to_string(e.norm[i]) + ", bound " + std::to_string(bound_n) + ")\n";
       }
     }
   }
@@ -247,7 +249,8 @@ inline std::string on_threads(int n, const std::function<void(int)>& body) {
   for (auto& t : threads) t.join();
   std::string s;
   for (int r = 0; r < n; ++r)
-    if (!errors[static_cast<std::size_t>(r)].empty()) s += "rank " + std::to_string(r) + ": " + errors[static_cast<std::size_t>(r)] + "\n";
+    if (!errors[static_cast<std::size_t>(r)].empty())
+      s += "rank " + std::to_string(r) + ": " + errors[static_cast<std::size_t>(r)] + "\n";
   return s;
 }
 

@@ -188,15 +188,19 @@ TEST_P(RunnerVsOracle, ShardedLayerMatchesTheWholeLayer) {
   }
   double worst = 0;
   for (int i = 0; i < T * H; ++i) {
-    worst = std::max(worst, static_cast<double>(std::fabs(res[0][static_cast<std::size_t>(i)].to_float() - want_res[static_cast<std::size_t>(i)])));
-    EXPECT_NEAR(res[0][static_cast<std::size_t>(i)].to_float(), want_res[static_cast<std::size_t>(i)], 0.03f + 0.02f * std::fabs(want_res[static_cast<std::size_t>(i)]))
+    worst = std::max(worst, static_cast<double>(std::fabs(res[0][static_cast<std::size_t>(i)].to_float() -
+                                                          want_res[static_cast<std::size_t>(i)])));
+    EXPECT_NEAR(res[0][static_cast<std::size_t>(i)].to_float(), want_res[static_cast<std::size_t>(i)],
+                0.03f + 0.02f * std::fabs(want_res[static_cast<std::size_t>(i)]))
         << "residual element " << i;
-    EXPECT_NEAR(norm[0][static_cast<std::size_t>(i)].to_float(), want_norm[static_cast<std::size_t>(i)], 0.03f + 0.03f * std::fabs(want_norm[static_cast<std::size_t>(i)]))
+    EXPECT_NEAR(norm[0][static_cast<std::size_t>(i)].to_float(), want_norm[static_cast<std::size_t>(i)],
+                0.03f + 0.03f * std::fabs(want_norm[static_cast<std::size_t>(i)]))
         << "norm element " << i;
   }
   // The MoE part must be material, or the comparison above would prove little.
   double moe = 0;
-  for (int i = 0; i < T * H; ++i) moe += std::fabs(want_res[static_cast<std::size_t>(i)] - f.residual[static_cast<std::size_t>(i)]);
+  for (int i = 0; i < T * H; ++i)
+    moe += std::fabs(want_res[static_cast<std::size_t>(i)] - f.residual[static_cast<std::size_t>(i)]);
   EXPECT_GT(moe / (T * H), 0.05) << "the oracle's MoE output is too small to test anything";
 }
 

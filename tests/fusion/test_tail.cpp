@@ -52,7 +52,9 @@ TailOptions patient() {
 // One rank's pool, heap, tail and buffers (destroyed in reverse order).
 struct RankTail {
   RankTail(Driver& driver, Group& group, const TailShape& shape, const TailOptions& options = patient())
-      : pool(driver, tail_pool_options(group.rank())), heap(pool, group), tail(make_tail(heap, shape, options)),
+      : pool(driver, tail_pool_options(group.rank())),
+        heap(pool, group),
+        tail(make_tail(heap, shape, options)),
         buf(shape, shape.max_tokens) {}
   Pool pool;
   SymmetricHeap heap;
@@ -233,7 +235,8 @@ TEST_P(TailThreads, NegativeZeroPartialsAreSentAsPositiveZero) {
       for (int k = 0; k < s.top_k; ++k)
         for (int col = 0; col < s.hidden; ++col)
           in.expert[(static_cast<std::size_t>(t) * s.top_k + k) * s.hidden + col] = bf16_negative_zero;
-      for (int col = 0; col < s.hidden; ++col) in.shared[static_cast<std::size_t>(t) * s.hidden + col] = bf16_negative_zero;
+      for (int col = 0; col < s.hidden; ++col)
+        in.shared[static_cast<std::size_t>(t) * s.hidden + col] = bf16_negative_zero;
     }
   const Expected e = fp64_reference(s, c);
   ThreadWorld w(n, false);
@@ -269,7 +272,8 @@ TEST_P(TailThreads, NanPropagatesAndNeverPasses) {
                          const std::size_t row = 1 * static_cast<std::size_t>(s.hidden);
                          require(std::isnan(f(rt.buf.residual_out[row + 17])), "residual_out NaN where the input was");
                          for (int col = 0; col < s.hidden; ++col)
-                           require(std::isnan(f(rt.buf.norm_out[row + static_cast<std::size_t>(col)])), "norm row all NaN");
+                           require(std::isnan(f(rt.buf.norm_out[row + static_cast<std::size_t>(col)])),
+                                   "norm row all NaN");
                          require(!check_outputs(e, rt.buf.residual_out.data(), rt.buf.norm_out.data(), 1, 2).empty(),
                                  "the checker must reject NaN");
                          // Other rows are fine.
@@ -309,7 +313,8 @@ TEST_P(TailThreads, SleepLevel2BetweenCallsNeedsNoReinitialisation) {
                              require(refused, "a call while asleep is refused, not a fault");
                              g.barrier();
                              rt.pool.wake_up();
-                             require(state.slots->peer_table() == table && state.control == fusion::tail_state(*rt.tail)->control,
+                             require(state.slots->peer_table() == table &&
+                                         state.control == fusion::tail_state(*rt.tail)->control,
                                      "same addresses after wake");
                              require(std::memcmp(&before, fusion::tail_state(*rt.tail)->control, sizeof before) == 0,
                                      "control block restored bit for bit");
@@ -337,7 +342,8 @@ TEST_P(TailThreads, UnfusedPathAgreesBitwiseWithFused) {
                          RankTail fused(w.host, g, s);
                          std::unique_ptr<Tail> unfused = make_tail(fused.heap, s, unfused_options);
                          require(unfused->path() == TailPath::unfused, "unfused path");
-                         require(unfused->reason() == "unfused: rank 0: TailOptions::allow_fused is false", unfused->reason());
+                         require(unfused->reason() == "unfused: rank 0: TailOptions::allow_fused is false",
+                                 unfused->reason());
                          require(!fusion::tail_state(*unfused), "the unfused path keeps no state");
                          RankBuffers ub(s, s.max_tokens);
                          for (std::size_t i = 0; i < p.calls.size(); ++i) {
@@ -380,8 +386,11 @@ TEST_P(TailThreads, AMissingRankTimesOutNamingRankSlotAndOpThenResetRecovers) {
                            } catch (const timeout_error& e) {
                              const std::string m = e.what();
                              const std::string expect = "rank " + std::to_string(r) + " waited";
-                             require(m.find(expect) != std::string::npos && m.find("for rank " + std::to_string(absent) + "'s partial") != std::string::npos &&
-                                         m.find("in slot 1 (call 1)") != std::string::npos && m.find("fused unicast") != std::string::npos,
+                             require(m.find(expect) != std::string::npos &&
+                                         m.find("for rank " + std::to_string(absent) + "'s partial") !=
+                                             std::string::npos &&
+                                         m.find("in slot 1 (call 1)") != std::string::npos &&
+                                         m.find("fused unicast") != std::string::npos,
                                      "message names rank, peer, slot and op: " + m);
                            }
                            require(std::chrono::steady_clock::now() - t0 < 5s, "gave up near the deadline, no hang");
@@ -428,12 +437,16 @@ TEST_P(TailThreads, ControlBlockZeroedAfterWakeIsDetected) {
                          bool detected = false;
                          try {
                            rt.run(p.calls[2]);
-                           detected = !check_outputs(p.expected[2], rt.buf.residual_out.data(), rt.buf.norm_out.data(), 0, 6).empty();
+                           detected =
+                               !check_outputs(p.expected[2], rt.buf.residual_out.data(), rt.buf.norm_out.data(), 0, 6)
+                                    .empty();
                          } catch (const invalid_state& e) {
-                           detected = r == victim && std::string(e.what()).find("control block is not valid (magic 0x0") != std::string::npos;
+                           detected = r == victim && std::string(e.what()).find(
+                                                         "control block is not valid (magic 0x0") != std::string::npos;
                            require(detected, std::string("victim names its lost control block: ") + e.what());
                          } catch (const timeout_error& e) {
-                           detected = r != victim && std::string(e.what()).find("for rank 1's partial") != std::string::npos;
+                           detected =
+                               r != victim && std::string(e.what()).find("for rank 1's partial") != std::string::npos;
                            require(detected, std::string("peers time out naming rank 1: ") + e.what());
                          }
                          require(detected, "the zeroed control block was noticed");
@@ -467,7 +480,8 @@ TEST_P(TailThreads, SlotsZeroedToPositiveZeroAreCaughtByTheResultCheck) {
                          if (r != victim) std::this_thread::sleep_for(200ms);
                          rt.run(p.calls[1]);
                          const bool wrong =
-                             !check_outputs(p.expected[1], rt.buf.residual_out.data(), rt.buf.norm_out.data(), 0, 8).empty();
+                             !check_outputs(p.expected[1], rt.buf.residual_out.data(), rt.buf.norm_out.data(), 0, 8)
+                                  .empty();
                          if (r == victim)
                            require(wrong, "zeroed slots must give a result the check rejects");
                          else
@@ -506,8 +520,8 @@ TEST(TailThreadsShapes, SmallestAndLargestHidden) {
 // kill switch set): one store per row lands in every rank's part.
 
 void unset_kill_switches() {
-  for (const char* v : {"TORPOR_DISABLE_MULTICAST", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
-                        "NCCL_NVLS_ENABLE"})
+  for (const char* v :
+       {"TORPOR_DISABLE_MULTICAST", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "NCCL_NVLS_ENABLE"})
     ::unsetenv(v);
 }
 
@@ -529,8 +543,10 @@ TEST_P(TailThreadsMulticast, EmulatedMulticastVariantIsCorrectThroughSleep) {
                            Group& g = *w.groups[static_cast<std::size_t>(r)];
                            RankTail rt(w.host, g, s);
                            require(rt.tail->path() == TailPath::fused_multicast, "path: " + rt.tail->reason());
-                           require(rt.tail->reason() == "fused multicast: every rank can use multicast", rt.tail->reason());
-                           require(fusion::tail_state(*rt.tail)->slots->multicast_address() != nullptr, "bound to multicast");
+                           require(rt.tail->reason() == "fused multicast: every rank can use multicast",
+                                   rt.tail->reason());
+                           require(fusion::tail_state(*rt.tail)->slots->multicast_address() != nullptr,
+                                   "bound to multicast");
                            for (std::size_t i = 0; i < p.calls.size(); ++i) {
                              if (i == 6) {
                                rt.pool.sleep(2);
@@ -539,7 +555,8 @@ TEST_P(TailThreadsMulticast, EmulatedMulticastVariantIsCorrectThroughSleep) {
                              }
                              rt.run(p.calls[i]);
                              check_call(rt, p.expected[i], r, n, "call " + std::to_string(i));
-                             if (mode == TailMode::all_reduce) out[static_cast<std::size_t>(r)].push_back(rt.outputs(p.calls[i].tokens));
+                             if (mode == TailMode::all_reduce)
+                               out[static_cast<std::size_t>(r)].push_back(rt.outputs(p.calls[i].tokens));
                            }
                          }),
               "");
@@ -564,8 +581,8 @@ TEST_P(TailThreadsMulticast, OneRankWithoutMulticastMakesEveryRankUnicast) {
                          Driver& d = r == without ? static_cast<Driver&>(wrapped) : static_cast<Driver&>(w.host);
                          RankTail rt(d, *w.groups[static_cast<std::size_t>(r)], s);
                          require(rt.tail->path() == TailPath::fused_unicast, "path: " + rt.tail->reason());
-                         require(rt.tail->reason().find("rank " + std::to_string(without) + ": the host multicast emulation") !=
-                                     std::string::npos,
+                         require(rt.tail->reason().find("rank " + std::to_string(without) +
+                                                        ": the host multicast emulation") != std::string::npos,
                                  rt.tail->reason());
                          run_and_check(rt, p, r, n);
                        }),
@@ -658,7 +675,8 @@ TEST(TailThreadsMakeTail, RanksThatDisagreeOnTheShapeAreRefusedOnEveryRank) {
                            make_tail(heap, shape(r == 0 ? 64 : 128, 1, false));
                            require(false, "accepted");
                          } catch (const invalid_argument& e) {
-                           require(std::string(e.what()).find("the ranks disagree on the shape") != std::string::npos, e.what());
+                           require(std::string(e.what()).find("the ranks disagree on the shape") != std::string::npos,
+                                   e.what());
                          }
                        }),
             "");
@@ -733,7 +751,8 @@ TEST_P(TailProcesses, FusedAcrossProcessesThroughSleep) {
           // Bitwise the same on every rank.
           auto mine = rt.outputs(tokens[i]);
           auto all = g.all_gather(std::as_bytes(std::span<const bf16>(mine)));
-          for (std::size_t q = 1; q < all.size(); ++q) check(all[q] == all[0], "rank " + std::to_string(q) + " differs from rank 0");
+          for (std::size_t q = 1; q < all.size(); ++q)
+            check(all[q] == all[0], "rank " + std::to_string(q) + " differs from rank 0");
         }
         g.barrier();
       },

@@ -244,10 +244,11 @@ struct DeviceCall {
 
 // The GPU's outputs against the oracle's (bit for bit on the rank's output rows, untouched
 // elsewhere) and against fp64; "" when all is well.
-std::string compare(const TailShape& s, const CallInputs& c, const std::vector<bf16>& got, const std::vector<bf16>& want,
-                    int rank, bool bitwise = true) {
+std::string compare(const TailShape& s, const CallInputs& c, const std::vector<bf16>& got,
+                    const std::vector<bf16>& want, int rank, bool bitwise = true) {
   const std::size_t n = static_cast<std::size_t>(c.tokens) * s.hidden;
-  const auto share = s.mode == TailMode::all_reduce ? fusion::TokenRange{0, c.tokens} : fusion::token_share(c.tokens, rank, ranks);
+  const auto share =
+      s.mode == TailMode::all_reduce ? fusion::TokenRange{0, c.tokens} : fusion::token_share(c.tokens, rank, ranks);
   std::string out;
   for (int t = 0; t < c.tokens; ++t) {
     const bool mine = t >= share.begin && t < share.end;
@@ -328,8 +329,9 @@ TEST(TailCuda, FusedMatchesTheCpuReferenceBitwiseAndFp64) {
         sync(g);
         tail->check();
         std::string bad = compare(s, c, d.outputs(c.tokens), oracle(s, c)[static_cast<std::size_t>(g.rank)], g.rank);
-        require(bad.empty(), std::string(fusion::to_string(mode)) + ", hidden " + std::to_string(hidden) + ", blocks per row " +
-                                 std::to_string(blocks_per_row) + ", call " + std::to_string(i) + ": " + bad);
+        require(bad.empty(), std::string(fusion::to_string(mode)) + ", hidden " + std::to_string(hidden) +
+                                 ", blocks per row " + std::to_string(blocks_per_row) + ", call " + std::to_string(i) +
+                                 ": " + bad);
       }
       g.group->barrier();
     }
@@ -447,7 +449,8 @@ TEST(TailCuda, BackToBackCallsChainThroughTheResidual) {
       DeviceCall d(*g.pool, s);
       d.upload(base, g.rank);
       for (bool in_graph : {false, true}) {
-        const std::string how = std::string(programmatic ? "programmatic" : "stream-order") + (in_graph ? ", graph" : ", stream");
+        const std::string how =
+            std::string(programmatic ? "programmatic" : "stream-order") + (in_graph ? ", graph" : ", stream");
         cuda(cudaMemcpy(d.residual, base.residual.data(), base.residual.size() * sizeof(bf16), cudaMemcpyHostToDevice),
              "upload");
         d.poison();
@@ -473,9 +476,9 @@ TEST(TailCuda, BackToBackCallsChainThroughTheResidual) {
         cuda(cudaMemcpy(got.data(), d.residual, got.size() * sizeof(bf16), cudaMemcpyDeviceToHost), "download");
         cuda(cudaMemcpy(norm.data(), d.norm_out, norm.size() * sizeof(bf16), cudaMemcpyDeviceToHost), "download");
         for (std::size_t i = 0; i < got.size(); ++i)
-          require(got[i].bits == residual[i].bits,
-                  how + ": residual element " + std::to_string(i) + " (token " + std::to_string(i / h) + ") is " +
-                      std::to_string(f(got[i])) + ", the reference chain gives " + std::to_string(f(residual[i])));
+          require(got[i].bits == residual[i].bits, how + ": residual element " + std::to_string(i) + " (token " +
+                                                       std::to_string(i / h) + ") is " + std::to_string(f(got[i])) +
+                                                       ", the reference chain gives " + std::to_string(f(residual[i])));
         for (std::size_t i = 0; i < norm.size(); ++i)
           require(norm[i].bits == last_norm[i].bits, how + ": the last call's norm_out element " + std::to_string(i) +
                                                          " differs from the reference chain");
@@ -526,7 +529,8 @@ TEST(TailCuda, NegativeControlsAreDetectedNeverAHang) {
       tail->check();
       require(false, "a zeroed control block went unnoticed");
     } catch (const invalid_state& e) {
-      require(g.rank == 1 && std::string(e.what()).find("control block is not valid (magic 0x0") != std::string::npos, e.what());
+      require(g.rank == 1 && std::string(e.what()).find("control block is not valid (magic 0x0") != std::string::npos,
+              e.what());
     } catch (const timeout_error& e) {
       require(g.rank == 0 && std::string(e.what()).find("for rank 1's partial") != std::string::npos, e.what());
     }
@@ -651,7 +655,8 @@ TEST(TailCuda, SanitizerSmoke) {
         p.max_tokens = s.max_tokens;
         p.ranks = 1;
         p.eps = s.eps;
-        void* partial = g.pool->allocate(7 * static_cast<std::size_t>(s.hidden) * sizeof(float), {"activations", MemoryClass::cache, "partial"});
+        void* partial = g.pool->allocate(7 * static_cast<std::size_t>(s.hidden) * sizeof(float),
+                                         {"activations", MemoryClass::cache, "partial"});
         kernels::launch_tail_finalize(p, static_cast<float*>(partial), g.torpor_stream());
         kernels::launch_tail_residual_norm(p, static_cast<const float*>(partial), g.torpor_stream());
         sync(g);

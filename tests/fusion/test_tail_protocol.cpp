@@ -61,9 +61,18 @@ std::uint16_t host_rounding(float x) { return std::isnan(x) ? tail_bf16_nan : bf
 
 TEST(TailProtocol, Bf16RoundingIsTheHostTypesBitForBit) {
   Rng rng{7};
-  const float specials[] = {0.0f, -0.0f, 1.0f, -1.0f, 1e-40f, -1e-40f, 3.4e38f, std::numeric_limits<float>::infinity(),
-                            -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(),
-                            1.00390625f /* a tie */, 1.01171875f /* the other tie */};
+  const float specials[] = {0.0f,
+                            -0.0f,
+                            1.0f,
+                            -1.0f,
+                            1e-40f,
+                            -1e-40f,
+                            3.4e38f,
+                            std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::quiet_NaN(),
+                            1.00390625f /* a tie */,
+                            1.01171875f /* the other tie */};
   for (float x : specials) EXPECT_EQ(tail_float_to_bf16(x), host_rounding(x)) << x;
   EXPECT_EQ(tail_float_to_bf16(-std::numeric_limits<float>::quiet_NaN()), 0x7FFF);
   for (int i = 0; i < 1000000; ++i) {
@@ -118,7 +127,8 @@ TEST(TailProtocol, SlotLayoutIsDenseAndDisjoint) {
   for (int slot = 0; slot < tail_slot_count; ++slot)
     for (int src = 0; src < ranks; ++src)
       for (int row = 0; row < max_tokens; ++row)
-        for (int col = 0; col < hidden; ++col) ASSERT_TRUE(seen.insert(tail_slot_offset(slot, src, row, col, ranks, max_tokens, hidden)).second);
+        for (int col = 0; col < hidden; ++col)
+          ASSERT_TRUE(seen.insert(tail_slot_offset(slot, src, row, col, ranks, max_tokens, hidden)).second);
   EXPECT_EQ(seen.size() * sizeof(bf16), tail_slot_bytes(ranks, max_tokens, hidden));
   EXPECT_EQ(*seen.rbegin() + 1, seen.size());
 }
@@ -141,7 +151,8 @@ TEST(TailProtocol, SumOfSquaresFollowsTheGpuTree) {
       for (std::size_t i = 0; i < lanes.size(); ++i) next[i] = lanes[i] + lanes[i ^ static_cast<std::size_t>(m)];
       lanes = next;
     }
-    for (std::size_t i = 0; i < lanes.size(); ++i) ASSERT_EQ(lanes[i], lanes[i & ~std::size_t{31}]) << "every lane of a warp agrees";
+    for (std::size_t i = 0; i < lanes.size(); ++i)
+      ASSERT_EQ(lanes[i], lanes[i & ~std::size_t{31}]) << "every lane of a warp agrees";
     float total = lanes[0];
     for (int w = 1; w < tail_row_lanes / 32; ++w) total = total + lanes[static_cast<std::size_t>(w) * 32];
     EXPECT_EQ(reference_sum_squares(x.data(), hidden), total) << hidden;

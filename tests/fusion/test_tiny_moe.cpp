@@ -39,14 +39,15 @@ constexpr int batch = 4, prompt_len = 6, new_tokens = 16;
 struct Engine {
   Engine(HostDriver& driver, Group& group, int rank, const TinyMoeConfig& c = small_config(), WeightVersion v = {},
          FillOnWake fill = FillOnWake::poison, TinyMoeOptions options = {})
-      : pool(driver, [&] {
-          PoolOptions o;
-          o.device = rank;
-          o.exportable = true;
-          o.fill_on_wake = fill;
-          o.va_bytes = std::size_t{256} << 20;
-          return o;
-        }()),
+      : pool(driver,
+             [&] {
+               PoolOptions o;
+               o.device = rank;
+               o.exportable = true;
+               o.fill_on_wake = fill;
+               o.va_bytes = std::size_t{256} << 20;
+               return o;
+             }()),
         heap(pool, group),
         compute(make_compute(driver, rank)),
         model(std::make_unique<TinyMoeLM>(heap, *compute, c, v, options)) {}
@@ -180,7 +181,8 @@ TEST(TinyMoe, AnotherWeightVersionChangesTheTokensAndItsFreshModelAgrees) {
     if (updated == ref) throw std::runtime_error("a weight update did not change any token");
     auto compute = make_compute(d, rank);
     TinyMoeLM fresh(e.heap, *compute, small_config(), v);
-    if (fresh.generate(make_prompts(5, batch, prompt_len, small_config().vocab), batch, prompt_len, new_tokens) != updated)
+    if (fresh.generate(make_prompts(5, batch, prompt_len, small_config().vocab), batch, prompt_len, new_tokens) !=
+        updated)
       throw std::runtime_error("the updated model and a fresh one with the same weights disagree");
   });
   EXPECT_EQ(test::all_errors(errors), "");
@@ -195,7 +197,8 @@ TEST(TinyMoeThreads, PreservedParametersSurviveLevel2AndTheReloadSkipsThem) {
     e.pool.wake_up();
     LoadReport lr = e.model->load_weights(WeightVersion{}, {"layers.*.moe.experts.*"});
     if (lr.tensors_skipped != 4) throw std::runtime_error("expected 4 skipped tensors (2 layers x gate_up, down)");
-    if (sr.bytes_offloaded + sr.bytes_skipped < lr.bytes_skipped) throw std::runtime_error("preserved bytes were not kept");
+    if (sr.bytes_offloaded + sr.bytes_skipped < lr.bytes_skipped)
+      throw std::runtime_error("preserved bytes were not kept");
     if (e.generate() != ref) throw std::runtime_error("tokens differ with preserved experts");
   });
   EXPECT_EQ(test::all_errors(errors), "");

@@ -24,7 +24,7 @@ std::vector<float> F(const std::vector<bf16>& v) {
 }
 
 TEST(RefKernels, LinearIsXTimesWTransposed) {
-  auto x = B({1, 2, 3, 4, 5, 6});                  // [2][3]
+  auto x = B({1, 2, 3, 4, 5, 6});                    // [2][3]
   auto w = B({1, 0, 0, 0, 1, 0, 0, 0, 1, 1, 1, 1});  // [4][3]
   std::vector<bf16> y(8);
   ref::linear(x.data(), w.data(), y.data(), 2, 4, 3);
@@ -64,8 +64,8 @@ TEST(RefKernels, AddRmsnormWritesTheRoundedSumAndItsNorm) {
 }
 
 TEST(RefKernels, EmbedAddsThePositionRowAndClampsBadTokens) {
-  auto emb = B({1, 2, 10, 20, 100, 20});  // vocab 3, hidden 2 (sums exact in bf16)
-  auto pos_table = B({0, 0, 0.5f, 0.25f});   // 2 positions
+  auto emb = B({1, 2, 10, 20, 100, 20});          // vocab 3, hidden 2 (sums exact in bf16)
+  auto pos_table = B({0, 0, 0.5f, 0.25f});        // 2 positions
   std::vector<std::int32_t> seq = {9, 2, 7, 77};  // [2][2]: rows read position 1 -> tokens 2 and 77 (bad)
   std::int32_t pos = 1;
   std::vector<bf16> out(4);
@@ -99,7 +99,7 @@ TEST(RefKernels, AttentionAveragesEqualScoresAndIsCausal) {
 }
 
 TEST(RefKernels, RouterPicksTopKRenormalisedTiesToLowerIndex) {
-  std::vector<float> logits = {0.f, 2.f, 1.f, 2.f,   // tie between 1 and 3
+  std::vector<float> logits = {0.f, 2.f,  1.f,  2.f,  // tie between 1 and 3
                                5.f, -1.f, -1.f, -1.f};
   std::vector<std::int32_t> idx(4);
   std::vector<float> w(4);
@@ -150,7 +150,7 @@ TEST(RefKernels, ExpertPointersFollowTheRouting) {
 
 TEST(RefKernels, ArgmaxNextWritesAfterThePromptOnly) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  std::vector<float> logits = {1, 5, 5, 0,   // tie: first maximum (1)
+  std::vector<float> logits = {1,   5,   5,   0,     // tie: first maximum (1)
                                nan, nan, nan, nan};  // all NaN: 0
   std::vector<std::int32_t> seq(2 * 4, -1);
   std::int32_t pos = 0, prompt_len = 2;

@@ -2,9 +2,8 @@
 // random inputs. Tolerances: bf16 outputs within 2% relative (plus a small absolute floor, since
 // summation order differs); discrete outputs (routing, argmax, pointers) exactly. Skips, saying
 // why, without a usable GPU.
-#include <gtest/gtest.h>
-
 #include <cuda_runtime.h>
+#include <gtest/gtest.h>
 
 #include <cmath>
 #include <random>

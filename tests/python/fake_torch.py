@@ -88,9 +88,11 @@ class _Pluggable:
     def __init__(self, path, alloc_name, free_name):
         lib = ctypes.CDLL(path)
         self.malloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)(
-            ctypes.cast(getattr(lib, alloc_name), ctypes.c_void_p).value)
+            ctypes.cast(getattr(lib, alloc_name), ctypes.c_void_p).value
+        )
         self.free = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)(
-            ctypes.cast(getattr(lib, free_name), ctypes.c_void_p).value)
+            ctypes.cast(getattr(lib, free_name), ctypes.c_void_p).value
+        )
 
     def allocator(self):
         return self
@@ -124,10 +126,19 @@ class MemPool:
         if not ptr:
             raise OutOfMemoryError(f"CUDA out of memory. Tried to allocate {size} bytes")
         block = {"address": ptr, "size": size, "state": "active_allocated"}
-        blocks = [block] + ([{"address": ptr + size, "size": seg_bytes - size, "state": "inactive"}]
-                            if seg_bytes > size else [])
-        self.segments.append({"device": dev, "address": ptr, "total_size": seg_bytes, "is_expandable": False,
-                              "segment_pool_id": self.id, "blocks": blocks})
+        blocks = [block] + (
+            [{"address": ptr + size, "size": seg_bytes - size, "state": "inactive"}] if seg_bytes > size else []
+        )
+        self.segments.append(
+            {
+                "device": dev,
+                "address": ptr,
+                "total_size": seg_bytes,
+                "is_expandable": False,
+                "segment_pool_id": self.id,
+                "blocks": blocks,
+            }
+        )
         return ptr, block
 
     def snapshot(self):
@@ -180,8 +191,12 @@ cuda = types.SimpleNamespace(
     empty_cache=lambda: None,
     OutOfMemoryError=OutOfMemoryError,
     MemPool=MemPool,
-    memory=types.SimpleNamespace(CUDAPluggableAllocator=_Pluggable, MemPool=MemPool, use_mem_pool=use_mem_pool,
-                                 _set_allocator_settings=settings_calls.append),
+    memory=types.SimpleNamespace(
+        CUDAPluggableAllocator=_Pluggable,
+        MemPool=MemPool,
+        use_mem_pool=use_mem_pool,
+        _set_allocator_settings=settings_calls.append,
+    ),
 )
 nn = types.SimpleNamespace(Module=Module)
 _C = types.SimpleNamespace()

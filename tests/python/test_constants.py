@@ -29,7 +29,7 @@ def header_enum(name: str) -> dict[str, int]:
 
 
 def lower_names(enumerators: dict[str, int], prefix: str) -> dict[str, int]:
-    return {k[len(prefix):].lower(): v for k, v in enumerators.items()}
+    return {k[len(prefix) :].lower(): v for k, v in enumerators.items()}
 
 
 def test_every_c_status_has_its_python_class_with_the_same_value():
@@ -66,16 +66,22 @@ def test_classes_backends_and_fills_are_the_headers():
 
 
 def test_the_errors_are_usable_before_the_library_loads_and_without_it():
-    code = ("import torpor, torpor._lib as L\n"
-            "assert L._lib is None and torpor.InvalidArgument.status is None\n"
-            "try:\n    raise torpor.InvalidArgument('x')\nexcept ValueError as e:\n    assert e.status is None\n"
-            "assert torpor.MemoryClass('state') is torpor.MemoryClass.STATE and L._lib is None\n"
-            "try:\n    torpor.Pool(0, backend='host', va_bytes=1 << 30).close()\n"
-            "except torpor.LibraryNotFound:\n    print('missing')\n"
-            "print(torpor.InvalidArgument.status)\n")
+    code = (
+        "import torpor, torpor._lib as L\n"
+        "assert L._lib is None and torpor.InvalidArgument.status is None\n"
+        "try:\n    raise torpor.InvalidArgument('x')\nexcept ValueError as e:\n    assert e.status is None\n"
+        "assert torpor.MemoryClass('state') is torpor.MemoryClass.STATE and L._lib is None\n"
+        "try:\n    torpor.Pool(0, backend='host', va_bytes=1 << 30).close()\n"
+        "except torpor.LibraryNotFound:\n    print('missing')\n"
+        "print(torpor.InvalidArgument.status)\n"
+    )
     value = header_enum("torpor_status")["TORPOR_ERROR_INVALID_ARGUMENT"]
     out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.split() == [str(value)], out.stdout + out.stderr
-    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(TORPOR_LIBRARY="/nonexistent/libtorpor.so"),
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=subprocess_env(TORPOR_LIBRARY="/nonexistent/libtorpor.so"),
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0 and out.stdout.split() == ["missing", "None"], out.stdout + out.stderr

@@ -13,10 +13,17 @@ from conftest import MiB, pattern, subprocess_env
 def test_each_status_class_is_also_the_builtin_a_caller_expects():
     # The codes themselves are checked against torpor.h in test_constants.py.
     from torpor.errors import error_for
-    expected = {torpor.InvalidArgument: ValueError, torpor.InvalidState: RuntimeError,
-                torpor.OutOfMemory: MemoryError, torpor.DriverError: RuntimeError, torpor.Timeout: TimeoutError,
-                torpor.InvalidHandle: ValueError, torpor.InternalError: RuntimeError,
-                torpor.Unavailable: RuntimeError}
+
+    expected = {
+        torpor.InvalidArgument: ValueError,
+        torpor.InvalidState: RuntimeError,
+        torpor.OutOfMemory: MemoryError,
+        torpor.DriverError: RuntimeError,
+        torpor.Timeout: TimeoutError,
+        torpor.InvalidHandle: ValueError,
+        torpor.InternalError: RuntimeError,
+        torpor.Unavailable: RuntimeError,
+    }
     torpor._lib.lib()
     for cls, builtin in expected.items():
         err = error_for(cls.status, "message")
@@ -49,17 +56,20 @@ def test_unknown_tag_names_the_known_tags(pool):
     assert not pool.stats()["tags"]["weights"]["asleep"], "a rejected sleep changes nothing"
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda p: p.sleep(3), "level 3 is not 0, 1 or 2"),
-    (lambda p: p.alloc(MiB, "weights", "weights"), "unknown memory class 'weights'"),
-    (lambda p: p.alloc(MiB, "weights", 7), "unknown memory class 7"),
-    (lambda p: p.alloc(MiB, ""), "tag '' is not a non-empty string"),
-    (lambda p: p.alloc(0), "size 0"),
-    (lambda p: p.free(0x1000), "not allocated by this pool"),
-    (lambda p: p.find(0x1000), "not inside any allocation"),
-    (lambda p: p.set_preserve([""]), "empty glob"),
-    (lambda p: p.sleep(1, [3]), "tag 3 is not a non-empty string"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda p: p.sleep(3), "level 3 is not 0, 1 or 2"),
+        (lambda p: p.alloc(MiB, "weights", "weights"), "unknown memory class 'weights'"),
+        (lambda p: p.alloc(MiB, "weights", 7), "unknown memory class 7"),
+        (lambda p: p.alloc(MiB, ""), "tag '' is not a non-empty string"),
+        (lambda p: p.alloc(0), "size 0"),
+        (lambda p: p.free(0x1000), "not allocated by this pool"),
+        (lambda p: p.find(0x1000), "not inside any allocation"),
+        (lambda p: p.set_preserve([""]), "empty glob"),
+        (lambda p: p.sleep(1, [3]), "tag 3 is not a non-empty string"),
+    ],
+)
 def test_bad_arguments_are_invalid_argument(pool, call, match):
     with pytest.raises(torpor.InvalidArgument, match=match):
         call(pool)
@@ -96,23 +106,32 @@ def test_exhausting_the_address_space_is_out_of_memory(pool):
 
 
 def test_missing_library_is_reported_with_where_to_point():
-    code = ("import torpor\n"
-            "try:\n    torpor.Pool(0, backend='host')\n"
-            "except torpor.LibraryNotFound as e:\n    print('LNF', e)\n")
-    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(TORPOR_LIBRARY="/nonexistent/libtorpor.so"),
-                         capture_output=True, text=True, check=True).stdout
+    code = (
+        "import torpor\n"
+        "try:\n    torpor.Pool(0, backend='host')\n"
+        "except torpor.LibraryNotFound as e:\n    print('LNF', e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=subprocess_env(TORPOR_LIBRARY="/nonexistent/libtorpor.so"),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert out.startswith("LNF TORPOR_LIBRARY=/nonexistent/libtorpor.so could not be loaded"), out
 
 
 def test_import_does_not_need_torch_and_torch_calls_say_so():
     # torch made unimportable, whether or not it is installed here.
-    code = ("import sys\nsys.modules['torch'] = None\n"
-            "import torpor\n"
-            "assert torpor.Pool(0, backend='host', va_bytes=1 << 30).backend == 'host'\n"
-            "for call in (lambda: torpor.use_pool('weights').__enter__(),\n"
-            "             lambda: torpor.register_parameters(object())):\n"
-            "    try:\n        call()\n    except torpor.TorchUnavailable as e:\n        print('TU', e)\n"
-            "print(torpor.sleep(), torpor.wake_up(), torpor.stats())\n")
+    code = (
+        "import sys\nsys.modules['torch'] = None\n"
+        "import torpor\n"
+        "assert torpor.Pool(0, backend='host', va_bytes=1 << 30).backend == 'host'\n"
+        "for call in (lambda: torpor.use_pool('weights').__enter__(),\n"
+        "             lambda: torpor.register_parameters(object())):\n"
+        "    try:\n        call()\n    except torpor.TorchUnavailable as e:\n        print('TU', e)\n"
+        "print(torpor.sleep(), torpor.wake_up(), torpor.stats())\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()

@@ -95,17 +95,21 @@ def test_refresh_then_level_2_keeps_state_drops_parameters_and_free_space(lib, s
     pool.write(seg, pattern(2 * MiB))
     # A segment as a model leaves it: a parameter, a buffer computed at load (rotary
     # frequencies), a block freed by load-time temporaries, another parameter, free tail.
-    layout = [(64 << 10, "active_allocated"),     # layers.0.w
-              (8 << 10, "active_allocated"),      # rope.inv_freq (buffer: state)
-              (128 << 10, "inactive"),            # freed temporary
-              (64 << 10, "active_allocated")]     # layers.1.w
+    layout = [
+        (64 << 10, "active_allocated"),  # layers.0.w
+        (8 << 10, "active_allocated"),  # rope.inv_freq (buffer: state)
+        (128 << 10, "inactive"),  # freed temporary
+        (64 << 10, "active_allocated"),
+    ]  # layers.1.w
     layout.append((2 * MiB - sum(s for s, _ in layout), "inactive"))
     offsets = [sum(s for s, _ in layout[:i]) for i in range(len(layout))]
     # Stale classes from an earlier life of the segment: the buffer's block was a parameter.
     pool.mark(seg + offsets[1], 8 << 10, "parameter", "old.weight")
-    spans = [_marks.Span("layers.0.w", seg + offsets[0], 64 << 10),
-             _marks.Span("layers.1.w", seg + offsets[3], 60 << 10),  # a tensor smaller than its block
-             _marks.Span("elsewhere.w", 0x1000, 4096)]               # not in this pool
+    spans = [
+        _marks.Span("layers.0.w", seg + offsets[0], 64 << 10),
+        _marks.Span("layers.1.w", seg + offsets[3], 60 << 10),  # a tensor smaller than its block
+        _marks.Span("elsewhere.w", 0x1000, 4096),
+    ]  # not in this pool
     plan = _marks.plan([pytorch_segment(seg, layout)], MemoryClass.STATE, spans)
     assert plan.parameters == 2 and plan.parameter_bytes == 124 << 10 and plan.foreign == []
     _marks.apply(pool, plan)
@@ -118,8 +122,8 @@ def test_refresh_then_level_2_keeps_state_drops_parameters_and_free_space(lib, s
     got, want = pool.read(seg, 2 * MiB), pattern(2 * MiB)
     buf = slice(offsets[1], offsets[2])
     assert got[buf] == want[buf], "the buffer computed at load survives without a backup"
-    assert got[offsets[0]:offsets[1]] == POISON * (64 << 10), "parameters come back for reloading"
-    assert got[offsets[2]:offsets[3]] == POISON * (128 << 10), "free space was not kept"
+    assert got[offsets[0] : offsets[1]] == POISON * (64 << 10), "parameters come back for reloading"
+    assert got[offsets[2] : offsets[3]] == POISON * (128 << 10), "free space was not kept"
     tail = slice(offsets[3] + (60 << 10), offsets[4])
     assert got[tail] == want[tail], "the rest of a parameter's block is state"
 
@@ -131,8 +135,9 @@ def test_refreshed_parameter_names_match_preserve_globs(lib, segment):
     pool.set_preserve(["embed.*"])
     try:
         spans = [_marks.Span("embed.weight", seg, MiB), _marks.Span("head.weight", seg + MiB, MiB)]
-        _marks.apply(pool, _marks.plan([pytorch_segment(seg, [(2 * MiB, "active_allocated")])], MemoryClass.STATE,
-                                       spans))
+        _marks.apply(
+            pool, _marks.plan([pytorch_segment(seg, [(2 * MiB, "active_allocated")])], MemoryClass.STATE, spans)
+        )
         pool.sleep(2, "py.preserve")
         pool.wake_up("py.preserve")
         got = pool.read(seg, 2 * MiB)
@@ -147,7 +152,10 @@ def test_a_kv_cache_tag_refreshes_to_cache_and_expandable_segments_are_reported(
     foreign = dict(pytorch_segment(1 << 41, [(MiB, "active_allocated")]), is_expandable=True)
     plan = _marks.plan([seg, foreign], MemoryClass.CACHE, [])
     assert [(m.address - (1 << 40), m.memory_class) for m in plan.marks] == [
-        (0, MemoryClass.CACHE), (MiB, MemoryClass.CACHE), (2 * MiB, MemoryClass.CACHE)]
+        (0, MemoryClass.CACHE),
+        (MiB, MemoryClass.CACHE),
+        (2 * MiB, MemoryClass.CACHE),
+    ]
     assert plan.foreign == [1 << 41]
     # A block still in use by another stream ("active_pending_free") is not free space.
     plan = _marks.plan([seg], MemoryClass.STATE, [])
@@ -155,6 +163,9 @@ def test_a_kv_cache_tag_refreshes_to_cache_and_expandable_segments_are_reported(
 
 
 def test_snapshot_blocks_without_addresses_are_placed_in_order():
-    seg = {"address": 4096, "total_size": 3 * 4096,
-           "blocks": [{"size": 4096, "state": "inactive"}, {"size": 8192, "state": "active_allocated"}]}
+    seg = {
+        "address": 4096,
+        "total_size": 3 * 4096,
+        "blocks": [{"size": 4096, "state": "inactive"}, {"size": 8192, "state": "active_allocated"}],
+    }
     assert list(_marks.segment_blocks(seg)) == [(4096, 4096, "inactive"), (8192, 8192, "active_allocated")]

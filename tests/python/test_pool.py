@@ -65,8 +65,8 @@ def test_mark_reclassifies_a_range_inside_an_allocation(pool):
     pool.wake_up()
     got = pool.read(seg, 2 * MiB)
     assert got[:4096] == pattern(2 * MiB)[:4096]
-    assert got[4096:4096 + 8192] == POISON * 8192
-    assert got[4096 + 8192:] == pattern(2 * MiB)[4096 + 8192:]
+    assert got[4096 : 4096 + 8192] == POISON * 8192
+    assert got[4096 + 8192 :] == pattern(2 * MiB)[4096 + 8192 :]
 
 
 def test_rl_wake_order_weights_first_then_kv_cache(pool):

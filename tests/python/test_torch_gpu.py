@@ -162,8 +162,10 @@ def test_sleep_returns_the_pools_memory_to_the_device(engine):
     free_after = torch.cuda.mem_get_info()[0]
     torpor.wake_up()
     returned = free_after - free_before
-    print(f"\ntorpor pools mapped {mapped} bytes; cudaMemGetInfo free rose by {returned} bytes on sleep(1): "
-          f"{returned / mapped:.5%}")
+    print(
+        f"\ntorpor pools mapped {mapped} bytes; cudaMemGetInfo free rose by {returned} bytes on sleep(1): "
+        f"{returned / mapped:.5%}"
+    )
     assert mapped >= KV_BYTES
     assert returned >= 0.999 * mapped
     check_outputs(engine)
@@ -211,7 +213,7 @@ def test_vllm_cumem_allocator_interface(engine):
     allocator.sleep(offload_tags=("weights",))  # vLLM's level 1
     allocator.wake_up()
     check_outputs(engine)
-    allocator.sleep(offload_tags=())            # vLLM's level 2
+    allocator.sleep(offload_tags=())  # vLLM's level 2
     allocator.wake_up(["weights"])
     reload_parameters(engine)
     allocator.wake_up(["kv_cache"])

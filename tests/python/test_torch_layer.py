@@ -67,16 +67,16 @@ def test_sleep_2_follows_what_pytorch_did_with_the_blocks(torch):
     pool = torpor.Pool.torch(0)
     with torpor.use_pool("tl.model"):
         w1 = torch.empty(64 << 10)
-        rope = torch.empty(8 << 10)        # a buffer computed at load
-        temp = torch.empty(128 << 10)      # a load-time temporary
-        old = torch.empty(32 << 10)        # a parameter the loader will replace
+        rope = torch.empty(8 << 10)  # a buffer computed at load
+        temp = torch.empty(128 << 10)  # a load-time temporary
+        old = torch.empty(32 << 10)  # a parameter the loader will replace
     module = torch.nn.Module(w1=w1, w2=old)
     torpor.register_parameters(module)
     with torpor.use_pool("tl.model"):
-        new = torch.empty(32 << 10)        # the loader's new storage for w2 ...
+        new = torch.empty(32 << 10)  # the loader's new storage for w2 ...
         module._params["w2"] = new
         old.free()
-        flags = torch.empty(32 << 10)      # ... and state that reuses the old parameter's block
+        flags = torch.empty(32 << 10)  # ... and state that reuses the old parameter's block
     temp.free()
     assert flags.data_ptr() == old.data_ptr(), "the fake reuses the freed block (first fit), as PyTorch may"
     for i, t in enumerate((w1, rope, new, flags)):
@@ -96,8 +96,10 @@ def test_entering_a_sleeping_tag_is_refused(torch):
     with torpor.use_pool("tl.sleeper"):
         torch.empty(MiB)  # leaves a cached free MiB that PyTorch would hand out without asking
     torpor.sleep(1, "tl.sleeper")
-    with pytest.raises(torpor.InvalidState, match=r"use_pool: tag 'tl.sleeper' is asleep on device 0 \(level 1\); "
-                                                  r"wake_up\(\['tl.sleeper'\]\)"):
+    with pytest.raises(
+        torpor.InvalidState,
+        match=r"use_pool: tag 'tl.sleeper' is asleep on device 0 \(level 1\); " r"wake_up\(\['tl.sleeper'\]\)",
+    ):
         with torpor.use_pool("tl.sleeper"):
             pytest.fail("entered")
     assert current_tag() == ("default", torpor.MemoryClass.STATE)
@@ -107,8 +109,10 @@ def test_entering_a_sleeping_tag_is_refused(torch):
 
 
 def test_a_refused_segment_raises_torpors_error_from_pytorchs(torch):
-    with pytest.raises(torpor.InvalidState, match=r"PyTorch could not allocate in torpor pool 'tl.slept' on "
-                                                  r"device 0: .*'tl.slept' is asleep") as info:
+    with pytest.raises(
+        torpor.InvalidState,
+        match=r"PyTorch could not allocate in torpor pool 'tl.slept' on " r"device 0: .*'tl.slept' is asleep",
+    ) as info:
         with torpor.use_pool("tl.slept"):
             torch.empty(MiB)
             torpor.sleep(1, "tl.slept")  # inside the block: only torpor_torch_malloc can tell
@@ -159,9 +163,16 @@ def test_expandable_segments_are_off_inside_torpor_pools(torch, monkeypatch):
 def test_segments_torpor_did_not_map_are_reported_at_sleep(torch):
     with torpor.use_pool("tl.foreign") as pool:
         torch.empty(MiB)
-    pool.extra_segments.append({"device": 0, "address": 0x7fff_0000_0000, "total_size": 2 * MiB,
-                                "is_expandable": True, "segment_pool_id": pool.id,
-                                "blocks": [{"size": 2 * MiB, "state": "active_allocated"}]})
+    pool.extra_segments.append(
+        {
+            "device": 0,
+            "address": 0x7FFF_0000_0000,
+            "total_size": 2 * MiB,
+            "is_expandable": True,
+            "segment_pool_id": pool.id,
+            "blocks": [{"size": 2 * MiB, "state": "active_allocated"}],
+        }
+    )
     with pytest.warns(RuntimeWarning, match=r"1 segment\(s\) of torpor pool 'tl.foreign' .*expandable"):
         torpor.sleep(1, "tl.foreign")
 

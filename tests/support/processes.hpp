@@ -21,9 +21,9 @@
 namespace torpor::test {
 
 struct RankOutcome {
-  int exit_code = -1;  // 0 = the function returned normally
-  bool killed = false; // ran past the deadline
-  std::string report;  // what the child wrote with report() or the exception it died of
+  int exit_code = -1;   // 0 = the function returned normally
+  bool killed = false;  // ran past the deadline
+  std::string report;   // what the child wrote with report() or the exception it died of
 };
 
 // Inside a child: text that comes back in RankOutcome::report.
@@ -93,7 +93,8 @@ inline std::vector<RankOutcome> run_ranks(int n, const std::function<void(int ra
     o.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
     char buf[4096];
     ssize_t k;
-    while ((k = ::read(pipes[static_cast<std::size_t>(r)], buf, sizeof buf)) > 0) o.report.append(buf, static_cast<std::size_t>(k));
+    while ((k = ::read(pipes[static_cast<std::size_t>(r)], buf, sizeof buf)) > 0)
+      o.report.append(buf, static_cast<std::size_t>(k));
     ::close(pipes[static_cast<std::size_t>(r)]);
   }
   return out;

@@ -9,10 +9,21 @@ namespace {
 
 nlohmann::json row(const std::string& step, int level, int matching, std::size_t live = 100, std::size_t store = 10,
                    const std::string& kind = "plan", int cycle = 0) {
-  nlohmann::json r = {{"step", step},  {"kind", kind},      {"level", level},     {"offloaded", 5},
-                      {"skipped", 1},   {"discarded", 7},    {"released", 8},      {"returned", 8},
-                      {"sleep_s", 0.5}, {"wake_s", 0.25},    {"matching", matching}, {"prompts", 16},
-                      {"mismatched_tokens", matching == 16 ? 0 : 3}, {"live_physical", live}, {"host_store", store},
+  nlohmann::json r = {{"step", step},
+                      {"kind", kind},
+                      {"level", level},
+                      {"offloaded", 5},
+                      {"skipped", 1},
+                      {"discarded", 7},
+                      {"released", 8},
+                      {"returned", 8},
+                      {"sleep_s", 0.5},
+                      {"wake_s", 0.25},
+                      {"matching", matching},
+                      {"prompts", 16},
+                      {"mismatched_tokens", matching == 16 ? 0 : 3},
+                      {"live_physical", live},
+                      {"host_store", store},
                       {"mapped", 100}};
   if (cycle) r["cycle"] = cycle;
   return r;

@@ -89,7 +89,7 @@ class FaultInjectingDriver final : public Driver {
     std::size_t first = 0;  // 0 = no rule; else the call number (1-based, since the rule was set) that fails
     bool repeat = false;
     driver_status code = driver_status::out_of_memory;
-    std::size_t seen = 0;   // calls since the rule was set
+    std::size_t seen = 0;  // calls since the rule was set
   };
   void before(DriverCall kind);
 

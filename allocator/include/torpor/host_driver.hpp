@@ -38,19 +38,19 @@ struct HostDriverOptions {
   int devices = 8;
   std::size_t device_bytes = std::size_t{16} << 30;  // emulated memory per device
   std::size_t granularity = std::size_t{2} << 20;
-  bool multicast_attribute = true;                  // what the emulated devices report
-  bool peer_access = true;                          // every device can access every other
+  bool multicast_attribute = true;  // what the emulated devices report
+  bool peer_access = true;          // every device can access every other
 };
 
 // Exact accounting, for tests and `torpor probe`.
 struct HostDriverCounters {
-  std::size_t live_handles = 0;          // created or imported handles not yet released
-  std::size_t live_physical_bytes = 0;   // memory created here and still alive (handle or mapping)
-  std::size_t mapped_bytes = 0;          // bytes currently mapped, any handle
+  std::size_t live_handles = 0;         // created or imported handles not yet released
+  std::size_t live_physical_bytes = 0;  // memory created here and still alive (handle or mapping)
+  std::size_t mapped_bytes = 0;         // bytes currently mapped, any handle
   std::size_t mappings = 0;
   std::size_t reservations = 0;
   std::size_t reserved_bytes = 0;
-  std::size_t host_bytes = 0;            // host_alloc'ed and not freed
+  std::size_t host_bytes = 0;  // host_alloc'ed and not freed
   std::size_t streams = 0;
   std::size_t events = 0;
   std::size_t multicast_objects = 0;

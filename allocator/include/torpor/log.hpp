@@ -1,5 +1,6 @@
 // Logging through fmt to stderr. The level comes from TORPOR_LOG (off|error|warn|info|debug in
-// any case, default warn; an unknown value is reported once and leaves warn), read once. Log calls below the level cost one comparison.
+// any case, default warn; an unknown value is reported once and leaves warn), read once. Log calls below the level cost
+// one comparison.
 #pragma once
 
 #include <fmt/format.h>
@@ -24,12 +25,20 @@ void emit(level l, fmt::format_string<Args...> f, Args&&... args) noexcept {
 }
 
 template <typename... Args>
-void error(fmt::format_string<Args...> f, Args&&... a) noexcept { emit(level::error, f, std::forward<Args>(a)...); }
+void error(fmt::format_string<Args...> f, Args&&... a) noexcept {
+  emit(level::error, f, std::forward<Args>(a)...);
+}
 template <typename... Args>
-void warn(fmt::format_string<Args...> f, Args&&... a) noexcept { emit(level::warn, f, std::forward<Args>(a)...); }
+void warn(fmt::format_string<Args...> f, Args&&... a) noexcept {
+  emit(level::warn, f, std::forward<Args>(a)...);
+}
 template <typename... Args>
-void info(fmt::format_string<Args...> f, Args&&... a) noexcept { emit(level::info, f, std::forward<Args>(a)...); }
+void info(fmt::format_string<Args...> f, Args&&... a) noexcept {
+  emit(level::info, f, std::forward<Args>(a)...);
+}
 template <typename... Args>
-void debug(fmt::format_string<Args...> f, Args&&... a) noexcept { emit(level::debug, f, std::forward<Args>(a)...); }
+void debug(fmt::format_string<Args...> f, Args&&... a) noexcept {
+  emit(level::debug, f, std::forward<Args>(a)...);
+}
 
 }  // namespace torpor::log

@@ -63,10 +63,10 @@ SleepLevel parse_sleep_level(std::string_view name);
 
 struct PoolOptions {
   int device = 0;
-  std::size_t va_bytes = 0;      // VA reservation; 0 = twice the device's memory
+  std::size_t va_bytes = 0;  // VA reservation; 0 = twice the device's memory
   FillOnWake fill_on_wake = FillOnWake::none;
-  bool exportable = false;       // physical memory exportable as POSIX fds (symmetric memory)
-  std::vector<int> peer_devices; // devices that get access besides `device`
+  bool exportable = false;        // physical memory exportable as POSIX fds (symmetric memory)
+  std::vector<int> peer_devices;  // devices that get access besides `device`
 
   // Handle-size policy: few, large handles keep VMM calls (and sleep/wake time) low.
   //   bytes <= small_limit             carved from small slabs of slab_bytes
@@ -74,16 +74,16 @@ struct PoolOptions {
   //                                    (tag, class): min(max(total so far, medium_slab_min),
   //                                    medium_slab_max)
   //   bytes > medium_limit             a chunk of its own
-  std::size_t slab_bytes = 0;        // 0 = the granularity
-  std::size_t small_limit = 0;       // 0 = slab_bytes / 2
-  std::size_t medium_limit = std::size_t{256} << 20;   // 0 disables medium slabs
+  std::size_t slab_bytes = 0;                         // 0 = the granularity
+  std::size_t small_limit = 0;                        // 0 = slab_bytes / 2
+  std::size_t medium_limit = std::size_t{256} << 20;  // 0 disables medium slabs
   std::size_t medium_slab_min = std::size_t{32} << 20;
   std::size_t medium_slab_max = std::size_t{1} << 30;
 
   // Sleep/wake engine.
   std::size_t copy_piece_bytes = std::size_t{64} << 20;  // copies (and hashes) in pieces of at most this
-  int copy_streams = 2;                                   // streams the copies rotate over
-  int release_threads = 2;                                // threads unmapping/releasing chunks during sleep
+  int copy_streams = 2;                                  // streams the copies rotate over
+  int release_threads = 2;                               // threads unmapping/releasing chunks during sleep
   std::size_t map_group_bytes = std::size_t{2} << 30;    // contiguous chunks mapped per set_access call on wake
   // Keep host copies after wake with their device-computed hash; the next sleep hashes again
   // and copies only the pieces whose hash changed. Costs host memory (the copies stay).
@@ -120,12 +120,12 @@ struct AllocationInfo {
 // or processes (symmetric buffers export the handle, bind it to multicast objects, and
 // re-export it after every wake: the handle changes, the VA does not).
 struct ChunkInfo {
-  device_ptr va = 0;          // chunk start (granularity-aligned)
-  std::size_t bytes = 0;      // chunk size (a multiple of the granularity)
-  std::size_t offset = 0;     // of the queried allocation inside the chunk
+  device_ptr va = 0;       // chunk start (granularity-aligned)
+  std::size_t bytes = 0;   // chunk size (a multiple of the granularity)
+  std::size_t offset = 0;  // of the queried allocation inside the chunk
   bool awake = false;
-  bool dedicated = false;     // the chunk holds this allocation alone
-  PhysicalHandle handle;      // valid while awake
+  bool dedicated = false;  // the chunk holds this allocation alone
+  PhysicalHandle handle;   // valid while awake
 };
 
 struct ClassStats {
@@ -137,11 +137,11 @@ struct ClassStats {
 struct TagStats {
   std::string tag;
   bool asleep = false;
-  int level = 0;                    // deepest level of a sleeping chunk, 0 when awake
+  int level = 0;  // deepest level of a sleeping chunk, 0 when awake
   std::size_t chunks = 0;
   std::size_t allocations = 0;
-  std::size_t reserved_bytes = 0;   // VA spans of the chunks
-  std::size_t mapped_bytes = 0;     // physical memory held now
+  std::size_t reserved_bytes = 0;  // VA spans of the chunks
+  std::size_t mapped_bytes = 0;    // physical memory held now
   std::size_t offloaded_bytes = 0;
   std::size_t discarded_bytes = 0;
   std::array<ClassStats, memory_class_count> classes{};
@@ -154,10 +154,10 @@ struct PoolStats {
   std::size_t va_used_bytes = 0;
   std::size_t granularity = 0;
   std::size_t mapped_bytes = 0;
-  std::size_t cached_bytes = 0;          // mapped empty slabs kept for the fast path (trim() frees)
+  std::size_t cached_bytes = 0;  // mapped empty slabs kept for the fast path (trim() frees)
   std::size_t chunks = 0;
   std::size_t allocations = 0;
-  std::size_t host_store_bytes = 0;      // capacity held
+  std::size_t host_store_bytes = 0;  // capacity held
   std::size_t host_store_pinned_bytes = 0;
   std::size_t host_store_used_bytes = 0;
   std::size_t retained_bytes = 0;        // host copies kept after wake (skip_unchanged)
@@ -175,17 +175,17 @@ struct TransitionReport {
   std::string operation;  // "sleep" or "wake_up"
   int level = 0;
   std::vector<std::string> tags;
-  std::size_t chunks = 0;             // chunks that changed state
-  std::size_t bytes_offloaded = 0;    // copied device -> host by this call
-  std::size_t bytes_skipped = 0;      // unchanged since the retained copy: not copied
-  std::size_t bytes_hashed = 0;       // hashed on the device
-  std::size_t bytes_staged = 0;       // moved through the pinned staging ring (host_store_limit)
-  std::size_t pieces = 0;             // copy pieces planned
-  std::size_t bytes_discarded = 0;    // allocated bytes released without a copy
-  std::size_t bytes_released = 0;     // physical memory given back
-  std::size_t bytes_mapped = 0;       // physical memory created (wake)
-  std::size_t bytes_restored = 0;     // copied host -> device
-  std::size_t bytes_filled = 0;       // discarded bytes filled on wake
+  std::size_t chunks = 0;           // chunks that changed state
+  std::size_t bytes_offloaded = 0;  // copied device -> host by this call
+  std::size_t bytes_skipped = 0;    // unchanged since the retained copy: not copied
+  std::size_t bytes_hashed = 0;     // hashed on the device
+  std::size_t bytes_staged = 0;     // moved through the pinned staging ring (host_store_limit)
+  std::size_t pieces = 0;           // copy pieces planned
+  std::size_t bytes_discarded = 0;  // allocated bytes released without a copy
+  std::size_t bytes_released = 0;   // physical memory given back
+  std::size_t bytes_mapped = 0;     // physical memory created (wake)
+  std::size_t bytes_restored = 0;   // copied host -> device
+  std::size_t bytes_filled = 0;     // discarded bytes filled on wake
   double seconds = 0;
   std::vector<Phase> phases;
 };

@@ -58,8 +58,8 @@ struct SymmetricHeapOptions {
 
 struct SymmetricBufferOptions {
   std::string tag = tags::weights;  // the pool tag of this rank's part (class state)
-  std::string name;             // allocation name (the table is named name + ".peers")
-  bool multicast = false;       // bind a multicast object when the group can use one
+  std::string name;                 // allocation name (the table is named name + ".peers")
+  bool multicast = false;           // bind a multicast object when the group can use one
 };
 
 class SymmetricBuffer {

@@ -35,9 +35,9 @@ typedef enum torpor_status {
   TORPOR_ERROR_OUT_OF_MEMORY = 3,    /* device, VA or host backing store */
   TORPOR_ERROR_DRIVER = 4,           /* a CUDA driver call failed */
   TORPOR_ERROR_TIMEOUT = 5,
-  TORPOR_ERROR_INVALID_HANDLE = 6,   /* pool handle destroyed or never created */
+  TORPOR_ERROR_INVALID_HANDLE = 6, /* pool handle destroyed or never created */
   TORPOR_ERROR_INTERNAL = 7,
-  TORPOR_ERROR_UNAVAILABLE = 8       /* the backend or feature is not available here (no usable GPU, ...) */
+  TORPOR_ERROR_UNAVAILABLE = 8 /* the backend or feature is not available here (no usable GPU, ...) */
 } torpor_status;
 
 typedef enum torpor_class {
@@ -46,16 +46,20 @@ typedef enum torpor_class {
   TORPOR_CLASS_CACHE = 2      /* recomputable: always discarded */
 } torpor_class;
 
-typedef enum torpor_backend { TORPOR_BACKEND_AUTO = 0, TORPOR_BACKEND_HOST = 1, TORPOR_BACKEND_CUDA = 2 } torpor_backend;
+typedef enum torpor_backend {
+  TORPOR_BACKEND_AUTO = 0,
+  TORPOR_BACKEND_HOST = 1,
+  TORPOR_BACKEND_CUDA = 2
+} torpor_backend;
 
 typedef enum torpor_fill { TORPOR_FILL_NONE = 0, TORPOR_FILL_ZERO = 1, TORPOR_FILL_POISON = 2 } torpor_fill;
 
 typedef struct torpor_pool_options {
-  int device;             /* default 0 */
-  int backend;            /* torpor_backend; default AUTO (TORPOR_BACKEND, else cuda if usable, else host) */
-  size_t va_bytes;        /* 0 = twice the device's memory */
-  int fill_on_wake;       /* torpor_fill; default NONE */
-  int exportable;         /* physical memory exportable as POSIX fds; default 0 */
+  int device;       /* default 0 */
+  int backend;      /* torpor_backend; default AUTO (TORPOR_BACKEND, else cuda if usable, else host) */
+  size_t va_bytes;  /* 0 = twice the device's memory */
+  int fill_on_wake; /* torpor_fill; default NONE */
+  int exportable;   /* physical memory exportable as POSIX fds; default 0 */
 } torpor_pool_options;
 
 void torpor_pool_options_init(torpor_pool_options* options);

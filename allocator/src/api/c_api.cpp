@@ -1,8 +1,6 @@
 // The C API over Pool. Pool handles are registry ids, never pointers to freed memory, so a
 // call on a destroyed pool is reported (TORPOR_ERROR_INVALID_HANDLE) instead of crashing.
 // A call holds a shared_ptr to its pool, so destroy racing another call is safe.
-#include "torpor/torpor.h"
-
 #include <fmt/format.h>
 
 #include <map>
@@ -17,6 +15,7 @@
 #include "torpor/backend.hpp"
 #include "torpor/error.hpp"
 #include "torpor/pool.hpp"
+#include "torpor/torpor.h"
 
 // torpor.h's tag macros are torpor/tags.hpp's strings.
 static_assert(std::string_view(TORPOR_TAG_WEIGHTS) == torpor::tags::weights);
@@ -233,9 +232,8 @@ torpor_status torpor_free(torpor_pool_t pool, void* ptr) {
 }
 
 torpor_status torpor_mark(torpor_pool_t pool, void* ptr, size_t bytes, int memory_class, const char* name) {
-  return with_pool("torpor_mark", pool, [&](CPool& p) {
-    p.pool->mark(ptr, bytes, to_class(memory_class), name != nullptr ? name : "");
-  });
+  return with_pool("torpor_mark", pool,
+                   [&](CPool& p) { p.pool->mark(ptr, bytes, to_class(memory_class), name != nullptr ? name : ""); });
 }
 
 torpor_status torpor_set_preserve(torpor_pool_t pool, const char* const* globs, size_t count) {

@@ -34,10 +34,9 @@ std::string to_json(const PoolStats& st, int indent) {
     x["discarded_bytes"] = t.discarded_bytes;
     for (std::size_t c = 0; c < memory_class_count; ++c) {
       const ClassStats& cs = t.classes[c];
-      x["classes"][std::string(to_string(static_cast<MemoryClass>(c)))] = {
-          {"allocated_bytes", cs.allocated_bytes},
-          {"offloaded_bytes", cs.offloaded_bytes},
-          {"discarded_bytes", cs.discarded_bytes}};
+      x["classes"][std::string(to_string(static_cast<MemoryClass>(c)))] = {{"allocated_bytes", cs.allocated_bytes},
+                                                                           {"offloaded_bytes", cs.offloaded_bytes},
+                                                                           {"discarded_bytes", cs.discarded_bytes}};
     }
     j["tags"][t.tag] = x;
   }

@@ -137,8 +137,7 @@ void* torpor_torch_malloc(size_t size, int device, void* /*stream*/) {
       pool = slot->handle;
     }
     void* out = nullptr;
-    if (torpor_status s = torpor_alloc(pool, size, current_tag.c_str(), current_class, nullptr, &out);
-        s != TORPOR_OK) {
+    if (torpor_status s = torpor_alloc(pool, size, current_tag.c_str(), current_class, nullptr, &out); s != TORPOR_OK) {
       set_last_error(fmt::format("torpor_torch_malloc({} bytes, device {}, tag '{}', class {}): {}", size, device,
                                  current_tag, class_name(current_class), torpor_last_error()));
       failed(s);
@@ -181,8 +180,8 @@ void torpor_torch_free(void* ptr, size_t size, int device, void* /*stream*/) {
       return;
     }
     if (torpor_status s = torpor_free(slot.handle, ptr); s != TORPOR_OK) {
-      set_last_error(fmt::format("torpor_torch_free({}, {} bytes, device {}): {}", ptr, size, device,
-                                 torpor_last_error()));
+      set_last_error(
+          fmt::format("torpor_torch_free({}, {} bytes, device {}): {}", ptr, size, device, torpor_last_error()));
       failed(s);
       torpor::log::warn("{}", torpor_last_error());
     }

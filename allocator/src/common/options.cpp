@@ -159,12 +159,18 @@ std::size_t parse_size_text(std::string_view text) {
   if (i == 0) throw invalid_argument(fmt::format("size '{}' does not start with a number", text));
   const std::string_view suffix = text.substr(i);
   unsigned shift = 0;
-  if (suffix.empty() || suffix == "B") shift = 0;
-  else if (suffix == "K" || suffix == "KiB" || suffix == "k") shift = 10;
-  else if (suffix == "M" || suffix == "MiB") shift = 20;
-  else if (suffix == "G" || suffix == "GiB") shift = 30;
-  else if (suffix == "T" || suffix == "TiB") shift = 40;
-  else throw invalid_argument(fmt::format("size '{}': unknown suffix '{}' (use K, M, G or T)", text, suffix));
+  if (suffix.empty() || suffix == "B")
+    shift = 0;
+  else if (suffix == "K" || suffix == "KiB" || suffix == "k")
+    shift = 10;
+  else if (suffix == "M" || suffix == "MiB")
+    shift = 20;
+  else if (suffix == "G" || suffix == "GiB")
+    shift = 30;
+  else if (suffix == "T" || suffix == "TiB")
+    shift = 40;
+  else
+    throw invalid_argument(fmt::format("size '{}': unknown suffix '{}' (use K, M, G or T)", text, suffix));
   if (v > (max >> shift)) throw invalid_argument(fmt::format("size '{}' does not fit in 64 bits", text));
   return v << shift;
 }

@@ -46,12 +46,12 @@ enum class id {
 
 // How a row's text is parsed and validated.
 enum class kind {
-  choice,      // one of `choices`, any case
-  integer,     // whole decimal number in [min, max]
-  size,        // parse_size() syntax (digits, optional K/M/G/T), in [min, max] bytes
-  text,        // any non-empty string
-  disable,     // a kill switch: set unless empty, 0, false, no or off
-  nvls_enable, // NCCL's enable flag: disables multicast when 0, false, no or off
+  choice,       // one of `choices`, any case
+  integer,      // whole decimal number in [min, max]
+  size,         // parse_size() syntax (digits, optional K/M/G/T), in [min, max] bytes
+  text,         // any non-empty string
+  disable,      // a kill switch: set unless empty, 0, false, no or off
+  nvls_enable,  // NCCL's enable flag: disables multicast when 0, false, no or off
 };
 
 struct Option {
@@ -81,16 +81,16 @@ std::size_t parse_size_text(std::string_view text);
 std::string validate(const Option& o, std::string_view text);
 
 // Typed values: the environment's when set (validated), else the table's default.
-log::level log_level();                  // TORPOR_LOG
-std::string backend();                   // TORPOR_BACKEND: "auto", "host" or "cuda"
-int host_devices();                      // TORPOR_HOST_DEVICES
-std::size_t host_device_memory();        // TORPOR_HOST_DEVICE_MEMORY, bytes
-std::chrono::milliseconds group_timeout();  // TORPOR_GROUP_TIMEOUT_MS
+log::level log_level();                         // TORPOR_LOG
+std::string backend();                          // TORPOR_BACKEND: "auto", "host" or "cuda"
+int host_devices();                             // TORPOR_HOST_DEVICES
+std::size_t host_device_memory();               // TORPOR_HOST_DEVICE_MEMORY, bytes
+std::chrono::milliseconds group_timeout();      // TORPOR_GROUP_TIMEOUT_MS
 std::optional<std::string> group_rendezvous();  // TORPOR_GROUP_RENDEZVOUS (no default)
-std::optional<int> rank();               // TORPOR_RANK (no default)
-std::optional<int> world_size();         // TORPOR_WORLD_SIZE (no default)
-std::string tmpdir();                    // TMPDIR
-std::string nccl_library();              // TORPOR_NCCL_LIBRARY
+std::optional<int> rank();                      // TORPOR_RANK (no default)
+std::optional<int> world_size();                // TORPOR_WORLD_SIZE (no default)
+std::string tmpdir();                           // TMPDIR
+std::string nccl_library();                     // TORPOR_NCCL_LIBRARY
 
 // Whether a kill switch row counts as set for the text (nothing: unset). Pure.
 bool switch_set(const Option& o, const std::optional<std::string>& text);
@@ -100,9 +100,9 @@ std::optional<std::string> multicast_kill_switch();
 // The effective value of every row, for `torpor probe --config`.
 struct Setting {
   std::string_view name;
-  std::string value;        // normalised; the raw text when invalid; "" when unset with no default
+  std::string value;  // normalised; the raw text when invalid; "" when unset with no default
   bool from_environment = false;
-  std::string error;        // why the environment's text is refused ("" when valid)
+  std::string error;  // why the environment's text is refused ("" when valid)
   std::string_view description;
 };
 std::vector<Setting> effective();

@@ -1,5 +1,7 @@
 // Group basics and the in-process (threads) group. See group.hpp for the contract and
 // group_client.hpp / group_hub.hpp for the shared machinery.
+#include "torpor/group.hpp"
+
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -14,7 +16,6 @@
 
 #include "common/options.hpp"
 #include "dist/group_client.hpp"
-#include "torpor/group.hpp"
 #include "torpor/log.hpp"
 
 namespace torpor {
@@ -57,12 +58,10 @@ void HubClientGroup::raise(const Received& r) {
     case FailReason::timeout:
     case FailReason::late:
       throw group_timeout(text + "; every rank must call recover() before the group is used again", r.missing);
-    case FailReason::mismatch:
-      throw invalid_state(text + "; then call recover() on every rank");
+    case FailReason::mismatch: throw invalid_state(text + "; then call recover() on every rank");
     case FailReason::left:
     case FailReason::recovery:
-    case FailReason::stale:
-      throw invalid_state(text);
+    case FailReason::stale: throw invalid_state(text);
   }
   throw invalid_state(text);
 }
@@ -96,7 +95,8 @@ std::vector<Part> HubClientGroup::exchange(CollectiveKind kind, Part part) {
     if (r->generation != gen_ || r->sequence != seq) continue;                   // stale
     if (r->type == ReplyType::result) {
       if (r->parts.size() != static_cast<std::size_t>(size_))
-        throw error(fmt::format("{}: collective #{} returned {} parts for {} ranks", who(), seq, r->parts.size(), size_));
+        throw error(
+            fmt::format("{}: collective #{} returned {} parts for {} ranks", who(), seq, r->parts.size(), size_));
       return std::move(r->parts);
     }
     broken_ = r->message;

@@ -47,14 +47,13 @@ void Hub::fail(Deliveries& out, std::uint64_t sequence, FailReason reason, const
   pending_.erase(it);
 }
 
-Deliveries Hub::contribute(int rank, std::uint64_t generation, std::uint64_t sequence, CollectiveKind kind,
-                           Part part) {
+Deliveries Hub::contribute(int rank, std::uint64_t generation, std::uint64_t sequence, CollectiveKind kind, Part part) {
   Deliveries out;
   std::vector<int> gone(gone_.begin(), gone_.end());
   if (!gone_.empty()) {
-    out.emplace_back(rank, failure(FailReason::left, sequence,
-                                   fmt::format("rank(s) {} left the group; build a new group", format_ranks(gone)),
-                                   gone));
+    out.emplace_back(rank,
+                     failure(FailReason::left, sequence,
+                             fmt::format("rank(s) {} left the group; build a new group", format_ranks(gone)), gone));
     return out;
   }
   if (generation != generation_) {
@@ -203,8 +202,9 @@ Deliveries Hub::leave(int rank) {
   for (auto& [to, reply] : out) reply.missing = {rank};
   recovering_.erase(rank);
   for (int r : recovering_)
-    out.emplace_back(r, failure(FailReason::left, 0,
-                                fmt::format("cannot recover: rank {} left the group; build a new group", rank), {rank}));
+    out.emplace_back(r,
+                     failure(FailReason::left, 0,
+                             fmt::format("cannot recover: rank {} left the group; build a new group", rank), {rank}));
   recovering_.clear();
   return out;
 }

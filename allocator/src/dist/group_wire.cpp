@@ -77,7 +77,8 @@ void recv_frame(int fd, FrameHeader& h, std::vector<std::byte>& body, std::vecto
   if (static_cast<std::size_t>(n) < sizeof(FrameHeader)) throw error("group socket: short frame");
   std::memcpy(&h, buf.data(), sizeof h);
   if (h.magic != frame_magic) throw error("group socket: bad frame (not a torpor group peer?)");
-  if (h.frame_bytes != static_cast<std::size_t>(n) - sizeof(FrameHeader)) throw error("group socket: frame size mismatch");
+  if (h.frame_bytes != static_cast<std::size_t>(n) - sizeof(FrameHeader))
+    throw error("group socket: frame size mismatch");
   body.insert(body.end(), buf.begin() + sizeof(FrameHeader), buf.begin() + n);
 }
 

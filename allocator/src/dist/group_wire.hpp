@@ -20,14 +20,14 @@
 namespace torpor::detail {
 
 enum class MessageType : std::uint8_t {
-  hello = 1,        // rank -> hub: version, rank, size, secret, pid
-  welcome = 2,      // hub -> rank
-  refused = 3,      // hub -> rank: reason, then the hub closes the connection
-  contribute = 4,   // rank -> hub: generation, sequence, kind, bytes (+ fds)
-  give_up = 5,      // rank -> hub: generation, sequence, seconds waited
-  recover = 6,      // rank -> hub: generation
+  hello = 1,       // rank -> hub: version, rank, size, secret, pid
+  welcome = 2,     // hub -> rank
+  refused = 3,     // hub -> rank: reason, then the hub closes the connection
+  contribute = 4,  // rank -> hub: generation, sequence, kind, bytes (+ fds)
+  give_up = 5,     // rank -> hub: generation, sequence, seconds waited
+  recover = 6,     // rank -> hub: generation
   give_up_recovery = 7,
-  reply = 8,        // hub -> rank: an encoded Reply (+ fds of every part, in order)
+  reply = 8,  // hub -> rank: an encoded Reply (+ fds of every part, in order)
 };
 
 struct Message {

@@ -6,8 +6,8 @@
 
 #include <set>
 
-#include "torpor/log.hpp"
 #include "driver/multicast_policy.hpp"
+#include "torpor/log.hpp"
 
 namespace torpor {
 
@@ -23,8 +23,8 @@ struct Verdict {
 };
 
 std::vector<std::byte> encode(const Verdict& v) {
-  std::string s = fmt::format("{}|{}|{}|{}|{}", v.usable ? 1 : 0, v.shares_across_processes ? 1 : 0, v.domain,
-                              v.backend, v.reason);
+  std::string s =
+      fmt::format("{}|{}|{}|{}|{}", v.usable ? 1 : 0, v.shares_across_processes ? 1 : 0, v.domain, v.backend, v.reason);
   auto b = std::as_bytes(std::span(s.data(), s.size()));
   return {b.begin(), b.end()};
 }
@@ -94,9 +94,10 @@ MulticastDecision decide_multicast(Group& group, Driver& driver, int device) {
   }
   d.use = d.reason.empty();
   if (!d.use && group.rank() == 0) {
-    std::string text = fmt::format("multicast (NVLS) is not used by this group of {} rank(s): {}; symmetric buffers use "
-                                   "unicast peer mappings",
-                                   n, d.reason);
+    std::string text =
+        fmt::format("multicast (NVLS) is not used by this group of {} rank(s): {}; symmetric buffers use "
+                    "unicast peer mappings",
+                    n, d.reason);
     if (warn) {
       d.warning = text;
       log::warn("{}", text);

@@ -74,7 +74,9 @@ struct NcclGroup::Impl {
     }
   }
 
-  std::string who() const { return fmt::format("nccl group rank {} of {} (device {})", boot.rank(), boot.size(), device); }
+  std::string who() const {
+    return fmt::format("nccl group rank {} of {} (device {})", boot.rank(), boot.size(), device);
+  }
 
   void check(ncclResult_t r, const char* call) const {
     if (r == ncclSuccess || r == ncclInProgress) return;
@@ -213,7 +215,8 @@ struct NcclGroup::Impl {
 
   // Every rank contributes exactly n bytes; returns size() * n bytes, rank by rank.
   std::vector<std::byte> exchange(const void* src, std::size_t n, const char* op) {
-    if (broken) throw invalid_state(fmt::format("{}: the group is unusable ({}); call recover() on every rank", who(), *broken));
+    if (broken)
+      throw invalid_state(fmt::format("{}: the group is unusable ({}); call recover() on every rank", who(), *broken));
     const std::uint64_t seq = ++sequence;
     const auto deadline = clock_type::now() + timeout;
     const std::size_t ranks = static_cast<std::size_t>(boot.size());
@@ -299,8 +302,8 @@ std::vector<std::vector<std::byte>> NcclGroup::all_gather(std::span<const std::b
 
 std::vector<std::vector<UniqueFd>> NcclGroup::all_gather_fds(std::span<const int> mine) {
   if (impl_->broken)
-    throw invalid_state(fmt::format("{}: the group is unusable ({}); call recover() on every rank", impl_->who(),
-                                    *impl_->broken));
+    throw invalid_state(
+        fmt::format("{}: the group is unusable ({}); call recover() on every rank", impl_->who(), *impl_->broken));
   return impl_->boot.all_gather_fds(mine);  // node-local: descriptors cannot travel over NCCL
 }
 

@@ -43,9 +43,10 @@ NvlsAction nccl_nvls_policy(const NvlsEnvironment& env) {
                               torpor, *env.nccl_nvls_enable)};
   }
   if (user_set) return {};  // the user's own setting wins over a foreign kill switch
-  const std::pair<id, const std::optional<std::string>*> foreign[] = {
-      {id::torch_symm_mem_disable_multicast, &env.torch_symm_mem_disable_multicast},
-      {id::nvshmem_disable_nvls, &env.nvshmem_disable_nvls}};
+  const std::pair<id, const std::optional<std::string>*> foreign[] = {{id::torch_symm_mem_disable_multicast,
+                                                                       &env.torch_symm_mem_disable_multicast},
+                                                                      {id::nvshmem_disable_nvls,
+                                                                       &env.nvshmem_disable_nvls}};
   for (const auto& [key, value] : foreign)
     if (switch_set(key, *value))
       return {true, fmt::format("{} is set and NCCL_NVLS_ENABLE is not, so NCCL_NVLS_ENABLE=0 (NCCL creates no "

@@ -55,7 +55,7 @@ struct NcclLibrary {
   std::string name;     // the file opened
   std::string why_not;  // "" when usable
   void* handle = nullptr;
-  int version = 0;      // ncclGetVersion: 22703 for 2.27.3
+  int version = 0;  // ncclGetVersion: 22703 for 2.27.3
   decltype(&ncclGetVersion) get_version = nullptr;
   decltype(&ncclGetUniqueId) get_unique_id = nullptr;
   decltype(&ncclCommInitRank) init_rank = nullptr;               // blocking (NcclComm)

@@ -23,9 +23,9 @@
 #include <numeric>
 #include <set>
 
+#include "pool/range_allocator.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
-#include "pool/range_allocator.hpp"
 
 namespace torpor {
 
@@ -103,10 +103,10 @@ SymmetricHeap::SymmetricHeap(Pool& pool, Group& group, SymmetricHeapOptions opti
       throw error(fmt::format("{}: malformed heap announcement from rank {}", who(), r));
     devices_.push_back(device);
     pids.insert(pid);
-    if (static_cast<std::size_t>(used) < s.size()) problems += fmt::format("; rank {}: {}", r, s.substr(static_cast<std::size_t>(used)));
+    if (static_cast<std::size_t>(used) < s.size())
+      problems += fmt::format("; rank {}: {}", r, s.substr(static_cast<std::size_t>(used)));
   }
-  if (!problems.empty())
-    throw invalid_argument(fmt::format("{}: cannot create the symmetric heap{}", who(), problems));
+  if (!problems.empty()) throw invalid_argument(fmt::format("{}: cannot create the symmetric heap{}", who(), problems));
   one_process_ = pids.size() == 1;
   if (one_process_) {
     // Ranks that are threads of one process must each have a device of their own.
@@ -209,8 +209,8 @@ void SymmetricHeap::step(const std::string& what, F&& fn) {
 PhysicalHandle SymmetricHeap::own_handle(const SymmetricBuffer& b) const {
   auto ci = pool_.chunk_info(b.local_);
   if (!ci || !ci->awake || !ci->handle)
-    throw invalid_state(fmt::format("{}: symmetric buffer {} is asleep on this rank (tag '{}'); wake it first", who(),
-                                    b.id_, b.tag_));
+    throw invalid_state(
+        fmt::format("{}: symmetric buffer {} is asleep on this rank (tag '{}'); wake it first", who(), b.id_, b.tag_));
   return ci->handle;
 }
 
@@ -233,7 +233,8 @@ void SymmetricHeap::import_peers(SymmetricBuffer& b, const std::vector<int>& fd_
         driver_.unmap(va, b.part_bytes_);
         imp.mapped = false;
       } catch (const std::exception& e) {
-        log::error("{}: unmapping rank {}'s part of buffer {} after a failed set_access: {}", who(), r, b.id_, e.what());
+        log::error("{}: unmapping rank {}'s part of buffer {} after a failed set_access: {}", who(), r, b.id_,
+                   e.what());
       }
       throw;
     }
@@ -403,9 +404,8 @@ SymmetricBuffer& SymmetricHeap::allocate(std::size_t bytes, const SymmetricBuffe
     const std::size_t granularity = pool_.granularity();
     std::size_t alignment = granularity;
     if (use_multicast)
-      step("querying the multicast granularity", [&] {
-        alignment = std::lcm(granularity, driver_.multicast_granularity(devices_, bytes));
-      });
+      step("querying the multicast granularity",
+           [&] { alignment = std::lcm(granularity, driver_.multicast_granularity(devices_, bytes)); });
     // Large enough for a chunk of its own: exporting it must share nothing else.
     b->part_bytes_ = align_up(std::max(bytes, pool_.options().small_limit + 1), alignment);
 
@@ -421,8 +421,9 @@ SymmetricBuffer& SymmetricHeap::allocate(std::size_t bytes, const SymmetricBuffe
                                  {options_.table_tag, MemoryClass::state, table_name});
       b->peer_range_ = pool_.reserve_address_range(static_cast<std::size_t>(n) * b->part_bytes_);
       for (int r = 0; r < n; ++r)
-        b->peer_va_[static_cast<std::size_t>(r)] =
-            r == me ? reinterpret_cast<device_ptr>(b->local_) : b->peer_range_ + static_cast<std::size_t>(r) * b->part_bytes_;
+        b->peer_va_[static_cast<std::size_t>(r)] = r == me
+                                                       ? reinterpret_cast<device_ptr>(b->local_)
+                                                       : b->peer_range_ + static_cast<std::size_t>(r) * b->part_bytes_;
       if (use_multicast) {
         SymmetricBuffer::Multicast m;
         m.bytes = b->part_bytes_;

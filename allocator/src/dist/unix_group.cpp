@@ -52,7 +52,7 @@ constexpr int send_timeout_seconds = 5;
 std::string errno_text() { return std::strerror(errno); }
 
 void check_private_directory(const std::string& dir) {
-  struct stat st{};
+  struct stat st {};
   if (::lstat(dir.c_str(), &st) != 0)
     throw error(fmt::format("rendezvous directory '{}' is not accessible: {} (create it with Rendezvous::create())",
                             dir, errno_text()));
@@ -142,11 +142,16 @@ detail::Received decode_reply(detail::Message& m) {
 
 class HubServer {
  public:
-  HubServer(const Rendezvous& rv, int size) : path_(rv.socket_path()), dir_(rv.directory), secret_(rv.secret),
-                                              size_(size), hub_(size), ranks_(static_cast<std::size_t>(size)) {
+  HubServer(const Rendezvous& rv, int size)
+      : path_(rv.socket_path()),
+        dir_(rv.directory),
+        secret_(rv.secret),
+        size_(size),
+        hub_(size),
+        ranks_(static_cast<std::size_t>(size)) {
     check_private_directory(dir_);
     sockaddr_un addr = socket_address(path_);
-    struct stat st{};
+    struct stat st {};
     if (::lstat(path_.c_str(), &st) == 0) {
       // A socket left by an earlier group in our own private directory.
       if (!S_ISSOCK(st.st_mode) || st.st_uid != ::geteuid())
@@ -159,8 +164,7 @@ class HubServer {
       throw error(fmt::format("bind of the rendezvous socket '{}' failed: {}", path_, errno_text()));
     if (::chmod(path_.c_str(), 0600) != 0)
       throw error(fmt::format("chmod 0600 of the rendezvous socket '{}' failed: {}", path_, errno_text()));
-    if (::listen(listen_.get(), 128) != 0)
-      throw error(fmt::format("listen on '{}' failed: {}", path_, errno_text()));
+    if (::listen(listen_.get(), 128) != 0) throw error(fmt::format("listen on '{}' failed: {}", path_, errno_text()));
     wake_.reset(::eventfd(0, EFD_CLOEXEC));
     if (!wake_) throw error(fmt::format("eventfd failed: {}", errno_text()));
     thread_ = std::thread([this] { run(); });
@@ -227,7 +231,8 @@ class HubServer {
       }
       for (std::size_t k = done.size(); k-- > 0;) hellos_.erase(hellos_.begin() + static_cast<std::ptrdiff_t>(done[k]));
       for (int r = 0; r < size_; ++r, ++at)
-        if (fds[at].fd >= 0 && fds[at].revents != 0 && ranks_[static_cast<std::size_t>(r)].get() == fds[at].fd) serve(r);
+        if (fds[at].fd >= 0 && fds[at].revents != 0 && ranks_[static_cast<std::size_t>(r)].get() == fds[at].fd)
+          serve(r);
       if (fds[1].revents & POLLIN) accept_one();
     }
   }
@@ -398,8 +403,8 @@ Rendezvous Rendezvous::create() {
   std::vector<char> buf(templ.begin(), templ.end());
   buf.push_back('\0');
   if (::mkdtemp(buf.data()) == nullptr)
-    throw error(fmt::format("could not create a private rendezvous directory under '{}': {} (set TMPDIR)", base,
-                            errno_text()));
+    throw error(
+        fmt::format("could not create a private rendezvous directory under '{}': {} (set TMPDIR)", base, errno_text()));
   Rendezvous rv;
   rv.directory = buf.data();
   (void)socket_address(rv.socket_path());  // fail now, not in every rank, when the path is too long
@@ -426,8 +431,8 @@ Rendezvous Rendezvous::parse(std::string_view text) {
   Rendezvous rv;
   rv.directory = std::string(text.substr(0, at));
   rv.secret = std::string(text.substr(at + 1));
-  bool hex = rv.secret.size() == 64 &&
-             std::all_of(rv.secret.begin(), rv.secret.end(), [](char c) { return std::isxdigit(static_cast<unsigned char>(c)); });
+  bool hex = rv.secret.size() == 64 && std::all_of(rv.secret.begin(), rv.secret.end(),
+                                                   [](char c) { return std::isxdigit(static_cast<unsigned char>(c)); });
   if (!hex) throw invalid_argument("rendezvous secret must be 64 hex digits (from Rendezvous::create())");
   return rv;
 }
@@ -450,8 +455,8 @@ struct UnixSocketGroup::Impl final : detail::HubClientGroup {
   }
 
   ~Impl() override {
-    sock_.reset();     // leaving: the hub (ours or rank 0's) sees the connection close
-    server_.reset();   // rank 0: stop serving, remove the socket
+    sock_.reset();    // leaving: the hub (ours or rank 0's) sees the connection close
+    server_.reset();  // rank 0: stop serving, remove the socket
     if (rank() == 0 && ::rmdir(rendezvous_.directory.c_str()) != 0)
       log::debug("{}: the rendezvous directory '{}' stays ({})", who(), rendezvous_.directory, errno_text());
   }
@@ -472,7 +477,9 @@ struct UnixSocketGroup::Impl final : detail::HubClientGroup {
                                   "refusing to send memory handles there",
                                   who(), rendezvous_.socket_path(), c.uid, ::geteuid()));
         Writer w;
-        w.put<std::uint32_t>(detail::wire_version).put<std::int32_t>(rank()).put<std::int32_t>(size())
+        w.put<std::uint32_t>(detail::wire_version)
+            .put<std::int32_t>(rank())
+            .put<std::int32_t>(size())
             .put_string(rendezvous_.secret);
         auto body = w.take();
         detail::send_message(s.get(), MessageType::hello, as_bytes(body));
@@ -483,8 +490,8 @@ struct UnixSocketGroup::Impl final : detail::HubClientGroup {
                               {0});
         if (m->type == MessageType::refused) {
           Reader rd(m->body);
-          throw error(fmt::format("{}: the rendezvous at '{}' refused this rank: {}", who(),
-                                  rendezvous_.socket_path(), rd.get_string()));
+          throw error(fmt::format("{}: the rendezvous at '{}' refused this rank: {}", who(), rendezvous_.socket_path(),
+                                  rd.get_string()));
         }
         if (m->type != MessageType::welcome)
           throw error(fmt::format("{}: unexpected answer to hello from '{}'", who(), rendezvous_.socket_path()));
@@ -570,9 +577,7 @@ std::vector<std::vector<UniqueFd>> UnixSocketGroup::all_gather_fds(std::span<con
 }
 void UnixSocketGroup::barrier() { impl_->barrier(); }
 void UnixSocketGroup::recover() { impl_->recover(); }
-std::size_t UnixSocketGroup::refused_connections() const {
-  return impl_->server_ ? impl_->server_->refused() : 0;
-}
+std::size_t UnixSocketGroup::refused_connections() const { return impl_->server_ ? impl_->server_->refused() : 0; }
 
 std::unique_ptr<Group> unix_group_from_env(const GroupOptions& options) {
   auto need = [](options::id key, auto value) {

@@ -71,8 +71,7 @@ DriverSelection open_driver(Backend requested, const HostDriverOptions& host_opt
   auto host = [&](std::string reason) {
     return DriverSelection{std::make_shared<HostDriver>(host_options), Backend::host, std::move(reason)};
   };
-  if (requested == Backend::host)
-    return host(from_env ? "requested by TORPOR_BACKEND=host" : "requested");
+  if (requested == Backend::host) return host(from_env ? "requested by TORPOR_BACKEND=host" : "requested");
 
   std::string why;
 #ifdef TORPOR_HAVE_CUDA
@@ -90,7 +89,7 @@ DriverSelection open_driver(Backend requested, const HostDriverOptions& host_opt
 #endif
   if (requested == Backend::cuda)
     throw unavailable(fmt::format("the cuda backend was requested{} but cannot be used: {}",
-                            from_env ? " (TORPOR_BACKEND=cuda)" : "", why));
+                                  from_env ? " (TORPOR_BACKEND=cuda)" : "", why));
   return host(fmt::format("no usable GPU: {}", why));
 }
 

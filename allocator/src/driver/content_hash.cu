@@ -36,8 +36,10 @@ extern "C" __global__ void __launch_bounds__(256)
   unsigned long long block = blockIdx.x;
   while (hi - lo > 1) {
     unsigned mid = (lo + hi) / 2;
-    if (jobs[mid].first_block <= block) lo = mid;
-    else hi = mid;
+    if (jobs[mid].first_block <= block)
+      lo = mid;
+    else
+      hi = mid;
   }
   const HashJob job = jobs[lo];
   unsigned long long begin = (block - job.first_block) * slice_bytes;

@@ -7,8 +7,8 @@
 //   - a reservation can only be freed when nothing is mapped inside it.
 #include "torpor/host_driver.hpp"
 
-#include <fmt/format.h>
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -142,8 +142,9 @@ HostDriver::HostDriver(HostDriverOptions options)
   if (options_.devices < 1) throw invalid_argument("HostDriver needs at least one device");
   if (options_.granularity == 0 || (options_.granularity & (options_.granularity - 1)) != 0 ||
       options_.granularity % static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)) != 0)
-    throw invalid_argument(fmt::format("HostDriver granularity {} must be a power of two and a multiple of the page size",
-                                       options_.granularity));
+    throw invalid_argument(
+        fmt::format("HostDriver granularity {} must be a power of two and a multiple of the page size",
+                    options_.granularity));
   raise_fd_limit_once();
 }
 
@@ -257,7 +258,7 @@ PhysicalHandle HostDriver::create(int device, std::size_t bytes, bool exportable
   }
   mem->device = device;  // from here the destructor gives the bytes back
   if (::ftruncate(mem->fd, static_cast<off_t>(bytes)) != 0) throw_driver_error(k_oom, call, errno_text("ftruncate"));
-  struct stat st{};
+  struct stat st {};
   ::fstat(mem->fd, &st);
   mem->st_dev = st.st_dev;
   mem->st_ino = st.st_ino;
@@ -349,8 +350,7 @@ void HostDriver::set_access(device_ptr va, std::size_t bytes, std::span<const in
   }
   if (at != va + bytes) misuse(call, fmt::format("[{:#x}, +{:#x}) ends inside a mapping", va, bytes));
   for (auto& c : covered) {
-    if (c->second.memory &&
-        ::mprotect(reinterpret_cast<void*>(c->first), c->second.bytes, PROT_READ | PROT_WRITE) != 0)
+    if (c->second.memory && ::mprotect(reinterpret_cast<void*>(c->first), c->second.bytes, PROT_READ | PROT_WRITE) != 0)
       throw_driver_error(k_invalid, call, errno_text("mprotect"));
     c->second.accessible = true;
   }
@@ -369,7 +369,7 @@ int HostDriver::export_fd(PhysicalHandle handle) {
 
 PhysicalHandle HostDriver::import_fd(int fd) {
   const char* call = "cuMemImportFromShareableHandle";
-  struct stat st{};
+  struct stat st {};
   if (fd < 0 || ::fstat(fd, &st) != 0) misuse(call, fmt::format("fd {} is not open", fd));
   if (st.st_size <= 0 || static_cast<std::size_t>(st.st_size) % options_.granularity != 0)
     misuse(call, fmt::format("fd {} is not exported physical memory (size {})", fd, st.st_size));
@@ -397,8 +397,7 @@ PhysicalHandle HostDriver::import_fd(int fd) {
 
 std::shared_ptr<HostDriver::Multicast> HostDriver::multicast_of(MulticastHandle mc, const char* call) const {
   auto it = handles_.find(mc.value);
-  if (it == handles_.end() || !it->second.multicast)
-    misuse(call, fmt::format("unknown multicast handle {}", mc.value));
+  if (it == handles_.end() || !it->second.multicast) misuse(call, fmt::format("unknown multicast handle {}", mc.value));
   return it->second.multicast;
 }
 
@@ -409,8 +408,9 @@ std::size_t HostDriver::multicast_granularity(std::span<const int> devices, std:
 
 MulticastHandle HostDriver::multicast_create(std::span<const int> devices, std::size_t bytes) {
   const char* call = "cuMulticastCreate";
-  if (!options_.multicast_attribute) throw_driver_error(static_cast<int>(driver_status::not_supported), call,
-                                                        "the emulated devices report no multicast support");
+  if (!options_.multicast_attribute)
+    throw_driver_error(static_cast<int>(driver_status::not_supported), call,
+                       "the emulated devices report no multicast support");
   if (devices.empty()) misuse(call, "no devices");
   for (int d : devices) check_device(d, call);
   if (bytes == 0) misuse(call, "size 0");
@@ -444,8 +444,8 @@ void HostDriver::multicast_bind(MulticastHandle mc, std::size_t mc_offset, Physi
   auto m = multicast_of(mc, call);
   // As on the GPU: memory can be bound only once every participating device was added.
   if (m->added.size() != m->devices.size())
-    misuse(call, fmt::format("bind before every device was added ({} of {} added)", m->added.size(),
-                             m->devices.size()));
+    misuse(call,
+           fmt::format("bind before every device was added ({} of {} added)", m->added.size(), m->devices.size()));
   const HandleEntry& e = entry(memory, call);
   if (!e.memory) misuse(call, "memory handle is a multicast object");
   int device = e.memory->device;
@@ -486,7 +486,7 @@ int HostDriver::multicast_export_fd(MulticastHandle mc) {
   if (m->token_fd < 0) {
     int fd = ::memfd_create("torpor-multicast", MFD_CLOEXEC);
     if (fd < 0) throw_driver_error(k_oom, call, errno_text("memfd_create"));
-    struct stat st{};
+    struct stat st {};
     ::fstat(fd, &st);
     m->token_fd = fd;
     m->st_dev = st.st_dev;
@@ -499,7 +499,7 @@ int HostDriver::multicast_export_fd(MulticastHandle mc) {
 
 MulticastHandle HostDriver::multicast_import_fd(int fd) {
   const char* call = "cuMemImportFromShareableHandle(multicast)";
-  struct stat st{};
+  struct stat st {};
   if (fd < 0 || ::fstat(fd, &st) != 0) misuse(call, fmt::format("fd {} is not open", fd));
   std::lock_guard lock(mu_);
   std::shared_ptr<Multicast> found;
@@ -695,8 +695,10 @@ HostDriverCounters HostDriver::counters() const {
   std::lock_guard lock(mu_);
   HostDriverCounters c;
   for (auto& [id, e] : handles_) {
-    if (e.memory) ++c.live_handles;
-    else ++c.multicast_objects;
+    if (e.memory)
+      ++c.live_handles;
+    else
+      ++c.multicast_objects;
   }
   for (auto& l : counters_->live) c.live_physical_bytes += l.load();
   for (auto& [va, m] : mappings_) {

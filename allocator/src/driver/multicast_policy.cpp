@@ -17,7 +17,8 @@ MulticastProbe probe_multicast(Driver& driver, int device) {
   if (p.kill_switch) {
     p.reason = fmt::format("disabled by {}", *p.kill_switch);
   } else if (!p.attribute) {
-    p.reason = fmt::format("device {} reports no multicast support (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 0)", device);
+    p.reason =
+        fmt::format("device {} reports no multicast support (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 0)", device);
   } else if (!p.entry_points) {
     p.reason = "the driver library lacks the multicast entry points (cuMulticastCreate etc.)";
   } else {

@@ -21,10 +21,10 @@ std::optional<std::string> multicast_kill_switch();
 
 struct MulticastProbe {
   bool usable = false;
-  bool attribute = false;      // the device says it supports multicast
-  bool entry_points = false;   // the driver library has the calls
+  bool attribute = false;     // the device says it supports multicast
+  bool entry_points = false;  // the driver library has the calls
   std::optional<std::string> kill_switch;
-  std::string reason;          // why not usable ("" when usable)
+  std::string reason;  // why not usable ("" when usable)
 };
 
 // Reads the kill switches first, so a disabled machine never even queries multicast state.

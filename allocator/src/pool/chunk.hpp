@@ -62,7 +62,8 @@ struct HostCopy {
 // The driver side of chunks' physical memory, one per pool.
 class ChunkMemory {
  public:
-  ChunkMemory(Driver& driver, int device, bool exportable) : driver_(driver), device_(device), exportable_(exportable) {}
+  ChunkMemory(Driver& driver, int device, bool exportable)
+      : driver_(driver), device_(device), exportable_(exportable) {}
 
   Driver& driver() const noexcept { return driver_; }
   const std::vector<int>& access_devices() const noexcept { return access_devices_; }

@@ -17,8 +17,10 @@ HostStore::~HostStore() {
 
 void HostStore::free_block(Block& b) noexcept {
   try {
-    if (b.pinned) driver_.host_free(b.base);
-    else ::munmap(b.base, b.space.capacity());
+    if (b.pinned)
+      driver_.host_free(b.base);
+    else
+      ::munmap(b.base, b.space.capacity());
   } catch (const std::exception& e) {
     log::error("HostStore: freeing a {}-byte block failed: {}", b.space.capacity(), e.what());
   }
@@ -43,8 +45,8 @@ void HostStore::add_block(std::size_t bytes, bool pinned) {
   } else {
     p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED)
-      throw out_of_memory(fmt::format("host backing store could not grow by {} pageable bytes ({} held)", bytes,
-                                      capacity()));
+      throw out_of_memory(
+          fmt::format("host backing store could not grow by {} pageable bytes ({} held)", bytes, capacity()));
   }
   blocks_.push_back(Block{static_cast<std::byte*>(p), RangeAllocator(bytes), pinned});
   ++growths_;

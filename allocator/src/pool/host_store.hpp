@@ -12,8 +12,8 @@
 #include <cstddef>
 #include <vector>
 
-#include "torpor/driver.hpp"
 #include "pool/range_allocator.hpp"
+#include "torpor/driver.hpp"
 
 namespace torpor {
 

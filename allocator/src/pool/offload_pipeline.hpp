@@ -41,7 +41,7 @@ class OffloadPipeline {
 
  private:
   void issue(std::size_t k, Stream stream);  // chunk k's copies and event
-  void release_loop();                         // a worker
+  void release_loop();                       // a worker
 
   Pool::State& s_;
   SleepPlan& plan_;
@@ -49,7 +49,7 @@ class OffloadPipeline {
   IndexQueue issued_;
   std::vector<char> released_;  // written by the worker that released chunk k, read after join
   std::exception_ptr issue_error_;
-  std::mutex worker_mu_;        // guards worker_error_
+  std::mutex worker_mu_;  // guards worker_error_
   std::exception_ptr worker_error_;
   std::atomic<bool> worker_failed_{false};
 };

@@ -119,7 +119,8 @@ void normalize_sizes(PoolOptions& o, const DeviceProperties& props, std::size_t 
         fmt::format("PoolOptions::slab_bytes {} must be a multiple of the granularity {}", o.slab_bytes, gran));
   if (o.small_limit == 0) o.small_limit = o.slab_bytes / 2;
   if (o.small_limit > o.slab_bytes)
-    throw invalid_argument(fmt::format("PoolOptions::small_limit {} exceeds slab_bytes {}", o.small_limit, o.slab_bytes));
+    throw invalid_argument(
+        fmt::format("PoolOptions::small_limit {} exceeds slab_bytes {}", o.small_limit, o.slab_bytes));
   if (o.medium_limit != 0) {
     o.medium_slab_min = align_up(std::max(o.medium_slab_min, gran), gran);
     o.medium_slab_max = align_up(std::max(o.medium_slab_max, o.medium_slab_min), gran);
@@ -226,8 +227,8 @@ Pool::Pool(Driver& driver, PoolOptions options) : driver_(driver), options_(std:
     }
     throw;
   }
-  log::debug("pool: device {} backend {} va [{:#x}, +{:#x}) granularity {:#x}", options_.device,
-             driver_.backend_name(), va_base_, options_.va_bytes, granularity_);
+  log::debug("pool: device {} backend {} va [{:#x}, +{:#x}) granularity {:#x}", options_.device, driver_.backend_name(),
+             va_base_, options_.va_bytes, granularity_);
 }
 
 Pool::~Pool() {
@@ -347,8 +348,9 @@ void* Pool::allocate(std::size_t bytes, const AllocationOptions& options) {
   std::lock_guard lock(s.mu);
   auto tag_it = s.tags.find(options.tag);
   if (tag_it != s.tags.end() && tag_it->second.asleep)
-    throw invalid_state(fmt::format("allocate: tag '{}' is asleep (level {}); wake_up({{\"{}\"}}) before allocating in it",
-                                    options.tag, static_cast<int>(tag_it->second.level), options.tag));
+    throw invalid_state(
+        fmt::format("allocate: tag '{}' is asleep (level {}); wake_up({{\"{}\"}}) before allocating in it", options.tag,
+                    static_cast<int>(tag_it->second.level), options.tag));
 
   Placement at = place(s, bytes, options);
   auto a = std::make_unique<Allocation>();
@@ -430,7 +432,8 @@ void Pool::mark(void* ptr, std::size_t bytes, MemoryClass memory_class, std::str
   auto p = reinterpret_cast<device_ptr>(ptr);
   std::lock_guard lock(s.mu);
   Allocation* found = s.containing(p);
-  if (found == nullptr) throw invalid_argument(fmt::format("mark: {} is not inside any allocation of this pool", hex(p)));
+  if (found == nullptr)
+    throw invalid_argument(fmt::format("mark: {} is not inside any allocation of this pool", hex(p)));
   Allocation& a = *found;
   std::size_t lo = p - a.base;
   if (bytes > a.bytes - lo)

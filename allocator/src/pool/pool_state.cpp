@@ -77,10 +77,13 @@ void Pool::State::drop_copies(std::map<std::size_t, HostCopy>& copies, std::size
     // Left piece keeps [start, cut_lo); right piece keeps [cut_hi, end) plus the store's
     // rounding slack; the middle goes back to the store. Split pieces lose their hash.
     std::size_t slack = c.span.bytes - c.bytes;
-    if (cut_lo > start) copies[start] = HostCopy{cut_lo - start, HostSpan{c.span.ptr, cut_lo - start, c.span.pinned}, {}, false};
+    if (cut_lo > start)
+      copies[start] = HostCopy{cut_lo - start, HostSpan{c.span.ptr, cut_lo - start, c.span.pinned}, {}, false};
     if (cut_hi < end) {
-      copies[cut_hi] = HostCopy{end - cut_hi, HostSpan{c.span.ptr + (cut_hi - start), end - cut_hi + slack, c.span.pinned},
-                                {}, false};
+      copies[cut_hi] = HostCopy{end - cut_hi,
+                                HostSpan{c.span.ptr + (cut_hi - start), end - cut_hi + slack, c.span.pinned},
+                                {},
+                                false};
       free_span(HostSpan{c.span.ptr + (cut_lo - start), cut_hi - cut_lo, c.span.pinned});
     } else {
       free_span(HostSpan{c.span.ptr + (cut_lo - start), cut_hi - cut_lo + slack, c.span.pinned});
@@ -112,7 +115,7 @@ Allocation* Pool::State::containing(device_ptr p) const {
 }
 
 std::vector<std::string> Pool::State::resolve_tags(const std::vector<std::string>& requested,
-                                                    const char* operation) const {
+                                                   const char* operation) const {
   std::vector<std::string> out;
   if (requested.empty()) {
     for (auto& [t, s] : tags) out.push_back(t);

@@ -70,7 +70,7 @@ struct Pool::State {
   mutable std::mutex mu;
   RangeAllocator va;  // offsets from va_base
   HostStore host;
-  std::map<device_ptr, std::unique_ptr<Chunk>> chunks;             // by va
+  std::map<device_ptr, std::unique_ptr<Chunk>> chunks;            // by va
   std::map<device_ptr, std::unique_ptr<Allocation>> allocations;  // by base
   std::map<std::string, TagState, std::less<>> tags;
   std::vector<std::string> preserve;

@@ -176,7 +176,8 @@ TransitionReport Pool::sleep(SleepLevel level, const std::vector<std::string>& r
     if (level != SleepLevel::none) observers = state_->observers;
   }
   return observed(
-      observers, [&](SleepObserver& o) { o.before_sleep(*this, number, tags); }, [&] { return sleep_tags(level, tags); },
+      observers, [&](SleepObserver& o) { o.before_sleep(*this, number, tags); },
+      [&] { return sleep_tags(level, tags); },
       [&](SleepObserver& o, bool ok) { o.after_sleep(*this, number, tags, ok); }, "sleep", "sleep");
 }
 
@@ -228,8 +229,9 @@ TransitionReport Pool::sleep_tags(SleepLevel level, const std::vector<std::strin
   deepen(s, plan, r);
 
   r.seconds = since(start);
-  log::info("sleep level {}: {} chunks, {} bytes offloaded, {} skipped unchanged, {} discarded, {} released in {:.3f} s",
-            r.level, r.chunks, r.bytes_offloaded, r.bytes_skipped, r.bytes_discarded, r.bytes_released, r.seconds);
+  log::info(
+      "sleep level {}: {} chunks, {} bytes offloaded, {} skipped unchanged, {} discarded, {} released in {:.3f} s",
+      r.level, r.chunks, r.bytes_offloaded, r.bytes_skipped, r.bytes_discarded, r.bytes_released, r.seconds);
   return r;
 }
 

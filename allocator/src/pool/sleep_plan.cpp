@@ -41,7 +41,8 @@ void split_into_pieces(const Pool::State& s, ChunkPlan& plan, SleepLevel level) 
 void hash_pieces(Pool::State& s, SleepPlan& plan, TransitionReport& r) {
   std::vector<HashRange> ranges;
   for (auto& cp : plan.chunks)
-    for (auto& p : cp.pieces) ranges.push_back(HashRange{reinterpret_cast<const void*>(cp.chunk->va + p.offset), p.bytes});
+    for (auto& p : cp.pieces)
+      ranges.push_back(HashRange{reinterpret_cast<const void*>(cp.chunk->va + p.offset), p.bytes});
   if (ranges.empty()) return;
   auto t = clock_type::now();
   std::vector<Hash128> hashes(ranges.size());
@@ -98,8 +99,10 @@ SleepPlan select_chunks(const Pool::State& s, const std::vector<std::string>& ta
   plan.level = level;
   for (auto& [va, c] : s.chunks) {
     if (!has_tag(tags, c->tag)) continue;
-    if (c->awake) plan.chunks.push_back(ChunkPlan{c.get(), {}, 0});
-    else if (c->level < level) plan.deepen.push_back(c.get());
+    if (c->awake)
+      plan.chunks.push_back(ChunkPlan{c.get(), {}, 0});
+    else if (c->level < level)
+      plan.deepen.push_back(c.get());
   }
   return plan;
 }

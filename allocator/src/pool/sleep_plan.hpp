@@ -30,10 +30,10 @@ namespace torpor {
 struct Piece {
   std::size_t offset = 0;  // in the chunk
   std::size_t bytes = 0;
-  HostSpan span;           // destination (null until assigned)
+  HostSpan span;  // destination (null until assigned)
   Hash128 hash;
   bool hashed = false;
-  bool skip = false;       // the retained copy holds exactly these bytes
+  bool skip = false;  // the retained copy holds exactly these bytes
 };
 
 struct ChunkPlan {

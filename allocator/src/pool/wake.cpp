@@ -36,8 +36,10 @@ void apply_or_roll_back(Pool::State& s, const std::vector<WakeGroup>& groups, co
   for (std::size_t g = 0; g < groups.size(); ++g) {
     if (!pipeline.mapped(g)) continue;  // never mapped, or rolled back by the map thread
     for (Chunk* c : groups[g]) {
-      if (pipeline.restored(g)) wake_chunk(s, *c, r);
-      else c->drop_mapping(s.memory);
+      if (pipeline.restored(g))
+        wake_chunk(s, *c, r);
+      else
+        c->drop_mapping(s.memory);
     }
   }
 }

@@ -49,8 +49,8 @@ class WakePipeline {
   double map_seconds() const noexcept { return map_seconds_; }
 
  private:
-  void map_loop();                   // the map thread
-  void map_group(std::size_t g);     // throws after rolling the group back
+  void map_loop();                // the map thread
+  void map_group(std::size_t g);  // throws after rolling the group back
   void issue_restores(std::size_t g, Stream stream);
   void fill_discarded(const Chunk& c, Stream stream);
   void synchronize_streams();

@@ -52,7 +52,8 @@ class Compute {
                            int hidden, float eps) = 0;
   virtual void attention_decode(const bf16* qkv, bf16* k_cache, bf16* v_cache, const std::int32_t* pos, bf16* out,
                                 int batch, int head_dim, int max_seq) = 0;
-  virtual void router_topk(const float* logits, int rows, int experts, int top_k, std::int32_t* idx, float* weights) = 0;
+  virtual void router_topk(const float* logits, int rows, int experts, int top_k, std::int32_t* idx,
+                           float* weights) = 0;
   virtual void silu_mul(const bf16* in, bf16* out, int rows, int inter) = 0;
   virtual void expert_pointers(const std::int32_t* idx, int count, int top_k, const bf16* const* gate_up_table,
                                const bf16* const* down_table, int experts, const bf16* x_lat, int latent,

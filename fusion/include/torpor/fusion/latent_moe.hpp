@@ -45,7 +45,7 @@
 namespace torpor::fusion {
 
 struct LatentMoEConfig {
-  int hidden = 128;        // a multiple of 64 (the tail's requirement)
+  int hidden = 128;  // a multiple of 64 (the tail's requirement)
   int latent = 64;
   int experts = 8;
   int top_k = 2;
@@ -67,7 +67,7 @@ struct LatentMoEWeights {
 };
 
 struct LatentMoEOptions {
-  std::string name = "moe";           // allocation names start with it ("layers.0.moe")
+  std::string name = "moe";  // allocation names start with it ("layers.0.moe")
   std::string scratch_tag = tags::kv_cache;
   TailOptions tail;
 };

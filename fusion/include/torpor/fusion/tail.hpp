@@ -39,8 +39,8 @@ enum class TailMode { all_reduce, reduce_scatter };
 const char* to_string(TailMode m) noexcept;
 
 struct TailShape {
-  int hidden = 0;          // a multiple of 64, at most 8192
-  int max_tokens = 128;    // per call; at least 128 supported
+  int hidden = 0;        // a multiple of 64, at most 8192
+  int max_tokens = 128;  // per call; at least 128 supported
   int top_k = 1;
   bool shared_expert = false;
   float eps = 1e-6f;
@@ -75,8 +75,8 @@ enum class TailPath { fused_multicast, fused_unicast, unfused };
 const char* to_string(TailPath p) noexcept;
 
 struct TailOptions {
-  bool allow_fused = true;                                // false: always the unfused path
-  std::chrono::milliseconds wait_timeout{5000};           // bound on every device-side spin
+  bool allow_fused = true;                       // false: always the unfused path
+  std::chrono::milliseconds wait_timeout{5000};  // bound on every device-side spin
   // Fused path on compute capability 9.0+: launch each call as a programmatic dependent of the
   // kernel before it on the stream (CUDA programmatic dependent launch), so its blocks are
   // already resident when that kernel completes. The call still waits for that completion before

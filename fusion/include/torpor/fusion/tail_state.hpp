@@ -15,13 +15,13 @@ class SymmetricBuffer;
 namespace torpor::fusion {
 
 struct TailState {
-  void* control = nullptr;             // device memory of this rank (CPU memory on the host backend)
+  void* control = nullptr;  // device memory of this rank (CPU memory on the host backend)
   std::size_t control_bytes = 0;
-  SymmetricBuffer* slots = nullptr;    // slots->local(): this rank's part; slots->peer_table(): the table
-  std::size_t slot_bytes = 0;          // bytes of the part the protocol uses
-  int capacity_blocks = 0;             // GPU: the fused grid's bound at one block per row (0 on the host backend)
-  int blocks_per_row_few_rows = 0;     // GPU: blocks sharing a row in calls of <= kernels::tail_cluster_max_rows rows
-  int blocks_per_row_many_rows = 0;    // GPU: ... in larger calls (TailOptions::blocks_per_row resolved)
+  SymmetricBuffer* slots = nullptr;  // slots->local(): this rank's part; slots->peer_table(): the table
+  std::size_t slot_bytes = 0;        // bytes of the part the protocol uses
+  int capacity_blocks = 0;           // GPU: the fused grid's bound at one block per row (0 on the host backend)
+  int blocks_per_row_few_rows = 0;   // GPU: blocks sharing a row in calls of <= kernels::tail_cluster_max_rows rows
+  int blocks_per_row_many_rows = 0;  // GPU: ... in larger calls (TailOptions::blocks_per_row resolved)
 };
 
 // The fused tail's state; nothing for the unfused path.

@@ -44,16 +44,16 @@ namespace torpor::fusion {
 
 struct TinyMoeConfig {
   int vocab = 512;
-  int hidden = 128;       // a multiple of 64
+  int hidden = 128;  // a multiple of 64
   int layers = 2;
   int head_dim = 64;
   int experts = 8;
   int top_k = 2;
   int latent = 64;
-  int inter = 128;        // per expert, sharded over the ranks
-  int shared_inter = 128; // 0 = no shared expert
+  int inter = 128;         // per expert, sharded over the ranks
+  int shared_inter = 128;  // 0 = no shared expert
   int max_batch = 16;
-  int max_seq = 64;       // prompt + generated tokens
+  int max_seq = 64;  // prompt + generated tokens
   float eps = 1e-6f;
 };
 

@@ -15,7 +15,8 @@ struct bf16 {
   static bf16 from_float(float f) noexcept {
     std::uint32_t u;
     std::memcpy(&u, &f, 4);
-    if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu) != 0) return bf16{static_cast<std::uint16_t>((u >> 16) | 0x40)};
+    if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu) != 0)
+      return bf16{static_cast<std::uint16_t>((u >> 16) | 0x40)};
     u += 0x7FFFu + ((u >> 16) & 1u);
     return bf16{static_cast<std::uint16_t>(u >> 16)};
   }

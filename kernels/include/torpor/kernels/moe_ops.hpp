@@ -89,7 +89,8 @@ int add_rmsnorm(const bf16* a, const bf16* b, const bf16* gamma, bf16* sum_out, 
                 float eps, Stream stream);
 int attention_decode(const bf16* qkv, bf16* k_cache, bf16* v_cache, const std::int32_t* pos, bf16* out, int batch,
                      int head_dim, int max_seq, Stream stream);
-int router_topk(const float* logits, int rows, int experts, int top_k, std::int32_t* idx, float* weights, Stream stream);
+int router_topk(const float* logits, int rows, int experts, int top_k, std::int32_t* idx, float* weights,
+                Stream stream);
 int silu_mul(const bf16* in, bf16* out, int rows, int inter, Stream stream);
 int expert_pointers(const std::int32_t* idx, int count, int top_k, const bf16* const* gate_up_table,
                     const bf16* const* down_table, int experts, const bf16* x_lat, int latent, bf16* gate_up_out,

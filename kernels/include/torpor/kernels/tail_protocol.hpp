@@ -28,9 +28,9 @@
 //       receives at least one row from every source in every call, see receive_rows), and this
 //       rank issues those only after its whole call-s kernel has finished, clears included
 //       (stream order; a call launched as a programmatic dependent touches nothing before its
-//       griddepcontrol.wait, which returns only after the previous kernel completed). So no clear can overwrite a next-round store, whatever the block
-//       scheduling, with no grid-wide barrier. (The slot of call s - 2, (s + 1) % 3, was cleared
-//       during call s - 1 and is written by peers at call s + 1: also a kernel boundary away.)
+//       griddepcontrol.wait, which returns only after the previous kernel completed). So no clear can overwrite a
+//       next-round store, whatever the block scheduling, with no grid-wide barrier. (The slot of call s - 2, (s + 1) %
+//       3, was cleared during call s - 1 and is written by peers at call s + 1: also a kernel boundary away.)
 //   I4  The control block advances inside the call (GPU: the grid's last block, once every block
 //       has read the control block and counted itself in through `arrived`; CPU: the
 //       rank's thread), so CUDA graph replays advance it: calls += 1, clear range of slot s % 3
@@ -91,10 +91,10 @@ enum class TailOp : std::uint32_t {
 
 // Written once per failure (the first one wins: flag goes 0 -> 1 atomically), read by check().
 struct TailErrorRecord {
-  std::uint32_t flag;        // 0: no error
-  std::uint32_t op;          // TailOp
-  std::int32_t rank;         // the rank that gave up
-  std::int32_t peer;         // whose partial did not arrive (-1: not a wait)
+  std::uint32_t flag;  // 0: no error
+  std::uint32_t op;    // TailOp
+  std::int32_t rank;   // the rank that gave up
+  std::int32_t peer;   // whose partial did not arrive (-1: not a wait)
   std::int32_t slot;
   std::int32_t token;        // the row it waited for (-1: not a wait)
   std::uint64_t call;        // the control block's call count at the failing call
@@ -106,9 +106,9 @@ struct TailErrorRecord {
 // One per rank, in its own device memory. Plain data: the kernels and the CPU reference read
 // and write it in place; reset() writes a fresh one.
 struct alignas(16) TailControl {
-  std::uint32_t magic;         // tail_control_magic once initialised
-  std::uint32_t arrived;       // GPU: blocks of the running call that have read this block (the updater resets it)
-  std::uint64_t calls;         // finished calls; the next call uses slot calls % 3
+  std::uint32_t magic;    // tail_control_magic once initialised
+  std::uint32_t arrived;  // GPU: blocks of the running call that have read this block (the updater resets it)
+  std::uint64_t calls;    // finished calls; the next call uses slot calls % 3
   // Rows [clear_begin, clear_end) of each slot, for every source rank, that peers stored into
   // during its last use and that are not cleared yet (bytes to clear = rows * R * hidden * 2).
   std::uint32_t clear_begin[tail_slot_count];
@@ -148,18 +148,18 @@ TORPOR_HD int tail_token_owner(int t, int tokens, int ranks) {
 inline constexpr int tail_trace_blocks = 256;
 inline constexpr int tail_block_stamps = 8;
 enum TailStamp : int {
-  tail_stamp_waited,         // griddepcontrol.wait returned
-  tail_stamp_control_read,   // thread 0 has the control block
-  tail_stamp_partial,        // thread 0's first partial is computed
-  tail_stamp_setup,          // the block passed the barrier after both
-  tail_stamp_sent,           // thread 0 issued its partial's stores
-  tail_stamp_cleared,        // thread 0 issued its clear stores
-  tail_stamp_vectors_in,     // thread 0's vectors of row 0 from every source are in
-  tail_stamp_residual,       // thread 0 added the residual and has its warp's sum of squares
-  tail_stamp_row_barrier,    // thread 0 passed the row's barrier (the block's, or its transaction barrier with C > 1)
-  tail_stamp_block_in,       // every thread's of the row are (every block of its cluster)
-  tail_stamp_epilogue,       // row 0's outputs are written
-  tail_stamp_end,            // the block is done
+  tail_stamp_waited,        // griddepcontrol.wait returned
+  tail_stamp_control_read,  // thread 0 has the control block
+  tail_stamp_partial,       // thread 0's first partial is computed
+  tail_stamp_setup,         // the block passed the barrier after both
+  tail_stamp_sent,          // thread 0 issued its partial's stores
+  tail_stamp_cleared,       // thread 0 issued its clear stores
+  tail_stamp_vectors_in,    // thread 0's vectors of row 0 from every source are in
+  tail_stamp_residual,      // thread 0 added the residual and has its warp's sum of squares
+  tail_stamp_row_barrier,   // thread 0 passed the row's barrier (the block's, or its transaction barrier with C > 1)
+  tail_stamp_block_in,      // every thread's of the row are (every block of its cluster)
+  tail_stamp_epilogue,      // row 0's outputs are written
+  tail_stamp_end,           // the block is done
   tail_trace_phases
 };
 struct TailTrace {
@@ -169,8 +169,8 @@ struct TailTrace {
   std::uint64_t gaps;      // calls that had a previous one
   std::uint64_t last_end;  // %globaltimer at the previous call's block-0 end
   std::uint64_t updater_ns;
-  std::uint64_t cycles;           // clock64 from entry to end (cycles / ns = the SM clock in GHz)
-  std::uint64_t block0_waited;    // scratch: %globaltimer when block 0's wait returned this call
+  std::uint64_t cycles;         // clock64 from entry to end (cycles / ns = the SM clock in GHz)
+  std::uint64_t block0_waited;  // scratch: %globaltimer when block 0's wait returned this call
   // Per block b < tail_trace_blocks: its wait's return minus block 0's, and from its wait's return
   // to: 0 thread 0's first partial, 1 its send, 2 its clear, 3 first row in (0 for a block
   // without rows), 4 every thread's send, 5 every thread's vectors of the first row in; 6 the
