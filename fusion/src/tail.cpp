@@ -191,8 +191,8 @@ void probe_fused(SymmetricHeap& heap, const TailShape& shape, const TailOptions&
   } else {
     // A failure here is this rank's verdict, not a throw: the other ranks are waiting for it.
     try {
-      const std::string who = fmt::format("make_tail on rank {}", heap.group().rank());
-      FusedSupport s = make_tail_ops(heap, shape, options, [who] { return who; })->fused_support();
+      std::string who = fmt::format("make_tail on rank {}", heap.group().rank());
+      FusedSupport s = make_tail_ops(heap, shape, options, [who = std::move(who)] { return who; })->fused_support();
       v.fused_why_not = std::move(s.fused_why_not);
       v.multicast_why_not = std::move(s.multicast_why_not);
     } catch (const std::exception& e) {

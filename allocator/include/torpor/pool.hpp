@@ -227,11 +227,11 @@ class Pool {
   void set_preserve(std::vector<std::string> globs);
   std::vector<std::string> preserve() const;
 
-  // See the table above; SleepLevel::none does nothing. Empty `tags` = every known tag.
-  TransitionReport sleep(SleepLevel level, const std::vector<std::string>& tags = {});
+  // See the table above; SleepLevel::none does nothing. Empty `requested` = every known tag.
+  TransitionReport sleep(SleepLevel level, const std::vector<std::string>& requested = {});
   // The level as its number: 0, 1 or 2 (anything else is invalid_argument).
-  TransitionReport sleep(int level, const std::vector<std::string>& tags = {});
-  TransitionReport wake_up(const std::vector<std::string>& tags = {});
+  TransitionReport sleep(int level, const std::vector<std::string>& requested = {});
+  TransitionReport wake_up(const std::vector<std::string>& requested = {});
   bool asleep(std::string_view tag) const;
   std::vector<std::string> tags() const;
 

@@ -2,8 +2,8 @@
 #include "dist/nccl_library.hpp"
 
 #include <fmt/format.h>
-#include <stdlib.h>
 
+#include <cstdlib>
 #include <mutex>
 #include <utility>
 

@@ -44,6 +44,7 @@ void OffloadPipeline::release_loop() {
 void OffloadPipeline::run() {
   auto t = std::chrono::steady_clock::now();
   std::vector<std::thread> workers;
+  workers.reserve(static_cast<std::size_t>(s_.options.release_threads));
   for (int i = 0; i < s_.options.release_threads; ++i) workers.emplace_back([this] { release_loop(); });
   for (std::size_t k = 0; k < plan_.chunks.size() && !worker_failed_; ++k) {
     try {
