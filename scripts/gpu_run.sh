@@ -2,7 +2,7 @@
 # Builds torpor on a GPU machine and runs the GPU tests and benches in one go. Used with the
 # device tool (`run`), whose $OUT folder comes back; elsewhere OUT defaults to ./gpu-out.
 #
-#   scripts/gpu_run.sh [stage ...]     stages: probe tests bench-sleep bench-sleep-threads python
+#   scripts/gpu_run.sh [stage ...]     stages: probe tests bench-sleep bench-sleep-threads python engines
 #                                      symmetric symmetric-nccl tail tail-bench stress stress-tail
 #                                      (default: probe tests)
 #   TORPOR_BUILD_TARGETS="a b"         build only these targets (default: everything), to save
@@ -24,6 +24,11 @@
 # `torpor rl-loop`; tables in stress-*.txt, JSON in stress-*.json and rl-loop.json. stress-tail
 # (2 GPUs) is the part of stress that checks the tail: one process per GPU with the fused and
 # with the unfused tail (the same tokens required), and the negative control.
+#
+# engines (1 GPU) runs the engine modes of issue 14 with real PyTorch: vLLM's test_cumem.py and
+# torch_memory_saver's examples restated (tests/python/test_engines_gpu.py), the vLLM plugin and
+# mode tests, and an RL loop through vLLM mode (level 2, reload, wake; RSS, host store bytes and
+# the bytes copied to host per iteration: engines-rl-loop.json).
 #
 # The multicast kill switches are always set: these machines are shared, and a multicast
 # object can take their GPUs out of service. torpor honours every one of them.
@@ -124,6 +129,18 @@ for stage in "${stages[@]}"; do
       grep -E "^=+ .*(passed|failed|skipped|error).* in .*=+$|^(FAILED|ERROR|SKIPPED) |torpor pools mapped" "$OUT/pytest.log"
       "${pyenv[@]}" python3 python/examples/rl_loop.py --iterations 3 --json "$OUT/rl_loop.json" 2>&1 |
         tee "$OUT/rl_loop.txt" || status=1
+      ;;
+    engines)
+      pyenv=(env TORPOR_LIBRARY="$PWD/build-gpu/allocator/libtorpor.so" PYTHONPATH="$PWD/python" PYTHONDONTWRITEBYTECODE=1)
+      : > "$OUT/engines-pytest.log"
+      for f in test_engines_gpu.py test_vllm_mode.py test_vllm_plugin.py test_tms_mode.py test_pool_memory.py; do
+        timeout 300 "${pyenv[@]}" python3 -m pytest -v -s -rs -p no:cacheprovider "tests/python/$f" \
+          >> "$OUT/engines-pytest.log" 2>&1 || status=1
+      done
+      grep -E "^=+ .*(passed|failed|skipped|error).* in .*=+$|^(FAILED|ERROR|SKIPPED) " "$OUT/engines-pytest.log"
+      timeout 300 "${pyenv[@]}" python3 tests/python/engines_rl_loop.py --iterations 5 \
+        --json "$OUT/engines-rl-loop.json" 2>&1 | tee "$OUT/engines-rl-loop.txt"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       ;;
     symmetric)
       build-gpu/tools/torpor symmetric-check --backend cuda --ranks 2 --bytes 4G --json "$OUT/symmetric.json" \

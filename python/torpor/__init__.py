@@ -6,15 +6,21 @@ Two layers:
   mark, sleep, wake_up, stats, copy. Runs on the host backend anywhere.
 - The PyTorch embedding (torpor.torch_pools, re-exported here): use_pool(tag),
   register_parameters(module, preserve), sleep(level=1, tags=None), wake_up(tags=None),
-  stats(); and CuMemAllocator, vLLM's interface. PyTorch is imported on first use only.
+  stats(). PyTorch is imported on first use only.
+
+Engines that have a sleep-mode API of their own keep it:
+
+- torpor.vllm: vLLM's allocator (CuMemAllocator, also here) with vLLM's semantics;
+  torpor.vllm_plugin is the vLLM plugin that puts it in every vLLM process (TORPOR_VLLM=1).
+- torpor.tms: torch_memory_saver's API (the torch_memory_saver singleton) for SGLang and the
+  RL frameworks on it.
 
 libtorpor.so is found through TORPOR_LIBRARY, then a copy bundled at install time, then the
 repository's build directories, then the system path (see torpor._lib).
 """
 
-from . import errors, tags
+from . import errors, tags, tms, vllm
 from ._lib import last_error, library_path
-from .compat import CuMemAllocator
 from .errors import (
     DriverError,
     InternalError,
@@ -30,6 +36,7 @@ from .errors import (
 )
 from .pool import MemoryClass, Pool
 from .torch_pools import Registration, configure, pools, register_parameters, sleep, stats, use_pool, wake_up
+from .vllm import CuMemAllocator
 
 __version__ = "0.1.0"
 
@@ -58,6 +65,8 @@ __all__ = [
     "sleep",
     "stats",
     "tags",
+    "tms",
     "use_pool",
+    "vllm",
     "wake_up",
 ]

@@ -139,6 +139,7 @@ def _prototypes(lib: ctypes.CDLL) -> None:
         "torpor_pool_backend": (C, [P]),
         "torpor_find": (I, [P, P, PP, PS]),
         "torpor_copy": (I, [P, P, P, S]),
+        "torpor_read_host_copy": (I, [P, P, S, P, ctypes.POINTER(ctypes.c_int)]),
         "torpor_last_error": (C, []),
         "torpor_status_name": (C, [I]),
         "torpor_status_value": (I, [C]),
@@ -155,6 +156,8 @@ def _prototypes(lib: ctypes.CDLL) -> None:
         "torpor_torch_pool": (I, [I, PP]),
         "torpor_torch_configure": (I, [ctypes.POINTER(PoolOptions)]),
         "torpor_torch_failures": (ctypes.c_ulonglong, [ctypes.POINTER(ctypes.c_int)]),
+        "torpor_torch_set_memory_margin": (I, [S]),
+        "torpor_torch_memory_margin": (S, []),
     }
     for name, (restype, argtypes) in protos.items():
         try:

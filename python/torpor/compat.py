@@ -1,61 +1,58 @@
-"""vLLM's CuMemAllocator interface over torpor, so a vLLM-style worker switches allocators by
-changing one import:
+"""What the engine-compatible modes (torpor.vllm, torpor.tms) share: errors that are caught where
+the engines' own are, and the name torpor.CuMemAllocator keeps for the vLLM mode's allocator.
 
-    from torpor import CuMemAllocator   # instead of vllm.device_allocator.cumem
-    allocator = CuMemAllocator.get_instance()
-    with allocator.use_memory_pool(tag="weights"):
-        model = load_model()
-    allocator.sleep(offload_tags=("weights",) if level == 1 else ())
-    allocator.wake_up(tags)
-
-Semantics map onto torpor's levels: tags in offload_tags sleep at level 1 (parameters and
-state offloaded), the others at level 2. One difference, on purpose: vLLM discards every byte
-of a tag it does not offload; torpor still keeps state (buffers, flags, anything not marked
-parameter or cache). Call torpor.register_parameters(model) after loading so level 2 can
-discard the parameters themselves; without it a weights tag is all state and is offloaded.
+vLLM raises RuntimeError when its allocator fails (a failed wake is a CUDA error from its C
+extension), and engines and their tests catch exactly that. torpor's errors derive from the
+built-in exception their kind suggests (OutOfMemory is a MemoryError, InvalidArgument a
+ValueError), so the compatible modes re-raise them as ``runtime_error(e)``: an instance of a
+class deriving from both the original class and RuntimeError, with torpor's message, so
+``except RuntimeError``, ``except torpor.OutOfMemory`` and ``except MemoryError`` all catch it.
 """
 
 from __future__ import annotations
 
-from . import torch_pools
-from .pool import MemoryClass
+from .errors import TorporError
+
+_runtime_classes: dict[type, type] = {}
 
 
-class CuMemAllocator:
-    """A process-wide singleton, as vLLM's (get_instance())."""
-
-    instance: "CuMemAllocator | None" = None
-    default_tag: str = "default"
-
-    @staticmethod
-    def get_instance() -> "CuMemAllocator":
-        if CuMemAllocator.instance is None:
-            CuMemAllocator.instance = CuMemAllocator()
-        return CuMemAllocator.instance
-
-    def use_memory_pool(self, tag: str | None = None):
-        return torch_pools.use_pool(tag or self.default_tag)
-
-    def sleep(self, offload_tags: tuple[str, ...] | str | None = None) -> None:
-        if offload_tags is None:
-            offload_tags = (self.default_tag,)
-        elif isinstance(offload_tags, str):
-            offload_tags = (offload_tags,)
-        known = sorted({t for s in torch_pools.stats().values() for t in s["tags"]})
-        torch_pools.sleep(1, [t for t in known if t in offload_tags])
-        torch_pools.sleep(2, [t for t in known if t not in offload_tags])
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        torch_pools.wake_up(tags)
-
-    def get_current_usage(self) -> int:
-        """Bytes allocated in the pools (PyTorch's segments), asleep or not."""
-        return sum(
-            c["allocated_bytes"]
-            for s in torch_pools.stats().values()
-            for t in s["tags"].values()
-            for c in t["classes"].values()
+def runtime_error_class(cls: type[TorporError]) -> type[TorporError]:
+    """A class deriving from `cls` and RuntimeError (`cls` itself when it already is one)."""
+    if issubclass(cls, RuntimeError):
+        return cls
+    made = _runtime_classes.get(cls)
+    if made is None:
+        made = type(
+            cls.__name__,
+            (cls, RuntimeError),
+            {
+                "__module__": __name__,
+                "__qualname__": f"RuntimeError[{cls.__qualname__}]",
+                "__doc__": f"{cls.__name__}, also a RuntimeError (vLLM's allocator raises those).",
+            },
         )
+        _runtime_classes[cls] = made
+    return made
 
 
-__all__ = ["CuMemAllocator", "MemoryClass"]
+def runtime_error(e: TorporError) -> TorporError:
+    """`e` as an instance of runtime_error_class(type(e)), same message and status."""
+    cls = runtime_error_class(type(e))
+    if cls is type(e):
+        return e
+    out = cls(e.message)
+    out.status = e.status
+    return out
+
+
+def __getattr__(name):
+    # torpor.CuMemAllocator (and torpor.compat.CuMemAllocator, its first home) is the vLLM
+    # mode's allocator; imported on first use so that torpor.vllm can import this module.
+    if name == "CuMemAllocator":
+        from .vllm import CuMemAllocator
+
+        return CuMemAllocator
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["CuMemAllocator", "runtime_error", "runtime_error_class"]  # noqa: F822 (module __getattr__)

@@ -15,10 +15,12 @@ Every tensor keeps its address through sleep and wake, so CUDA graphs captured b
 replay after it. Only parameters (registered) are reloaded; buffers and anything else
 allocated in a weights pool are state and come back bit-exact.
 
-Design: one torch.cuda.MemPool per (tag, device), allocating through a single
+Design: one torch.cuda.MemPool per (tag, class, device), allocating through a single
 CUDAPluggableAllocator over libtorpor's torpor_torch_malloc/free; use_pool() sets the C
-library's thread-local tag and class for the thread that allocates. PyTorch is imported
-lazily, so `import torpor` works without it.
+library's thread-local tag and class for the thread that allocates. A tag may hold several
+classes (torch_memory_saver's regions with and without a CPU backup share tags), each in a
+MemPool of its own, since PyTorch reuses a pool's free blocks for anything. PyTorch is
+imported lazily, so `import torpor` works without it.
 
 PyTorch's known pitfalls with pluggable allocators and pools, and what is done about each:
 
@@ -34,6 +36,14 @@ PyTorch's known pitfalls with pluggable allocators and pools, and what is done a
   waits for the device before unmapping, since PyTorch relies on cudaFree's implicit sync.
   sleep() ends with torch.cuda.empty_cache(), as vLLM's does, so the default pool's cached
   memory goes back to the device too.
+- Empty segments while awake: what a model frees while it loads (online quantization builds
+  weights in a wide type, then keeps narrow copies) stays mapped in free segments, and engines
+  size their KV cache from the device's free memory. So when the last use_pool() block of a
+  MemPool exits, its segments without a live block are given back to torpor (unmapped), as
+  vLLM's allocator does. PyTorch still lists them in that MemPool, so the MemPool is retired:
+  the next use_pool() of its tag and class allocates in a new one, and no block of a given-back
+  segment is ever handed out again (a retired MemPool's free blocks inside segments still in
+  use are not reused either).
 - Expandable segments: with expandable_segments:True (PYTORCH_CUDA_ALLOC_CONF or
   PYTORCH_ALLOC_CONF) PyTorch maps segments itself instead of asking a pool's allocator (or
   refuses, depending on the version). use_pool() turns them off while any torpor pool is in
@@ -46,6 +56,7 @@ restored after each call (the driver calls make the pool's device current).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import gc
@@ -54,6 +65,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 
 from . import _lib, _marks
 from .errors import InvalidArgument, InvalidState, OutOfMemory, TorchUnavailable, error_for
@@ -71,11 +83,21 @@ class Registration:
 
 
 @dataclass
+class _TorchPool:
+    """One torch.cuda.MemPool of torpor's and what happened to it."""
+
+    mempool: object
+    memory_class: MemoryClass  # of the blocks PyTorch allocates in it
+    active: int = 0  # use_pool() blocks routing allocations to it now (every thread)
+    retired: bool = False  # gave segments back to torpor: never routed to again
+    released: set = field(default_factory=set)  # addresses of the segments given back
+
+
+@dataclass
 class _State:
     lock: threading.RLock = field(default_factory=threading.RLock)
     allocator: object = None  # torch.cuda.memory.CUDAPluggableAllocator
-    mempools: dict = field(default_factory=dict)  # (tag, device) -> torch.cuda.MemPool
-    classes: dict = field(default_factory=dict)  # tag -> MemoryClass of its allocations
+    mempools: dict = field(default_factory=dict)  # (tag, class, device) -> [_TorchPool], oldest first
     modules: list = field(default_factory=list)  # (weakref to nn.Module, prefix)
     preserve: list = field(default_factory=list)  # globs
     expandable_off_depth: int = 0
@@ -183,18 +205,13 @@ def _default_class(tag: str) -> MemoryClass:
     return MemoryClass.CACHE if tag == KV_CACHE else MemoryClass.STATE
 
 
-def _mempool(torch, tag: str, device: int, memory_class: MemoryClass):
+def _mempool(torch, tag: str, device: int, memory_class: MemoryClass) -> _TorchPool:
+    """The MemPool that allocations of (tag, class) on device go to: the newest one, unless it
+    was retired (see 'Empty segments while awake'), then a new one."""
     with _state.lock:
-        known = _state.classes.get(tag)
-        if known is not None and known != memory_class:
-            raise InvalidArgument(
-                f"use_pool: tag '{tag}' already allocates class {known.name.lower()}; a tag has one class "
-                f"(PyTorch reuses its free blocks for anything), so use another tag for "
-                f"{memory_class.name.lower()} bytes"
-            )
-        key = (tag, device)
-        pool = _state.mempools.get(key)
-        if pool is None:
+        key = (tag, memory_class, device)
+        generations = _state.mempools.setdefault(key, [])
+        if not generations or generations[-1].retired:
             # The torpor pool first: a missing backend fails here with its reason, before
             # PyTorch sees the allocator; and the preserve globs apply to it from the start.
             Pool.torch(device).set_preserve(_state.preserve)
@@ -203,11 +220,60 @@ def _mempool(torch, tag: str, device: int, memory_class: MemoryClass):
                     _lib.library_path(), "torpor_torch_malloc", "torpor_torch_free"
                 )
                 _keep_forever(_state.allocator)
-            pool = torch.cuda.memory.MemPool(_state.allocator.allocator())
-            _keep_forever(pool)
-            _state.mempools[key] = pool
-        _state.classes[tag] = memory_class
-        return pool
+            mempool = torch.cuda.memory.MemPool(_state.allocator.allocator())
+            _keep_forever(mempool)
+            generations.append(_TorchPool(mempool, memory_class))
+        return generations[-1]
+
+
+def _pools_of(tag: str, device: int) -> list[_TorchPool]:
+    """Every MemPool of `tag` on `device`, each class, retired ones included."""
+    with _state.lock:
+        return [p for (t, _, d), ps in _state.mempools.items() if t == tag and d == device for p in ps]
+
+
+def _own_segments(pool: _TorchPool, device: int) -> list[dict]:
+    """The snapshot segments of one MemPool on one device that torpor still holds (filtered
+    again by pool id in case a PyTorch version lists every pool's)."""
+    mempool = pool.mempool
+    return [
+        s
+        for s in mempool.snapshot()
+        if s.get("device", device) == device
+        and tuple(s.get("segment_pool_id", mempool.id)) == tuple(mempool.id)
+        and s["address"] not in pool.released
+    ]
+
+
+def _is_empty(segment: dict) -> bool:
+    return not segment.get("is_expandable") and all(b["state"] == "inactive" for b in segment.get("blocks", []))
+
+
+def _release_empty_segments(pool: _TorchPool, device: int, tag: str) -> int:
+    """Give the segments of `pool` that hold no live block back to torpor, and retire the pool
+    when any went (see 'Empty segments while awake'). Caller holds _state.lock, and no use_pool
+    block routes to the pool. Returns the bytes given back."""
+    empty = [seg for seg in _own_segments(pool, device) if _is_empty(seg)]
+    if not empty or Pool.torch(device).stats()["tags"].get(tag, {}).get("asleep"):
+        return 0  # a sleeping tag keeps its segments until it wakes and a block exits again
+    lib = _lib.lib()
+    released = 0
+    for seg in empty:
+        failures = lib.torpor_torch_failures(None)
+        lib.torpor_torch_free(seg["address"], seg["total_size"], device, None)
+        if lib.torpor_torch_failures(None) != failures:
+            warnings.warn(
+                f"torpor: an empty segment of pool '{tag}' on device {device} could not be given back: "
+                f"{_lib.last_error()}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            continue
+        pool.released.add(seg["address"])
+        released += seg["total_size"]
+    if released:
+        pool.retired = True
+    return released
 
 
 def _allocation_error(tag: str, device: int, status: int):
@@ -231,7 +297,6 @@ def use_pool(tag: str = "default", memory_class: ClassLike | None = None, device
         raise InvalidArgument(f"use_pool: tag {tag!r} is not a non-empty string")
     cls = _default_class(tag) if memory_class is None else to_memory_class(memory_class)
     dev = _device_index(torch, device)
-    pool = _mempool(torch, tag, dev, cls)
     # PyTorch serves a request from a free block of the pool's cached segments without asking
     # torpor: in a sleeping tag that block is unmapped, and the first kernel touching it
     # faults. So refuse up front (a sleep inside the block is caught by torpor_torch_malloc).
@@ -242,27 +307,35 @@ def use_pool(tag: str = "default", memory_class: ClassLike | None = None, device
             f"wake_up(['{tag}']) before allocating in it"
         )
     lib = _lib.lib()
+    with _state.lock:
+        pool = _mempool(torch, tag, dev, cls)
+        pool.active += 1
     previous_tag, previous_class = lib.torpor_current_tag(), lib.torpor_current_class()
-    _lib.check(lib.torpor_set_current_tag(tag.encode()))
-    _lib.check(lib.torpor_set_current_class(int(cls)))
-    failures = lib.torpor_torch_failures(None)
-    oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
     try:
-        with _expandable_segments_off(torch), torch.cuda.memory.use_mem_pool(pool, dev):
-            yield pool
-    except oom as e:
-        status = ctypes.c_int(0)
-        if lib.torpor_torch_failures(ctypes.byref(status)) != failures:
-            raise _allocation_error(tag, dev, status.value) from e
-        raise
+        _lib.check(lib.torpor_set_current_tag(tag.encode()))
+        _lib.check(lib.torpor_set_current_class(int(cls)))
+        failures = lib.torpor_torch_failures(None)
+        oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+        try:
+            with _expandable_segments_off(torch), torch.cuda.memory.use_mem_pool(pool.mempool, dev):
+                yield pool.mempool
+        except oom as e:
+            status = ctypes.c_int(0)
+            if lib.torpor_torch_failures(ctypes.byref(status)) != failures:
+                raise _allocation_error(tag, dev, status.value) from e
+            raise
     finally:
         lib.torpor_set_current_tag(previous_tag)
         lib.torpor_set_current_class(previous_class)
+        with _state.lock:
+            pool.active -= 1
+            if pool.active == 0 and not pool.retired:
+                _release_empty_segments(pool, dev, tag)
 
 
 def _devices() -> list[int]:
     with _state.lock:
-        return sorted({device for _, device in _state.mempools})
+        return sorted({device for _, _, device in _state.mempools})
 
 
 def pools() -> dict[int, Pool]:
@@ -319,7 +392,7 @@ def register_parameters(module, preserve=None, prefix: str = "") -> Registration
                 _state.preserve.append(g)
         if not any(ref() is module and p == prefix for ref, p in _state.modules):
             _state.modules.append((weakref.ref(module), prefix))
-        devices = sorted({device for _, device in _state.mempools})
+        devices = sorted({device for _, _, device in _state.mempools})
     for d in devices:
         Pool.torch(d).set_preserve(_state.preserve)
     result = Registration()
@@ -336,32 +409,45 @@ def register_parameters(module, preserve=None, prefix: str = "") -> Registration
     return result
 
 
-def _refresh_classes(device: int, tags: list[str], spans: list[_marks.Span]) -> None:
+# How a sleep classes the allocated blocks of a tag: (tag, the MemPool's class, whether registered
+# parameters lie in the tag's segments on this device) -> class. The vLLM mode (torpor/vllm.py)
+# passes its own; by default a MemPool's blocks keep the class it allocates.
+ClassPolicy = Callable[[str, MemoryClass, bool], MemoryClass]
+
+
+def _pool_class(tag: str, memory_class: MemoryClass, has_parameters: bool) -> MemoryClass:
+    return memory_class
+
+
+def _holds_parameters(segments: list[dict], spans: list[_marks.Span]) -> bool:
+    ranges = sorted((s["address"], s["address"] + s["total_size"]) for s in segments if not s.get("is_expandable"))
+    starts = [lo for lo, _ in ranges]
+    for p in spans:
+        i = bisect.bisect_right(starts, p.address) - 1
+        if p.nbytes > 0 and i >= 0 and p.address + p.nbytes <= ranges[i][1]:
+            return True
+    return False
+
+
+def _refresh_classes(device: int, tags: list[str], spans: list[_marks.Span], policy: ClassPolicy = _pool_class) -> None:
     """Re-mark the segments of `tags` on `device` (see torpor/_marks.py)."""
     pool = Pool.torch(device)
     for tag in tags:
-        with _state.lock:
-            mempool = _state.mempools.get((tag, device))
-            cls = _state.classes.get(tag)
-        if mempool is None:
+        pools = [(p, _own_segments(p, device)) for p in _pools_of(tag, device)]
+        if not pools:
             continue  # a tag allocated through the C API directly, not by PyTorch
-        # One pool's segments on this device (filtered again in case a PyTorch version lists
-        # every pool's).
-        segments = [
-            s
-            for s in mempool.snapshot()
-            if s.get("device", device) == device and tuple(s.get("segment_pool_id", mempool.id)) == tuple(mempool.id)
-        ]
-        plan = _marks.plan(segments, cls, spans)
-        if plan.foreign:
-            warnings.warn(
-                f"torpor: {len(plan.foreign)} segment(s) of torpor pool '{tag}' on device {device} were mapped by "
-                f"PyTorch itself (expandable segments), not by torpor: sleep cannot release them. Set "
-                f"expandable_segments:False in PYTORCH_CUDA_ALLOC_CONF, or allocate only inside torpor.use_pool",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        _marks.apply(pool, plan)
+        has_parameters = policy is not _pool_class and _holds_parameters([s for _, ss in pools for s in ss], spans)
+        for p, segments in pools:
+            plan = _marks.plan(segments, policy(tag, p.memory_class, has_parameters), spans)
+            if plan.foreign:
+                warnings.warn(
+                    f"torpor: {len(plan.foreign)} segment(s) of torpor pool '{tag}' on device {device} were mapped "
+                    f"by PyTorch itself (expandable segments), not by torpor: sleep cannot release them. Set "
+                    f"expandable_segments:False in PYTORCH_CUDA_ALLOC_CONF, or allocate only inside torpor.use_pool",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            _marks.apply(pool, plan)
 
 
 # -- sleep ----------------------------------------------------------------------------------
@@ -388,6 +474,11 @@ def sleep(level: int = 1, tags: Tags = None) -> dict[int, dict]:
     a preserve glob; state is still offloaded. 0 does nothing. Idempotent; a level-1 sleeper
     asked for level 2 drops its parameter copies. Returns {device: report} (bytes and time
     per phase). On failure the devices already asleep stay asleep; calling again finishes."""
+    return _sleep(level, tags)
+
+
+def _sleep(level: int, tags: Tags, policy: ClassPolicy = _pool_class) -> dict[int, dict]:
+    """sleep(), with the classes of allocated blocks decided by `policy`."""
     if level not in (0, 1, 2):
         raise InvalidArgument(f"sleep: level {level!r} is not 0, 1 or 2")
     tags = tag_list(tags)
@@ -406,7 +497,7 @@ def sleep(level: int = 1, tags: Tags = None) -> dict[int, dict]:
         if level > 0:
             spans = _parameter_spans(_live_modules())
             for device, device_tags in selected.items():
-                _refresh_classes(device, device_tags, spans.get(device, []))
+                _refresh_classes(device, device_tags, spans.get(device, []), policy)
         for device, device_tags in selected.items():
             if device_tags:
                 reports[device] = Pool.torch(device).sleep(level, device_tags)
@@ -432,11 +523,36 @@ def wake_up(tags: Tags = None) -> dict[int, dict]:
     return reports
 
 
+def tag_states() -> dict[str, bool]:
+    """{tag: whether it is asleep (on any device)} of every tag of the pools PyTorch uses."""
+    out: dict[str, bool] = {}
+    for d in _devices():
+        for tag, t in Pool.torch(d).stats()["tags"].items():
+            out[tag] = out.get(tag, False) or t["asleep"]
+    return out
+
+
 def stats(device: int | None = None) -> dict:
-    """{device: stats} of every torpor pool PyTorch uses, or one device's stats."""
+    """{device: stats} of every torpor pool PyTorch uses, or one device's stats: the pool's
+    statistics (torpor.Pool.stats: per tag the bytes mapped on the device, allocated in torpor
+    (PyTorch's segments) and per class), plus, per tag, ``active_bytes``: the bytes of PyTorch's
+    live blocks in those segments (what its tensors take; the rest of a segment is free space)."""
     devices = _devices()
     if device is None:
-        return {d: Pool.torch(d).stats() for d in devices}
+        return {d: _device_stats(d) for d in devices}
     if device not in devices:
         raise InvalidArgument(f"stats: PyTorch has no torpor pool on device {device} (devices: {devices})")
-    return Pool.torch(device).stats()
+    return _device_stats(device)
+
+
+def _device_stats(device: int) -> dict:
+    st = Pool.torch(device).stats()
+    for tag, t in st["tags"].items():
+        t["active_bytes"] = sum(
+            size
+            for p in _pools_of(tag, device)
+            for seg in _own_segments(p, device)
+            for _, size, state in _marks.segment_blocks(seg)
+            if state != "inactive"
+        )
+    return st

@@ -16,6 +16,11 @@ import torpor  # noqa: E402
 MiB = 1 << 20
 POISON = b"\xff"
 
+# The one configuration of the PyTorch pools for every test on fake_torch: torpor_torch_configure
+# is process-wide and refuses other options once a pool exists, so the test files must agree.
+# 4 GiB of VA: test_pool_memory.py allocates segments with chunks of their own.
+TORCH_POOL_OPTIONS = dict(backend="host", fill_on_wake="poison", va_bytes=4 << 30)
+
 
 @pytest.fixture
 def pool():

@@ -10,13 +10,13 @@ import pytest
 import torpor
 from torpor import _lib, _marks
 from torpor.pool import MemoryClass
-from conftest import MiB, POISON, pattern
+from conftest import MiB, POISON, TORCH_POOL_OPTIONS, pattern
 
 
 @pytest.fixture(scope="module")
 def lib():
     # One configuration per process (the pools are process-wide), the same in every test.
-    torpor.configure(backend="host", fill_on_wake="poison", va_bytes=1 << 30)
+    torpor.configure(**TORCH_POOL_OPTIONS)
     return _lib.lib()
 
 
@@ -73,9 +73,9 @@ def test_a_failed_malloc_returns_null_and_keeps_the_reason(lib, segment):
 
 def test_configure_is_refused_once_pools_use_other_options(lib, segment):
     segment(2 * MiB, "py.cfg")
-    torpor.configure(backend="host", fill_on_wake="poison", va_bytes=1 << 30)  # the same: fine
+    torpor.configure(**TORCH_POOL_OPTIONS)  # the same: fine
     with pytest.raises(torpor.InvalidState, match=r"device\(s\) 0 already exist with other options"):
-        torpor.configure(backend="host", fill_on_wake="zero", va_bytes=1 << 30)
+        torpor.configure(**{**TORCH_POOL_OPTIONS, "fill_on_wake": "zero"})
     with pytest.raises(torpor.InvalidArgument, match="unknown fill_on_wake"):
         torpor.configure(fill_on_wake="sometimes")
 

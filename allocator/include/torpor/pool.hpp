@@ -140,8 +140,9 @@ struct TagStats {
   int level = 0;  // deepest level of a sleeping chunk, 0 when awake
   std::size_t chunks = 0;
   std::size_t allocations = 0;
-  std::size_t reserved_bytes = 0;  // VA spans of the chunks
-  std::size_t mapped_bytes = 0;    // physical memory held now
+  std::size_t allocated_bytes = 0;  // bytes of the tag's live allocations, as requested, asleep or not
+  std::size_t reserved_bytes = 0;   // VA spans of the chunks
+  std::size_t mapped_bytes = 0;     // physical memory held now: what the device sees in use
   std::size_t offloaded_bytes = 0;
   std::size_t discarded_bytes = 0;
   std::array<ClassStats, memory_class_count> classes{};
@@ -164,6 +165,12 @@ struct PoolStats {
   std::size_t pending_releases = 0;      // handles whose release failed and will be retried
   std::size_t address_ranges_bytes = 0;  // VA handed out by reserve_address_range
   std::vector<TagStats> tags;            // sorted by tag
+};
+
+// What Pool::read_host_copy found.
+struct HostCopyRead {
+  bool copied = false;  // a host copy covered every byte asked for, and they were copied
+  bool asleep = false;  // the allocation's chunk is asleep (its host copy is its backup)
 };
 
 // What one sleep or wake did.
@@ -249,6 +256,13 @@ class Pool {
   // Synchronous copy through the pool's stream, any direction (host <-> pool memory). For
   // tests, tools and embeddings that have no stream of their own.
   void copy(void* dst, const void* src, std::size_t bytes);
+
+  // The host copy of [ptr, ptr + bytes), copied to the host memory at `dst`: the backup while
+  // the allocation sleeps, the retained copy (skip_unchanged) while it is awake, which holds the
+  // bytes of the last sleep. The range must lie inside one allocation (invalid_argument
+  // otherwise). Nothing is copied when no host copy covers every byte of it (discarded bytes,
+  // an awake allocation without a retained copy): the result says so and whether it sleeps.
+  HostCopyRead read_host_copy(const void* ptr, std::size_t bytes, void* dst) const;
 
   // Unmaps cached empty slabs. Returns the bytes released.
   std::size_t trim();

@@ -60,6 +60,15 @@ torpor_status torpor_torch_pool(int device, torpor_pool_t* out);
  * otherwise): pools of one process do not differ. */
 torpor_status torpor_torch_configure(const torpor_pool_options* options);
 
+/* Free device memory that torpor_torch_malloc leaves alone, for the other users of the device:
+ * a segment is refused (NULL, counted as TORPOR_ERROR_OUT_OF_MEMORY) when the device's free memory
+ * is less than the segment's size plus this margin, even if it would fit in memory the pool
+ * already holds. 0, the default, checks nothing. Process-wide (torch_memory_saver's
+ * memory_margin_bytes); at most TORPOR_TORCH_MEMORY_MARGIN_MAX bytes. */
+#define TORPOR_TORCH_MEMORY_MARGIN_MAX ((size_t)1 << 50) /* 1 PiB */
+torpor_status torpor_torch_set_memory_margin(size_t bytes);
+size_t torpor_torch_memory_margin(void);
+
 /* Failed torpor_torch_malloc / torpor_torch_free calls on this thread since it started; the
  * status of the latest goes to *last_status when last_status is not NULL (TORPOR_OK if none). */
 unsigned long long torpor_torch_failures(torpor_status* last_status);

@@ -94,6 +94,14 @@ torpor_status torpor_find(torpor_pool_t pool, const void* ptr, void** base, size
 /* Copies between host memory and pool memory (through the pool's driver; any direction). */
 torpor_status torpor_copy(torpor_pool_t pool, void* dst, const void* src, size_t bytes);
 
+/* The host copy that a sleep kept of [ptr, ptr + bytes), copied to the host memory at dst: the
+ * backup while the allocation sleeps, the retained copy (the bytes of the last sleep) while it is
+ * awake. The range must lie inside one allocation (TORPOR_ERROR_INVALID_ARGUMENT otherwise).
+ * TORPOR_ERROR_INVALID_STATE, with nothing copied, when no host copy covers every byte (the bytes
+ * were discarded, or no copy was retained). *asleep (when not NULL) says whether the allocation
+ * sleeps, whatever the status, once the range was found. */
+torpor_status torpor_read_host_copy(torpor_pool_t pool, const void* ptr, size_t bytes, void* dst, int* asleep);
+
 const char* torpor_last_error(void);
 /* "TORPOR_ERROR_TIMEOUT" for TORPOR_ERROR_TIMEOUT, ...; "TORPOR_ERROR_UNKNOWN" for any other value. */
 const char* torpor_status_name(torpor_status status);

@@ -297,6 +297,23 @@ torpor_status torpor_copy(torpor_pool_t pool, void* dst, const void* src, size_t
   });
 }
 
+torpor_status torpor_read_host_copy(torpor_pool_t pool, const void* ptr, size_t bytes, void* dst, int* asleep) {
+  if (asleep != nullptr) *asleep = 0;
+  torpor_status uncovered = TORPOR_OK;
+  torpor_status s = with_pool("torpor_read_host_copy", pool, [&](CPool& p) {
+    HostCopyRead r = p.pool->read_host_copy(ptr, bytes, dst);
+    if (asleep != nullptr) *asleep = r.asleep ? 1 : 0;
+    if (!r.copied)
+      uncovered = fail(TORPOR_ERROR_INVALID_STATE,
+                       fmt::format("torpor_read_host_copy: no host copy holds every byte of [{}, +{}): the allocation "
+                                   "is {} {}",
+                                   ptr, bytes, r.asleep ? "asleep and" : "awake and",
+                                   r.asleep ? "some of these bytes were discarded, not offloaded"
+                                            : "no copy of its last sleep was retained"));
+  });
+  return s != TORPOR_OK ? s : uncovered;
+}
+
 const char* torpor_last_error(void) { return last_error.c_str(); }
 
 const char* torpor_status_name(torpor_status s) {

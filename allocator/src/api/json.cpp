@@ -28,6 +28,7 @@ std::string to_json(const PoolStats& st, int indent) {
     x["level"] = t.level;
     x["chunks"] = t.chunks;
     x["allocations"] = t.allocations;
+    x["allocated_bytes"] = t.allocated_bytes;
     x["reserved_bytes"] = t.reserved_bytes;
     x["mapped_bytes"] = t.mapped_bytes;
     x["offloaded_bytes"] = t.offloaded_bytes;

@@ -14,6 +14,7 @@
 
 #include <fmt/format.h>
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -47,6 +48,9 @@ DevicePools& device_pools() {
   }();
   return *d;
 }
+
+// torpor_torch_set_memory_margin's value; read on every segment allocation.
+std::atomic<std::size_t> memory_margin{0};
 
 thread_local std::string current_tag{"default"};
 thread_local int current_class = TORPOR_CLASS_STATE;
@@ -96,6 +100,20 @@ bool same_options(const torpor_pool_options& a, const torpor_pool_options& b) {
          a.exportable == b.exportable;
 }
 
+// Whether a new segment of `size` bytes leaves the memory margin free on `device`; sets the
+// error when not.
+bool margin_allows(torpor::Driver& driver, std::size_t size, int device) {
+  std::size_t margin = memory_margin.load();
+  if (margin == 0) return true;
+  torpor::MemoryInfo info = driver.memory_info(device);
+  if (info.free_bytes >= size && info.free_bytes - size >= margin) return true;
+  set_last_error(fmt::format("torpor_torch_malloc({} bytes, device {}, tag '{}'): refused by the memory margin: "
+                             "the device has {} bytes free and {} must stay free "
+                             "(torpor_torch_set_memory_margin / memory_margin_bytes)",
+                             size, device, current_tag, info.free_bytes, margin));
+  return false;
+}
+
 // The pool of `device`, created when missing. Caller holds d.mu.
 torpor_status get_or_create(DevicePools& d, int device, DevicePool** out) {
   auto it = d.pools.find(device);
@@ -135,6 +153,11 @@ void* torpor_torch_malloc(size_t size, int device, void* /*stream*/) {
         return nullptr;
       }
       pool = slot->handle;
+      if (!margin_allows(*slot->driver, size, device)) {
+        failed(TORPOR_ERROR_OUT_OF_MEMORY);
+        torpor::log::warn("{}", torpor_last_error());
+        return nullptr;
+      }
     }
     void* out = nullptr;
     if (torpor_status s = torpor_alloc(pool, size, current_tag.c_str(), current_class, nullptr, &out); s != TORPOR_OK) {
@@ -271,6 +294,19 @@ torpor_status torpor_torch_configure(const torpor_pool_options* options) {
     return from_exception("torpor_torch_configure");
   }
 }
+
+torpor_status torpor_torch_set_memory_margin(size_t bytes) {
+  if (bytes > TORPOR_TORCH_MEMORY_MARGIN_MAX) {
+    set_last_error(fmt::format("torpor_torch_set_memory_margin: {} bytes is more than the largest margin accepted, "
+                               "TORPOR_TORCH_MEMORY_MARGIN_MAX = {} bytes (0 turns the check off)",
+                               bytes, TORPOR_TORCH_MEMORY_MARGIN_MAX));
+    return TORPOR_ERROR_INVALID_ARGUMENT;
+  }
+  memory_margin.store(bytes);
+  return TORPOR_OK;
+}
+
+size_t torpor_torch_memory_margin(void) { return memory_margin.load(); }
 
 unsigned long long torpor_torch_failures(torpor_status* last_status) {
   if (last_status != nullptr) *last_status = last_failure;

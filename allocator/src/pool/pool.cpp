@@ -509,6 +509,7 @@ void add_chunk_stats(const Chunk& c, PoolStats& st, TagStats& x) {
   for (auto& [off, a] : c.allocations) {
     ++x.allocations;
     ++st.allocations;
+    x.allocated_bytes += a->bytes;
     for (auto& [start, seg] : a->segments) {
       ClassStats& cs = x.classes[static_cast<std::size_t>(seg.cls)];
       std::size_t len = seg.end - start;

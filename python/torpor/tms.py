@@ -1,0 +1,311 @@
+"""torch_memory_saver mode: the ``torch_memory_saver`` singleton's API over torpor, for SGLang and
+the RL frameworks built on it (they pause "weights", "kv_cache" and "cuda_graph").
+
+    from torpor.tms import torch_memory_saver       # or, once torpor.tms.install() ran (or with
+                                                    # torpor.tms.shim_path() on PYTHONPATH):
+                                                    # from torch_memory_saver import torch_memory_saver
+    with torch_memory_saver.region(tag="kv_cache"):
+        kv = torch.empty(n, device="cuda")           # discarded on pause
+    with torch_memory_saver.region(tag="weights", enable_cpu_backup=True):
+        w = torch.empty(n, device="cuda")            # kept on pause (host copy)
+    torch_memory_saver.pause("kv_cache"); torch_memory_saver.pause()      # one tag, then all
+    torch_memory_saver.resume()
+
+Semantics, as torch_memory_saver's (the source read is in /work/main/.anchors/torch_memory_saver,
+torch_memory_saver/entrypoint.py and csrc/core.cpp):
+
+- ``region(tag="default", enable_cpu_backup=False)``: CUDA tensors created inside live in torpor
+  under `tag`. Without a backup their bytes are discarded on pause (class cache) and come back
+  undefined; with one they are copied to host memory and restored bit-exact (class state). Both
+  kinds may share a tag. Regions nest; the innermost wins.
+- ``pause(tag=None)`` / ``resume(tag=None)``: one tag, or every tag a region created. Every address
+  stays the same, so CUDA graphs captured over these tensors replay after resume.
+- ``disable()``: tensors created inside go to PyTorch's own memory even inside a region, and that
+  memory goes back to the device when they are freed after the block.
+- ``retain_cpu_backup`` (default False): keep the host copies after resume. While True,
+  ``get_cpu_backup`` shows the copy of the last pause after resume too.
+- ``memory_margin_bytes = n``: refuse a new segment (PyTorch's out-of-memory error) when it would
+  leave less than n bytes of the device free (torpor_torch_set_memory_margin).
+- ``get_cpu_backup(x, zero_copy=False)``: a CPU tensor (x's dtype and shape) with the host copy of
+  x's bytes: while paused, its backup; after resume, None unless retain_cpu_backup is set.
+  torpor always returns a copy: zero_copy is accepted and gives a copy too, since torpor's host
+  store reuses its memory for the next pause.
+- ``set_disk_backup_dir(path)`` and ``region(enable_disk_backup=True)``: the disk tier is issue 15's
+  (torpor's host store spilling to files); until it is there both raise torpor.Unavailable saying
+  so, rather than keep the bytes somewhere the caller did not ask for.
+- ``cuda_graph(...)``: graph capture into torpor is torpor.graph's (issue 16), which provides it
+  for this module; it is not defined here.
+- ``hook_mode`` ("preload" or "torch"): accepted and remembered; torpor always works in process,
+  through PyTorch's pluggable allocator, so both behave as "torch": only tensors created inside
+  ``region()`` are pauseable (torch_memory_saver's preload mode with TMS_INIT_ENABLE=1 also
+  captures allocations outside regions; torpor does not).
+- ``configure_subprocess()``: a context in which child processes started from here resolve
+  ``import torch_memory_saver`` to this module too (the shim directory goes first on PYTHONPATH).
+
+Where torch_memory_saver exits the process, torpor raises or is idempotent, by design:
+
+- pausing a paused tag, resuming an awake one: no-op (torch_memory_saver: exit(1));
+- pause or resume of a tag no region created: no-op (as torch_memory_saver);
+- entering a region of a paused tag: torpor.InvalidState (torch_memory_saver allocates, and the
+  next resume of the tag exits the process);
+- get_cpu_backup of a tensor torpor does not hold: torpor.InvalidArgument (exit(1)); of a paused
+  tensor without a backup: torpor.InvalidState (an abort there);
+- a failed pause or resume raises torpor's typed error, also a RuntimeError
+  (torpor.compat.runtime_error); calling it again once the cause is gone completes it.
+
+Making ``import torch_memory_saver`` resolve here (opt-in): ``torpor.tms.install()`` in the process,
+or ``PYTHONPATH=$(python3 -m torpor.tms --shim-path):$PYTHONPATH`` for it and its children.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import pathlib
+import sys
+import threading
+from typing import Optional
+
+from . import _lib, torch_pools
+from .compat import runtime_error
+from .errors import InvalidArgument, InvalidState, TorporError, Unavailable, error_for
+from .pool import MemoryClass, Pool
+
+logger = logging.getLogger(__name__)
+
+_TAG_DEFAULT = "default"
+_CPU_BACKUP_BACKENDS = ("mmap", "pinned")
+_HOOK_MODES = ("preload", "torch")
+SHIM_DIR = pathlib.Path(__file__).resolve().parent / "_shims"
+
+DISK_TIER_MISSING = (
+    "torch_memory_saver's disk backup needs torpor's disk tier (the host store spilling to a directory, "
+    "issue 15), which this build does not have yet; use enable_cpu_backup=True (host memory) instead"
+)
+
+
+@contextlib.contextmanager
+def _as_runtime_errors():
+    try:
+        yield
+    except TorporError as e:
+        raise runtime_error(e).with_traceback(e.__traceback__) from None
+
+
+class TorchMemorySaver:
+    """torch_memory_saver's TorchMemorySaver over torpor (see the module note). Instances share
+    torpor's pools: pause() of one pauses the regions of all (the process has one allocator)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._tags: set[str] = set()  # every tag a region created
+        self._retain_cpu_backup = False
+        self._hook_mode = "torch"
+
+    # -- regions ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def region(
+        self,
+        tag: str = _TAG_DEFAULT,
+        enable_cpu_backup: bool = False,
+        enable_disk_backup: bool = False,
+        cpu_backup_backend: Optional[str] = None,
+    ):
+        if cpu_backup_backend is not None:
+            if not enable_cpu_backup:
+                raise InvalidArgument("cpu_backup_backend requires enable_cpu_backup=True")
+            if cpu_backup_backend not in _CPU_BACKUP_BACKENDS:
+                raise InvalidArgument(
+                    f"cpu_backup_backend {cpu_backup_backend!r} is not one of {', '.join(_CPU_BACKUP_BACKENDS)} "
+                    f"(torpor keeps every backup in its own host store either way)"
+                )
+        if enable_cpu_backup and enable_disk_backup:
+            raise InvalidArgument("enable_cpu_backup and enable_disk_backup are mutually exclusive")
+        if enable_disk_backup:
+            raise Unavailable(DISK_TIER_MISSING)
+        if not isinstance(tag, str) or not tag:
+            raise InvalidArgument(f"region: tag {tag!r} is not a non-empty string")
+        cls = MemoryClass.STATE if enable_cpu_backup else MemoryClass.CACHE
+        with self._lock:
+            self._tags.add(tag)
+        with torch_pools.use_pool(tag, memory_class=cls):
+            yield
+
+    @contextlib.contextmanager
+    def disable(self):
+        """PyTorch's own memory for what is created inside, even within a region (a MemPool of
+        PyTorch's default allocator, dropped at exit: its memory goes back once those tensors die)."""
+        torch = torch_pools._cuda_torch()
+        pool = torch.cuda.memory.MemPool()
+        try:
+            with torch.cuda.memory.use_mem_pool(pool):
+                yield
+        finally:
+            del pool
+
+    # -- pause and resume --------------------------------------------------------------------
+
+    def _selected(self, tag: Optional[str], operation: str, asleep: bool) -> list[str]:
+        """The tags a pause (asleep=False) or resume (asleep=True) acts on: `tag`, or every
+        region's, among the tags torpor knows that are awake, or asleep."""
+        if tag is not None and (not isinstance(tag, str) or not tag):
+            raise InvalidArgument(f"{operation}: tag {tag!r} is not a non-empty string (None means every tag)")
+        with self._lock:
+            wanted = set(self._tags) if tag is None else {tag}
+        return sorted(t for t, sleeping in torch_pools.tag_states().items() if t in wanted and sleeping == asleep)
+
+    def pause(self, tag: Optional[str] = None) -> None:
+        """Release the memory of `tag` (None: every region's tag): backed-up bytes go to host
+        memory, the rest is discarded. Pausing a paused tag does nothing."""
+        with _as_runtime_errors():
+            torch_pools.sleep(1, self._selected(tag, "pause", asleep=False))
+
+    def resume(self, tag: Optional[str] = None) -> None:
+        """Map the memory of `tag` (None: every region's tag) again at the same addresses and
+        restore the backed-up bytes. Resuming an awake tag does nothing."""
+        tags = self._selected(tag, "resume", asleep=True)
+        with _as_runtime_errors():
+            torch_pools.wake_up(tags)
+            if tags and not self._retain_cpu_backup:
+                self._drop_host_copies()
+
+    def _drop_host_copies(self) -> None:
+        # torpor keeps host copies after wake to skip unchanged bytes at the next pause;
+        # torch_memory_saver frees them unless retained. Pool.release_host_store comes with
+        # issue 15's host-memory controls in the C API; before that the copies stay in torpor's
+        # host store (get_cpu_backup still answers None, as torch_memory_saver's does).
+        for pool in torch_pools.pools().values():
+            release = getattr(pool, "release_host_store", None)
+            if release is not None:
+                release()
+
+    # -- settings ----------------------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return True
+
+    @property
+    def hook_mode(self) -> str:
+        return self._hook_mode
+
+    @hook_mode.setter
+    def hook_mode(self, value: str) -> None:
+        if value not in _HOOK_MODES:
+            raise InvalidArgument(f"hook_mode {value!r} is not one of {', '.join(_HOOK_MODES)}")
+        if value == "preload" and os.environ.get("TMS_INIT_ENABLE") == "1":
+            logger.warning(
+                "torpor.tms: TMS_INIT_ENABLE=1 asks torch_memory_saver's preload mode to capture every "
+                "allocation; torpor captures only those made inside region()"
+            )
+        self._hook_mode = value
+
+    @property
+    def retain_cpu_backup(self) -> bool:
+        return self._retain_cpu_backup
+
+    @retain_cpu_backup.setter
+    def retain_cpu_backup(self, value: bool) -> None:
+        self._retain_cpu_backup = bool(value)
+
+    @property
+    def memory_margin_bytes(self) -> int:
+        return int(_lib.lib().torpor_torch_memory_margin())
+
+    @memory_margin_bytes.setter
+    def memory_margin_bytes(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidArgument(f"memory_margin_bytes {value!r} is not a whole number of bytes >= 0")
+        lib = _lib.lib()
+        if value > ctypes.c_size_t(-1).value:
+            raise InvalidArgument(f"memory_margin_bytes {value} does not fit in a size_t")
+        _lib.check(lib.torpor_torch_set_memory_margin(value))
+
+    def set_disk_backup_dir(self, path: str) -> None:
+        raise Unavailable(DISK_TIER_MISSING)
+
+    # -- backups -----------------------------------------------------------------------------
+
+    def get_cpu_backup(self, x, zero_copy: bool = False):
+        """A CPU tensor with the host copy of x's bytes, or None (see the module note)."""
+        torch = torch_pools._cuda_torch()
+        if not isinstance(x, torch.Tensor) or not x.is_cuda:
+            raise InvalidArgument(f"get_cpu_backup: {type(x).__name__} is not a CUDA tensor")
+        if not x.is_contiguous():
+            raise InvalidArgument(
+                f"get_cpu_backup: the tensor is not contiguous (shape {tuple(x.shape)}, " f"stride {x.stride()})"
+            )
+        out = torch.empty(x.shape, dtype=x.dtype, device="cpu")
+        nbytes = x.numel() * x.element_size()
+        if nbytes == 0:
+            return out
+        pool = Pool.torch(x.device.index)
+        asleep = ctypes.c_int(0)
+        status = _lib.lib().torpor_read_host_copy(
+            pool.handle, x.data_ptr(), nbytes, out.data_ptr(), ctypes.byref(asleep)
+        )
+        if status == _lib.status_ok():
+            return out if (asleep.value or self._retain_cpu_backup) else None
+        if status == InvalidState.status and not asleep.value:
+            return None  # awake without a retained copy
+        message = _lib.last_error()
+        if status == InvalidState.status:
+            message += " (was the tensor created in a region without enable_cpu_backup=True?)"
+        raise error_for(status, message)
+
+
+def configure_subprocess():
+    """Child processes started inside resolve ``import torch_memory_saver`` to torpor.tms."""
+    return _shim_on_pythonpath()
+
+
+@contextlib.contextmanager
+def _shim_on_pythonpath():
+    previous = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([shim_path()] + ([previous] if previous else []))
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = previous
+
+
+def shim_path() -> str:
+    """A directory whose ``torch_memory_saver`` package is torpor.tms: put it first on PYTHONPATH."""
+    return str(SHIM_DIR)
+
+
+def install() -> None:
+    """Make ``import torch_memory_saver`` (and ``torch_memory_saver.entrypoint``) resolve to this
+    module in this process. Call before the engine imports torch_memory_saver."""
+    module = sys.modules[__name__]
+    sys.modules["torch_memory_saver"] = module
+    sys.modules["torch_memory_saver.entrypoint"] = module
+
+
+# The global singleton, as torch_memory_saver's.
+torch_memory_saver = TorchMemorySaver()
+
+__all__ = ["TorchMemorySaver", "configure_subprocess", "install", "shim_path", "torch_memory_saver"]
+
+
+def _main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python3 -m torpor.tms", description="torpor's torch_memory_saver mode")
+    ap.add_argument("--shim-path", action="store_true", help="print the directory to put first on PYTHONPATH")
+    args = ap.parse_args(argv)
+    if args.shim_path:
+        print(shim_path())
+        return 0
+    ap.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

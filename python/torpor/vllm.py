@@ -1,0 +1,153 @@
+"""vLLM mode: vLLM's sleep-mode allocator (``vllm.device_allocator.cumem.CuMemAllocator``, the
+MemAllocator protocol of ``vllm.device_allocator``) over torpor, with vLLM's semantics.
+
+    from torpor.vllm import CuMemAllocator     # or torpor.CuMemAllocator; the plugin
+                                               # (torpor.vllm_plugin) puts it under vLLM's name
+    allocator = CuMemAllocator.get_instance()
+    with allocator.use_memory_pool(tag="weights"):
+        model = load_model()
+    torpor.register_parameters(model)          # optional: torpor's upgrade, below
+    with allocator.use_memory_pool(tag="kv_cache"):
+        kv_cache = allocate_kv_cache()
+    allocator.sleep(offload_tags=("weights",) if level == 1 else ())
+    allocator.wake_up(["weights"]); reload_weights(); allocator.wake_up(["kv_cache"])
+
+What each call does, as vLLM's CuMemAllocator (the versions README's vLLM section names):
+
+- ``sleep(offload_tags)``: every byte of every allocation whose tag is in offload_tags is kept
+  (copied to host memory); every byte of every other tag is discarded. None means ("default",),
+  a string one tag. Tags already asleep keep the fate they fell asleep with.
+- ``discard(tags)``: the awake allocations of those tags are discarded, nothing copied.
+- ``wake_up(tags)``: None wakes every tag. A list wakes those tags, and every sleeping tag other
+  than "weights" and "kv_cache" (vLLM: selective wake may defer only those two). Tags that were
+  never used are ignored. Discarded bytes come back undefined.
+- ``use_memory_pool(tag)``: tensors created inside live in torpor under `tag` (None: "default").
+  When the block exits, segments PyTorch left empty are unmapped (vLLM frees them the same way);
+  ``reuse_memory_pool(tag)`` re-enters a tag used before (ValueError otherwise).
+- ``get_current_usage()``: bytes of the segments in the pools, asleep or not.
+- ``is_asleep(tags=None)``: whether any of those tags (None: any tag) is asleep.
+- Errors are torpor's typed errors with torpor's message, re-raised as RuntimeError subclasses
+  (torpor.compat.runtime_error): a wake that runs out of device memory raises an error that is a
+  RuntimeError, a torpor.OutOfMemory and a MemoryError at once.
+
+torpor's upgrade, with ``torpor.register_parameters(model)`` (the plugin calls it after vLLM
+loads the model): a tag that holds registered parameters and is not offloaded discards only the
+parameters; its buffers and every other byte that is not a parameter come back bit-exact, so
+vLLM's level-2 buffer stash (``Worker._sleep_saved_buffers``) has nothing to add, and a level-2
+sleep copies no parameter to host memory. Tags without registered parameters (the KV cache) are
+discarded in full, as in vLLM.
+
+Every address is the same after wake (as in vLLM), so CUDA graphs replay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable
+
+from . import torch_pools
+from .compat import runtime_error
+from .errors import InvalidArgument, TorporError
+from .pool import MemoryClass
+from .tags import KV_CACHE, WEIGHTS
+
+# vLLM's DEFERRABLE_TAGS: a selective wake leaves only these asleep.
+DEFERRABLE_TAGS: tuple[str, ...] = (WEIGHTS, KV_CACHE)
+
+
+def _tag_tuple(tags, what: str) -> tuple[str, ...]:
+    if isinstance(tags, str):
+        tags = (tags,)
+    out = tuple(tags)
+    for t in out:
+        if not isinstance(t, str) or not t:
+            raise runtime_error(InvalidArgument(f"{what}: tag {t!r} is not a non-empty string"))
+    return out
+
+
+def _keep_everything(tag: str, memory_class: MemoryClass, has_parameters: bool) -> MemoryClass:
+    """Offloaded tags: every allocated byte survives (parameters are offloaded at level 1)."""
+    return MemoryClass.STATE
+
+
+def _discard(tag: str, memory_class: MemoryClass, has_parameters: bool) -> MemoryClass:
+    """Discarded tags: everything goes (vLLM), except in a tag holding registered parameters,
+    whose other bytes are state and stay (torpor's upgrade; the parameters go at level 2)."""
+    return MemoryClass.STATE if has_parameters else MemoryClass.CACHE
+
+
+@contextlib.contextmanager
+def _as_runtime_errors():
+    try:
+        yield
+    except TorporError as e:
+        raise runtime_error(e).with_traceback(e.__traceback__) from None
+
+
+class CuMemAllocator:
+    """A process-wide singleton, as vLLM's (get_instance()); see the module note."""
+
+    instance: "CuMemAllocator | None" = None
+    default_tag: str = "default"
+
+    @staticmethod
+    def get_instance() -> "CuMemAllocator":
+        if CuMemAllocator.instance is None:
+            CuMemAllocator.instance = CuMemAllocator()
+        return CuMemAllocator.instance
+
+    def __init__(self):
+        self.last_reports: dict[str, dict] = {}  # what the last sleep, discard or wake_up did, per step
+
+    # -- pools -------------------------------------------------------------------------------
+
+    def use_memory_pool(self, tag: str | None = None):
+        tag = self.default_tag if tag is None else tag
+        return torch_pools.use_pool(_tag_tuple(tag, "use_memory_pool")[0])
+
+    def reuse_memory_pool(self, tag: str):
+        """Re-enter the pool of a tag used before; ValueError for one never used."""
+        if tag not in torch_pools.tag_states():
+            raise runtime_error(InvalidArgument(f"Memory pool for tag '{tag}' does not exist."))
+        return torch_pools.use_pool(tag)
+
+    def get_current_usage(self) -> int:
+        """Bytes of the segments PyTorch holds in torpor, asleep or not (vLLM: the handles' sizes)."""
+        return sum(t["allocated_bytes"] for st in torch_pools.stats().values() for t in st["tags"].values())
+
+    def is_asleep(self, tags: Iterable[str] | str | None = None) -> bool:
+        states = torch_pools.tag_states()
+        wanted = states if tags is None else _tag_tuple(tags, "is_asleep")
+        return any(states.get(t, False) for t in wanted)
+
+    # -- sleep -------------------------------------------------------------------------------
+
+    def sleep(self, offload_tags: tuple[str, ...] | str | None = None) -> None:
+        offload = (self.default_tag,) if offload_tags is None else _tag_tuple(offload_tags, "sleep")
+        awake = [t for t, asleep in sorted(torch_pools.tag_states().items()) if not asleep]
+        with _as_runtime_errors():
+            self.last_reports = {
+                "offload": torch_pools._sleep(1, [t for t in awake if t in offload], _keep_everything),
+                "discard": torch_pools._sleep(2, [t for t in awake if t not in offload], _discard),
+            }
+
+    def discard(self, tags: tuple[str, ...] | str) -> None:
+        wanted = set(_tag_tuple(tags, "discard"))
+        awake = [t for t, asleep in sorted(torch_pools.tag_states().items()) if not asleep and t in wanted]
+        with _as_runtime_errors():
+            self.last_reports = {"discard": torch_pools._sleep(2, awake, _discard)}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        states = torch_pools.tag_states()
+        if tags is None:
+            selected = [t for t, asleep in sorted(states.items()) if asleep]
+        else:
+            wanted = set(_tag_tuple(tags, "wake_up"))
+            selected = [
+                t for t, asleep in sorted(states.items()) if asleep and (t in wanted or t not in DEFERRABLE_TAGS)
+            ]
+        with _as_runtime_errors():
+            self.last_reports = {"wake_up": torch_pools.wake_up(selected)}
+
+
+__all__ = ["DEFERRABLE_TAGS", "CuMemAllocator"]

@@ -1,0 +1,189 @@
+"""torpor's vLLM plugin: with TORPOR_VLLM=1, every vLLM process uses torpor for sleep mode.
+
+The package declares ``register`` as a ``vllm.general_plugins`` entry point (python/pyproject.toml).
+vLLM calls every general plugin in every process it starts (``vllm.plugins.load_general_plugins``;
+VLLM_PLUGINS, when set, must list "torpor"), and a worker does it in
+``WorkerWrapperBase.init_worker`` before it imports its worker class. With TORPOR_VLLM unset (or
+0, false, no, off) the plugin does nothing. Set, it:
+
+1. puts torpor's allocator (torpor.vllm.CuMemAllocator) in place of
+   ``vllm.device_allocator.cumem.CuMemAllocator``. Every vLLM generation asks that module for it:
+   the oldest workers import the name when their module loads (which happens after the plugin
+   ran; a worker module imported earlier gets its binding replaced too), later ones import it
+   inside sleep(), wake_up() and the memory-pool context, the newest through
+   ``vllm.device_allocator.get_mem_allocator_instance()``. So the pools vLLM loads weights and
+   the KV cache into are torpor's, and so are sleep, wake_up and discard.
+2. where vLLM has pluggable sleep-mode backends (``vllm.device_allocator.sleep_mode_backend``),
+   registers the backend "torpor" (``--sleep-mode-backend torpor``; torpor.vllm_backend). vLLM's
+   default backend, "cumem", drives the same allocator, so either gives torpor's sleep.
+3. makes the worker register the model's parameters after it loads the model
+   (torpor.register_parameters, for ``Worker.load_model`` of vllm.v1.worker.gpu_worker and
+   vllm.worker.worker, patched when those modules load): a level-2 sleep then discards only the
+   parameters and keeps every other byte, instead of discarding everything.
+
+README's vLLM section says which vLLM versions each route was written against. Everything here is
+safe to run twice in a process (vLLM may load plugins more than once).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.abc
+import importlib.util
+import logging
+import os
+import sys
+import threading
+
+logger = logging.getLogger(__name__)
+
+ENV = "TORPOR_VLLM"
+BACKEND_NAME = "torpor"
+CUMEM_MODULE = "vllm.device_allocator.cumem"
+BACKEND_MODULE = "vllm.device_allocator.sleep_mode_backend"
+# Worker modules whose Worker.load_model gets the parameter registration (v1, then v0).
+WORKER_MODULES = ("vllm.v1.worker.gpu_worker", "vllm.worker.worker")
+_FALSE = ("", "0", "false", "no", "off")
+
+_lock = threading.Lock()
+_installed = False
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "").strip().lower() not in _FALSE
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point."""
+    if not enabled():
+        logger.debug("torpor: %s is not set; vLLM keeps its own sleep-mode allocator", ENV)
+        return
+    install()
+
+
+def install() -> None:
+    """Steps 1 to 3 of the module note (idempotent)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        substitute_allocator()
+        register_backend()
+        _patch_when_imported(WORKER_MODULES, _wrap_load_model)
+        _installed = True
+    logger.info("torpor: vLLM's sleep mode uses torpor (%s=1)", ENV)
+
+
+def substitute_allocator() -> None:
+    """Step 1: torpor's CuMemAllocator under vLLM's name, and in worker modules already loaded."""
+    from .vllm import CuMemAllocator
+
+    cumem = importlib.import_module(CUMEM_MODULE)
+    original = getattr(cumem, "CuMemAllocator", None)
+    cumem.CuMemAllocator = CuMemAllocator
+    for name in WORKER_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and original is not None and getattr(module, "CuMemAllocator", None) is original:
+            module.CuMemAllocator = CuMemAllocator
+
+
+def register_backend() -> bool:
+    """Step 2, where vLLM has SleepModeBackendFactory. Returns whether it registered."""
+    try:
+        backends = importlib.import_module(BACKEND_MODULE)
+    except ImportError:
+        return False  # an older vLLM: its worker calls the allocator directly
+    factory = getattr(backends, "SleepModeBackendFactory", None)
+    if factory is None:
+        return False
+    registry = getattr(factory, "_registry", {})
+    if BACKEND_NAME not in registry:
+        factory.register_backend(BACKEND_NAME, "torpor.vllm_backend", "TorporSleepModeBackend")
+    return True
+
+
+def register_model(worker) -> None:
+    """Step 3 for one worker: register its model's parameters (and a draft model's) when sleep
+    mode put them in torpor. Never fails the load: a problem is logged."""
+    try:
+        config = getattr(getattr(worker, "vllm_config", None), "model_config", None)
+        if config is not None and not getattr(config, "enable_sleep_mode", False):
+            return
+        import torpor
+
+        models = [("", worker.get_model())]
+        draft = getattr(worker, "get_draft_model", None)
+        if callable(draft) and draft() is not None:
+            models.append(("draft", draft()))
+        for prefix, model in models:
+            reg = torpor.register_parameters(model, prefix=prefix)
+            logger.info(
+                "torpor: registered %d parameters (%d bytes)%s; %d outside torpor's pools",
+                reg.parameters,
+                reg.nbytes,
+                f" of the {prefix} model" if prefix else "",
+                len(reg.outside),
+            )
+    except Exception as e:  # a failed registration only costs torpor's upgrade, never the load
+        logger.warning("torpor: could not register the model's parameters (level 2 discards all): %s", e)
+
+
+def _wrap_load_model(module) -> None:
+    worker = getattr(module, "Worker", None)
+    load = getattr(worker, "load_model", None)
+    if load is None or getattr(load, "_torpor_wrapped", False):
+        return
+
+    @functools.wraps(load)
+    def load_model(self, *args, **kwargs):
+        result = load(self, *args, **kwargs)
+        register_model(self)
+        return result
+
+    load_model._torpor_wrapped = True
+    worker.load_model = load_model
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Runs patch(module) right after one of `names` is executed by its own loader."""
+
+    def __init__(self, names, patch):
+        self.names, self.patch = set(names), patch
+        self._finding = threading.local()
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in self.names or getattr(self._finding, "active", False):
+            return None
+        self._finding.active = True
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._finding.active = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        loader, patch = spec.loader, self.patch
+
+        class _Loader(importlib.abc.Loader):
+            def create_module(self, spec):
+                return loader.create_module(spec)
+
+            def exec_module(self, module):
+                loader.exec_module(module)
+                patch(module)
+
+        spec.loader = _Loader()
+        return spec
+
+
+def _patch_when_imported(names, patch) -> None:
+    """patch(module) for each of `names`: now for those already imported, at import for the rest."""
+    for name in names:
+        if name in sys.modules:
+            patch(sys.modules[name])
+    pending = [n for n in names if n not in sys.modules]
+    if pending:
+        sys.meta_path.insert(0, _PatchOnImport(pending, patch))
+
+
+__all__ = ["BACKEND_NAME", "ENV", "enabled", "install", "register", "register_model"]

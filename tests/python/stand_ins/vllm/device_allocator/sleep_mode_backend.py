@@ -1,0 +1,91 @@
+"""vllm.device_allocator.sleep_mode_backend: pluggable sleep-mode backends chosen by name
+(model_config.sleep_mode_backend, default "cumem"); third parties register from a general plugin.
+With STAND_IN_VLLM_NO_BACKENDS=1 the module is absent, as in vLLM versions before it."""
+
+import importlib
+import os
+from abc import ABC, abstractmethod
+
+if os.environ.get("STAND_IN_VLLM_NO_BACKENDS") == "1":
+    raise ImportError("No module named 'vllm.device_allocator.sleep_mode_backend'")
+
+
+class SleepModeBackend(ABC):
+    def __init__(self):
+        self._state = "RUNNING"
+
+    @abstractmethod
+    def suspend(self, level=1):
+        ...
+
+    @abstractmethod
+    def resume(self, tags=None):
+        ...
+
+    def state(self):
+        return self._state
+
+    def discard(self, tags):
+        raise RuntimeError(f"Sleep-mode backend {type(self).__name__!r} does not support selective discard.")
+
+    @classmethod
+    def is_supported(cls):
+        return True
+
+    @classmethod
+    def preserves_communicators(cls):
+        return False
+
+
+class CuMemBackend(SleepModeBackend):
+    def suspend(self, level=1):
+        from vllm.device_allocator import get_mem_allocator_instance
+
+        self._state = "SUSPENDED"
+        get_mem_allocator_instance().sleep(offload_tags=("weights",) if level == 1 else tuple())
+
+    def resume(self, tags=None):
+        from vllm.device_allocator import get_mem_allocator_instance
+
+        self._state = "RESUMING"
+        get_mem_allocator_instance().wake_up(tags)
+        self._state = "RUNNING"
+
+    def discard(self, tags):
+        from vllm.device_allocator import get_mem_allocator_instance
+
+        get_mem_allocator_instance().discard(tags)
+        self._state = "SUSPENDED"
+
+
+class SleepModeBackendFactory:
+    _registry = {}
+
+    @classmethod
+    def register_backend(cls, name, module_path, class_name):
+        if name in cls._registry:
+            raise ValueError(f"Sleep-mode backend '{name}' is already registered.")
+
+        def loader():
+            return getattr(importlib.import_module(module_path), class_name)
+
+        cls._registry[name] = loader
+
+    @classmethod
+    def get_backend_class(cls, name):
+        if name not in cls._registry:
+            available = ", ".join(sorted(cls._registry)) or "<none>"
+            raise ValueError(f"Unsupported sleep-mode backend '{name}'. Registered backends: {available}.")
+        return cls._registry[name]()
+
+    @classmethod
+    def create_backend(cls, model_config):
+        backend_cls = cls.get_backend_class(model_config.sleep_mode_backend)
+        if not backend_cls.is_supported():
+            raise ValueError(
+                f"Sleep-mode backend '{model_config.sleep_mode_backend}' is not supported on this platform."
+            )
+        return backend_cls()
+
+
+SleepModeBackendFactory.register_backend("cumem", "vllm.device_allocator.sleep_mode_backend", "CuMemBackend")

@@ -1,0 +1,297 @@
+"""torch_memory_saver mode (torpor.tms) in CI: torch_memory_saver's API and semantics against
+fake_torch, device memory from torpor's host backend. The oracle is torch_memory_saver's own
+behaviour (torch_memory_saver/entrypoint.py, csrc/core.cpp, its README and test/examples), with
+the documented differences where it exits the process. Discarded bytes come back poisoned (0xFF).
+torch_memory_saver's examples run against this mode with real PyTorch in test_tms_gpu.py."""
+
+import ctypes
+import itertools
+import os
+import subprocess
+import sys
+
+import pytest
+
+import fake_torch
+import torpor
+from torpor import tms, torch_pools
+from conftest import MiB, POISON, REPO, TORCH_POOL_OPTIONS, pattern, subprocess_env
+
+
+class HostTensor(fake_torch.Tensor):
+    """A CPU tensor with real bytes (what get_cpu_backup returns)."""
+
+    def __init__(self, shape, dtype):
+        n = 1
+        for s in shape:
+            n *= s
+        self._buf = ctypes.create_string_buffer(max(1, n * 4))
+        super().__init__(ctypes.addressof(self._buf), n * 4, None, shape)
+        self.device, self.is_cuda, self.dtype = fake_torch._Device("cpu", None), False, dtype
+
+    def tobytes(self):
+        return self._buf.raw[: self._nbytes]
+
+
+class NativeAllocator:
+    """PyTorch's own allocator, for MemPool() without one: addresses torpor does not hold."""
+
+    _next = itertools.count(1)
+
+    def malloc(self, size, device, stream):
+        return 0x6000_0000_0000 + next(self._next) * (1 << 34)
+
+
+@pytest.fixture
+def torch(monkeypatch):
+    torpor.configure(**TORCH_POOL_OPTIONS)
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    monkeypatch.setattr(torch_pools, "_state", torch_pools._State())
+    monkeypatch.setattr(fake_torch.Tensor, "dtype", "float32", raising=False)
+    monkeypatch.setattr(fake_torch.Tensor, "is_contiguous", lambda self: True, raising=False)
+    monkeypatch.setattr(
+        fake_torch.cuda.memory, "MemPool", lambda allocator=None: fake_torch.MemPool(allocator or NativeAllocator())
+    )
+    empty = fake_torch.empty
+
+    def empty_anywhere(*args, device=None, dtype=None, **kwargs):
+        if device == "cpu":
+            return HostTensor(args[0], dtype)
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(fake_torch, "empty", empty_anywhere)
+    saver = tms.TorchMemorySaver()
+    yield fake_torch, saver
+    torpor.wake_up()
+    torpor._lib.lib().torpor_torch_set_memory_margin(0)
+
+
+def write(t, seed):
+    data = pattern(t._nbytes, seed)
+    torpor.Pool.torch(0).write(t.data_ptr(), data)
+    return data
+
+
+def read(t):
+    return torpor.Pool.torch(0).read(t.data_ptr(), t._nbytes)
+
+
+def test_pause_discards_regions_without_backup_and_keeps_those_with_one(torch):
+    torch, saver = torch
+    with saver.region():  # the default tag, no backup
+        lost = torch.empty(MiB)
+    with saver.region(enable_cpu_backup=True):  # the same tag, with one
+        kept = torch.empty(MiB)
+    with saver.region(tag="kv_cache"):
+        kv = torch.empty(2 * MiB)
+    data = {"lost": write(lost, 1), "kept": write(kept, 2), "kv": write(kv, 3)}
+    addresses = (lost.data_ptr(), kept.data_ptr(), kv.data_ptr())
+    saver.pause()
+    assert all(torch_pools.tag_states()[t] for t in ("default", "kv_cache"))
+    saver.resume()
+    assert (lost.data_ptr(), kept.data_ptr(), kv.data_ptr()) == addresses
+    assert read(kept) == data["kept"]
+    assert read(lost) == POISON * MiB and read(kv) == POISON * (2 * MiB)
+
+
+def test_pause_and_resume_one_tag(torch):
+    torch, saver = torch
+    with saver.region(tag="weights", enable_cpu_backup=True):
+        w = torch.empty(MiB)
+    with saver.region(tag="kv_cache"):
+        torch.empty(MiB)
+    data = write(w, 4)
+    saver.pause("kv_cache")
+    assert torch_pools.tag_states()["kv_cache"] and not torch_pools.tag_states()["weights"]
+    saver.pause("weights")
+    saver.resume("weights")
+    assert not torch_pools.tag_states()["weights"] and torch_pools.tag_states()["kv_cache"]
+    assert read(w) == data
+    saver.resume("kv_cache")
+
+
+def test_pause_all_touches_only_the_regions_tags(torch):
+    torch, saver = torch
+    with torpor.use_pool("tms.not_a_region"):
+        torch.empty(MiB)
+    with saver.region(tag="tms.region"):
+        torch.empty(MiB)
+    saver.pause()
+    states = torch_pools.tag_states()
+    assert states["tms.region"] and not states["tms.not_a_region"]
+    saver.resume()
+
+
+def test_where_torch_memory_saver_exits_torpor_is_idempotent_or_raises(torch):
+    torch, saver = torch
+    with saver.region(tag="tms.twice", enable_cpu_backup=True):
+        t = torch.empty(MiB)
+    data = write(t, 5)
+    saver.resume("tms.twice")  # resuming an active allocation: torch_memory_saver exits
+    saver.pause("tms.twice")
+    saver.pause("tms.twice")  # pausing a paused one: torch_memory_saver exits
+    saver.pause("never_created")  # nothing to pause
+    with pytest.raises(torpor.InvalidState, match="tag 'tms.twice' is asleep"):
+        with saver.region(tag="tms.twice"):
+            pass
+    saver.resume("tms.twice")
+    saver.resume("tms.twice")
+    assert read(t) == data
+
+
+def test_get_cpu_backup_follows_torch_memory_savers_rules(torch):
+    torch, saver = torch
+    with saver.region(tag="tms.backup", enable_cpu_backup=True):
+        x = torch.empty(64 << 10)
+    with saver.region(tag="tms.nobackup"):
+        y = torch.empty(64 << 10)
+    data = write(x, 6)
+    write(y, 7)
+    assert saver.get_cpu_backup(x) is None, "awake and never paused: no backup"
+    saver.pause()
+    backup = saver.get_cpu_backup(x)
+    assert backup.shape == x.shape and backup.dtype == x.dtype and not backup.is_cuda
+    assert backup.tobytes() == data
+    assert saver.get_cpu_backup(x, zero_copy=True).tobytes() == data
+    with pytest.raises(torpor.InvalidState, match="without enable_cpu_backup"):
+        saver.get_cpu_backup(y)
+    saver.resume()
+    assert saver.get_cpu_backup(x) is None, "without retain_cpu_backup, no backup after resume"
+    saver.retain_cpu_backup = True
+    assert saver.retain_cpu_backup is True
+    assert saver.get_cpu_backup(x).tobytes() == data, "retained: the copy of the last pause"
+    write(x, 8)
+    assert saver.get_cpu_backup(x).tobytes() == data, "still the last pause's bytes"
+    saver.pause("tms.backup")
+    assert saver.get_cpu_backup(x).tobytes() == pattern(64 << 10, 8)
+    saver.resume("tms.backup")
+    outside = torch.empty(MiB)  # PyTorch's own memory: not torpor's
+    with pytest.raises(torpor.InvalidArgument, match="not inside an allocation"):
+        saver.get_cpu_backup(outside)
+
+
+def test_disable_allocates_outside_torpor_even_inside_a_region(torch):
+    torch, saver = torch
+    with saver.region(tag="tms.disable"):
+        inside = torch.empty(MiB)
+        with saver.disable():
+            outside = torch.empty(MiB)
+        again = torch.empty(MiB)
+    pool = torpor.Pool.torch(0)
+    assert pool.contains(inside.data_ptr()) and pool.contains(again.data_ptr())
+    assert not pool.contains(outside.data_ptr())
+
+
+def test_memory_margin_refuses_segments_that_would_eat_it(torch):
+    torch, saver = torch
+    saver.memory_margin_bytes = 64 << 40  # more than the emulated device has
+    assert saver.memory_margin_bytes == 64 << 40
+    with pytest.raises(torpor.OutOfMemory, match="refused by the memory margin") as info:
+        with saver.region(tag="tms.margin"):
+            torch.empty(4 * MiB)
+    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
+    saver.memory_margin_bytes = 0
+    with saver.region(tag="tms.margin"):
+        torch.empty(4 * MiB)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(torpor.InvalidArgument, match="memory_margin_bytes"):
+            saver.memory_margin_bytes = bad
+    with pytest.raises(torpor.InvalidArgument, match="TORPOR_TORCH_MEMORY_MARGIN_MAX"):
+        saver.memory_margin_bytes = 1 << 60
+
+
+def test_settings_and_what_is_not_here(torch):
+    torch, saver = torch
+    assert saver.enabled and saver.retain_cpu_backup is False
+    saver.hook_mode = "torch"
+    saver.hook_mode = "preload"
+    assert saver.hook_mode == "preload"
+    with pytest.raises(torpor.InvalidArgument, match="hook_mode 'ld_preload'"):
+        saver.hook_mode = "ld_preload"
+    with pytest.raises(torpor.Unavailable, match="disk tier"):
+        saver.set_disk_backup_dir("/tmp/tms")
+    with pytest.raises(torpor.Unavailable, match="disk tier"):
+        with saver.region(enable_disk_backup=True):
+            pass
+    with pytest.raises(ValueError, match="cpu_backup_backend requires enable_cpu_backup"):
+        with saver.region(cpu_backup_backend="mmap"):
+            pass
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        with saver.region(enable_cpu_backup=True, enable_disk_backup=True):
+            pass
+    with saver.region(enable_cpu_backup=True, cpu_backup_backend="mmap"):
+        pass
+    assert not hasattr(saver, "cuda_graph"), "torpor.graph (issue 16) provides it"
+    assert isinstance(tms.torch_memory_saver, tms.TorchMemorySaver)
+
+
+def test_a_failed_resume_is_a_runtime_error_and_can_be_repeated():
+    code = f"""
+import sys
+sys.path.insert(0, {str(REPO / "tests" / "python")!r})
+import fake_torch
+sys.modules["torch"] = fake_torch
+import torpor
+from torpor.tms import torch_memory_saver as saver
+
+torpor.configure(backend="host", va_bytes=1 << 30)
+with saver.region(tag="weights", enable_cpu_backup=True):
+    x = fake_torch.empty(40 << 20)
+saver.pause()
+other = torpor.Pool(0, backend="host")
+y = other.alloc(40 << 20, "trainer")
+try:
+    saver.resume()
+except RuntimeError as e:
+    assert isinstance(e, torpor.OutOfMemory)
+    print("raised:", e)
+other.free(y)
+saver.resume()
+print("resumed")
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=subprocess_env(TORPOR_HOST_DEVICE_MEMORY="64M", TORPOR_LOG="off"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "raised: torpor_wake_up:" in out.stdout and out.stdout.rstrip().endswith("resumed")
+
+
+def test_import_torch_memory_saver_resolves_to_torpor_only_when_asked():
+    code = (
+        "import sys\n"
+        "try:\n"
+        "    import torch_memory_saver\n"
+        "except ImportError:\n"
+        "    print('absent')\n"
+        "else:\n"
+        "    import torpor.tms\n"
+        "    assert torch_memory_saver is torpor.tms, torch_memory_saver\n"
+        "    assert torch_memory_saver.torch_memory_saver is torpor.tms.torch_memory_saver\n"
+        "    from torch_memory_saver.entrypoint import TorchMemorySaver\n"
+        "    assert TorchMemorySaver is torpor.tms.TorchMemorySaver\n"
+        "    print('torpor')\n"
+    )
+
+    def run(env, *argv):
+        out = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    env = subprocess_env()
+    assert run(env, "-c", code) == "absent"
+    shim = run(env, "-m", "torpor.tms", "--shim-path")
+    assert os.path.isdir(os.path.join(shim, "torch_memory_saver"))
+    assert run(subprocess_env(PYTHONPATH=os.pathsep.join([shim, env["PYTHONPATH"]])), "-c", code) == "torpor"
+    assert run(env, "-c", "import torpor.tms\ntorpor.tms.install()\n" + code) == "torpor"
+    # configure_subprocess: children started inside resolve it too.
+    parent = (
+        "import subprocess, sys, torpor.tms\n"
+        "with torpor.tms.configure_subprocess():\n"
+        f"    subprocess.run([sys.executable, '-c', {code!r}], check=True)\n"
+        f"subprocess.run([sys.executable, '-c', {code!r}], check=True)\n"
+    )
+    assert run(env, "-c", parent).split() == ["torpor", "absent"]

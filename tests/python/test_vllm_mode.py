@@ -1,0 +1,228 @@
+"""vLLM mode (torpor.vllm.CuMemAllocator) in CI: vLLM's allocator semantics against fake_torch, with
+device memory from torpor's host backend. The oracle is what vLLM's CuMemAllocator does with the
+same calls (vllm/device_allocator/cumem.py, README's vLLM section): a tag in offload_tags keeps
+every byte, any other tag loses every byte, unless torpor knows its parameters. Discarded bytes
+come back poisoned (0xFF), so "kept" and "lost" are told apart by the bytes themselves.
+The same checks with real PyTorch on a GPU are in test_vllm_gpu.py."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import fake_torch
+import torpor
+from torpor import torch_pools
+from torpor.vllm import CuMemAllocator
+from conftest import MiB, POISON, REPO, TORCH_POOL_OPTIONS, pattern, subprocess_env
+
+
+@pytest.fixture
+def torch(monkeypatch):
+    torpor.configure(**TORCH_POOL_OPTIONS)
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    monkeypatch.setattr(torch_pools, "_state", torch_pools._State())
+    monkeypatch.setattr(CuMemAllocator, "instance", None)
+    yield fake_torch
+    torpor.wake_up()
+    free_segments()
+
+
+def free_segments():
+    """Give every segment of this test's pools back (the process's torpor pools outlive the test;
+    fake_torch never frees a segment by itself)."""
+    lib = torpor._lib.lib()
+    for (tag, cls, device), pools in torch_pools._state.mempools.items():
+        for p in pools:
+            for seg in torch_pools._own_segments(p, device):
+                lib.torpor_torch_free(seg["address"], seg["total_size"], device, None)
+
+
+def fill(t, seed):
+    data = pattern(t._nbytes, seed)
+    torpor.Pool.torch(0).write(t.data_ptr(), data)
+    return data
+
+
+def read(t):
+    return torpor.Pool.torch(0).read(t.data_ptr(), t._nbytes)
+
+
+class Engine:
+    """What a vLLM worker holds: a model (parameters and a buffer) in "weights", a KV cache in
+    "kv_cache", and one more tensor in the default tag."""
+
+    def __init__(self, torch, allocator, prefix="m"):
+        with allocator.use_memory_pool(tag="weights"):
+            self.w = torch.empty(64 << 10)
+            self.b = torch.empty(32 << 10)
+            self.rope = torch.empty(16 << 10)  # a buffer computed at load
+        self.model = torch.nn.Module(w=self.w, b=self.b)
+        with allocator.use_memory_pool(tag="kv_cache"):
+            self.kv = torch.empty(256 << 10)
+        with allocator.use_memory_pool():
+            self.other = torch.empty(8 << 10)
+        self.tensors = {"w": self.w, "b": self.b, "rope": self.rope, "kv": self.kv, "other": self.other}
+        self.data = {name: fill(t, i + 1) for i, (name, t) in enumerate(self.tensors.items())}
+
+    def kept(self, name):
+        return read(self.tensors[name]) == self.data[name]
+
+    def lost(self, name):
+        return read(self.tensors[name]) == POISON * self.tensors[name]._nbytes
+
+
+def test_level_2_without_registration_discards_every_byte_of_every_tag(torch):
+    allocator = CuMemAllocator.get_instance()
+    e = Engine(torch, allocator)
+    allocator.sleep(offload_tags=())
+    assert allocator.is_asleep() and allocator.is_asleep("weights") and allocator.is_asleep(["kv_cache"])
+    allocator.wake_up()
+    assert all(e.lost(n) for n in e.tensors), "vLLM discards every tag that is not offloaded"
+    assert not allocator.is_asleep()
+
+
+def test_offloaded_tags_keep_every_byte_and_the_others_lose_theirs(torch):
+    allocator = CuMemAllocator.get_instance()
+    e = Engine(torch, allocator)
+    torpor.register_parameters(e.model)  # registration changes nothing for an offloaded tag
+    allocator.sleep(offload_tags=("weights",))
+    allocator.wake_up()
+    assert e.kept("w") and e.kept("b") and e.kept("rope")
+    assert e.lost("kv") and e.lost("other")
+    # The KV cache is torpor's class cache, but vLLM offloads whatever tag it is asked to.
+    e.data = {n: fill(t, 7 + i) for i, (n, t) in enumerate(e.tensors.items())}
+    allocator.sleep(offload_tags="kv_cache")
+    allocator.wake_up()
+    assert e.kept("kv") and e.lost("other")
+    assert e.lost("w") and e.kept("rope"), "weights not offloaded: registered parameters lost, the rest kept"
+
+
+def test_none_offloads_the_default_tag(torch):
+    allocator = CuMemAllocator.get_instance()
+    e = Engine(torch, allocator)
+    allocator.sleep()
+    allocator.wake_up()
+    assert e.kept("other") and e.lost("w") and e.lost("kv")
+
+
+def test_registered_parameters_make_level_2_keep_everything_else_and_copy_no_parameter(torch):
+    allocator = CuMemAllocator.get_instance()
+    e = Engine(torch, allocator)
+    reg = torpor.register_parameters(e.model)
+    assert reg.parameters == 2 and reg.nbytes == (64 << 10) + (32 << 10)
+    allocator.sleep(offload_tags=())
+    tags = torpor.stats(0)["tags"]
+    assert tags["weights"]["classes"]["parameter"]["offloaded_bytes"] == 0
+    assert tags["weights"]["classes"]["parameter"]["discarded_bytes"] == reg.nbytes
+    offloaded = allocator.last_reports["discard"][0]["bytes_offloaded"]
+    assert offloaded == 16 << 10, "only the buffer travels to host memory"
+    allocator.wake_up(["weights"])
+    assert e.kept("rope"), "the buffer comes back bit-exact without vLLM's buffer stash"
+    assert e.lost("w") and e.lost("b"), "parameters are discarded (the engine reloads them)"
+    allocator.wake_up(["kv_cache"])
+    assert e.lost("kv") and e.lost("other"), "tags without registered parameters are discarded in full"
+
+
+def test_wake_up_ignores_unknown_tags_and_defers_only_weights_and_kv_cache(torch):
+    allocator = CuMemAllocator.get_instance()
+    e = Engine(torch, allocator)
+    allocator.sleep(offload_tags=("weights", "kv_cache", "default"))
+    allocator.wake_up(["never_used"])
+    states = torch_pools.tag_states()
+    assert (states["weights"], states["kv_cache"], states["default"]) == (True, True, False), "others wake"
+    allocator.wake_up(["weights", "never_used"])
+    states = torch_pools.tag_states()
+    assert (states["weights"], states["kv_cache"], states["default"]) == (False, True, False)
+    allocator.wake_up(["weights"])  # awake already: nothing happens
+    allocator.wake_up(["kv_cache"])
+    assert all(e.kept(n) for n in e.tensors)
+    allocator.wake_up([])
+    assert not allocator.is_asleep()
+
+
+def test_discard_drops_awake_tags_and_keeps_the_policy_of_sleeping_ones(torch):
+    allocator = CuMemAllocator.get_instance()
+    e = Engine(torch, allocator)
+    allocator.discard("kv_cache")  # vLLM's release of the KV cache between rollouts
+    states = torch_pools.tag_states()
+    assert (states["weights"], states["kv_cache"], states["default"]) == (False, True, False)
+    assert e.kept("w") and e.kept("other"), "other tags stay mapped, bytes untouched"
+    allocator.sleep(offload_tags=("weights",))
+    allocator.discard(("weights", "unknown"))  # asleep with a backup: the backup stays
+    allocator.wake_up()
+    assert e.kept("w") and e.kept("rope") and e.lost("kv") and e.lost("other")
+
+
+def test_usage_counts_segments_asleep_or_not(torch):
+    allocator = CuMemAllocator.get_instance()
+    assert allocator.get_current_usage() == 0, "vLLM asserts this before loading"
+    Engine(torch, allocator)
+    usage = allocator.get_current_usage()
+    assert usage == sum(t["allocated_bytes"] for t in torpor.stats(0)["tags"].values()) >= 6 * MiB
+    allocator.sleep(offload_tags=())
+    assert allocator.get_current_usage() == usage
+
+
+def test_reuse_memory_pool_needs_a_tag_used_before(torch):
+    allocator = CuMemAllocator.get_instance()
+    with pytest.raises(ValueError, match="Memory pool for tag 'weights' does not exist"):
+        allocator.reuse_memory_pool("weights")
+    with allocator.use_memory_pool("weights"):
+        torch.empty(MiB)
+    with allocator.reuse_memory_pool("weights"):
+        t = torch.empty(MiB)
+    assert torpor.pools()[0].contains(t.data_ptr())
+
+
+def test_errors_are_runtime_errors_and_torpor_errors(torch):
+    allocator = CuMemAllocator.get_instance()
+    with pytest.raises(RuntimeError, match="tag '' is not a non-empty string") as info:
+        allocator.sleep(offload_tags=("",))
+    assert isinstance(info.value, torpor.InvalidArgument) and isinstance(info.value, ValueError)
+
+
+def test_a_failed_wake_is_a_runtime_error_with_torpors_message_and_can_be_repeated():
+    # In its own process: the emulated device gets 64 MiB, filled by another pool while asleep.
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.path.insert(0, TESTS)
+        import fake_torch
+        sys.modules["torch"] = fake_torch
+        import torpor
+        from torpor.vllm import CuMemAllocator
+
+        torpor.configure(backend="host", va_bytes=1 << 30)
+        allocator = CuMemAllocator.get_instance()
+        with allocator.use_memory_pool():
+            x = fake_torch.empty(40 << 20)
+        allocator.sleep()
+        other = torpor.Pool(0, backend="host")
+        y = other.alloc(40 << 20, "trainer")
+        try:
+            allocator.wake_up()
+        except RuntimeError as e:
+            assert isinstance(e, torpor.OutOfMemory) and isinstance(e, MemoryError), type(e).__mro__
+            assert isinstance(e, torpor.TorporError) and e.status == torpor.OutOfMemory.status
+            print("raised:", e)
+        else:
+            raise SystemExit("wake_up did not fail")
+        assert allocator.is_asleep()
+        other.free(y)
+        allocator.wake_up()
+        assert not allocator.is_asleep()
+        print("woke after the memory came back")
+        """
+    ).replace("TESTS", repr(str(REPO / "tests" / "python")))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=subprocess_env(TORPOR_HOST_DEVICE_MEMORY="64M", TORPOR_LOG="off"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "raised: torpor_wake_up: " in out.stdout and "out of" in out.stdout.lower()
+    assert "woke after the memory came back" in out.stdout

@@ -1,0 +1,153 @@
+"""torpor's vLLM plugin (torpor/vllm_plugin.py) against a stand-in vLLM (tests/python/stand_ins:
+the call sites of vLLM's plugin loader, allocator module, sleep-mode backends and workers, see its
+README), each case in a process of its own, as vLLM's workers are. The plugin is found the way vLLM
+finds it: an entry point of group vllm.general_plugins, declared in python/pyproject.toml."""
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import torpor
+from conftest import REPO, subprocess_env
+
+STAND_INS = REPO / "tests" / "python" / "stand_ins"
+KIB = 1 << 10
+
+
+def declared_entry_point() -> str:
+    try:
+        import tomllib
+    except ImportError:
+        pytest.skip("tomllib (Python >= 3.11) is needed to read the entry point from python/pyproject.toml")
+    project = tomllib.loads((REPO / "python" / "pyproject.toml").read_text())["project"]
+    return project["entry-points"]["vllm.general_plugins"]["torpor"]
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory):
+    """A site directory where importlib.metadata finds torpor's declared entry points."""
+    site = tmp_path_factory.mktemp("site")
+    info = site / "torpor-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torpor\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\ntorpor = {declared_entry_point()}\n")
+    return site
+
+
+def drive(dist, *args, **env):
+    env = subprocess_env(**env)
+    env["PYTHONPATH"] = os.pathsep.join([str(STAND_INS), str(dist), env["PYTHONPATH"]])
+    env.setdefault("TORPOR_LOG", "error")
+    out = subprocess.run(
+        [sys.executable, str(STAND_INS / "drive_worker.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def check_sleep_cycle(seen):
+    """What vLLM's worker must see with torpor's allocator and the model registered."""
+    assert seen["allocator"] == "torpor.vllm.CuMemAllocator"
+    assert seen["in_torpor"], "the weights and the KV cache live in torpor's pools"
+    assert seen["registered_bytes"] == 128 * KIB, "the plugin registered the parameters after load"
+    assert seen["level1_asleep"] == ["kv_cache", "weights"]
+    assert seen["level1_weights_kept"] and seen["level1_kv_poisoned"]
+    assert seen["level2_parameter_bytes_offloaded"] == 0, "no parameter is copied to host memory"
+    assert seen["level2_state_bytes_offloaded"] == 16 * KIB, "the buffer is (nothing else in weights is state)"
+    assert seen["level2_rope_kept"] and seen["level2_parameters_poisoned"]
+    assert seen["kv_asleep_after_weights"], "wake_up(['weights']) leaves the KV cache asleep"
+    assert seen["reloaded"] and seen["kv_poisoned"]
+
+
+def test_without_torpor_vllm_the_plugin_leaves_vllm_alone(dist):
+    for env in ({}, {"TORPOR_VLLM": "0"}, {"TORPOR_VLLM": "off"}):
+        seen = drive(dist, **env)
+        assert seen["allocator"] == "vllm.device_allocator.cumem.CuMemAllocator"
+        assert seen["load_error"] == "cumem allocator is not available"
+
+
+def test_vllm_plugins_can_leave_torpor_out(dist):
+    seen = drive(dist, TORPOR_VLLM="1", VLLM_PLUGINS="some_other_plugin")
+    assert seen["allocator"] == "vllm.device_allocator.cumem.CuMemAllocator"
+    seen = drive(dist, TORPOR_VLLM="1", VLLM_PLUGINS="some_other_plugin,torpor")
+    assert seen["allocator"] == "torpor.vllm.CuMemAllocator"
+
+
+def test_current_worker_with_vllms_default_backend(dist):
+    seen = drive(dist, "--backend", "cumem", TORPOR_VLLM="1")
+    check_sleep_cycle(seen)
+    assert seen["discard_kv_asleep"] and seen["discard_weights_awake"]
+    assert seen["backend_state"] == "RUNNING"
+
+
+def test_current_worker_with_the_torpor_backend(dist):
+    seen = drive(dist, "--backend", "torpor", TORPOR_VLLM="1")
+    check_sleep_cycle(seen)
+    assert seen["discard_kv_asleep"] and seen["discard_weights_awake"]
+    assert seen["backend_state"] == "RUNNING"
+
+
+def test_the_workers_buffer_stash_is_not_needed(dist):
+    seen = drive(dist, "--drop-stash", TORPOR_VLLM="1")
+    assert seen["level2_rope_kept"], "torpor kept the buffer by itself"
+    assert seen["level2_parameter_bytes_offloaded"] == 0
+
+
+def test_oldest_worker_without_backends_gets_torpor_through_its_module_import(dist):
+    seen = drive(dist, "--worker", "vllm.worker.worker.Worker", TORPOR_VLLM="1", STAND_IN_VLLM_NO_BACKENDS="1")
+    check_sleep_cycle(seen)
+    assert "discard_kv_asleep" not in seen
+
+
+def test_the_torpor_backend_exists_only_when_enabled(dist):
+    code = (
+        "import vllm.plugins, vllm.device_allocator.sleep_mode_backend as b\n"
+        "vllm.plugins.load_general_plugins()\n"
+        "import torpor.vllm_plugin as p\n"
+        "p.install(); p.register()  # twice more: nothing changes\n"
+        "print(sorted(b.SleepModeBackendFactory._registry))\n"
+    )
+
+    def registered(**env):
+        e = subprocess_env(**env)
+        e["PYTHONPATH"] = os.pathsep.join([str(STAND_INS), str(dist), e["PYTHONPATH"]])
+        out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert registered(TORPOR_VLLM="1") == "['cumem', 'torpor']"
+
+
+def missing_build_tools():
+    for module in ("pip", "setuptools", "wheel"):
+        if importlib.util.find_spec(module) is None:
+            return module
+    return None
+
+
+@pytest.mark.skipif(missing_build_tools() is not None, reason=f"{missing_build_tools()} is not installed")
+def test_pip_install_declares_the_entry_point_and_ships_the_tms_shim(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(REPO / "python", src, ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
+    site = tmp_path / "site"
+    env = dict(os.environ, TORPOR_LIBRARY=torpor.library_path(), PIP_DISABLE_PIP_VERSION_CHECK="1")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-index", "--no-deps", "--quiet"]
+        + ["--target", str(site), str(src)],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
+    (entry_points,) = site.glob("torpor-*.dist-info/entry_points.txt")
+    assert "[vllm.general_plugins]\ntorpor = torpor.vllm_plugin:register" in entry_points.read_text()
+    assert (site / "torpor" / "_shims" / "torch_memory_saver" / "__init__.py").is_file()
+    assert (site / "torpor" / "vllm_backend.py").is_file()
