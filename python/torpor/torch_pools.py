@@ -78,6 +78,7 @@ class _State:
     classes: dict = field(default_factory=dict)  # tag -> MemoryClass of its allocations
     modules: list = field(default_factory=list)  # (weakref to nn.Module, prefix)
     preserve: list = field(default_factory=list)  # globs
+    graph_tags: set = field(default_factory=set)  # tags of graph pools (graphs.py): never use_pool's
     expandable_off_depth: int = 0
 
 
@@ -229,6 +230,12 @@ def use_pool(tag: str = "default", memory_class: ClassLike | None = None, device
     torch = _cuda_torch()
     if not isinstance(tag, str) or not tag:
         raise InvalidArgument(f"use_pool: tag {tag!r} is not a non-empty string")
+    with _state.lock:
+        if tag in _state.graph_tags:
+            raise InvalidArgument(
+                f"use_pool: tag '{tag}' is a CUDA graph pool (torpor.graph): its free blocks are the graphs' "
+                f"intermediates, rewritten at every replay; allocate tensors in another tag"
+            )
     cls = _default_class(tag) if memory_class is None else to_memory_class(memory_class)
     dev = _device_index(torch, device)
     pool = _mempool(torch, tag, dev, cls)
@@ -336,7 +343,7 @@ def register_parameters(module, preserve=None, prefix: str = "") -> Registration
     return result
 
 
-def _refresh_classes(device: int, tags: list[str], spans: list[_marks.Span]) -> None:
+def _refresh_classes(device: int, tags: list[str], spans: list[_marks.Span], states: list[_marks.Span]) -> None:
     """Re-mark the segments of `tags` on `device` (see torpor/_marks.py)."""
     pool = Pool.torch(device)
     for tag in tags:
@@ -352,7 +359,7 @@ def _refresh_classes(device: int, tags: list[str], spans: list[_marks.Span]) -> 
             for s in mempool.snapshot()
             if s.get("device", device) == device and tuple(s.get("segment_pool_id", mempool.id)) == tuple(mempool.id)
         ]
-        plan = _marks.plan(segments, cls, spans)
+        plan = _marks.plan(segments, cls, spans, states)
         if plan.foreign:
             warnings.warn(
                 f"torpor: {len(plan.foreign)} segment(s) of torpor pool '{tag}' on device {device} were mapped by "
@@ -405,8 +412,11 @@ def sleep(level: int = 1, tags: Tags = None) -> dict[int, dict]:
     with _keep_current_device(torch):
         if level > 0:
             spans = _parameter_spans(_live_modules())
+            from .graphs import state_spans  # graphs imports this module
+
+            states = state_spans()
             for device, device_tags in selected.items():
-                _refresh_classes(device, device_tags, spans.get(device, []))
+                _refresh_classes(device, device_tags, spans.get(device, []), states.get(device, []))
         for device, device_tags in selected.items():
             if device_tags:
                 reports[device] = Pool.torch(device).sleep(level, device_tags)
