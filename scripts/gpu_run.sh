@@ -3,7 +3,7 @@
 # device tool (`run`), whose $OUT folder comes back; elsewhere OUT defaults to ./gpu-out.
 #
 #   scripts/gpu_run.sh [stage ...]     stages: probe tests bench-sleep bench-sleep-threads python engines
-#                                      symmetric symmetric-nccl tail tail-bench stress stress-tail
+#                                      graphs symmetric symmetric-nccl tail tail-bench stress stress-tail
 #                                      (default: probe tests)
 #   TORPOR_BUILD_TARGETS="a b"         build only these targets (default: everything), to save
 #                                      device time when iterating on one part
@@ -29,6 +29,12 @@
 # torch_memory_saver's examples restated (tests/python/test_engines_gpu.py), the vLLM plugin and
 # mode tests, and an RL loop through vLLM mode (level 2, reload, wake; RSS, host store bytes and
 # the bytes copied to host per iteration: engines-rl-loop.json).
+#
+# graphs (1 GPU) is issue 16's record: python/examples/graph_decoder.py with the decode graph in
+# torpor and, for comparison, captured outside torpor (device memory awake, asleep and after wake,
+# split; same greedy tokens after sleep(2) + reload without re-capture; graphs-*.txt, graphs-*.json),
+# the graph GPU tests (graphs-pytest.log), then `torpor stress --ranks 1` with its per-rank memory
+# report (stress-graphs.txt, stress-graphs.json).
 #
 # The multicast kill switches are always set: these machines are shared, and a multicast
 # object can take their GPUs out of service. torpor honours every one of them.
@@ -209,6 +215,19 @@ for stage in "${stages[@]}"; do
       else
         echo "SKIP stress-tail: needs two GPUs (device kind nvidia-h200-x2)"
       fi
+      ;;
+    graphs)
+      pyenv=(env TORPOR_LIBRARY="$PWD/build-gpu/allocator/libtorpor.so" PYTHONPATH="$PWD/python" PYTHONDONTWRITEBYTECODE=1)
+      for mode in torpor outside; do
+        timeout 300 "${pyenv[@]}" python3 python/examples/graph_decoder.py --graphs "$mode" \
+          --json "$OUT/graphs-$mode.json" > "$OUT/graphs-$mode.txt" 2>&1 || status=1
+        echo "== graph_decoder.py --graphs $mode"; cat "$OUT/graphs-$mode.txt"
+      done
+      timeout 300 "${pyenv[@]}" python3 -m pytest -v -s -rs -p no:cacheprovider tests/python/test_graphs_gpu.py \
+        > "$OUT/graphs-pytest.log" 2>&1 || status=1
+      grep -E "^=+ .*(passed|failed|skipped|error).* in .*=+$|^(FAILED|ERROR|SKIPPED) |graph pool|outside torpor" \
+        "$OUT/graphs-pytest.log"
+      run_stress graphs 120 --ranks 1
       ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac

@@ -31,14 +31,24 @@ std::string tags_text(const std::vector<std::string>& tags) {
   return s;
 }
 
+// Device memory in use, split: the pool's mapped bytes, CUDA's graph allocator (memory nodes of
+// any graph of the process; 0 on the host backend) and the rest (the context, the libraries'
+// own allocations, anything else on the device).
+nlohmann::json memory_split(std::size_t used, std::size_t mapped, std::size_t graph_allocator) {
+  const auto other =
+      static_cast<long long>(used) - static_cast<long long>(mapped) - static_cast<long long>(graph_allocator);
+  return {{"used", used}, {"torpor_mapped", mapped}, {"graph_allocator", graph_allocator}, {"other", other}};
+}
+
 class Plan {
  public:
-  Plan(const StressOptions& o, Driver& driver, Group& group, int device)
+  Plan(const StressOptions& o, Driver& driver, Group& group, int device, std::size_t context_bytes)
       : o_(o),
         driver_(driver),
         group_(group),
         device_(device),
         rank_(group.rank()),
+        context_bytes_(context_bytes),
         progress_(group.rank() == 0 && o.progress),
         engine_(driver, group, device, o.model, parse_fill_on_wake(o.fill), o.preserve,
                 fusion::WeightVersion{o.model.seed}),
@@ -51,7 +61,8 @@ class Plan {
                {"device_name", driver_.device_properties(device_).name},
                {"backend", std::string(driver_.backend_name())},
                {"group", std::string(group_.kind())},
-               {"parameter_bytes", m.parameter_bytes()}};
+               {"parameter_bytes", m.parameter_bytes()},
+               {"context_bytes", context_bytes_}};
     nlohmann::json paths = nlohmann::json::array(), reasons = nlohmann::json::array();
     int fused = 0;
     for (auto p : m.tail_paths()) {
@@ -155,15 +166,29 @@ class Plan {
       row["live_physical"] = nullptr;
   }
 
+  // Device memory in use now, split (memory_split).
+  nlohmann::json memory_now() {
+    const MemoryInfo mi = driver_.memory_info(device_);
+    return memory_split(mi.total_bytes - mi.free_bytes, engine_.pool.stats().mapped_bytes,
+                        engine_.compute->graph_allocator_bytes().reserved);
+  }
+
   void transition(const SleepPattern& p, nlohmann::json& row) {
     row["pattern"] = p.name;
     row["level"] = p.level;
     row["sleep_tags"] = tags_text(p.sleep_tags);
+    nlohmann::json memory = {{"awake", memory_now()}};
     const std::size_t free_before = driver_.memory_info(device_).free_bytes;
     auto t = clock_type::now();
     TransitionReport sr = engine_.pool.sleep(p.level, p.sleep_tags);
     row["sleep_s"] = since(t);
     const std::size_t free_asleep = driver_.memory_info(device_).free_bytes;
+    memory["asleep"] = memory_now();
+    // What stayed on the device while asleep that is neither the pool's (mapped: the tags still
+    // awake) nor there before the rank made its pool and model: a leak outside the pool shows here.
+    row["outside_torpor"] = memory["asleep"]["used"].get<long long>() -
+                            memory["asleep"]["torpor_mapped"].get<long long>() - static_cast<long long>(context_bytes_);
+    row["graph_allocator_asleep"] = memory["asleep"]["graph_allocator"];
     row["offloaded"] = sr.bytes_offloaded;
     row["skipped"] = sr.bytes_skipped;
     row["discarded"] = sr.bytes_discarded;
@@ -188,6 +213,8 @@ class Plan {
     }
     row["wake_s"] = wake_s;
     row["restored"] = restored;
+    memory["woken"] = memory_now();
+    row["memory"] = memory;
     row["wakes"] = [&] {
       std::string s;
       for (const auto& tags : p.wakes) s += (s.empty() ? "" : " then ") + tags_text(tags);
@@ -226,6 +253,7 @@ class Plan {
   Group& group_;
   int device_;
   int rank_;
+  std::size_t context_bytes_;  // device memory in use before the pool and the model existed
   Progress progress_;
   RankEngine engine_;
   std::vector<std::int32_t> prompts_;
@@ -254,7 +282,10 @@ const std::vector<SleepPattern>& soak_patterns() {
 }
 
 nlohmann::json stress_rank(const StressOptions& options, Driver& driver, Group& group, int device) {
-  Plan plan(options, driver, group, device);
+  // The baseline: the device's memory in use once this rank's context exists (memory_info binds
+  // the device's primary context), before its pool, compute and model do.
+  const MemoryInfo mi = driver.memory_info(device);
+  Plan plan(options, driver, group, device, mi.total_bytes - mi.free_bytes);
   return plan.run();
 }
 

@@ -8,6 +8,11 @@
 // Each step becomes one JSON row (bytes from the sleep and wake TransitionReports, device memory
 // returned by cudaMemGetInfo / the host backend's equivalent, seconds, matching prompts, and the
 // live physical bytes, host store and mapped bytes after the step, for the soak's growth check).
+// A transition's row also splits the device memory in use (cuMemGetInfo) awake, asleep and after
+// wake into the pool's mapped bytes, CUDA's graph allocator and the rest, and gives
+// outside_torpor: in use while asleep minus the pool's mapped bytes minus the rank's baseline
+// (context_bytes: in use once its context existed, before its pool and model), so memory that
+// stays on the device outside the pool while asleep is visible.
 #pragma once
 
 #include <nlohmann/json.hpp>

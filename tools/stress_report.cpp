@@ -47,6 +47,55 @@ std::string growth(const std::vector<nlohmann::json>& soak, std::size_t warmup, 
                      base, warmup, worst, worst_cycle);
 }
 
+std::string signed_bytes(long long b) {
+  return b < 0 ? "-" + format_bytes(static_cast<std::size_t>(-b)) : format_bytes(static_cast<std::size_t>(b));
+}
+
+long long signed_num(const nlohmann::json& j, const char* key) {
+  auto it = j.find(key);
+  return it != j.end() && it->is_number() ? it->get<long long>() : 0;
+}
+
+// "1.2 GiB = 1.0 GiB + 0 B + 200 MiB" of a memory_split (stress_plan.cpp).
+std::string split_text(const nlohmann::json& m) {
+  return fmt::format("{} = {} + {} + {}", format_bytes(m.value("used", std::size_t{0})),
+                     format_bytes(m.value("torpor_mapped", std::size_t{0})),
+                     format_bytes(m.value("graph_allocator", std::size_t{0})), signed_bytes(signed_num(m, "other")));
+}
+
+// A rank's device memory, from its transition rows: the split awake / asleep / after wake of the
+// first transition of each level, and the range of what stayed outside the pool while asleep.
+nlohmann::json rank_memory(const nlohmann::json& pr, const std::vector<nlohmann::json>& transitions) {
+  nlohmann::json m = {{"context_bytes", pr.value("context_bytes", std::size_t{0})}};
+  long long lo = 0, hi = 0;
+  std::size_t graph_allocator = 0;
+  bool any = false;
+  nlohmann::json firsts = nlohmann::json::array();
+  std::vector<int> levels_seen;
+  for (const auto& row : transitions) {
+    if (!row.contains("outside_torpor")) continue;
+    const long long out = signed_num(row, "outside_torpor");
+    lo = any ? std::min(lo, out) : out;
+    hi = any ? std::max(hi, out) : out;
+    any = true;
+    graph_allocator = std::max(graph_allocator, row.value("graph_allocator_asleep", std::size_t{0}));
+    const int level = row.value("level", 0);
+    if (row.contains("memory") && std::find(levels_seen.begin(), levels_seen.end(), level) == levels_seen.end()) {
+      levels_seen.push_back(level);
+      nlohmann::json f = row["memory"];
+      f["step"] = row.value("step", "");
+      f["level"] = level;
+      f["outside_torpor"] = out;
+      firsts.push_back(f);
+    }
+  }
+  if (!any) return nlohmann::json();
+  m["outside_torpor_asleep"] = {{"min", lo}, {"max", hi}};
+  m["graph_allocator_asleep_max"] = graph_allocator;
+  m["transitions"] = firsts;
+  return m;
+}
+
 }  // namespace
 
 StressSummary summarize(const LaunchResult& launch, const StressExpectations& expect) {
@@ -70,7 +119,7 @@ StressSummary summarize(const LaunchResult& launch, const StressExpectations& ex
       errors[r.error].push_back(r.rank);
     }
     if (pr.contains("reference_digest")) digests[pr["reference_digest"].get<std::string>()].push_back(r.rank);
-    std::vector<nlohmann::json> soak;
+    std::vector<nlohmann::json> soak, transitions;
     if (pr.contains("steps"))
       for (std::size_t i = 0; i < pr["steps"].size(); ++i) {
         const auto& row = pr["steps"][i];
@@ -83,6 +132,7 @@ StressSummary summarize(const LaunchResult& launch, const StressExpectations& ex
                            {"discarded", 0},
                            {"released", 0},
                            {"returned", 0},
+                           {"outside_torpor", 0},
                            {"restored", 0},
                            {"sleep_s", 0.0},
                            {"wake_s", 0.0},
@@ -109,7 +159,10 @@ StressSummary summarize(const LaunchResult& launch, const StressExpectations& ex
                 fmt::format("step '{}': rank {}: {}/{} prompts match the first output ({} tokens differ)",
                             row.value("step", ""), r.rank, m, row.value("prompts", 0), num(row, "mismatched_tokens")));
         }
+        if (row.contains("outside_torpor"))
+          a["outside_torpor"] = a["outside_torpor"].get<long long>() + signed_num(row, "outside_torpor");
         if (row.contains("error")) a["error"] = row["error"];
+        if (row.contains("outside_torpor")) transitions.push_back(row);
         if (row.value("kind", "") == "soak") {
           soak.push_back(row);
           ++soak_rows;
@@ -122,6 +175,16 @@ StressSummary summarize(const LaunchResult& launch, const StressExpectations& ex
         s.problems.push_back(fmt::format("rank {}: {} CUDA graphs captured for one batch size (expected exactly one, "
                                          "replayed before and after every sleep)",
                                          r.rank, captured));
+    }
+    if (nlohmann::json mem = rank_memory(pr, transitions); !mem.is_null()) {
+      // The runner's graphs keep their memory in the pool (capture refuses memory nodes), so
+      // CUDA's graph allocator holds nothing: anything there is graph memory outside torpor.
+      const std::size_t ga = mem["graph_allocator_asleep_max"].get<std::size_t>();
+      if (ga > 0)
+        s.problems.push_back(fmt::format("rank {}: CUDA's graph allocator held {} while asleep: graph memory outside "
+                                         "the pool, never released by sleep",
+                                         r.rank, format_bytes(ga)));
+      pr["memory"] = mem;
     }
     nlohmann::json g;
     const std::size_t warmup = std::min<std::size_t>(static_cast<std::size_t>(expect.cycles), expect.soak_patterns);
@@ -174,25 +237,28 @@ StressSummary summarize(const LaunchResult& launch, const StressExpectations& ex
 std::string render(const StressSummary& s) {
   const auto& j = s.json;
   std::string out;
-  out += fmt::format("{:<52} {:>5} {:>10} {:>10} {:>10} {:>8} {:>8} {:>7}\n", "step", "level", "offloaded", "discarded",
-                     "returned", "sleep s", "wake s", "match");
+  out += fmt::format("{:<52} {:>5} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>7}\n", "step", "level", "offloaded",
+                     "discarded", "returned", "outside", "sleep s", "wake s", "match");
   for (const auto& a : j["steps"]) {
     const int level = a["level"].get<int>();
     const int m = a["matching"].get<int>();
     std::string match =
         a.contains("error") ? "ERROR" : (m < 0 ? "-" : fmt::format("{}/{}", m, a["prompts"].get<int>()));
     if (level == 0)
-      out += fmt::format("{:<52} {:>5} {:>10} {:>10} {:>10} {:>8} {:>8} {:>7}\n", a["step"].get<std::string>(), "-",
-                         "-", "-", "-", "-", "-", match);
+      out += fmt::format("{:<52} {:>5} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>7}\n", a["step"].get<std::string>(),
+                         "-", "-", "-", "-", "-", "-", "-", match);
     else
       out +=
-          fmt::format("{:<52} {:>5} {:>10} {:>10} {:>10} {:>8.3f} {:>8.3f} {:>7}\n", a["step"].get<std::string>(),
-                      level, format_bytes(a["offloaded"].get<std::size_t>() + a["skipped"].get<std::size_t>()),
+          fmt::format("{:<52} {:>5} {:>10} {:>10} {:>10} {:>10} {:>8.3f} {:>8.3f} {:>7}\n",
+                      a["step"].get<std::string>(), level,
+                      format_bytes(a["offloaded"].get<std::size_t>() + a["skipped"].get<std::size_t>()),
                       format_bytes(a["discarded"].get<std::size_t>()), format_bytes(a["returned"].get<std::size_t>()),
-                      a["sleep_s"].get<double>(), a["wake_s"].get<double>(), match);
+                      signed_bytes(a["outside_torpor"].get<long long>()), a["sleep_s"].get<double>(),
+                      a["wake_s"].get<double>(), match);
   }
   out += "(bytes summed over the ranks; offloaded: backed up in the host store, copied now or unchanged since the last "
-         "copy; returned: device memory given back while asleep, by cuMemGetInfo; seconds: the slowest rank)\n";
+         "copy; returned: device memory given back while asleep, by cuMemGetInfo; outside: in use while asleep outside "
+         "the pool, beyond the rank's context; seconds: the slowest rank)\n";
   for (const auto& pr : j["per_rank"]) {
     if (!pr.contains("tail_paths")) continue;
     std::string paths;
@@ -205,6 +271,18 @@ std::string render(const StressSummary& s) {
       out += fmt::format("rank {}: CUDA graphs: {} captured, {} replays, {} eager steps\n", pr["rank"].get<int>(),
                          pr["graphs"]["captured"].get<std::size_t>(), pr["graphs"]["replays"].get<std::size_t>(),
                          pr["graphs"]["eager_steps"].get<std::size_t>());
+    if (pr.contains("memory")) {
+      const auto& m = pr["memory"];
+      out += fmt::format("rank {}: device memory in use = torpor mapped + CUDA graph allocator + other (context {}):\n",
+                         pr["rank"].get<int>(), format_bytes(m["context_bytes"].get<std::size_t>()));
+      for (const auto& t : m["transitions"])
+        out += fmt::format("  {}: awake {}; asleep {}; after wake {}; outside torpor while asleep {}\n",
+                           t.value("step", ""), split_text(t["awake"]), split_text(t["asleep"]), split_text(t["woken"]),
+                           signed_bytes(t["outside_torpor"].get<long long>()));
+      out += fmt::format("  outside torpor while asleep, every transition: {}..{}\n",
+                         signed_bytes(m["outside_torpor_asleep"]["min"].get<long long>()),
+                         signed_bytes(m["outside_torpor_asleep"]["max"].get<long long>()));
+    }
     if (pr.contains("soak_growth")) {
       const auto& g = pr["soak_growth"];
       std::string line = fmt::format("rank {}: soak, after each cycle:", pr["rank"].get<int>());

@@ -28,7 +28,10 @@ struct StressExpectations {
 // Aggregates rows by step over the ranks (bytes summed, seconds max, matching min) and lists
 // every problem: a rank that failed, an output that differs from the reference, ranks that
 // disagree on the reference, growth of live physical bytes / host store / mapped bytes after
-// the soak's warm-up cycles.
+// the soak's warm-up cycles, bytes in CUDA's graph allocator while asleep (graph memory outside
+// the pool). Each rank's device memory (per_rank[].memory: the split awake / asleep / after
+// wake of the first transition of each level, the range of outside_torpor) is reported, not
+// judged: on a GPU it includes the libraries' own allocations.
 StressSummary summarize(const LaunchResult& launch, const StressExpectations& expect);
 
 // The table and the summary lines.

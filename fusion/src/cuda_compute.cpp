@@ -8,6 +8,14 @@
 //     (the position) live in device memory, so one captured step replays at every position;
 //   - capture uses cudaStreamCaptureModeThreadLocal, so other ranks' threads may keep calling
 //     the runtime while one rank captures;
+//   - a captured step keeps all its memory in the pool, by construction and checked: every
+//     buffer it touches is pool memory allocated before capture (the runner, the tail and the
+//     cuBLAS workspace); in thread-local capture mode a stray cudaMalloc on the capturing thread
+//     fails (an unsafe call during capture) instead of allocating memory the graph would use;
+//     and after capture the graph's nodes are walked and a graph with a memory node
+//     (cudaMallocAsync / cudaFreeAsync captured: memory owned by CUDA's graph allocator, which
+//     no sleep releases) is refused before it is instantiated. graph_allocator_bytes() reports
+//     the device's graph-allocator bytes, 0 while this holds;
 //   - every call makes the compute's device current for its duration (DeviceGuard), so a rank's
 //     thread may have any device current;
 //   - the kernels of kernels/ take the torpor::Stream (stream_); only cuBLAS and the runtime's own
@@ -181,6 +189,7 @@ class CudaCompute final : public Compute {
       throw;
     }
     check_cuda(cudaStreamEndCapture(s_, &graph), "cudaStreamEndCapture", fmt::format("device {}", device_));
+    refuse_memory_nodes(graph);
     cudaGraphExec_t exec = nullptr;
     cudaError_t e = cudaGraphInstantiate(&exec, graph, 0);
     cudaError_t d = cudaGraphDestroy(graph);
@@ -191,6 +200,8 @@ class CudaCompute final : public Compute {
     }
     return std::make_unique<CudaGraph>(exec, s_, device_);
   }
+
+  GraphAllocatorBytes graph_allocator_bytes() override { return detail::graph_allocator_bytes(device_); }
 
   // cuBLAS asks for 32 MiB on Hopper for its best kernels; the tiny model needs far less, but the
   // recommended size costs nothing here (class cache: never copied on sleep).
@@ -239,6 +250,22 @@ class CudaCompute final : public Compute {
     check_cublas(cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &alpha, w, CUDA_R_16BF, k, x, CUDA_R_16BF, k,
                               &beta, y, ytype, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                  "cublasGemmEx", fmt::format("[{} x {}] . [{} x {}]^T", m, k, n, k));
+  }
+  // Destroys `graph` and throws when it has a memory node (see the file note).
+  void refuse_memory_nodes(cudaGraph_t graph) const {
+    std::size_t nodes = 0;
+    try {
+      nodes = detail::graph_memory_nodes(graph);
+    } catch (...) {
+      cudaGraphDestroy(graph);
+      throw;
+    }
+    if (nodes == 0) return;
+    cudaGraphDestroy(graph);
+    throw error(fmt::format("device {}: the captured decode step has {} CUDA graph memory node(s) (cudaMallocAsync or "
+                            "cudaFreeAsync during capture); that memory would belong to CUDA's graph allocator, "
+                            "outside the pool, and stay on the device while asleep",
+                            device_, nodes));
   }
   void release_stream() noexcept {
     try {

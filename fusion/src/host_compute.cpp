@@ -72,6 +72,7 @@ class HostCompute final : public Compute {
 
   void synchronize() override { driver_.stream_synchronize(stream_); }
 
+  GraphAllocatorBytes graph_allocator_bytes() override { return {}; }
   bool graphs() const noexcept override { return false; }
   std::unique_ptr<Graph> capture(const std::function<void()>&) override {
     throw unavailable("host compute: CUDA graphs need the cuda backend (the host backend runs each step directly)");

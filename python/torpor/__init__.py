@@ -7,6 +7,9 @@ Two layers:
 - The PyTorch embedding (torpor.torch_pools, re-exported here): use_pool(tag),
   register_parameters(module, preserve), sleep(level=1, tags=None), wake_up(tags=None),
   stats(). PyTorch is imported on first use only.
+- CUDA graphs in torpor (torpor.graphs, re-exported here): graph(cuda_graph, tag=...) for
+  torch.cuda.graph, graph_pool(tag) for torch.cuda.graph(..., pool=...), mark_state(tensor);
+  their memory is released at sleep and the same graphs replay after wake.
 
 Engines that have a sleep-mode API of their own keep it:
 
@@ -34,6 +37,7 @@ from .errors import (
     TorporError,
     Unavailable,
 )
+from .graphs import GraphPool, graph, graph_memory, graph_pool, graph_pools, mark_state, memory_nodes
 from .pool import MemoryClass, Pool
 from .torch_pools import Registration, configure, pools, register_parameters, sleep, stats, use_pool, wake_up
 from .vllm import CuMemAllocator
@@ -43,6 +47,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CuMemAllocator",
     "DriverError",
+    "GraphPool",
     "InternalError",
     "InvalidArgument",
     "InvalidHandle",
@@ -58,8 +63,14 @@ __all__ = [
     "Unavailable",
     "configure",
     "errors",
+    "graph",
+    "graph_memory",
+    "graph_pool",
+    "graph_pools",
     "last_error",
     "library_path",
+    "mark_state",
+    "memory_nodes",
     "pools",
     "register_parameters",
     "sleep",

@@ -8,6 +8,8 @@ classes of every segment of the sleeping tags from PyTorch's own view (MemPool.s
 
 - a free block ("inactive") is cache: it holds nothing, never travels;
 - an allocated block takes its tag's class (state, or cache for a KV-cache tag);
+- then every live tensor declared state (torpor.mark_state) keeps its exact span as state,
+  whatever its block's class (an output of a graph pool, which is class cache);
 - then every live registered parameter's exact byte span is a parameter, with its
   qualified name, so preserve globs match.
 
@@ -47,6 +49,7 @@ class Plan:
     foreign: list[int]  # segment addresses that cannot be torpor's (expandable segments)
     parameters: int = 0  # parameter spans marked
     parameter_bytes: int = 0
+    states: int = 0  # declared state spans marked
 
 
 def segment_blocks(segment: dict) -> Iterable[tuple[int, int, str]]:
@@ -59,9 +62,12 @@ def segment_blocks(segment: dict) -> Iterable[tuple[int, int, str]]:
         at = address + block["size"]
 
 
-def plan(segments: Iterable[dict], default_class: MemoryClass, parameters: Iterable[Span]) -> Plan:
+def plan(
+    segments: Iterable[dict], default_class: MemoryClass, parameters: Iterable[Span], states: Iterable[Span] = ()
+) -> Plan:
     """The marks that make a pool's classes match `segments` (one MemPool's snapshot, one
-    device), for a tag whose allocated bytes are `default_class`."""
+    device), for a tag whose allocated bytes are `default_class`; `states` are spans declared
+    state, `parameters` registered parameters (spans outside the segments are ignored)."""
     marks: list[Mark] = []
     foreign: list[int] = []
     ranges: list[tuple[int, int]] = []
@@ -78,11 +84,17 @@ def plan(segments: Iterable[dict], default_class: MemoryClass, parameters: Itera
     result = Plan(marks, foreign)
     ranges.sort()
     starts = [lo for lo, _ in ranges]
+
+    def inside(span: Span) -> bool:
+        i = bisect.bisect_right(starts, span.address) - 1
+        return span.nbytes > 0 and i >= 0 and span.address + span.nbytes <= ranges[i][1]
+
+    for s in states:
+        if inside(s):
+            marks.append(Mark(s.address, s.nbytes, MemoryClass.STATE, s.name))
+            result.states += 1
     for p in parameters:
-        if p.nbytes <= 0:
-            continue
-        i = bisect.bisect_right(starts, p.address) - 1
-        if i >= 0 and p.address + p.nbytes <= ranges[i][1]:
+        if inside(p):
             marks.append(Mark(p.address, p.nbytes, MemoryClass.PARAMETER, p.name))
             result.parameters += 1
             result.parameter_bytes += p.nbytes
@@ -90,6 +102,6 @@ def plan(segments: Iterable[dict], default_class: MemoryClass, parameters: Itera
 
 
 def apply(pool, p: Plan) -> None:
-    """Make the marks of a plan in a torpor.Pool (blocks first, then parameters: later wins)."""
+    """Make the marks of a plan in a torpor.Pool (blocks, then states, then parameters: later wins)."""
     for m in p.marks:
         pool.mark(m.address, m.nbytes, m.memory_class, m.name)

@@ -100,6 +100,7 @@ class _State:
     mempools: dict = field(default_factory=dict)  # (tag, class, device) -> [_TorchPool], oldest first
     modules: list = field(default_factory=list)  # (weakref to nn.Module, prefix)
     preserve: list = field(default_factory=list)  # globs
+    graph_tags: set = field(default_factory=set)  # tags of graph pools (graphs.py): never use_pool's
     expandable_off_depth: int = 0
 
 
@@ -295,6 +296,12 @@ def use_pool(tag: str = "default", memory_class: ClassLike | None = None, device
     torch = _cuda_torch()
     if not isinstance(tag, str) or not tag:
         raise InvalidArgument(f"use_pool: tag {tag!r} is not a non-empty string")
+    with _state.lock:
+        if tag in _state.graph_tags:
+            raise InvalidArgument(
+                f"use_pool: tag '{tag}' is a CUDA graph pool (torpor.graph): its free blocks are the graphs' "
+                f"intermediates, rewritten at every replay; allocate tensors in another tag"
+            )
     cls = _default_class(tag) if memory_class is None else to_memory_class(memory_class)
     dev = _device_index(torch, device)
     # PyTorch serves a request from a free block of the pool's cached segments without asking
@@ -429,7 +436,13 @@ def _holds_parameters(segments: list[dict], spans: list[_marks.Span]) -> bool:
     return False
 
 
-def _refresh_classes(device: int, tags: list[str], spans: list[_marks.Span], policy: ClassPolicy = _pool_class) -> None:
+def _refresh_classes(
+    device: int,
+    tags: list[str],
+    spans: list[_marks.Span],
+    states: list[_marks.Span],
+    policy: ClassPolicy = _pool_class,
+) -> None:
     """Re-mark the segments of `tags` on `device` (see torpor/_marks.py)."""
     pool = Pool.torch(device)
     for tag in tags:
@@ -438,7 +451,7 @@ def _refresh_classes(device: int, tags: list[str], spans: list[_marks.Span], pol
             continue  # a tag allocated through the C API directly, not by PyTorch
         has_parameters = policy is not _pool_class and _holds_parameters([s for _, ss in pools for s in ss], spans)
         for p, segments in pools:
-            plan = _marks.plan(segments, policy(tag, p.memory_class, has_parameters), spans)
+            plan = _marks.plan(segments, policy(tag, p.memory_class, has_parameters), spans, states)
             if plan.foreign:
                 warnings.warn(
                     f"torpor: {len(plan.foreign)} segment(s) of torpor pool '{tag}' on device {device} were mapped "
@@ -496,8 +509,11 @@ def _sleep(level: int, tags: Tags, policy: ClassPolicy = _pool_class) -> dict[in
     with _keep_current_device(torch):
         if level > 0:
             spans = _parameter_spans(_live_modules())
+            from .graphs import state_spans  # graphs imports this module
+
+            states = state_spans()
             for device, device_tags in selected.items():
-                _refresh_classes(device, device_tags, spans.get(device, []), policy)
+                _refresh_classes(device, device_tags, spans.get(device, []), states.get(device, []), policy)
         for device, device_tags in selected.items():
             if device_tags:
                 reports[device] = Pool.torch(device).sleep(level, device_tags)

@@ -7,7 +7,12 @@ GPU). It is small on purpose and models exactly the behaviour torpor depends on:
   a pool caches freed blocks and never returns segments while it lives (pytorch#145168);
 - when a segment allocation fails: raise OutOfMemoryError (after the retry PyTorch makes);
 - MemPool.snapshot() lists segments with their blocks and states, in address order;
-- Module.named_parameters(prefix) yields tensors with data_ptr/shape/stride/element_size.
+- Module.named_parameters(prefix) yields tensors with data_ptr/shape/stride/element_size;
+- CUDA graphs: cuda.graph(g, pool, stream, capture_error_mode) captures on a stream
+  (capture_begin(pool) / capture_end, as torch.cuda.graph calls them); while a stream
+  captures, its allocations come from the private pool of that id (a MemPool's, or a new one
+  outside every torpor pool, like cudaMalloc) and launch(fn) records fn instead of running it;
+  replay() runs the recorded work; blocks freed during capture stay cached in that pool.
 
 Device memory is torpor's host backend, so tensor bytes are real and readable.
 """
@@ -24,6 +29,7 @@ ALIGN = 512
 
 _ids = itertools.count(1)
 _active: dict[int, "MemPool"] = {}  # device -> pool of the (single) allocating thread
+_pools_by_id: dict[tuple, "MemPool"] = {}  # PyTorch's private pools, by id
 settings_calls: list[str] = []
 current = {"device": 0, "set_device_calls": 0}
 
@@ -98,12 +104,21 @@ class _Pluggable:
         return self
 
 
+class _NativeAllocator:
+    """cudaMalloc for a private pool without an allocator: addresses no torpor pool contains."""
+
+    def malloc(self, nbytes, dev, stream):
+        return 0x6000_0000_0000 + next(_ids) * (1 << 32)
+
+
 class MemPool:
-    def __init__(self, allocator):
-        self.allocator = allocator
-        self.id = (0, next(_ids))
+    def __init__(self, allocator=None, pool_id=None):
+        self.allocator = allocator if allocator is not None else _NativeAllocator()
+        self.id = pool_id if pool_id is not None else (0, next(_ids))
+        self.device = current["device"]
         self.segments = []
         self.extra_segments = []  # what a test wants snapshot() to list besides (e.g. expandable)
+        _pools_by_id[self.id] = self
 
     def allocate(self, nbytes, dev):
         size = -(-nbytes // ALIGN) * ALIGN
@@ -160,10 +175,12 @@ def use_mem_pool(pool, device=None):
 
 
 def empty(nbytes, shape=None, element_size=4):
-    """A CUDA tensor on the current device: in the active pool, or (outside any pool) at a
-    made-up address that no torpor pool contains, like PyTorch's default pool."""
+    """A CUDA tensor on the current device: in the pool of the capture underway on the current
+    stream, else in the active pool, or (outside any pool) at a made-up address that no torpor
+    pool contains, like PyTorch's default pool."""
     dev = current["device"]
-    pool = _active.get(dev)
+    capture = _stream_state["current"].capture
+    pool = capture.pool if capture is not None else _active.get(dev)
     if pool is None:
         return Tensor(0x7000_0000_0000 + next(_ids) * SEGMENT, nbytes, dev, shape, element_size)
     address, block = pool.allocate(nbytes, dev)
@@ -184,13 +201,112 @@ def _set_device(i):
     current["set_device_calls"] += 1
 
 
+@contextlib.contextmanager
+def _device(i):
+    previous = current["device"]
+    current["device"] = i
+    try:
+        yield
+    finally:
+        current["device"] = previous
+
+
+class Stream:
+    def __init__(self, device=None):
+        self.device = current["device"] if device is None else device
+        self.capture = None  # the CUDAGraph capturing on this stream
+
+
+_stream_state = {"current": Stream(0)}
+_default_stream = _stream_state["current"]
+
+
+@contextlib.contextmanager
+def _stream(s):
+    previous = _stream_state["current"]
+    _stream_state["current"] = s
+    try:
+        yield
+    finally:
+        _stream_state["current"] = previous
+
+
+def launch(fn):
+    """A kernel: recorded by the capture underway on the current stream, else run now."""
+    capture = _stream_state["current"].capture
+    if capture is not None:
+        capture.work.append(fn)
+    else:
+        fn()
+
+
+class CUDAGraph:
+    captures = []  # (graph, pool id) of every capture_begin, for tests
+
+    def __init__(self, keep_graph=False):
+        self.work, self.stream, self.pool_id, self.captured = [], None, None, False
+
+    @property
+    def pool(self):
+        return _pools_by_id[self.pool_id] if self.pool_id in _pools_by_id else None
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        stream = _stream_state["current"]
+        if stream is _default_stream:
+            raise RuntimeError("CUDA graphs must be captured on a non-default stream.")
+        if pool is None:
+            pool = (next(_ids), 0)
+        if tuple(pool) not in _pools_by_id:
+            MemPool(None, tuple(pool))  # PyTorch makes the private pool, with no allocator: cudaMalloc
+        self.pool_id, self.stream, self.capture_error_mode = tuple(pool), stream, capture_error_mode
+        stream.capture = self
+        CUDAGraph.captures.append((self, self.pool_id))
+
+    def capture_end(self):
+        self.stream.capture = None
+        self.captured = True
+
+    def replay(self):
+        assert self.captured, "replay without a capture"
+        for fn in self.work:
+            fn()
+
+
+class graph:
+    """torch.cuda.graph, as PyTorch writes it: capture_begin(*pool) on the capture stream."""
+
+    default_capture_stream = None
+
+    def __init__(self, cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+        if graph.default_capture_stream is None:
+            graph.default_capture_stream = Stream()
+        self.pool = () if pool is None else (pool,)
+        self.capture_stream = stream if stream is not None else graph.default_capture_stream
+        self.cuda_graph, self.capture_error_mode = cuda_graph, capture_error_mode
+
+    def __enter__(self):
+        self.stream_ctx = _stream(self.capture_stream)
+        self.stream_ctx.__enter__()
+        self.cuda_graph.capture_begin(*self.pool, capture_error_mode=self.capture_error_mode)
+
+    def __exit__(self, *exc):
+        self.cuda_graph.capture_end()
+        self.stream_ctx.__exit__(*exc)
+
+
 cuda = types.SimpleNamespace(
     is_available=lambda: True,
     current_device=lambda: current["device"],
     set_device=_set_device,
+    device=_device,
     empty_cache=lambda: None,
     OutOfMemoryError=OutOfMemoryError,
     MemPool=MemPool,
+    Stream=Stream,
+    stream=_stream,
+    current_stream=lambda: _stream_state["current"],
+    CUDAGraph=CUDAGraph,
+    graph=graph,
     memory=types.SimpleNamespace(
         CUDAPluggableAllocator=_Pluggable,
         MemPool=MemPool,

@@ -150,6 +150,63 @@ TEST(StressReport, OnCudaExactlyOneGraphPerRank) {
   EXPECT_TRUE(summarize(l, e).pass);
 }
 
+// A transition row as stress_plan writes it on a GPU: the device memory split awake, asleep and
+// after wake, what stayed outside the pool while asleep, CUDA's graph allocator bytes.
+nlohmann::json with_memory(nlohmann::json r, long long outside, std::size_t graph_allocator = 0) {
+  auto split = [&](std::size_t used, std::size_t mapped) {
+    return nlohmann::json{{"used", used},
+                          {"torpor_mapped", mapped},
+                          {"graph_allocator", graph_allocator},
+                          {"other", static_cast<long long>(used - mapped - graph_allocator)}};
+  };
+  r["outside_torpor"] = outside;
+  r["graph_allocator_asleep"] = graph_allocator;
+  r["memory"] = {{"awake", split(1000, 700)}, {"asleep", split(300 + outside, 0)}, {"woken", split(1000, 700)}};
+  return r;
+}
+
+TEST(StressReport, MemoryOutsideThePoolWhileAsleepIsReportedPerRankAndSummedPerStep) {
+  LaunchResult l;
+  l.backend = "cuda";
+  auto rows = plan_rows();
+  rows[2] = with_memory(rows[2], 0);
+  rows[3] = with_memory(rows[3], 64);
+  rows[4] = with_memory(rows[4], 32);
+  auto leaky = rows;
+  leaky[3] = with_memory(leaky[3], 4096);
+  l.ranks = {rank(0, rows), rank(1, leaky)};
+  l.ranks[0].result["context_bytes"] = 300;
+  l.ranks[1].result["context_bytes"] = 300;
+  auto s = summarize(l, expect(2));
+  EXPECT_TRUE(s.pass) << ::testing::PrintToString(s.problems);  // reported, not judged
+  EXPECT_EQ(s.json["steps"][3]["outside_torpor"], 64 + 4096);
+  const auto& m1 = s.json["per_rank"][1]["memory"];
+  EXPECT_EQ(m1["context_bytes"], 300);
+  EXPECT_EQ(m1["outside_torpor_asleep"]["min"], 0);
+  EXPECT_EQ(m1["outside_torpor_asleep"]["max"], 4096);
+  ASSERT_EQ(m1["transitions"].size(), 2u) << "the first transition of each level";
+  EXPECT_EQ(m1["transitions"][1]["level"], 2);
+  EXPECT_EQ(m1["transitions"][1]["asleep"]["used"], 300 + 4096);
+  const std::string text = render(s);
+  EXPECT_NE(text.find("rank 1: device memory in use = torpor mapped + CUDA graph allocator + other"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("outside torpor while asleep, every transition: 0 B..4.00 KiB"), std::string::npos) << text;
+}
+
+TEST(StressReport, GraphAllocatorBytesWhileAsleepFail) {
+  LaunchResult l;
+  l.backend = "cuda";
+  auto rows = plan_rows();
+  rows[2] = with_memory(rows[2], 0);
+  auto bad = plan_rows();
+  bad[2] = with_memory(bad[2], 2 << 20, 2 << 20);
+  l.ranks = {rank(0, rows), rank(1, bad)};
+  auto s = summarize(l, expect(2));
+  EXPECT_FALSE(s.pass);
+  EXPECT_NE(render(s).find("rank 1: CUDA's graph allocator held 2.00 MiB while asleep"), std::string::npos)
+      << render(s);
+}
+
 TEST(StressReport, NegativeControlNeverPasses) {
   LaunchResult l;
   l.ranks = {rank(0, plan_rows()), rank(1, plan_rows())};

@@ -24,6 +24,13 @@
 
 namespace torpor::fusion {
 
+// Bytes CUDA's own graph allocator holds on a device: the memory nodes of every graph of the
+// process (0 on the host backend, which has no graphs).
+struct GraphAllocatorBytes {
+  std::size_t used = 0;
+  std::size_t reserved = 0;
+};
+
 // A recorded sequence of work (a CUDA graph exec on GPU), replayed on the compute's stream.
 class Graph {
  public:
@@ -67,9 +74,12 @@ class Compute {
   virtual void synchronize() = 0;
 
   // CUDA graphs: capture() records what `body` enqueues (nothing runs); replay() runs it.
-  // HostCompute has no graphs (graphs() is false; capture throws).
+  // HostCompute has no graphs (graphs() is false; capture throws). A captured graph keeps all
+  // its memory in the pool: capture refuses (throws) a graph with CUDA graph memory nodes, so
+  // graph_allocator_bytes() stays 0 as far as this compute's graphs go.
   virtual bool graphs() const noexcept = 0;
   virtual std::unique_ptr<Graph> capture(const std::function<void()>& body) = 0;
+  virtual GraphAllocatorBytes graph_allocator_bytes() = 0;
 
   // Bytes of pool memory the GEMM library wants as its workspace (0: none); set_workspace hands
   // it over (it must stay allocated, at the same address, for the compute's life).

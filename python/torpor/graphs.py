@@ -1,0 +1,448 @@
+"""CUDA graphs whose memory lives in torpor: released at sleep, replayed after wake as they are.
+
+    import torpor
+    graph = torch.cuda.CUDAGraph()
+    with torpor.graph(graph):                      # instead of torch.cuda.graph(graph)
+        static_out = model(static_in)
+    torpor.sleep(2)                                # the graph's memory goes back too
+    torpor.wake_up(["weights"]); load_weights(model); torpor.wake_up()
+    graph.replay()                                 # same graph object, no re-capture
+
+or, where an engine calls torch.cuda.graph itself, only its pool argument changes:
+
+    with torch.cuda.graph(graph, pool=torpor.graph_pool("cuda_graph")):
+        ...
+
+What PyTorch does with a capture's memory, and what torpor does with it:
+
+- A capture allocates from a private pool (PyTorch's MemPool id passed as `pool`). Here that
+  pool is a torch.cuda.MemPool backed by torpor's pluggable allocator (torch_pools.py makes it,
+  one per (tag, device)), so every segment the capture asks for is a torpor allocation in the
+  graph's tag. Nothing else allocates from it: use_pool() refuses a graph tag, and a graph tag
+  refuses a use_pool tag, since an eager tensor in a block the graph writes at every replay
+  would be overwritten.
+- After capture, the tensors the caller still holds (static outputs) stay allocated blocks;
+  the intermediates were freed during capture, but their blocks stay cached in the private
+  pool and are handed out again only to captures into the same pool: every replay writes
+  them. PyTorch never releases a live graph's segments (empty_cache skips pools in use).
+- So a graph pool's bytes are class cache by default: a replay recomputes every intermediate
+  and every output before reading it. At every sleep the embedding re-marks each block from
+  PyTorch's snapshot (torpor/_marks.py): free blocks cache, allocated blocks the tag's class.
+  Exactly the bytes whose contents outlive a replay are state, and only because someone says
+  so: mark_state(tensor) for a static input allocated inside the capture or an output read
+  after a sleep, or memory_class="state" for a pool whose graphs keep data between replays
+  (its allocated blocks are then state; free blocks stay cache in any pool, as a graph writes
+  a block it allocated before reading it).
+- Level 1 and level 2 both release a graph pool's memory (cache is discarded, state
+  offloaded). Every address stays, so after wake the same graph object replays as captured.
+- PyTorch caches per-stream objects in the pool a capture allocates them from: the cuBLAS
+  workspace of (handle, capture stream) is allocated inside the first capture on that stream
+  and reused by every later call on it. torpor.graph therefore captures on a stream of its own
+  per (tag, device) unless given one, so that workspace sleeps with the graphs that use it.
+  With torch.cuda.graph's shared default capture stream, a graph captured outside torpor
+  after one captured in torpor would use that workspace while the torpor tag sleeps.
+- torch.cuda.graph(pool=graph_pool(tag)) works because graph_pool() wraps
+  torch.cuda.CUDAGraph.capture_begin / capture_end once (PyTorch has no other hook between a
+  capture and its pool): for a torpor graph pool they set the capturing thread's torpor tag
+  and class and turn off expandable segments for the capture; any other capture is passed
+  through untouched.
+- No CUDA graph memory node: torpor cannot release memory that CUDA's own graph allocator
+  owns (a library calling cudaMallocAsync during capture adds MEM_ALLOC/MEM_FREE nodes). When
+  the graph was made with keep_graph=True, torpor.graph walks its nodes after capture and
+  raises if there is one; graph_memory() reports the device's graph-allocator bytes, which
+  stay 0 while every graph keeps its memory in torpor.
+
+Capture allocations happen on the capturing thread (PyTorch calls the pool's allocator
+there, in relaxed capture mode), which is why the thread-local tag is enough.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import threading
+import weakref
+from dataclasses import dataclass
+
+from . import _lib, torch_pools
+from ._marks import Span
+from .errors import InvalidArgument, InvalidState, Unavailable
+from .pool import ClassLike, MemoryClass, Pool, to_memory_class
+from .tags import CUDA_GRAPH
+
+
+@dataclass(frozen=True)
+class GraphPool:
+    """One torpor graph pool: its tag, device, class and PyTorch pool id."""
+
+    tag: str
+    device: int
+    memory_class: MemoryClass
+    id: tuple
+
+
+@dataclass
+class _Registry:
+    lock: threading.RLock
+    pools: dict  # PyTorch pool id -> GraphPool
+    streams: dict  # (tag, device) -> torch.cuda.Stream
+    state: list  # (weakref to a tensor, name) declared state by mark_state
+    hooked: bool = False
+
+
+_registry = _Registry(threading.RLock(), {}, {}, [])
+_capturing = threading.local()  # .depth: torpor.graph captures underway on this thread
+
+
+def _pool_id(pool) -> tuple | None:
+    """A PyTorch pool handle as a tuple of two ints, or None when it is not one."""
+    try:
+        first, second = pool
+        return (int(first), int(second))
+    except (TypeError, ValueError):
+        return None
+
+
+def _graph_pool_entry(torch, tag: str, device: int, memory_class: MemoryClass) -> GraphPool:
+    if not isinstance(tag, str) or not tag:
+        raise InvalidArgument(f"graph_pool: tag {tag!r} is not a non-empty string")
+    with _registry.lock:
+        for entry in _registry.pools.values():
+            if (entry.tag, entry.device) == (tag, device):
+                if entry.memory_class != memory_class:
+                    raise InvalidArgument(
+                        f"graph_pool: tag '{tag}' is a graph pool of class {entry.memory_class.value}, not "
+                        f"{memory_class.value}; use another tag for {memory_class.value} graphs"
+                    )
+                return entry
+        with torch_pools._state.lock:
+            if torch_pools._pools_of(tag, device) and tag not in torch_pools._state.graph_tags:
+                raise InvalidArgument(
+                    f"graph_pool: tag '{tag}' already holds tensors allocated in torpor.use_pool('{tag}'); a "
+                    f"graph pool is written by every replay, so it needs a tag of its own (e.g. "
+                    f"'{CUDA_GRAPH}')"
+                )
+            new_tag = tag not in torch_pools._state.graph_tags
+            torch_pools._state.graph_tags.add(tag)
+        try:
+            # MemPool binds to the current device at construction.
+            with torch.cuda.device(device):
+                mempool = torch_pools._mempool(torch, tag, device, memory_class).mempool
+        except BaseException:
+            if new_tag:
+                with torch_pools._state.lock:
+                    torch_pools._state.graph_tags.discard(tag)
+            raise
+        entry = GraphPool(tag, device, memory_class, tuple(mempool.id))
+        _registry.pools[entry.id] = entry
+    return entry
+
+
+def graph_pool(tag: str = CUDA_GRAPH, memory_class: ClassLike = MemoryClass.CACHE, device=None) -> tuple:
+    """The PyTorch pool id of torpor's graph pool for `tag` on `device` (default: current),
+    created on first use: pass it as torch.cuda.graph(..., pool=...) or
+    CUDAGraph.capture_begin(pool=...). Graphs captured into it keep all their memory in torpor,
+    released by every sleep of `tag`. memory_class: cache (default: replays recompute every
+    byte) or state (every allocated block of the pool survives sleep bit-exact). Several graphs
+    may share one pool, as with PyTorch's pools: replay them in capture order."""
+    torch = torch_pools._cuda_torch()
+    return _graph_pool(torch, tag, to_memory_class(memory_class), torch_pools._device_index(torch, device)).id
+
+
+def _graph_pool(torch, tag: str, cls: MemoryClass, device: int) -> GraphPool:
+    if cls == MemoryClass.PARAMETER:
+        raise InvalidArgument("graph_pool: memory_class must be cache or state (a graph pool holds no parameters)")
+    entry = _graph_pool_entry(torch, tag, device, cls)
+    _install_capture_hook(torch)
+    return entry
+
+
+def graph_pools() -> list[GraphPool]:
+    """Every torpor graph pool made so far."""
+    with _registry.lock:
+        return list(_registry.pools.values())
+
+
+def is_graph_pool(pool) -> bool:
+    """Whether `pool` (a PyTorch pool id) is one of torpor's graph pools."""
+    key = _pool_id(pool)
+    with _registry.lock:
+        return key is not None and key in _registry.pools
+
+
+# -- capture -----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _capture_scope(torch, entry: GraphPool):
+    """The capturing thread allocates in the graph's tag and class, expandable segments off."""
+    current = torch.cuda.current_device()
+    if current != entry.device:
+        raise InvalidArgument(
+            f"graph: the torpor graph pool of tag '{entry.tag}' belongs to device {entry.device}, but the capture "
+            f"runs on device {current} (PyTorch would give it a pool outside torpor); use "
+            f"graph_pool('{entry.tag}', device={current}) or make device {entry.device} current"
+        )
+    lib = _lib.lib()
+    previous_tag, previous_class = lib.torpor_current_tag(), lib.torpor_current_class()
+    _lib.check(lib.torpor_set_current_tag(entry.tag.encode()))
+    _lib.check(lib.torpor_set_current_class(int(entry.memory_class)))
+    try:
+        with torch_pools._expandable_segments_off(torch):
+            yield
+    finally:
+        lib.torpor_set_current_tag(previous_tag)
+        lib.torpor_set_current_class(previous_class)
+
+
+def _install_capture_hook(torch) -> None:
+    """Wrap CUDAGraph.capture_begin / capture_end (see the module note). Idempotent."""
+    with _registry.lock:
+        cls = getattr(torch.cuda, "CUDAGraph", None)
+        if _registry.hooked or cls is None or getattr(cls, "_torpor_hooked", False):
+            _registry.hooked = True
+            return
+        begin, end = cls.capture_begin, cls.capture_end
+        scopes: dict = {}  # id(graph) -> the open capture scope of a torpor graph pool
+
+        @functools.wraps(begin)
+        def capture_begin(self, *args, **kwargs):
+            pool = kwargs.get("pool", args[0] if args else None)
+            key = _pool_id(pool) if pool is not None else None
+            with _registry.lock:
+                entry = _registry.pools.get(key) if key is not None else None
+            if entry is None or getattr(_capturing, "depth", 0) > 0:  # not torpor's, or torpor.graph's own
+                return begin(self, *args, **kwargs)
+            scope = contextlib.ExitStack()
+            scope.enter_context(_capture_scope(torch, entry))
+            try:
+                result = begin(self, *args, **kwargs)
+            except BaseException:
+                scope.close()
+                raise
+            scopes[id(self)] = scope
+            return result
+
+        @functools.wraps(end)
+        def capture_end(self, *args, **kwargs):
+            scope = scopes.pop(id(self), None)
+            try:
+                return end(self, *args, **kwargs)
+            finally:
+                if scope is not None:
+                    scope.close()
+
+        cls.capture_begin, cls.capture_end = capture_begin, capture_end
+        cls._torpor_hooked = True
+        _registry.hooked = True
+
+
+def _capture_stream(torch, tag: str, device: int):
+    with _registry.lock:
+        stream = _registry.streams.get((tag, device))
+        if stream is None:
+            stream = torch.cuda.Stream(device=device)
+            _registry.streams[(tag, device)] = stream
+        return stream
+
+
+@contextlib.contextmanager
+def graph(
+    cuda_graph,
+    pool=None,
+    stream=None,
+    capture_error_mode: str = "global",
+    *,
+    tag: str | None = None,
+    memory_class: ClassLike | None = None,
+):
+    """torch.cuda.graph with the capture's memory in torpor (a drop-in: same arguments, plus
+    the tag and class of the graph pool). Captures on the current device into
+    graph_pool(tag) (default tag "cuda_graph", class cache), or into `pool` when it is a torpor
+    graph pool (another torpor graph's pool() or a graph_pool id; its tag then applies).
+    stream: default one capture stream per (tag, device) (see the module note). After capture,
+    a graph made with keep_graph=True is checked for CUDA graph memory nodes (InvalidState if
+    it has any: that memory would stay resident while asleep). Yields nothing, as
+    torch.cuda.graph does."""
+    torch = torch_pools._cuda_torch()
+    dev = torch.cuda.current_device()
+    cls = None if memory_class is None else to_memory_class(memory_class)
+    if pool is not None:
+        key = _pool_id(pool)
+        with _registry.lock:
+            entry = _registry.pools.get(key) if key is not None else None
+        if entry is None:
+            raise InvalidArgument(
+                f"graph: pool {pool!r} is not a torpor graph pool (its memory would stay outside torpor); pass a "
+                f"torpor.graph_pool(tag) id, a pool() of a graph captured by torpor.graph, or none"
+            )
+        if tag is not None and tag != entry.tag:
+            raise InvalidArgument(f"graph: pool {pool!r} is the graph pool of tag '{entry.tag}', not '{tag}'")
+        if cls is not None and cls != entry.memory_class:
+            raise InvalidArgument(f"graph: pool {pool!r} is of class {entry.memory_class.value}, not {cls.value}")
+    else:
+        entry = _graph_pool(torch, CUDA_GRAPH if tag is None else tag, MemoryClass.CACHE if cls is None else cls, dev)
+    tag_stats = Pool.torch(dev).stats()["tags"].get(entry.tag)
+    if tag_stats is not None and tag_stats["asleep"]:
+        raise InvalidState(
+            f"graph: tag '{entry.tag}' is asleep on device {dev} (level {tag_stats['level']}); "
+            f"wake_up(['{entry.tag}']) before capturing into it"
+        )
+    capture_stream = _capture_stream(torch, entry.tag, dev) if stream is None else stream
+    _capturing.depth = getattr(_capturing, "depth", 0) + 1
+    try:
+        with _capture_scope(torch, entry):
+            with torch.cuda.graph(
+                cuda_graph, pool=entry.id, stream=capture_stream, capture_error_mode=capture_error_mode
+            ):
+                yield
+    finally:
+        _capturing.depth -= 1
+    nodes = memory_nodes(cuda_graph)
+    if nodes:
+        raise InvalidState(
+            f"graph: the captured graph has {nodes} CUDA graph memory node(s) (cudaMallocAsync/cudaFreeAsync during "
+            f"capture): that memory belongs to CUDA's graph allocator, outside torpor, and stays resident while "
+            f"asleep; give the library a workspace from a torpor pool instead"
+        )
+
+
+# -- state -------------------------------------------------------------------------------------
+
+
+def _span_of(t) -> tuple[int, int]:
+    return t.data_ptr(), torch_pools._span_bytes(t)
+
+
+def mark_state(*tensors, name: str | None = None) -> None:
+    """Declare tensors state: their bytes survive every sleep level bit-exact, whatever their
+    pool's class, for as long as each tensor lives (held by weak reference; the span follows
+    the tensor if its storage is replaced). For a torpor graph pool: a static input allocated
+    inside the capture, an output read after a sleep, anything a graph keeps between replays.
+    Every tensor must be a CUDA tensor inside a torpor pool (InvalidArgument otherwise)."""
+    torch_pools._torch()
+    checked = []
+    for t in tensors:
+        if not getattr(t, "is_cuda", False):
+            raise InvalidArgument(f"mark_state: {type(t).__name__} is not a CUDA tensor")
+        address, nbytes = _span_of(t)
+        device = t.device.index
+        pool = torch_pools.pools().get(device)
+        if pool is None or nbytes == 0 or not pool.contains(address) or not pool.contains(address + nbytes - 1):
+            raise InvalidArgument(
+                f"mark_state: the tensor at {address:#x} ({nbytes} bytes, device {device}) is not inside a torpor "
+                f"pool; only memory torpor holds can be kept through sleep"
+            )
+        checked.append((t, device, address, nbytes, pool))
+    with _registry.lock:
+        for t, device, address, nbytes, pool in checked:
+            _registry.state.append((weakref.ref(t), name))
+            pool.mark(address, nbytes, MemoryClass.STATE, name)
+
+
+def state_spans() -> dict[int, list[Span]]:
+    """device -> spans of the live tensors declared by mark_state (dead ones are forgotten)."""
+    out: dict[int, list[Span]] = {}
+    with _registry.lock:
+        alive = []
+        for ref, name in _registry.state:
+            t = ref()
+            if t is None:
+                continue
+            alive.append((ref, name))
+            address, nbytes = _span_of(t)
+            if nbytes:
+                out.setdefault(t.device.index, []).append(Span(name or "state", address, nbytes))
+        _registry.state = alive
+    return out
+
+
+# -- CUDA graph memory, through the driver -----------------------------------------------------
+
+_CU_GRAPH_NODE_TYPE_GRAPH = 4
+_CU_GRAPH_NODE_TYPE_MEM_ALLOC = 10
+_CU_GRAPH_NODE_TYPE_MEM_FREE = 11
+_CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT = 0
+_CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT = 2
+
+
+@functools.lru_cache(maxsize=1)
+def _libcuda():
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise Unavailable(f"the CUDA driver library cannot be loaded ({e})") from None
+
+
+def _cu(result: int, call: str) -> None:
+    if result != 0:
+        raise InvalidState(f"{call} failed: CUresult {result}")
+
+
+def _count_memory_nodes(cuda, handle: int) -> int:
+    count = ctypes.c_size_t(0)
+    _cu(cuda.cuGraphGetNodes(ctypes.c_void_p(handle), None, ctypes.byref(count)), "cuGraphGetNodes")
+    nodes = (ctypes.c_void_p * count.value)()
+    if count.value:
+        _cu(cuda.cuGraphGetNodes(ctypes.c_void_p(handle), nodes, ctypes.byref(count)), "cuGraphGetNodes")
+    found = 0
+    for node in nodes[: count.value]:
+        kind = ctypes.c_int(0)
+        _cu(cuda.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)), "cuGraphNodeGetType")
+        if kind.value in (_CU_GRAPH_NODE_TYPE_MEM_ALLOC, _CU_GRAPH_NODE_TYPE_MEM_FREE):
+            found += 1
+        elif kind.value == _CU_GRAPH_NODE_TYPE_GRAPH:
+            child = ctypes.c_void_p(0)
+            _cu(cuda.cuGraphChildGraphNodeGetGraph(ctypes.c_void_p(node), ctypes.byref(child)), "cuGraphChildGraph")
+            found += _count_memory_nodes(cuda, child.value)
+    return found
+
+
+def memory_nodes(cuda_graph) -> int | None:
+    """CUDA graph memory nodes (MEM_ALLOC / MEM_FREE, child graphs included) of a captured
+    graph, or None when its cudaGraph_t is not kept (PyTorch keeps it only for
+    CUDAGraph(keep_graph=True)) or the object is not a real PyTorch graph."""
+    raw = getattr(cuda_graph, "raw_cuda_graph", None)
+    if raw is None:
+        return None
+    try:
+        handle = int(raw())
+    except Exception:  # keep_graph=False: PyTorch destroyed the graph after instantiating it
+        return None
+    if not handle:
+        return None
+    return _count_memory_nodes(_libcuda(), handle)
+
+
+def graph_memory(device: int | None = None) -> dict:
+    """Bytes CUDA's own graph allocator holds on `device` (memory nodes of every graph in the
+    process; default: current device): {"used": ..., "reserved": ...}. 0 while every graph
+    keeps its memory in torpor pools."""
+    torch = torch_pools._cuda_torch()
+    dev = torch_pools._device_index(torch, device)
+    cuda = _libcuda()
+    handle = ctypes.c_int(0)
+    _cu(cuda.cuDeviceGet(ctypes.byref(handle), dev), "cuDeviceGet")
+    out = {}
+    for key, attr in (
+        ("used", _CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT),
+        ("reserved", _CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT),
+    ):
+        value = ctypes.c_uint64(0)
+        _cu(cuda.cuDeviceGetGraphMemAttribute(handle, attr, ctypes.byref(value)), "cuDeviceGetGraphMemAttribute")
+        out[key] = value.value
+    return out
+
+
+__all__ = [
+    "GraphPool",
+    "graph",
+    "graph_memory",
+    "graph_pool",
+    "graph_pools",
+    "is_graph_pool",
+    "mark_state",
+    "memory_nodes",
+    "state_spans",
+]
