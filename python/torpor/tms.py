@@ -33,8 +33,15 @@ torch_memory_saver/entrypoint.py and csrc/core.cpp):
 - ``set_disk_backup_dir(path)`` and ``region(enable_disk_backup=True)``: the disk tier is issue 15's
   (torpor's host store spilling to files); until it is there both raise torpor.Unavailable saying
   so, rather than keep the bytes somewhere the caller did not ask for.
-- ``cuda_graph(...)``: graph capture into torpor is torpor.graph's (issue 16), which provides it
-  for this module; it is not defined here.
+- ``cuda_graph(cuda_graph, pool=None, stream=None, capture_error_mode="global", tag="default",
+  enable_cpu_backup=False)``: torch.cuda.graph with the graph's memory in torpor (torpor.graph):
+  ``pause(tag)`` releases it with the tag's regions, ``resume(tag)`` maps it back at the same
+  addresses and the graph replays without re-capture. A graph pool is rewritten by every replay,
+  so it cannot share a torpor tag with tensors: the graphs of tms tag T live in torpor tag
+  "T.graph" (what torpor.stats() shows); pause and resume of T act on both. Without a backup the
+  graph's memory is discarded on pause (its intermediates are rewritten by the next replay; mark
+  static inputs and outputs with torpor.mark_state to keep them); with enable_cpu_backup=True all
+  of it is kept. `pool` must be a torpor graph pool (another such graph's pool()).
 - ``hook_mode`` ("preload" or "torch"): accepted and remembered; torpor always works in process,
   through PyTorch's pluggable allocator, so both behave as "torch": only tensors created inside
   ``region()`` are pauseable (torch_memory_saver's preload mode with TMS_INIT_ENABLE=1 also
@@ -68,7 +75,7 @@ import sys
 import threading
 from typing import Optional
 
-from . import _lib, torch_pools
+from . import _lib, graphs, torch_pools
 from .compat import runtime_error
 from .errors import InvalidArgument, InvalidState, TorporError, Unavailable, error_for
 from .pool import MemoryClass, Pool
@@ -86,6 +93,25 @@ DISK_TIER_MISSING = (
 )
 
 
+def graph_tag(tag: str) -> str:
+    """The torpor tag holding the CUDA graphs that cuda_graph() captured under tms tag `tag`."""
+    return f"{tag}.graph"
+
+
+def _check_backup_backend(
+    enable_cpu_backup: bool, cpu_backup_backend: Optional[str]
+) -> None:
+    if cpu_backup_backend is None:
+        return
+    if not enable_cpu_backup:
+        raise InvalidArgument("cpu_backup_backend requires enable_cpu_backup=True")
+    if cpu_backup_backend not in _CPU_BACKUP_BACKENDS:
+        raise InvalidArgument(
+            f"cpu_backup_backend {cpu_backup_backend!r} is not one of {', '.join(_CPU_BACKUP_BACKENDS)} "
+            f"(torpor keeps every backup in its own host store either way)"
+        )
+
+
 @contextlib.contextmanager
 def _as_runtime_errors():
     try:
@@ -96,11 +122,12 @@ def _as_runtime_errors():
 
 class TorchMemorySaver:
     """torch_memory_saver's TorchMemorySaver over torpor (see the module note). Instances share
-    torpor's pools: pause() of one pauses the regions of all (the process has one allocator)."""
+    torpor's pools: pause() of one pauses the regions of all (the process has one allocator).
+    """
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._tags: set[str] = set()  # every tag a region created
+        self._tags: set[str] = set()  # every tag a region or a cuda_graph created
         self._retain_cpu_backup = False
         self._hook_mode = "torch"
 
@@ -114,16 +141,11 @@ class TorchMemorySaver:
         enable_disk_backup: bool = False,
         cpu_backup_backend: Optional[str] = None,
     ):
-        if cpu_backup_backend is not None:
-            if not enable_cpu_backup:
-                raise InvalidArgument("cpu_backup_backend requires enable_cpu_backup=True")
-            if cpu_backup_backend not in _CPU_BACKUP_BACKENDS:
-                raise InvalidArgument(
-                    f"cpu_backup_backend {cpu_backup_backend!r} is not one of {', '.join(_CPU_BACKUP_BACKENDS)} "
-                    f"(torpor keeps every backup in its own host store either way)"
-                )
+        _check_backup_backend(enable_cpu_backup, cpu_backup_backend)
         if enable_cpu_backup and enable_disk_backup:
-            raise InvalidArgument("enable_cpu_backup and enable_disk_backup are mutually exclusive")
+            raise InvalidArgument(
+                "enable_cpu_backup and enable_disk_backup are mutually exclusive"
+            )
         if enable_disk_backup:
             raise Unavailable(DISK_TIER_MISSING)
         if not isinstance(tag, str) or not tag:
@@ -135,9 +157,38 @@ class TorchMemorySaver:
             yield
 
     @contextlib.contextmanager
+    def cuda_graph(
+        self,
+        cuda_graph,
+        pool=None,
+        stream=None,
+        capture_error_mode: str = "global",
+        tag: str = _TAG_DEFAULT,
+        enable_cpu_backup: bool = False,
+        cpu_backup_backend: Optional[str] = None,
+    ):
+        """torch.cuda.graph with the graph's memory pauseable under `tag` (see the module note)."""
+        _check_backup_backend(enable_cpu_backup, cpu_backup_backend)
+        if not isinstance(tag, str) or not tag:
+            raise InvalidArgument(f"cuda_graph: tag {tag!r} is not a non-empty string")
+        cls = MemoryClass.STATE if enable_cpu_backup else MemoryClass.CACHE
+        with graphs.graph(
+            cuda_graph,
+            pool,
+            stream,
+            capture_error_mode,
+            tag=graph_tag(tag),
+            memory_class=cls,
+        ):
+            with self._lock:
+                self._tags.add(tag)
+            yield
+
+    @contextlib.contextmanager
     def disable(self):
         """PyTorch's own memory for what is created inside, even within a region (a MemPool of
-        PyTorch's default allocator, dropped at exit: its memory goes back once those tensors die)."""
+        PyTorch's default allocator, dropped at exit: its memory goes back once those tensors die).
+        """
         torch = torch_pools._cuda_torch()
         pool = torch.cuda.memory.MemPool()
         try:
@@ -152,10 +203,17 @@ class TorchMemorySaver:
         """The tags a pause (asleep=False) or resume (asleep=True) acts on: `tag`, or every
         region's, among the tags torpor knows that are awake, or asleep."""
         if tag is not None and (not isinstance(tag, str) or not tag):
-            raise InvalidArgument(f"{operation}: tag {tag!r} is not a non-empty string (None means every tag)")
+            raise InvalidArgument(
+                f"{operation}: tag {tag!r} is not a non-empty string (None means every tag)"
+            )
         with self._lock:
             wanted = set(self._tags) if tag is None else {tag}
-        return sorted(t for t, sleeping in torch_pools.tag_states().items() if t in wanted and sleeping == asleep)
+        wanted |= {graph_tag(t) for t in wanted}
+        return sorted(
+            t
+            for t, sleeping in torch_pools.tag_states().items()
+            if t in wanted and sleeping == asleep
+        )
 
     def pause(self, tag: Optional[str] = None) -> None:
         """Release the memory of `tag` (None: every region's tag): backed-up bytes go to host
@@ -195,7 +253,9 @@ class TorchMemorySaver:
     @hook_mode.setter
     def hook_mode(self, value: str) -> None:
         if value not in _HOOK_MODES:
-            raise InvalidArgument(f"hook_mode {value!r} is not one of {', '.join(_HOOK_MODES)}")
+            raise InvalidArgument(
+                f"hook_mode {value!r} is not one of {', '.join(_HOOK_MODES)}"
+            )
         if value == "preload" and os.environ.get("TMS_INIT_ENABLE") == "1":
             logger.warning(
                 "torpor.tms: TMS_INIT_ENABLE=1 asks torch_memory_saver's preload mode to capture every "
@@ -218,10 +278,14 @@ class TorchMemorySaver:
     @memory_margin_bytes.setter
     def memory_margin_bytes(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidArgument(f"memory_margin_bytes {value!r} is not a whole number of bytes >= 0")
+            raise InvalidArgument(
+                f"memory_margin_bytes {value!r} is not a whole number of bytes >= 0"
+            )
         lib = _lib.lib()
         if value > ctypes.c_size_t(-1).value:
-            raise InvalidArgument(f"memory_margin_bytes {value} does not fit in a size_t")
+            raise InvalidArgument(
+                f"memory_margin_bytes {value} does not fit in a size_t"
+            )
         _lib.check(lib.torpor_torch_set_memory_margin(value))
 
     def set_disk_backup_dir(self, path: str) -> None:
@@ -233,10 +297,13 @@ class TorchMemorySaver:
         """A CPU tensor with the host copy of x's bytes, or None (see the module note)."""
         torch = torch_pools._cuda_torch()
         if not isinstance(x, torch.Tensor) or not x.is_cuda:
-            raise InvalidArgument(f"get_cpu_backup: {type(x).__name__} is not a CUDA tensor")
+            raise InvalidArgument(
+                f"get_cpu_backup: {type(x).__name__} is not a CUDA tensor"
+            )
         if not x.is_contiguous():
             raise InvalidArgument(
-                f"get_cpu_backup: the tensor is not contiguous (shape {tuple(x.shape)}, " f"stride {x.stride()})"
+                f"get_cpu_backup: the tensor is not contiguous (shape {tuple(x.shape)}, "
+                f"stride {x.stride()})"
             )
         out = torch.empty(x.shape, dtype=x.dtype, device="cpu")
         nbytes = x.numel() * x.element_size()
@@ -253,7 +320,9 @@ class TorchMemorySaver:
             return None  # awake without a retained copy
         message = _lib.last_error()
         if status == InvalidState.status:
-            message += " (was the tensor created in a region without enable_cpu_backup=True?)"
+            message += (
+                " (was the tensor created in a region without enable_cpu_backup=True?)"
+            )
         raise error_for(status, message)
 
 
@@ -265,7 +334,9 @@ def configure_subprocess():
 @contextlib.contextmanager
 def _shim_on_pythonpath():
     previous = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([shim_path()] + ([previous] if previous else []))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [shim_path()] + ([previous] if previous else [])
+    )
     try:
         yield
     finally:
@@ -291,14 +362,26 @@ def install() -> None:
 # The global singleton, as torch_memory_saver's.
 torch_memory_saver = TorchMemorySaver()
 
-__all__ = ["TorchMemorySaver", "configure_subprocess", "install", "shim_path", "torch_memory_saver"]
+__all__ = [
+    "TorchMemorySaver",
+    "configure_subprocess",
+    "install",
+    "shim_path",
+    "torch_memory_saver",
+]
 
 
 def _main(argv=None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python3 -m torpor.tms", description="torpor's torch_memory_saver mode")
-    ap.add_argument("--shim-path", action="store_true", help="print the directory to put first on PYTHONPATH")
+    ap = argparse.ArgumentParser(
+        prog="python3 -m torpor.tms", description="torpor's torch_memory_saver mode"
+    )
+    ap.add_argument(
+        "--shim-path",
+        action="store_true",
+        help="print the directory to put first on PYTHONPATH",
+    )
     args = ap.parse_args(argv)
     if args.shim_path:
         print(shim_path())

@@ -5,8 +5,8 @@
   vLLM measures "mapped" through its handles; here it is torpor's per-tag mapped_bytes.
 - torch_memory_saver mode: its test/examples/*.py that apply to CUDA in one process (simple,
   cpu_backup, nested_region, rl_example, training_engine), restated against torpor.tms.
-  multi_device needs two GPUs with one region each; it is skipped with one GPU. cuda_graph is
-  torpor.graph's (issue 16).
+  multi_device needs two GPUs with one region each; it is skipped with one GPU. cuda_graph (its
+  preload-mode run: the graph's memory paused with its tag) goes through torpor.graph.
 
 Every test uses tags of its own (the pools are process-wide). Skips (with the reason) without
 PyTorch or a CUDA device. Run by `scripts/gpu_run.sh engines`.
@@ -14,7 +14,9 @@ PyTorch or a CUDA device. Run by `scripts/gpu_run.sh engines`.
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="PyTorch is not installed (these tests need torch with CUDA)")
+torch = pytest.importorskip(
+    "torch", reason="PyTorch is not installed (these tests need torch with CUDA)"
+)
 if not torch.cuda.is_available():
     pytest.skip("PyTorch sees no CUDA device", allow_module_level=True)
 
@@ -101,15 +103,21 @@ def test_vllm_level_2_with_registered_parameters_keeps_everything_but_the_parame
     allocator = CuMemAllocator.get_instance()
     with allocator.use_memory_pool("e.reg"):
         model = torch.nn.Linear(256, 256, device="cuda")
-        model.register_buffer("table", torch.arange(4096, dtype=torch.float32, device="cuda"))
+        model.register_buffer(
+            "table", torch.arange(4096, dtype=torch.float32, device="cuda")
+        )
     torpor.register_parameters(model, prefix="e.reg")
     table = model.table.clone()
     allocator.sleep(offload_tags=())
     parameters = torpor.stats(0)["tags"]["e.reg"]["classes"]["parameter"]
     allocator.wake_up()
     assert torch.equal(model.table, table), "the buffer came back bit-exact"
-    assert torch.all(torch.isnan(model.weight)), "the parameter was discarded (poisoned)"
-    assert parameters["offloaded_bytes"] == 0, f"no parameter copied to host: {parameters}"
+    assert torch.all(
+        torch.isnan(model.weight)
+    ), "the parameter was discarded (poisoned)"
+    assert (
+        parameters["offloaded_bytes"] == 0
+    ), f"no parameter copied to host: {parameters}"
     assert parameters["discarded_bytes"] >= model.weight.nbytes + model.bias.nbytes
 
 
@@ -177,6 +185,48 @@ def test_tms_simple():
     assert normal[:3].tolist() == [100, 100, 100]
 
 
+def test_tms_cuda_graph():
+    """torch_memory_saver's test/examples/cuda_graph.py, preload mode (the graph pauseable)."""
+    with tms.region(tag="e.kv"):
+        kv = torch.full((5, 100_000_000), 1, dtype=torch.float32, device="cuda")
+    static_input = torch.zeros((5,), dtype=torch.float32, device="cuda")
+    result = {}
+
+    def fn():
+        answer = (static_input + kv.mean(dim=1)).mean()
+        result["out"] = (torch.ones((1_000_000_000,), device="cuda") * answer).mean()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm-up, as the example
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with tms.cuda_graph(g, tag="e.graph"):
+        fn()
+    static_input[...] = 100
+    g.replay()
+    assert result["out"].item() == 101
+    torch.cuda.empty_cache()
+    before = device_free()
+    tms.pause("e.kv")
+    after_kv = device_free()
+    assert after_kv - before > 400_000_000
+    tms.pause("e.graph")
+    assert (
+        device_free() - after_kv > 3_000_000_000
+    ), "the graph's 4 GB intermediate went back"
+    other = torch.zeros((2_500_000_000,), dtype=torch.uint8, device="cuda")
+    del other
+    torch.cuda.empty_cache()
+    tms.resume("e.graph")
+    tms.resume("e.kv")
+    kv[...] = 2
+    static_input[...] = 200
+    g.replay()  # the same graph, no re-capture
+    assert result["out"].item() == 202
+
+
 def test_tms_cpu_backup():
     with tms.region(tag="e.cpu", enable_cpu_backup=True):
         with_backup = torch.full((20_000_000,), 10, dtype=torch.uint8, device="cuda")
@@ -196,7 +246,9 @@ def test_tms_cpu_backup():
     try:
         tms.pause("e.cpu")
         tms.resume("e.cpu")
-        assert torch.equal(tms.get_cpu_backup(typed), typed_expected), "retained after resume"
+        assert torch.equal(
+            tms.get_cpu_backup(typed), typed_expected
+        ), "retained after resume"
     finally:
         tms.retain_cpu_backup = False
     tms.pause("e.cpu")
@@ -244,7 +296,9 @@ def test_tms_rl_example_and_training_engine():
 
 def test_tms_multi_device():
     if torch.cuda.device_count() < 2:
-        pytest.skip("torch_memory_saver's multi_device example needs two GPUs (one region on each)")
+        pytest.skip(
+            "torch_memory_saver's multi_device example needs two GPUs (one region on each)"
+        )
     for d in range(2):
         with torch.cuda.device(d), tms.region(tag=f"e.dev{d}", enable_cpu_backup=True):
             x = torch.full((MiB,), d + 1, dtype=torch.uint8, device=f"cuda:{d}")

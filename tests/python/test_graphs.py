@@ -12,14 +12,14 @@ import pytest
 import fake_torch
 import torpor
 from torpor import graphs, torch_pools
-from conftest import MiB, POISON
+from conftest import MiB, POISON, TORCH_POOL_OPTIONS
 
 N = 4096  # bytes per vector
 
 
 @pytest.fixture
 def torch(monkeypatch):
-    torpor.configure(backend="host", fill_on_wake="poison", va_bytes=1 << 30)
+    torpor.configure(**TORCH_POOL_OPTIONS)
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
     monkeypatch.setattr(torch_pools, "_state", torch_pools._State())
     monkeypatch.setattr(graphs, "_registry", graphs._Registry(graphs.threading.RLock(), {}, {}, []))
