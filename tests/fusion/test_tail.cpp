@@ -9,6 +9,7 @@
 #include <latch>
 
 #include "support/processes.hpp"
+#include "tail_oracle.hpp"
 #include "tail_support.hpp"
 #include "torpor/error.hpp"
 #include "torpor/fault_injecting_driver.hpp"
@@ -254,6 +255,44 @@ TEST_P(TailThreads, NegativeZeroPartialsAreSentAsPositiveZero) {
                                      "residual_out = residual_in where the partials are zero");
                        }),
             "");
+}
+
+// Partials that are -0.0 (exactly, or a subnormal that rounds to it), NaN (quiet, and negative with
+// a payload) and +-inf, next to random ones: both paths give, bit for bit, the tail's definition
+// computed in the test (tail_oracle.hpp), on every rank's share, in both modes, through every slot.
+// -0.0 is sent as +0.0 (so a -0.0 residual plus a zero sum is +0.0), every NaN written is the
+// canonical one, and nothing waits on a partial that looks like the sentinel.
+TEST_P(TailThreads, SpecialPartialsGiveTheDefinitionsBitsOnBothPaths) {
+  const int n = GetParam();
+  for (TailMode mode : {TailMode::all_reduce, TailMode::reduce_scatter})
+    for (bool fused : {true, false}) {
+      SCOPED_TRACE(std::string(fusion::to_string(mode)) + (fused ? ", fused" : ", unfused"));
+      const TailShape s = shape(128, 2, true, mode);
+      std::vector<CallInputs> calls;
+      std::vector<std::vector<bf16>> want;
+      for (int tokens : {8, 5, 16, 4}) {
+        calls.push_back(special_call(s, n, tokens, 1800 + calls.size()));
+        want.push_back(tail_by_definition(s, calls.back()));
+      }
+      TailOptions o = patient();
+      o.allow_fused = fused;
+      ThreadWorld w(n, false);
+      EXPECT_EQ(on_threads(n,
+                           [&](int r) {
+                             RankTail rt(w.host, *w.groups[static_cast<std::size_t>(r)], s, o);
+                             require(rt.tail->path() == (fused ? TailPath::fused_unicast : TailPath::unfused),
+                                     "path: " + rt.tail->reason());
+                             for (std::size_t i = 0; i < calls.size(); ++i) {
+                               rt.run(calls[i]);
+                               const auto [begin, end] = rows_of(s, calls[i].tokens, r, n);
+                               const std::string bad =
+                                   first_difference(rt.outputs(calls[i].tokens), want[i], s.hidden, begin, end,
+                                                    "the definition");
+                               require(bad.empty(), "call " + std::to_string(i) + ": " + bad);
+                             }
+                           }),
+                "");
+    }
 }
 
 // A NaN input makes its row NaN on every rank (nothing hides it, nothing hangs on it), and the
