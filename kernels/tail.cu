@@ -114,8 +114,7 @@ struct SpinDeadline {
   std::uint32_t checks = 0;
   // True once more than timeout_ns passed since the first check, or once `abort` (nullable) is
   // set; `waited`: the time seen then. The caller tells the two apart with abort_set.
-  __device__ __forceinline__ bool expired(std::uint64_t timeout_ns, std::uint64_t& waited,
-                                          const std::uint32_t* abort) {
+  __device__ __forceinline__ bool expired(std::uint64_t timeout_ns, std::uint64_t& waited, const std::uint32_t* abort) {
     const std::uint32_t k = checks++;
     if (k == 0) {
       start = globaltimer();
@@ -923,6 +922,16 @@ __global__ void tail_fill_u16_kernel(std::uint16_t* dst, std::uint16_t value, st
     dst[i] = value;
 }
 
+// The fused kernel's rounding (to_bf16x2) of every float pattern in a range, for the test that
+// holds it against the IEEE definition.
+__global__ void tail_round_floats_kernel(std::uint32_t first, std::size_t pairs, std::uint32_t* out) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < pairs; i += stride) {
+    const std::uint32_t u = first + 2 * static_cast<std::uint32_t>(i);
+    out[i] = to_bf16x2(__uint_as_float(u), __uint_as_float(u + 1));
+  }
+}
+
 static_assert(tail_max_vectors_per_thread == 2,
               "the launchers below instantiate the kernels for 1 and 2 vectors per thread");
 int vectors_per_thread(int hidden) {
@@ -1108,6 +1117,15 @@ void launch_tail_fused_withholding_push(const TailParams& p, int capacity, Strea
     default: throw invalid_argument("tail kernels: hidden " + std::to_string(p.hidden) + " is above 8192");
   }
   launch_fused(kernel, p, tail_cluster_blocks, capacity, stream, false);
+}
+
+void launch_tail_round_floats(std::uint32_t first, std::size_t count, std::uint16_t* out, Stream stream) {
+  if (count % 2 != 0 || first % 2 != 0)
+    throw invalid_argument("launch_tail_round_floats: first and count must be even (pairs), got " +
+                           std::to_string(first) + " and " + std::to_string(count));
+  if (count == 0) return;
+  tail_round_floats_kernel<<<1024, T, 0, native(stream)>>>(first, count / 2, reinterpret_cast<std::uint32_t*>(out));
+  check_launch("tail_round_floats_kernel");
 }
 
 void launch_tail_finalize(const TailParams& p, float* partial, Stream stream) {

@@ -90,8 +90,8 @@ for stage in "${stages[@]}"; do
     tests)
       # Host-backend tests in parallel; cuda-typed tests one at a time, since some of them
       # read the device's free memory.
-      # (TailCuda: the tail stage runs those, one at a time, on two GPUs.)
-      ctest --test-dir build-gpu -j 8 -E 'CudaBackend|TailCuda' --output-on-failure > "$OUT/ctest-host.log" 2>&1 || status=1
+      # (TailCuda, GpuTail: the tail stage runs those, one at a time; TailCuda on two GPUs.)
+      ctest --test-dir build-gpu -j 8 -E 'CudaBackend|TailCuda|GpuTail' --output-on-failure > "$OUT/ctest-host.log" 2>&1 || status=1
       build-gpu/tests/torpor_tests --gtest_filter='*/cuda.*' --gtest_brief=0 > "$OUT/gtest-cuda.log" 2>&1 || status=1
       grep -E "tests passed|tests failed" "$OUT/ctest-host.log"
       grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$OUT/gtest-cuda.log" | sort | uniq -c | sort -rn | head -40
@@ -138,7 +138,7 @@ for stage in "${stages[@]}"; do
     tail)
       # Each step is bounded, so a hang cannot eat the machine's time (expected: ~1 min each).
       sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-      timeout 180 build-gpu/tests/torpor_fusion_tests --gtest_filter='TailCuda.*' > "$OUT/tail-tests.log" 2>&1 || status=1
+      timeout 360 build-gpu/tests/torpor_fusion_tests --gtest_filter='GpuTail.*:TailCuda.*' > "$OUT/tail-tests.log" 2>&1 || status=1
       grep -E "^\[ +(OK|FAILED|SKIPPED) +\]|Skipped|Failure|rank [0-9]" "$OUT/tail-tests.log" | head -40
       tail -3 "$OUT/tail-tests.log"
       # One sanitizer per rank (each the process that runs the kernels), meeting at a rendezvous

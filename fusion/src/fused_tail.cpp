@@ -185,8 +185,7 @@ void FusedTail::check() {
           "ms while only {} of the call's {} blocks had started: the fused grid was not resident at once (another "
           "kernel, or an MPS limit, holding the device's multiprocessors), so the blocks that had not started never "
           "sent; later calls do nothing until reset() on every rank",
-          e.rank, e.peer, e.token, e.slot, e.call, static_cast<double>(e.waited_ns) / 1e6, e.blocks_started,
-          e.blocks));
+          e.rank, e.peer, e.token, e.slot, e.call, static_cast<double>(e.waited_ns) / 1e6, e.blocks_started, e.blocks));
     if (op == TailOp::cluster_barrier)
       throw timeout_error(fmt::format(
           "tail fusion: on rank {} a block waited {:.1f} ms for its cluster's sums of squares of token {} (slot {}, "

@@ -285,9 +285,8 @@ TEST_P(TailThreads, SpecialPartialsGiveTheDefinitionsBitsOnBothPaths) {
                              for (std::size_t i = 0; i < calls.size(); ++i) {
                                rt.run(calls[i]);
                                const auto [begin, end] = rows_of(s, calls[i].tokens, r, n);
-                               const std::string bad =
-                                   first_difference(rt.outputs(calls[i].tokens), want[i], s.hidden, begin, end,
-                                                    "the definition");
+                               const std::string bad = first_difference(rt.outputs(calls[i].tokens), want[i], s.hidden,
+                                                                        begin, end, "the definition");
                                require(bad.empty(), "call " + std::to_string(i) + ": " + bad);
                              }
                            }),
@@ -548,57 +547,57 @@ TEST(TailThreadsFailFast, ALostPeerCostsOneWaitBoundWhateverTheLayerCount) {
   ThreadWorld w(n, false);
   TailOptions o;
   o.wait_timeout = 1000ms;
-  EXPECT_EQ(on_threads(n,
-                       [&](int r) {
-                         Group& g = *w.groups[static_cast<std::size_t>(r)];
-                         Pool pool(w.host, tail_pool_options(r));
-                         SymmetricHeap heap(pool, g);
-                         std::vector<std::unique_ptr<Tail>> tails;
-                         for (int l = 0; l < layers; ++l) tails.push_back(make_tail(heap, s, o));
-                         RankBuffers buf(s, s.max_tokens);
-                         buf.load(p.calls[0], r);
-                         g.barrier();
-                         std::string problems;  // said after the barriers, so rank 1 is not left waiting
-                         auto expect = [&](bool ok, const std::string& what) {
-                           if (!ok) problems += what + "\n";
-                         };
-                         if (r == 0) {
-                           const auto t0 = std::chrono::steady_clock::now();
-                           std::vector<std::string> errors;
-                           for (auto& t : tails) {
-                             try {
-                               t->run(buf.args(4), Stream{});
-                               errors.emplace_back("");
-                             } catch (const timeout_error& e) {
-                               errors.emplace_back(e.what());
-                             }
-                           }
-                           const auto took = std::chrono::steady_clock::now() - t0;
-                           expect(took <= o.wait_timeout + 1s,
-                                  "the step failed after " +
-                                      std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(took).count()) +
-                                      " ms; at most the wait bound (1000 ms) plus 1 s, whatever the layer count");
-                           expect(errors[0].find("waited") != std::string::npos &&
-                                      errors[0].find("for rank 1's partial") != std::string::npos,
-                                  "the first tail names the missing rank: " + errors[0]);
-                           for (int l = 1; l < layers; ++l)
-                             expect(errors[static_cast<std::size_t>(l)].find("an earlier call") != std::string::npos,
-                                    "tail " + std::to_string(l) + " says it gave up because of an earlier failure: " +
-                                        errors[static_cast<std::size_t>(l)]);
-                         }
-                         g.barrier();
-                         for (auto& t : tails) t->reset();
-                         buf.load(p.calls[1], r);
-                         for (auto& t : tails) {
-                           buf.poison_outputs();
-                           t->run(buf.args(4), Stream{});
-                           require(check_outputs(p.expected[1], buf.residual_out.data(), buf.norm_out.data(), 0, 4)
-                                       .empty(),
-                                   "after reset");
-                         }
-                         require(problems.empty(), problems);
-                       }),
-            "");
+  EXPECT_EQ(
+      on_threads(n,
+                 [&](int r) {
+                   Group& g = *w.groups[static_cast<std::size_t>(r)];
+                   Pool pool(w.host, tail_pool_options(r));
+                   SymmetricHeap heap(pool, g);
+                   std::vector<std::unique_ptr<Tail>> tails;
+                   for (int l = 0; l < layers; ++l) tails.push_back(make_tail(heap, s, o));
+                   RankBuffers buf(s, s.max_tokens);
+                   buf.load(p.calls[0], r);
+                   g.barrier();
+                   std::string problems;  // said after the barriers, so rank 1 is not left waiting
+                   auto expect = [&](bool ok, const std::string& what) {
+                     if (!ok) problems += what + "\n";
+                   };
+                   if (r == 0) {
+                     const auto t0 = std::chrono::steady_clock::now();
+                     std::vector<std::string> errors;
+                     for (auto& t : tails) {
+                       try {
+                         t->run(buf.args(4), Stream{});
+                         errors.emplace_back("");
+                       } catch (const timeout_error& e) {
+                         errors.emplace_back(e.what());
+                       }
+                     }
+                     const auto took = std::chrono::steady_clock::now() - t0;
+                     expect(took <= o.wait_timeout + 1s,
+                            "the step failed after " +
+                                std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(took).count()) +
+                                " ms; at most the wait bound (1000 ms) plus 1 s, whatever the layer count");
+                     expect(errors[0].find("waited") != std::string::npos &&
+                                errors[0].find("for rank 1's partial") != std::string::npos,
+                            "the first tail names the missing rank: " + errors[0]);
+                     for (int l = 1; l < layers; ++l)
+                       expect(errors[static_cast<std::size_t>(l)].find("an earlier call") != std::string::npos,
+                              "tail " + std::to_string(l) + " says it gave up because of an earlier failure: " +
+                                  errors[static_cast<std::size_t>(l)]);
+                   }
+                   g.barrier();
+                   for (auto& t : tails) t->reset();
+                   buf.load(p.calls[1], r);
+                   for (auto& t : tails) {
+                     buf.poison_outputs();
+                     t->run(buf.args(4), Stream{});
+                     require(check_outputs(p.expected[1], buf.residual_out.data(), buf.norm_out.data(), 0, 4).empty(),
+                             "after reset");
+                   }
+                   require(problems.empty(), problems);
+                 }),
+      "");
 }
 
 // The contract's extremes: hidden 64 (one vector per lane, most lanes idle) and 8192 (four per

@@ -82,12 +82,15 @@ TEST(TailProtocol, Bf16RoundingIsTheIeeeDefinitions) {
   // By name: signed zeros, the smallest subnormals (and halfway below them), the largest finite
   // float (rounds up to inf), the largest bf16 and the halfway point above it (a tie towards the
   // even significand: inf), the ties either side of 1.0, infinities, NaNs.
-  const std::pair<std::uint32_t, std::uint16_t> named[] = {
-      {0x00000000u, 0x0000}, {0x80000000u, 0x8000}, {0x00010000u, 0x0001}, {0x00008000u, 0x0000},
-      {0x00018000u, 0x0002}, {0x80008001u, 0x8001}, {0x7F7FFFFFu, 0x7F80}, {0x7F7F0000u, 0x7F7F},
-      {0x7F7F8000u, 0x7F80}, {0x7F7F7FFFu, 0x7F7F}, {0x3F808000u, 0x3F80}, {0x3F818000u, 0x3F82},
-      {0x7F800000u, 0x7F80}, {0xFF800000u, 0xFF80}, {0x7FC00000u, 0x7FFF}, {0xFFC00001u, 0x7FFF},
-      {0x7F800001u, 0x7FFF}};
+  const std::pair<std::uint32_t, std::uint16_t> named[] = {{0x00000000u, 0x0000}, {0x80000000u, 0x8000},
+                                                           {0x00010000u, 0x0001}, {0x00008000u, 0x0000},
+                                                           {0x00018000u, 0x0002}, {0x80008001u, 0x8001},
+                                                           {0x7F7FFFFFu, 0x7F80}, {0x7F7F0000u, 0x7F7F},
+                                                           {0x7F7F8000u, 0x7F80}, {0x7F7F7FFFu, 0x7F7F},
+                                                           {0x3F808000u, 0x3F80}, {0x3F818000u, 0x3F82},
+                                                           {0x7F800000u, 0x7F80}, {0xFF800000u, 0xFF80},
+                                                           {0x7FC00000u, 0x7FFF}, {0xFFC00001u, 0x7FFF},
+                                                           {0x7F800001u, 0x7FFF}};
   for (auto [u, want] : named) {
     float x;
     std::memcpy(&x, &u, 4);

@@ -91,12 +91,12 @@ inline constexpr int tail_max_vectors_per_thread = tail_max_hidden / tail_vector
 // What a failed call was doing.
 enum class TailOp : std::uint32_t {
   none = 0,
-  wait_unicast = 1,    // polling for a peer's partial stored over the peer table
-  wait_multicast = 2,  // polling for a peer's partial stored through the multicast address
-  control_lost = 3,    // the control block's magic was wrong (zeroed, lost, never initialised)
-  block_arrival = 4,   // GPU: the updating block waited for the call's other blocks to start
-  aborted = 5,         // a wait gave up at once: an earlier failure on this rank set the abort word
-  not_resident = 6,    // GPU: a wait ran out while blocks of this rank's call had not started
+  wait_unicast = 1,     // polling for a peer's partial stored over the peer table
+  wait_multicast = 2,   // polling for a peer's partial stored through the multicast address
+  control_lost = 3,     // the control block's magic was wrong (zeroed, lost, never initialised)
+  block_arrival = 4,    // GPU: the updating block waited for the call's other blocks to start
+  aborted = 5,          // a wait gave up at once: an earlier failure on this rank set the abort word
+  not_resident = 6,     // GPU: a wait ran out while blocks of this rank's call had not started
   cluster_barrier = 7,  // GPU: a block waited past twice the bound for its cluster's sums of a row
 };
 
@@ -107,8 +107,8 @@ struct TailErrorRecord {
   std::int32_t rank;   // the rank that gave up
   std::int32_t peer;   // whose partial did not arrive (-1: not a wait)
   std::int32_t slot;
-  std::int32_t token;        // the row it waited for (-1: not a wait)
-  std::uint64_t call;        // the control block's call count at the failing call
+  std::int32_t token;            // the row it waited for (-1: not a wait)
+  std::uint64_t call;            // the control block's call count at the failing call
   std::uint64_t waited_ns;       // how long it waited
   std::uint32_t seen_magic;      // control_lost: the magic found
   std::uint32_t blocks_started;  // GPU, not_resident and block_arrival: blocks of the call that had started
