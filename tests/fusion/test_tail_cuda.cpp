@@ -570,6 +570,77 @@ TEST(TailCuda, NegativeControlsAreDetectedNeverAHang) {
 #endif
 }
 
+// I5 on the row barrier: a fused call (clusters of kernels::tail_cluster_blocks blocks per row)
+// whose block 1 of every cluster never pushes its sums of squares of its first row
+// (launch_tail_fused_withholding_push, a test-only variant of the kernel). The blocks waiting on
+// that row's barrier give up after twice the wait bound instead of spinning forever; check()
+// names the cluster barrier; after reset() on both ranks, calls are correct again.
+TEST(TailCuda, RowBarrierThatNeverCompletesIsBoundedAndReported) {
+  TORPOR_REQUIRE_CUDA_BUILD();
+#if defined(TORPOR_KERNELS_CUDA)
+  expect_ranks(on_gpus([](GpuRank& g) {
+    const TailShape s = gpu_shape(7168);
+    TailOptions o;
+    o.wait_timeout = 500ms;
+    o.blocks_per_row = kernels::tail_cluster_blocks;
+    auto tail = make_tail(*g.heap, s, o);
+    require(tail->path() == TailPath::fused_unicast, "path: " + tail->reason());
+    const auto state = *fusion::tail_state(*tail);
+    DeviceCall d(*g.pool, s);
+    const CallInputs c = random_call(s, ranks, 8, 9000);
+    d.upload(c, g.rank);
+    const fusion::TailArgs a = d.args(8);
+    kernels::TailParams p;
+    p.expert_out = a.expert_out;
+    p.topk_weights = a.topk_weights;
+    p.shared_out = a.shared_out;
+    p.residual_in = a.residual_in;
+    p.gamma = a.gamma;
+    p.residual_out = a.residual_out;
+    p.norm_out = a.norm_out;
+    p.tokens = 8;
+    p.hidden = s.hidden;
+    p.top_k = s.top_k;
+    p.max_tokens = s.max_tokens;
+    p.ranks = ranks;
+    p.rank = g.rank;
+    p.eps = s.eps;
+    p.peer_table = static_cast<const std::uint64_t*>(state.slots->peer_table());
+    p.control = static_cast<kernels::TailControl*>(state.control);
+    p.timeout_ns = 500'000'000;
+    g.group->barrier();
+    const auto t0 = std::chrono::steady_clock::now();
+    kernels::launch_tail_fused_withholding_push(p,
+                                                kernels::tail_fused_capacity(s.hidden, false,
+                                                                             kernels::tail_cluster_blocks),
+                                                g.torpor_stream());
+    sync(g);
+    const auto took = std::chrono::steady_clock::now() - t0;
+    require(took < 5s, "the call with a withheld push took " +
+                           std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(took).count()) +
+                           " ms; its row barrier is bounded by twice the wait bound (1000 ms)");
+    std::string said;
+    try {
+      tail->check();
+    } catch (const timeout_error& e) {
+      said = e.what();
+    }
+    require(said.find("cluster's sums of squares") != std::string::npos,
+            "check() names the row barrier that never completed: '" + said + "'");
+    g.group->barrier();
+    tail->reset();
+    const CallInputs c2 = random_call(s, ranks, 8, 9001);
+    d.upload(c2, g.rank);
+    d.poison();
+    tail->run(d.args(8), g.torpor_stream());
+    sync(g);
+    tail->check();
+    const std::string bad = compare(s, c2, d.outputs(8), oracle(s, c2)[static_cast<std::size_t>(g.rank)], g.rank);
+    require(bad.empty(), "after reset: " + bad);
+  }));
+#endif
+}
+
 // The unfused path (finalize, NCCL all-reduce of the fp32 partials, residual + RMSNorm) against
 // the fused one as an independent oracle, directly and captured in a graph. Both round each
 // partial to bf16 once and sum the ranks' partials in fp32; with two ranks an element's sum is one
