@@ -21,11 +21,12 @@
 //   2. clear (I3): every block clears its share of the previous slot's rows in this rank's part;
 //   3. receive: cluster q takes rows q, q + clusters, ... of this rank's receive rows; each thread
 //      polls its lane's vectors from every source (ld.relaxed.sys, until no lane is the sentinel,
-//      bounded by %globaltimer; two sources' vectors at once, every pending one re-loaded in each
-//      round), sums them in rank order in fp32 (I7), and for output rows writes residual_out and
-//      norm_out (the fixed tree: warps by butterfly, then the row's warps in order: each warp's
-//      sum is pushed into every block of the cluster with st.async, and a block waits on its own
-//      transaction barrier until all of them landed);
+//      bounded by %globaltimer and by the rank's abort word, I5; two sources' vectors at once, every
+//      pending one re-loaded in each round), sums them in rank order in fp32 (I7), and for output
+//      rows writes residual_out and norm_out (the fixed tree: warps by butterfly, then the row's
+//      warps in order: each warp's sum is pushed into every block of the cluster with st.async,
+//      and a block waits on its own transaction barrier until all of them landed, bounded by
+//      twice the wait bound);
 //   4. the last block of the grid (a send-only block whenever there are more blocks than rows,
 //      so off the critical path) waits until every block has counted itself in -- every block
 //      has read the control block -- and advances it (I4).
@@ -97,15 +98,23 @@ __device__ __forceinline__ std::uint32_t load_acquire(const std::uint32_t* p) {
   return v;
 }
 
+// The rank's abort word (I5), written by this device's own blocks (record_error): a volatile load
+// sees it without a fence.
+__device__ __forceinline__ bool abort_set(const std::uint32_t* abort) {
+  return abort != nullptr && *static_cast<const volatile std::uint32_t*>(abort) != 0u;
+}
+
 // A bounded spin's clock (I5). %globaltimer is read on the first check and then on every 32nd
 // only: a read is cheap (bench/results/2026-11-30-tail-clusters-2xh200.md), but the deadline needs
 // no finer resolution than a few microseconds against its 5 s default, and the first read's value
-// is not used until the 32nd check, so no check waits for it.
+// is not used until the 32nd check, so no check waits for it. The abort word is read on the same
+// checks (a wait that never spins reads neither).
 struct SpinDeadline {
   std::uint64_t start = 0;
   std::uint32_t checks = 0;
-  // True once more than timeout_ns passed since the first check; `waited`: the time seen then.
-  __device__ __forceinline__ bool expired(std::uint64_t timeout_ns, std::uint64_t& waited) {
+  // True once more than timeout_ns passed since the first check, or once `abort` (nullable) is
+  // set; `waited`: the time seen then. The caller tells the two apart with abort_set.
+  __device__ __forceinline__ bool expired(std::uint64_t timeout_ns, std::uint64_t& waited, const std::uint32_t* abort) {
     const std::uint32_t k = checks++;
     if (k == 0) {
       start = globaltimer();
@@ -113,7 +122,7 @@ struct SpinDeadline {
     }
     if ((k & 31u) != 0) return false;
     waited = globaltimer() - start;
-    return waited > timeout_ns;
+    return waited > timeout_ns || abort_set(abort);
   }
 };
 
@@ -181,9 +190,14 @@ __device__ __forceinline__ void unpack(uint4 v, float (&out)[tail_vector_elems])
 
 __device__ __forceinline__ uint4 load_input(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
-// I5/I6: the first failure of a call (any block) writes the record; later ones leave it.
-__device__ __noinline__ void record_error(TailControl* c, TailOp op, int rank, int peer, int slot, int token,
-                                          std::uint64_t call, std::uint64_t waited_ns, std::uint32_t seen_magic) {
+// I5/I6: the first failure of a call (any block) writes the record; later ones leave it. Every
+// failure sets the rank's abort word, so the waits of the rank's other tails give up at once.
+// started: blocks of the call that had counted themselves in (not_resident, block_arrival).
+// (Fields by value: a reference to the kernel's parameters would copy them to the stack.)
+__device__ __noinline__ void record_error(TailControl* c, std::uint32_t* abort, TailOp op, int rank, int peer, int slot,
+                                          int token, std::uint64_t call, std::uint64_t waited_ns,
+                                          std::uint32_t seen_magic, std::uint32_t started = 0) {
+  if (abort != nullptr) atomicExch(abort, 1u);
   if (atomicCAS(&c->error.flag, 0u, 1u) != 0u) return;
   c->error.op = static_cast<std::uint32_t>(op);
   c->error.rank = rank;
@@ -193,7 +207,31 @@ __device__ __noinline__ void record_error(TailControl* c, TailOp op, int rank, i
   c->error.call = call;
   c->error.waited_ns = waited_ns;
   c->error.seen_magic = seen_magic;
+  c->error.blocks_started = started;
+  c->error.blocks = gridDim.x;
   __threadfence_system();
+}
+
+// A receiving thread's wait gave up (I5); what to record: `aborted` when the rank's abort word is
+// set (an earlier failure, of this tail or another of the rank's), `not_resident` when blocks of
+// this call never started -- they have not counted themselves in and the control block has not
+// advanced (the updater resets the count only after every block counted in) -- so their sends are
+// what is missing, and otherwise the peer's partial that did not come.
+__device__ __noinline__ void record_wait_failure(TailControl* c, std::uint32_t* abort, int rank, bool multicast,
+                                                 int missing, int slot, int row, std::uint64_t call,
+                                                 std::uint64_t waited) {
+  if (abort_set(abort)) {
+    record_error(c, abort, TailOp::aborted, rank, missing, slot, row, call, waited, tail_control_magic);
+    return;
+  }
+  const std::uint32_t started = load_acquire(&c->arrived);
+  const std::uint64_t calls = *static_cast<const volatile std::uint64_t*>(&c->calls);
+  if (started < gridDim.x && calls == call) {
+    record_error(c, abort, TailOp::not_resident, rank, missing, slot, row, call, waited, tail_control_magic, started);
+    return;
+  }
+  record_error(c, abort, multicast ? TailOp::wait_multicast : TailOp::wait_unicast, rank, missing, slot, row, call,
+               waited, tail_control_magic);
 }
 
 // Send phase item: this rank's partial of row `row`, vector `vec`, rounded and sanitised. The
@@ -391,7 +429,7 @@ __device__ __forceinline__ int wait_sources(const TailParams& p, const bf16* own
         any |= pending[g][v];
       }
     if (!any) return -1;
-    if (deadline.expired(p.timeout_ns, waited)) {
+    if (deadline.expired(p.timeout_ns, waited, p.abort)) {
       for (int g = 0; g < sources_together; ++g)
         for (int v = 0; v < VPT; ++v)
           if (pending[g][v]) return src0 + g;
@@ -460,19 +498,48 @@ __device__ __forceinline__ void row_barrier_expect(std::uint64_t* bar, std::uint
                : "memory");
 #endif
 }
-// Until the phase with this parity completes; acquire at cluster scope pairs with the stores'
-// completion, so the pushed sums are visible after it.
-__device__ __forceinline__ void row_barrier_wait(std::uint64_t* bar, std::uint32_t parity) {
+// One try of the row barrier's phase with this parity: true once it completed (acquire at cluster
+// scope pairs with the stores' completion, so the pushed sums are visible after it). A try that
+// does not complete suspends the thread for a while first.
+__device__ __forceinline__ bool row_barrier_try(std::uint64_t* bar, std::uint32_t parity) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  std::uint32_t done = 0;
-  do {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-        : "=r"(done)
-        : "r"(shared_address(bar)), "r"(parity)
-        : "memory");
-  } while (done == 0);
+  std::uint32_t done;
+  asm volatile(
+      "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+      : "=r"(done)
+      : "r"(shared_address(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+#else
+  (void)bar, (void)parity;
+  return true;
 #endif
+}
+// The rest of a row barrier wait whose first try did not complete: 0 once the phase completed,
+// else the nanoseconds waited when twice the wait bound passed (a block of the cluster never
+// pushed). Twice: a sibling's push of the row follows its own polls of it, which may take up to
+// one bound from about when this wait starts. Out of line, so the wait that completes at its first
+// try (row_barrier_wait) carries none of this. The warp's threads run the same tries and read the
+// same clock, so they decide together.
+__device__ __noinline__ std::uint64_t row_barrier_wait_on(std::uint64_t* bar, std::uint32_t parity,
+                                                          std::uint64_t timeout_ns) {
+  const std::uint64_t start = globaltimer();
+  for (std::uint32_t k = 1;; ++k) {
+    if (row_barrier_try(bar, parity)) return 0;
+    if ((k & 31u) != 0) continue;
+    const std::uint64_t waited = globaltimer() - start;
+    if (waited / 2 > timeout_ns) return waited;
+  }
+}
+// Until the phase with this parity completes (true), or twice the wait bound passed (false,
+// `waited` set).
+__device__ __forceinline__ bool row_barrier_wait(std::uint64_t* bar, std::uint32_t parity, std::uint64_t timeout_ns,
+                                                 std::uint64_t& waited) {
+  if (row_barrier_try(bar, parity)) return true;
+  const std::uint64_t w = row_barrier_wait_on(bar, parity, timeout_ns);
+  if (w == 0) return true;
+  waited = w;
+  return false;
 }
 // 8 bytes into block `block`'s copy of `local`, counted off block `block`'s copy of `bar`.
 __device__ __forceinline__ void push_to_block(uint2* local, std::uint64_t* bar, int block, uint2 v) {
@@ -489,7 +556,9 @@ __device__ __forceinline__ void push_to_block(uint2* local, std::uint64_t* bar, 
 #endif
 }
 
-template <int VPT, int C, bool MULTICAST>
+// WITHHOLD_PUSH: a variant for tests only (launch_tail_fused_withholding_push), whose block 1 of
+// each cluster never pushes its sums of its first row, so the row barrier's deadline is exercised.
+template <int VPT, int C, bool MULTICAST, bool WITHHOLD_PUSH = false>
 __global__ void __launch_bounds__(T / C, C) tail_fused_kernel(TailParams p) {
   constexpr int TB = T / C;           // threads per block
   constexpr int WB = TB / tail_warp;  // warps per block
@@ -578,7 +647,7 @@ __global__ void __launch_bounds__(T / C, C) tail_fused_kernel(TailParams p) {
     const std::uint32_t failed_before = words[(offsetof(TailControl, error) + offsetof(TailErrorRecord, flag)) / 4];
     int ok = 1;
     if (magic != tail_control_magic || cb > ce || ce > static_cast<std::uint32_t>(p.max_tokens)) {
-      record_error(c, TailOp::control_lost, p.rank, -1, -1, -1, calls, 0, magic);
+      record_error(c, p.abort, TailOp::control_lost, p.rank, -1, -1, -1, calls, 0, magic);
       ok = 0;
     } else if (failed_before != 0u) {
       ok = 0;  // an earlier call failed: nothing until reset()
@@ -664,8 +733,7 @@ __global__ void __launch_bounds__(T / C, C) tail_fused_kernel(TailParams p) {
         SourceRows<VPT> got;
         const int missing = wait_sources<VPT>(p, own_part, slot, src0, n, row, lane, got, deadline, waited);
         if (missing >= 0) {
-          record_error(c, MULTICAST ? TailOp::wait_multicast : TailOp::wait_unicast, p.rank, missing, slot, row,
-                       s_calls, waited, tail_control_magic);
+          record_wait_failure(c, p.abort, p.rank, MULTICAST, missing, slot, row, s_calls, waited);
           failed = true;
           break;
         }
@@ -701,12 +769,18 @@ __global__ void __launch_bounds__(T / C, C) tail_fused_kernel(TailParams p) {
         if (finish) store_residual<VPT>(p, row, lane, words);
         __syncthreads();
       } else {
-        if ((threadIdx.x & (tail_warp - 1)) == 0)
+        // The test variant: block 1 of each cluster never pushes its sums of its first row.
+        const bool withhold = WITHHOLD_PUSH && block_in_row == 1 && rows_done == 0;
+        if ((threadIdx.x & (tail_warp - 1)) == 0 && !withhold)
 #pragma unroll
           for (int b = 0; b < C; ++b) push_to_block(&s_row[buffer][warp_of_row], &s_row_barrier[buffer], b, mine);
         if (threadIdx.x == 0) row_barrier_expect(&s_row_barrier[buffer], C * WB * sizeof(uint2));
         if (finish) store_residual<VPT>(p, row, lane, words);
-        row_barrier_wait(&s_row_barrier[buffer], static_cast<std::uint32_t>((rows_done >> 1) & 1));
+        if (!row_barrier_wait(&s_row_barrier[buffer], static_cast<std::uint32_t>((rows_done >> 1) & 1), p.timeout_ns,
+                              waited)) {
+          record_error(c, p.abort, TailOp::cluster_barrier, p.rank, -1, slot, row, s_calls, waited, tail_control_magic);
+          break;  // every block of the cluster gives up on the row (none completes its barrier)
+        }
       }
       if (r == row_group) TORPOR_TAIL_STAMP(tail_stamp_row_barrier);
       // The row's warps in order (the tree's last level); and whether any lane of the row failed,
@@ -726,7 +800,8 @@ __global__ void __launch_bounds__(T / C, C) tail_fused_kernel(TailParams p) {
     }
   }
   // A block may leave once its last row's barrier completed: every store into its shared memory
-  // has landed, and nothing reads another block's.
+  // has landed, and nothing reads another block's. (Or once it gave up on a row barrier: then a
+  // sibling has not pushed for twice the bound, past any wait of its own.)
 
   // 4. The last block advances the control block (I4) once every block has read it. Blocks are
   //    all resident, so the wait is short; it is bounded all the same (I5).
@@ -735,8 +810,11 @@ __global__ void __launch_bounds__(T / C, C) tail_fused_kernel(TailParams p) {
     std::uint64_t waited_here = 0;
     bool counted = true;
     while (load_acquire(&c->arrived) < gridDim.x) {
-      if (until.expired(p.timeout_ns, waited_here)) {
-        record_error(c, TailOp::block_arrival, p.rank, -1, slot, -1, s_calls, waited_here, tail_control_magic);
+      // Not on the abort word: leaving before every block counted in would let this call's late
+      // counts reach the next call's.
+      if (until.expired(p.timeout_ns, waited_here, nullptr)) {
+        record_error(c, p.abort, TailOp::block_arrival, p.rank, -1, slot, -1, s_calls, waited_here, tail_control_magic,
+                     load_acquire(&c->arrived));
         counted = false;
         break;
       }
@@ -842,6 +920,16 @@ __global__ void tail_fill_u16_kernel(std::uint16_t* dst, std::uint16_t value, st
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < elements; i += stride)
     dst[i] = value;
+}
+
+// The fused kernel's rounding (to_bf16x2) of every float pattern in a range, for the test that
+// holds it against the IEEE definition.
+__global__ void tail_round_floats_kernel(std::uint32_t first, std::size_t pairs, std::uint32_t* out) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < pairs; i += stride) {
+    const std::uint32_t u = first + 2 * static_cast<std::uint32_t>(i);
+    out[i] = to_bf16x2(__uint_as_float(u), __uint_as_float(u + 1));
+  }
 }
 
 static_assert(tail_max_vectors_per_thread == 2,
@@ -987,8 +1075,11 @@ bool tail_programmatic_launch_supported(int device) {
   return major >= 9;
 }
 
-void launch_tail_fused(const TailParams& p, int blocks_per_row, int capacity, Stream stream, bool programmatic) {
-  const void* kernel = fused_kernel(p.hidden, p.multicast, blocks_per_row);
+namespace {
+
+// One fused call of `kernel` (a tail_fused_kernel instance with this blocks_per_row).
+void launch_fused(const void* kernel, const TailParams& p, int blocks_per_row, int capacity, Stream stream,
+                  bool programmatic) {
   // Enough blocks that every thread sends at most one vector, and a cluster for every receive
   // row; at most what is resident at once, a whole number of clusters.
   const int threads = T / blocks_per_row;
@@ -1009,6 +1100,32 @@ void launch_tail_fused(const TailParams& p, int blocks_per_row, int capacity, St
   if (e != cudaSuccess)
     throw error(std::string("launching tail_fused_kernel failed: ") + cudaGetErrorName(e) + " (" +
                 cudaGetErrorString(e) + ")");
+}
+
+}  // namespace
+
+void launch_tail_fused(const TailParams& p, int blocks_per_row, int capacity, Stream stream, bool programmatic) {
+  launch_fused(fused_kernel(p.hidden, p.multicast, blocks_per_row), p, blocks_per_row, capacity, stream, programmatic);
+}
+
+void launch_tail_fused_withholding_push(const TailParams& p, int capacity, Stream stream) {
+  if (p.multicast) throw invalid_argument("launch_tail_fused_withholding_push: the unicast variant only");
+  const void* kernel = nullptr;
+  switch (vectors_per_thread(p.hidden)) {
+    case 1: kernel = reinterpret_cast<const void*>(&tail_fused_kernel<1, tail_cluster_blocks, false, true>); break;
+    case 2: kernel = reinterpret_cast<const void*>(&tail_fused_kernel<2, tail_cluster_blocks, false, true>); break;
+    default: throw invalid_argument("tail kernels: hidden " + std::to_string(p.hidden) + " is above 8192");
+  }
+  launch_fused(kernel, p, tail_cluster_blocks, capacity, stream, false);
+}
+
+void launch_tail_round_floats(std::uint32_t first, std::size_t count, std::uint16_t* out, Stream stream) {
+  if (count % 2 != 0 || first % 2 != 0)
+    throw invalid_argument("launch_tail_round_floats: first and count must be even (pairs), got " +
+                           std::to_string(first) + " and " + std::to_string(count));
+  if (count == 0) return;
+  tail_round_floats_kernel<<<1024, T, 0, native(stream)>>>(first, count / 2, reinterpret_cast<std::uint32_t*>(out));
+  check_launch("tail_round_floats_kernel");
 }
 
 void launch_tail_finalize(const TailParams& p, float* partial, Stream stream) {

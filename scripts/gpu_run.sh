@@ -20,7 +20,7 @@
 # covers both) runs the runner's kernels against their CPU references, then `torpor stress` on 1
 # GPU and on every GPU (threads, then one process per GPU; CUDA graphs), the same with the
 # unfused tail (same tokens required), a 50-cycle soak on a model of a few hundred MiB per GPU
-# (per-cycle memory returned by cuMemGetInfo), the negative control (2 GPUs), and
+# (per-cycle memory returned by cuMemGetInfo), the negative controls (zero-flags on 2 GPUs, stale-weights), and
 # `torpor rl-loop`; tables in stress-*.txt, JSON in stress-*.json and rl-loop.json. stress-tail
 # (2 GPUs) is the part of stress that checks the tail: one process per GPU with the fused and
 # with the unfused tail (the same tokens required), and the negative control.
@@ -92,6 +92,16 @@ stress_negative_control() {
   cat "$OUT/stress-negative.txt"
 }
 
+# Must fail (non-zero exit): level 2 keeps every parameter while the weight version advances, so
+# the outputs differ from a freshly built model's.
+stress_stale_weights() {
+  timeout 120 build-gpu/tools/torpor stress --backend cuda --no-progress --ranks "$1" --negative-control stale-weights \
+    --json "$OUT/stress-stale-weights.json" > "$OUT/stress-stale-weights.txt" 2>&1
+  local rc=$?
+  echo "== negative control stale-weights (exit $rc: $([ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -q 'prompts match a freshly built model' "$OUT/stress-stale-weights.txt" && echo 'failed as required' || { status=1; echo 'WRONG'; }))"
+  tail -8 "$OUT/stress-stale-weights.txt"
+}
+
 for stage in "${stages[@]}"; do
   case "$stage" in
     probe)
@@ -101,8 +111,8 @@ for stage in "${stages[@]}"; do
     tests)
       # Host-backend tests in parallel; cuda-typed tests one at a time, since some of them
       # read the device's free memory.
-      # (TailCuda: the tail stage runs those, one at a time, on two GPUs.)
-      ctest --test-dir build-gpu -j 8 -E 'CudaBackend|TailCuda' --output-on-failure > "$OUT/ctest-host.log" 2>&1 || status=1
+      # (TailCuda, GpuTail: the tail stage runs those, one at a time; TailCuda on two GPUs.)
+      ctest --test-dir build-gpu -j 8 -E 'CudaBackend|TailCuda|GpuTail' --output-on-failure > "$OUT/ctest-host.log" 2>&1 || status=1
       build-gpu/tests/torpor_tests --gtest_filter='*/cuda.*' --gtest_brief=0 > "$OUT/gtest-cuda.log" 2>&1 || status=1
       grep -E "tests passed|tests failed" "$OUT/ctest-host.log"
       grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$OUT/gtest-cuda.log" | sort | uniq -c | sort -rn | head -40
@@ -161,7 +171,7 @@ for stage in "${stages[@]}"; do
     tail)
       # Each step is bounded, so a hang cannot eat the machine's time (expected: ~1 min each).
       sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-      timeout 180 build-gpu/tests/torpor_fusion_tests --gtest_filter='TailCuda.*' > "$OUT/tail-tests.log" 2>&1 || status=1
+      timeout 360 build-gpu/tests/torpor_fusion_tests --gtest_filter='GpuTail.*:TailCuda.*' > "$OUT/tail-tests.log" 2>&1 || status=1
       grep -E "^\[ +(OK|FAILED|SKIPPED) +\]|Skipped|Failure|rank [0-9]" "$OUT/tail-tests.log" | head -40
       tail -3 "$OUT/tail-tests.log"
       # One sanitizer per rank (each the process that runs the kernels), meeting at a rendezvous
@@ -200,9 +210,10 @@ for stage in "${stages[@]}"; do
         stress_fused_unfused
       fi
       ranks=$([ "$gpus" -ge 2 ] && echo 2 || echo 1)
-      run_stress soak50 300 --ranks "$ranks" --processes --cycles 50 --vocab 32768 --hidden 1024 --layers 4 \
+      run_stress soak50 420 --ranks "$ranks" --processes --cycles 50 --vocab 32768 --hidden 1024 --layers 4 \
         --head-dim 128 --experts 16 --latent 256 --inter 2048 --shared-inter 2048
       [ "$gpus" -ge 2 ] && stress_negative_control
+      stress_stale_weights "$ranks"
       timeout 240 "$t" rl-loop --backend cuda --no-progress --ranks "$ranks" --processes --iterations 3 \
         --vocab 32768 --hidden 1024 --layers 4 --head-dim 128 --experts 16 --latent 256 --inter 2048 \
         --shared-inter 2048 --json "$OUT/rl-loop.json" > "$OUT/rl-loop.txt" 2>&1 || status=1

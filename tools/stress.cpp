@@ -131,8 +131,10 @@ void add_stress(CLI::App& app, int& exit_code) {
          "--negative-control", o->negative_control,
          "zero-flags: after the first level-2 wake, zero the tail's slots and control blocks on one rank; "
          "the run must then fail, naming the rank and the op (exit non-zero); the tail's wait bound is then 2000 ms "
-         "and the group's that plus 10 s, unless given")
-      ->check(CLI::IsMember({"zero-flags"}));
+         "and the group's that plus 10 s, unless given. stale-weights: level 2 keeps every parameter and the reload "
+         "skips them while the weight version advances, so the outputs differ from a freshly built model's; the run "
+         "must fail")
+      ->check(CLI::IsMember({"zero-flags", "stale-weights"}));
   cmd->add_option("--negative-control-rank", o->negative_rank,
                   "The rank whose tail state is zeroed (default: the last)");
   cmd->add_option("--json", o->json, "Also write the results as JSON to this file ('-': JSON on stdout, no table)");

@@ -2,12 +2,22 @@
 // (sleep and wake are collective through the symmetric heap, generate through the tails), and
 // after every generate the ranks exchange their outcome, so a failure on one rank ends the run
 // on every rank at the next step instead of leaving the others in a collective wait.
+//
+// The oracle: each output is held, token for token, against a model built fresh (on the same
+// heap, with its own compute stream) from the weight version the engine should hold, which never
+// sleeps; and against the first output of that version (first-vs-later agreement). Each level-2
+// reload loads the next version (updates + 1), so a parameter that the sleep kept, or that the
+// reload skipped, holds the previous version and changes the tokens versus the fresh model. With
+// --preserve the version stays (a preserved parameter is kept on purpose: a new version would
+// change it). The negative control stale-weights makes exactly that defect: every parameter kept
+// by level 2 and skipped by the reload while the version advances; the run must fail.
 #include "stress_plan.hpp"
 
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <optional>
 
 #include "launch.hpp"
@@ -50,8 +60,8 @@ class Plan {
         rank_(group.rank()),
         context_bytes_(context_bytes),
         progress_(group.rank() == 0 && o.progress),
-        engine_(driver, group, device, o.model, parse_fill_on_wake(o.fill), o.preserve,
-                fusion::WeightVersion{o.model.seed}),
+        version_{o.model.seed, o.model.seed ^ 0x5EEDu, 0, 0.25f},
+        engine_(driver, group, device, o.model, parse_fill_on_wake(o.fill), kept_by_level2(o), version_),
         prompts_(fusion::make_prompts(o.model.seed, o.model.prompts, o.model.prompt_len, o.model.config.vocab)) {}
 
   nlohmann::json run() {
@@ -125,6 +135,9 @@ class Plan {
       const auto& m = o_.model;
       out = engine_.model->generate(prompts_, m.prompts, m.prompt_len, m.new_tokens);
       row["generate_s"] = since(t);
+      t = clock_type::now();
+      fresh_model_output();
+      row["fresh_model_s"] = since(t);
     } catch (const std::exception& e) {
       failure = e.what();
     }
@@ -144,13 +157,36 @@ class Plan {
       throw rank_failure(e.what(), result_);
     }
     if (reference_.empty()) reference_ = out;
-    Comparison c = compare_outputs(reference_, out, o_.model.prompts);
-    row["matching"] = c.matching_prompts;
+    auto first = first_of_version_.try_emplace(version_.updates, out).first;
+    const Comparison fresh = compare_outputs(fresh_of_version_.at(version_.updates), out, o_.model.prompts);
+    const Comparison c = compare_outputs(first->second, out, o_.model.prompts);
+    row["weight_version"] = version_.updates;
+    row["matching_fresh_model"] = fresh.matching_prompts;
+    row["matching_first_output"] = c.matching_prompts;
+    row["matching"] = std::min(fresh.matching_prompts, c.matching_prompts);
     row["prompts"] = o_.model.prompts;
-    row["mismatched_tokens"] = c.mismatched_tokens;
+    row["mismatched_tokens"] = std::max(fresh.mismatched_tokens, c.mismatched_tokens);
     row["digest"] = digest(out);
     measure(row);
     result_["steps"].push_back(row);
+  }
+
+  // The level-2 keep list the engine is built with: --preserve, or every parameter for the
+  // negative control stale-weights.
+  static std::vector<std::string> kept_by_level2(const StressOptions& o) {
+    return o.negative_control == "stale-weights" ? std::vector<std::string>{"*"} : o.preserve;
+  }
+  // Whether each level-2 reload loads the next weight version (see the file's note).
+  bool versions_advance() const { return o_.preserve.empty(); }
+
+  // The oracle's output for the current weight version: a model built from nothing (collective,
+  // like every step), generated once per version, then freed.
+  void fresh_model_output() {
+    if (fresh_of_version_.count(version_.updates) != 0) return;
+    auto compute = fusion::make_compute(driver_, device_);
+    fusion::TinyMoeLM fresh(engine_.heap, *compute, o_.model.model_config(), version_, o_.model.model_options());
+    const auto& m = o_.model;
+    fresh_of_version_[version_.updates] = fresh.generate(prompts_, m.prompts, m.prompt_len, m.new_tokens);
   }
 
   void measure(nlohmann::json& row) {
@@ -204,7 +240,9 @@ class Plan {
       wake_s += since(tw);
       restored += wr.bytes_restored;
       if (reload && !reloaded && has_tag(woken, tags::weights)) {
-        fusion::LoadReport lr = engine_.model->load_weights(fusion::WeightVersion{o_.model.seed}, o_.preserve);
+        if (versions_advance()) ++version_.updates;
+        fusion::LoadReport lr = engine_.model->load_weights(version_, kept_by_level2(o_));
+        row["loaded_version"] = version_.updates;
         row["reload_s"] = lr.seconds;
         row["reloaded_bytes"] = lr.bytes_loaded;
         row["preserved_bytes"] = lr.bytes_skipped;
@@ -255,9 +293,11 @@ class Plan {
   int rank_;
   std::size_t context_bytes_;  // device memory in use before the pool and the model existed
   Progress progress_;
+  fusion::WeightVersion version_;  // what the engine's parameters should hold
   RankEngine engine_;
   std::vector<std::int32_t> prompts_;
   std::vector<std::int32_t> reference_;
+  std::map<int, std::vector<std::int32_t>> first_of_version_, fresh_of_version_;  // by version_.updates
   std::optional<clock_type::time_point> zeroed_at_;
   nlohmann::json result_;
 };

@@ -1,10 +1,11 @@
 // The sleep-mode test plan of `torpor stress`, as one rank runs it:
 //   1. generate greedily (prompts x new tokens), twice: the first output is the reference;
 //   2. sleep(1) + wake_up(), generate;
-//   3. twice: sleep(2) + wake_up({"weights"}) + reload the weights from the seed (skipping
-//      preserved ones) + wake_up({"kv_cache"}), generate;
+//   3. twice: sleep(2) + wake_up({"weights"}) + reload the next weight version (the same one,
+//      skipping preserved parameters, with --preserve) + wake_up({"kv_cache"}), generate;
 //   then --cycles soak cycles over mixed levels and partial wakes (soak_patterns()), each
-//   followed by a generate. Every output is compared with the reference, token for token.
+//   followed by a generate. Every output is compared, token for token, with a freshly built
+//   model of the same weight version that never slept, and with that version's first output.
 // Each step becomes one JSON row (bytes from the sleep and wake TransitionReports, device memory
 // returned by cudaMemGetInfo / the host backend's equivalent, seconds, matching prompts, and the
 // live physical bytes, host store and mapped bytes after the step, for the soak's growth check).
@@ -33,7 +34,7 @@ struct StressOptions {
   int cycles = 0;
   std::string fill = "poison";
   std::vector<std::string> preserve;
-  std::string negative_control;  // "" or "zero-flags"
+  std::string negative_control;  // "", "zero-flags" or "stale-weights"
   int negative_rank = -1;        // -1 = the last rank
   std::string json;
   int group_timeout_s = 60;

@@ -156,7 +156,8 @@ StressSummary summarize(const LaunchResult& launch, const StressExpectations& ex
           a["prompts"] = row.value("prompts", 0);
           if (m < row.value("prompts", 0))
             s.problems.push_back(
-                fmt::format("step '{}': rank {}: {}/{} prompts match the first output ({} tokens differ)",
+                fmt::format("step '{}': rank {}: {}/{} prompts match a freshly built model of the weight version "
+                            "and that version's first output ({} tokens differ)",
                             row.value("step", ""), r.rank, m, row.value("prompts", 0), num(row, "mismatched_tokens")));
         }
         if (row.contains("outside_torpor"))
@@ -304,6 +305,7 @@ std::string render(const StressSummary& s) {
                        n["rank"].get<int>(), n["seconds_to_failure"].get<double>(), n["wait_timeout_ms"].get<int>());
   }
   if (s.pass) {
+    out += "every output matches a freshly built model of its weight version (one that never slept)\n";
     out += fmt::format("PASS: every output matches the first, token for token, on every rank ({} ranks)\n",
                        j["ranks"].get<std::size_t>());
   } else {

@@ -90,12 +90,14 @@ class CudaTailOps final : public TailOps {
     return c;
   }
 
-  void initialise(void* slots, std::size_t elements, void* control, const kernels::TailControl& fresh) override {
+  void initialise(void* slots, std::size_t elements, void* control, const kernels::TailControl& fresh,
+                  std::uint32_t* abort) override {
     DeviceGuard guard(device_);
     const cudaStream_t s = kernels::native(stream_);
     kernels::launch_fill_u16(slots, kernels::tail_sentinel, elements, stream_);
     TORPOR_CUDA_CHECK(cudaMemcpyAsync(control, &fresh, sizeof fresh, cudaMemcpyHostToDevice, s),
                       who_() + ": writing the control block");
+    TORPOR_CUDA_CHECK(cudaMemsetAsync(abort, 0, sizeof *abort, s), who_() + ": clearing the abort word");
     TORPOR_CUDA_CHECK(cudaStreamSynchronize(s), who_() + ": initialising the slots");
   }
 

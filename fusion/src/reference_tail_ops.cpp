@@ -5,6 +5,7 @@
 // (Driver::multicast_store), which exists where capabilities().multicast is emulated.
 #include <fmt/format.h>
 
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -56,9 +57,11 @@ class ReferenceTailOps final : public TailOps {
     std::memcpy(&c, control, sizeof c);  // only this rank's thread writes it
     return c;
   }
-  void initialise(void* slots, std::size_t elements, void* control, const kernels::TailControl& fresh) override {
+  void initialise(void* slots, std::size_t elements, void* control, const kernels::TailControl& fresh,
+                  std::uint32_t* abort) override {
     kernels::reference_fill_sentinel(static_cast<bf16*>(slots), elements);
     std::memcpy(control, &fresh, sizeof fresh);
+    std::atomic_ref<std::uint32_t>(*abort).store(0u, std::memory_order_release);
   }
   void wait_idle() override {}  // every call finished when it returned
 

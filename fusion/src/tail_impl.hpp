@@ -1,8 +1,9 @@
 // The two implementations behind fusion/tail.hpp's Tail (internal to torpor_fusion):
 //   FusedTail    the Lamport protocol in kernels/include/torpor/kernels/tail_protocol.hpp, one
 //                kernel per call (device kernels) or its CPU reference. Owns the slots (a
-//                SymmetricBuffer) and the control block (a pool allocation), both class state in
-//                "weights", so a level-2 sleep keeps them and wake needs no re-initialisation.
+//                SymmetricBuffer) and the control block (a pool allocation), and shares the rank's
+//                abort word with the heap's other fused tails, all class state in "weights", so a
+//                level-2 sleep keeps them and wake needs no re-initialisation.
 //   UnfusedTail  finalize, an all-reduce (NCCL on GPUs, the Group's all-gather with the CPU
 //                reference), residual + RMSNorm. Keeps no state between calls.
 // TailBase holds what both share: the shape, the options, the path and its reason, the per-call
@@ -55,6 +56,10 @@ class TailBase : public Tail {
   std::unique_ptr<TailOps> ops_;
 };
 
+// The abort word (tail_protocol.hpp, I5) that every fused tail of one heap shares on this rank:
+// one small allocation of class state in "weights", freed with the last tail that uses it.
+class SharedAbortWord;
+
 class FusedTail final : public TailBase {
  public:
   // Collective. Allocates the slots (asking for multicast when `want_multicast`), the control
@@ -79,6 +84,7 @@ class FusedTail final : public TailBase {
 
   SymmetricBuffer* slots_ = nullptr;
   void* control_ = nullptr;
+  std::shared_ptr<SharedAbortWord> abort_;
   bool multicast_ = false;
 };
 

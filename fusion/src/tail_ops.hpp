@@ -60,9 +60,11 @@ class TailOps {
   virtual void fused(const kernels::TailParams& p, Stream stream) = 0;
   // The control block at `control`, once this rank's calls before it have finished.
   virtual kernels::TailControl read_control(const void* control) = 0;
-  // Fills this rank's slots (`elements` bf16) with the sentinel and writes `fresh` to the control
-  // block; done when it returns. Nothing of this rank may be in flight.
-  virtual void initialise(void* slots, std::size_t elements, void* control, const kernels::TailControl& fresh) = 0;
+  // Fills this rank's slots (`elements` bf16) with the sentinel, writes `fresh` to the control
+  // block and clears the rank's abort word; done when it returns. Nothing of this rank may be in
+  // flight.
+  virtual void initialise(void* slots, std::size_t elements, void* control, const kernels::TailControl& fresh,
+                          std::uint32_t* abort) = 0;
   // Waits until no call of this rank is in flight (a timed-out kernel exits by its deadline).
   virtual void wait_idle() = 0;
 

@@ -9,7 +9,9 @@
 //
 // Waiting: a rank polls an element until it is no longer the sentinel; after a few spins it
 // yields, and after a millisecond it sleeps between polls, so many ranks on few cores still make
-// progress. The deadline is TailParams::timeout_ns from the first poll that had to wait.
+// progress. The deadline is TailParams::timeout_ns from the first poll that had to wait; a wait
+// also gives up as soon as it sees the rank's abort word set (I5: an earlier failure of any of
+// the rank's tails), and every failure recorded here sets that word.
 #include "torpor/kernels/tail_reference.hpp"
 
 #include <array>
@@ -34,8 +36,12 @@ using clock_type = std::chrono::steady_clock;
 const std::uint16_t* bits(const bf16* p) { return reinterpret_cast<const std::uint16_t*>(p); }
 std::uint16_t* bits(bf16* p) { return reinterpret_cast<std::uint16_t*>(p); }
 
-void record_error(TailControl* c, TailOp op, int rank, int peer, int slot, int token, std::uint64_t call,
+// I5: the first failure of a control block writes its record; every failure sets the abort word.
+void record_error(const TailParams& p, TailOp op, int peer, int slot, int token, std::uint64_t call,
                   std::uint64_t waited_ns, std::uint32_t seen_magic) {
+  if (p.abort != nullptr) std::atomic_ref<std::uint32_t>(*p.abort).store(1u, std::memory_order_release);
+  TailControl* c = p.control;
+  const int rank = p.rank;
   std::atomic_ref<std::uint32_t> flag(c->error.flag);
   std::uint32_t expected = 0;
   if (!flag.compare_exchange_strong(expected, 1u)) return;
@@ -52,10 +58,11 @@ void record_error(TailControl* c, TailOp op, int rank, int peer, int slot, int t
 // The bounded wait of one call (I5).
 class Waiter {
  public:
-  explicit Waiter(std::uint64_t timeout_ns) : timeout_(std::chrono::nanoseconds(timeout_ns)) {}
+  Waiter(std::uint64_t timeout_ns, const std::uint32_t* abort)
+      : timeout_(std::chrono::nanoseconds(timeout_ns)), abort_(abort) {}
 
   // Polls the 4-element word at a until none of its elements is the sentinel (true, the word in
-  // out) or the deadline passed (false).
+  // out), or the deadline passed or the abort word is set (false; aborted() says which).
   bool wait(const std::uint64_t* a, std::uint64_t& out) {
     std::atomic_ref<std::uint64_t> ref(*const_cast<std::uint64_t*>(a));  // only loads through it
     for (unsigned n = 0;; ++n) {
@@ -64,6 +71,11 @@ class Waiter {
           !tail_word_has_sentinel(static_cast<std::uint32_t>(out >> 32)))
         return true;
       if (n < 64) continue;
+      if (abort_ != nullptr &&
+          std::atomic_ref<std::uint32_t>(*const_cast<std::uint32_t*>(abort_)).load(std::memory_order_acquire) != 0) {
+        aborted_ = true;
+        return false;
+      }
       const auto now = clock_type::now();
       if (!started_) {
         started_ = true;
@@ -78,6 +90,7 @@ class Waiter {
     }
   }
 
+  bool aborted() const { return aborted_; }
   std::uint64_t waited_ns() const {
     return started_ ? static_cast<std::uint64_t>(
                           std::chrono::duration_cast<std::chrono::nanoseconds>(clock_type::now() - start_).count())
@@ -86,6 +99,8 @@ class Waiter {
 
  private:
   std::chrono::nanoseconds timeout_;
+  const std::uint32_t* abort_;
+  bool aborted_ = false;
   bool started_ = false;
   clock_type::time_point start_{};
 };
@@ -171,7 +186,7 @@ void reference_tail_fused(const TailParams& p, const ReferenceHooks& hooks) {
   const int prev = (slot + tail_slot_count - 1) % tail_slot_count;
   const std::uint32_t cb = c->clear_begin[prev], ce = c->clear_end[prev];
   if (magic != tail_control_magic || cb > ce || ce > static_cast<std::uint32_t>(p.max_tokens)) {
-    record_error(c, TailOp::control_lost, p.rank, -1, -1, -1, calls, 0, magic);
+    record_error(p, TailOp::control_lost, -1, -1, -1, calls, 0, magic);
     return;
   }
   if (std::atomic_ref<std::uint32_t>(c->error.flag).load(std::memory_order_acquire) != 0) return;
@@ -217,7 +232,7 @@ void reference_tail_fused(const TailParams& p, const ReferenceHooks& hooks) {
   //    again); sum in rank order; residual + RMSNorm for the output rows.
   const TailRows recv = tail_receive_rows(p);
   const TailRows out = tail_output_rows(p);
-  Waiter waiter(p.timeout_ns);
+  Waiter waiter(p.timeout_ns, p.abort);
   std::vector<float> sum(static_cast<std::size_t>(p.hidden)), x;
   bool failed = false;
   for (int row = recv.begin; row < recv.end && !failed; ++row) {
@@ -226,8 +241,10 @@ void reference_tail_fused(const TailParams& p, const ReferenceHooks& hooks) {
       for (int w = 0; w < words; ++w) {
         std::uint64_t v = 0;
         if (!waiter.wait(a + w, v)) {
-          record_error(c, p.multicast ? TailOp::wait_multicast : TailOp::wait_unicast, p.rank, source, slot, row, calls,
-                       waiter.waited_ns(), tail_control_magic);
+          const TailOp op = waiter.aborted() ? TailOp::aborted
+                            : p.multicast    ? TailOp::wait_multicast
+                                             : TailOp::wait_unicast;
+          record_error(p, op, source, slot, row, calls, waiter.waited_ns(), tail_control_magic);
           failed = true;
           break;
         }

@@ -196,5 +196,64 @@ TYPED_TEST(EngineTest, DeviceHashEqualsTheCpuReference) {
   pool.deallocate(p);
 }
 
+// The host twin of DeviceHashEqualsTheCpuReference: the CPU reference (content_hash::compute,
+// which HostDriver::hash also uses) held against the hash computed here from the definition in
+// content_hash.hpp, written independently: words assembled byte by byte (little-endian, the last
+// one zero-padded), lane a the splitmix64 finalizer of word ^ (index + 1) * golden, lane b
+// murmur3's fmix64 of word + (index + 1) * 0xD6E8FEB86659FD93, summed mod 2^64 from the last word
+// to the first, finalized with the byte count. The splitmix64 transcription is pinned by the
+// generator's published outputs from seed 0 (its k-th output is the finalizer of k * golden).
+namespace by_definition {
+constexpr std::uint64_t golden = 0x9E3779B97F4A7C15ULL;
+std::uint64_t splitmix64_finalizer(std::uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+std::uint64_t fmix64(std::uint64_t k) {
+  k ^= k >> 33;
+  k *= 0xFF51AFD7ED558CCDULL;
+  k ^= k >> 33;
+  k *= 0xC4CEB9FE1A85EC53ULL;
+  return k ^ (k >> 33);
+}
+std::uint64_t word_at(const std::vector<std::uint8_t>& bytes, std::size_t index) {
+  std::uint64_t w = 0;
+  for (std::size_t b = 0; b < 8; ++b) {
+    const std::size_t at = 8 * index + b;
+    if (at < bytes.size()) w |= static_cast<std::uint64_t>(bytes[at]) << (8 * b);
+  }
+  return w;
+}
+Hash128 hash(const std::vector<std::uint8_t>& bytes) {
+  const std::uint64_t n = bytes.size();
+  std::uint64_t a = 0, b = 0;
+  for (std::uint64_t i = (n + 7) / 8; i-- > 0;) {
+    const std::uint64_t w = word_at(bytes, i);
+    a += splitmix64_finalizer(w ^ ((i + 1) * golden));
+    b += fmix64(w + (i + 1) * 0xD6E8FEB86659FD93ULL);
+  }
+  return Hash128{splitmix64_finalizer(a ^ ((n + 1) * golden)),
+                 fmix64(b + ((n ^ 0x5851F42D4C957F2DULL) + 1) * 0xD6E8FEB86659FD93ULL)};
+}
+}  // namespace by_definition
+
+TEST(ContentHash, CpuReferenceIsTheDefinitionComputedIndependently) {
+  // splitmix64 from seed 0: 0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F.
+  EXPECT_EQ(by_definition::splitmix64_finalizer(1 * by_definition::golden), 0xE220A8397B1DCDAFULL);
+  EXPECT_EQ(by_definition::splitmix64_finalizer(2 * by_definition::golden), 0x6E789E6AA1B965F4ULL);
+  EXPECT_EQ(by_definition::splitmix64_finalizer(3 * by_definition::golden), 0x06C45D188009454FULL);
+  std::mt19937_64 rng(11);
+  const auto bytes = random_bytes(rng, 5000);
+  for (std::size_t off : {std::size_t{0}, std::size_t{1}, std::size_t{3}, std::size_t{8}})
+    for (std::size_t len : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{8}, std::size_t{9},
+                            std::size_t{15}, std::size_t{16}, std::size_t{17}, std::size_t{4096}, std::size_t{4991}}) {
+      const std::vector<std::uint8_t> range(bytes.begin() + static_cast<std::ptrdiff_t>(off),
+                                            bytes.begin() + static_cast<std::ptrdiff_t>(off + len));
+      EXPECT_EQ(content_hash::compute(range.data(), range.size()), by_definition::hash(range))
+          << "offset " << off << " bytes " << len;
+    }
+}
+
 }  // namespace
 }  // namespace torpor::test

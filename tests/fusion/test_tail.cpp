@@ -9,6 +9,7 @@
 #include <latch>
 
 #include "support/processes.hpp"
+#include "tail_oracle.hpp"
 #include "tail_support.hpp"
 #include "torpor/error.hpp"
 #include "torpor/fault_injecting_driver.hpp"
@@ -256,6 +257,43 @@ TEST_P(TailThreads, NegativeZeroPartialsAreSentAsPositiveZero) {
             "");
 }
 
+// Partials that are -0.0 (exactly, or a subnormal that rounds to it), NaN (quiet, and negative with
+// a payload) and +-inf, next to random ones: both paths give, bit for bit, the tail's definition
+// computed in the test (tail_oracle.hpp), on every rank's share, in both modes, through every slot.
+// -0.0 is sent as +0.0 (so a -0.0 residual plus a zero sum is +0.0), every NaN written is the
+// canonical one, and nothing waits on a partial that looks like the sentinel.
+TEST_P(TailThreads, SpecialPartialsGiveTheDefinitionsBitsOnBothPaths) {
+  const int n = GetParam();
+  for (TailMode mode : {TailMode::all_reduce, TailMode::reduce_scatter})
+    for (bool fused : {true, false}) {
+      SCOPED_TRACE(std::string(fusion::to_string(mode)) + (fused ? ", fused" : ", unfused"));
+      const TailShape s = shape(128, 2, true, mode);
+      std::vector<CallInputs> calls;
+      std::vector<std::vector<bf16>> want;
+      for (int tokens : {8, 5, 16, 4}) {
+        calls.push_back(special_call(s, n, tokens, 1800 + calls.size()));
+        want.push_back(tail_by_definition(s, calls.back()));
+      }
+      TailOptions o = patient();
+      o.allow_fused = fused;
+      ThreadWorld w(n, false);
+      EXPECT_EQ(on_threads(n,
+                           [&](int r) {
+                             RankTail rt(w.host, *w.groups[static_cast<std::size_t>(r)], s, o);
+                             require(rt.tail->path() == (fused ? TailPath::fused_unicast : TailPath::unfused),
+                                     "path: " + rt.tail->reason());
+                             for (std::size_t i = 0; i < calls.size(); ++i) {
+                               rt.run(calls[i]);
+                               const auto [begin, end] = rows_of(s, calls[i].tokens, r, n);
+                               const std::string bad = first_difference(rt.outputs(calls[i].tokens), want[i], s.hidden,
+                                                                        begin, end, "the definition");
+                               require(bad.empty(), "call " + std::to_string(i) + ": " + bad);
+                             }
+                           }),
+                "");
+    }
+}
+
 // A NaN input makes its row NaN on every rank (nothing hides it, nothing hangs on it), and the
 // checker never accepts it.
 TEST_P(TailThreads, NanPropagatesAndNeverPasses) {
@@ -495,6 +533,72 @@ TEST_P(TailThreads, SlotsZeroedToPositiveZeroAreCaughtByTheResultCheck) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, TailThreads, ::testing::Values(2, 4, 8));
+
+// A lost peer costs one wait bound per decode step, whatever the number of layers. Eight tails on
+// one heap (one per layer), called one after the other with no check in between, as a CUDA graph
+// of a decode step runs them; rank 1 never calls. Once rank 0's first tail has waited out its
+// bound, every later wait of its tails gives up at once (the rank's abort word, TailParams::abort)
+// and says so, naming no false cause; the whole step fails within the bound plus 1 s, not 8 bounds.
+// After reset() on every tail, calls work again (reset clears the abort word).
+TEST(TailThreadsFailFast, ALostPeerCostsOneWaitBoundWhateverTheLayerCount) {
+  constexpr int n = 2, layers = 8;
+  const TailShape s = shape(128, 1, false);
+  const Prepared p = prepare(s, n, {4, 4}, 1700);
+  ThreadWorld w(n, false);
+  TailOptions o;
+  o.wait_timeout = 1000ms;
+  EXPECT_EQ(
+      on_threads(n,
+                 [&](int r) {
+                   Group& g = *w.groups[static_cast<std::size_t>(r)];
+                   Pool pool(w.host, tail_pool_options(r));
+                   SymmetricHeap heap(pool, g);
+                   std::vector<std::unique_ptr<Tail>> tails;
+                   for (int l = 0; l < layers; ++l) tails.push_back(make_tail(heap, s, o));
+                   RankBuffers buf(s, s.max_tokens);
+                   buf.load(p.calls[0], r);
+                   g.barrier();
+                   std::string problems;  // said after the barriers, so rank 1 is not left waiting
+                   auto expect = [&](bool ok, const std::string& what) {
+                     if (!ok) problems += what + "\n";
+                   };
+                   if (r == 0) {
+                     const auto t0 = std::chrono::steady_clock::now();
+                     std::vector<std::string> errors;
+                     for (auto& t : tails) {
+                       try {
+                         t->run(buf.args(4), Stream{});
+                         errors.emplace_back("");
+                       } catch (const timeout_error& e) {
+                         errors.emplace_back(e.what());
+                       }
+                     }
+                     const auto took = std::chrono::steady_clock::now() - t0;
+                     expect(took <= o.wait_timeout + 1s,
+                            "the step failed after " +
+                                std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(took).count()) +
+                                " ms; at most the wait bound (1000 ms) plus 1 s, whatever the layer count");
+                     expect(errors[0].find("waited") != std::string::npos &&
+                                errors[0].find("for rank 1's partial") != std::string::npos,
+                            "the first tail names the missing rank: " + errors[0]);
+                     for (int l = 1; l < layers; ++l)
+                       expect(errors[static_cast<std::size_t>(l)].find("an earlier call") != std::string::npos,
+                              "tail " + std::to_string(l) + " says it gave up because of an earlier failure: " +
+                                  errors[static_cast<std::size_t>(l)]);
+                   }
+                   g.barrier();
+                   for (auto& t : tails) t->reset();
+                   buf.load(p.calls[1], r);
+                   for (auto& t : tails) {
+                     buf.poison_outputs();
+                     t->run(buf.args(4), Stream{});
+                     require(check_outputs(p.expected[1], buf.residual_out.data(), buf.norm_out.data(), 0, 4).empty(),
+                             "after reset");
+                   }
+                   require(problems.empty(), problems);
+                 }),
+      "");
+}
 
 // The contract's extremes: hidden 64 (one vector per lane, most lanes idle) and 8192 (four per
 // lane), one token and max_tokens, both modes.

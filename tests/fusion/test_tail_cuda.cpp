@@ -18,6 +18,7 @@
 #include <tuple>
 
 #include "support/processes.hpp"
+#include "tail_oracle.hpp"
 #include "tail_support.hpp"
 #include "torpor/error.hpp"
 #include "torpor/fusion/tail_state.hpp"
@@ -242,6 +243,18 @@ struct DeviceCall {
   float* weights;
 };
 
+fusion::TokenRange share_of(const TailShape& s, int tokens, int rank) {
+  return s.mode == TailMode::all_reduce ? fusion::TokenRange{0, tokens} : fusion::token_share(tokens, rank, ranks);
+}
+
+// The GPU's outputs on the rank's share within bf16 bounds of the fp64 answer (fp64_reference:
+// computed from the inputs in the test, independent of both paths); "" when they are.
+std::string within_fp64_bounds(const TailShape& s, const CallInputs& c, const std::vector<bf16>& got, int rank) {
+  const std::size_t n = static_cast<std::size_t>(c.tokens) * s.hidden;
+  const auto share = share_of(s, c.tokens, rank);
+  return check_outputs(fp64_reference(s, c), got.data(), got.data() + n, share.begin, share.end);
+}
+
 // The GPU's outputs against the oracle's (bit for bit on the rank's output rows, untouched
 // elsewhere) and against fp64; "" when all is well.
 std::string compare(const TailShape& s, const CallInputs& c, const std::vector<bf16>& got,
@@ -262,7 +275,7 @@ std::string compare(const TailShape& s, const CallInputs& c, const std::vector<b
       }
   }
   if (!out.empty()) return "differs from the CPU reference: " + out;
-  return check_outputs(fp64_reference(s, c), got.data(), got.data() + n, share.begin, share.end);
+  return within_fp64_bounds(s, c, got, rank);
 }
 
 void require(bool ok, const std::string& what) {
@@ -557,44 +570,224 @@ TEST(TailCuda, NegativeControlsAreDetectedNeverAHang) {
 #endif
 }
 
-// The unfused path (NCCL all-reduce, separate finalize and residual + RMSNorm kernels) agrees
-// with the fused one within bf16 bounds (NCCL rounds the sum to bf16 once more), in a graph too.
-TEST(TailCuda, UnfusedAgreesWithFused) {
+// I5 on the row barrier: a fused call (clusters of kernels::tail_cluster_blocks blocks per row)
+// whose block 1 of every cluster never pushes its sums of squares of its first row
+// (launch_tail_fused_withholding_push, a test-only variant of the kernel). The blocks waiting on
+// that row's barrier give up after twice the wait bound instead of spinning forever; check()
+// names the cluster barrier; after reset() on both ranks, calls are correct again.
+TEST(TailCuda, RowBarrierThatNeverCompletesIsBoundedAndReported) {
   TORPOR_REQUIRE_CUDA_BUILD();
 #if defined(TORPOR_KERNELS_CUDA)
   expect_ranks(on_gpus([](GpuRank& g) {
     const TailShape s = gpu_shape(7168);
+    TailOptions o;
+    o.wait_timeout = 500ms;
+    o.blocks_per_row = kernels::tail_cluster_blocks;
+    auto tail = make_tail(*g.heap, s, o);
+    require(tail->path() == TailPath::fused_unicast, "path: " + tail->reason());
+    const auto state = *fusion::tail_state(*tail);
+    DeviceCall d(*g.pool, s);
+    const CallInputs c = random_call(s, ranks, 8, 9000);
+    d.upload(c, g.rank);
+    const fusion::TailArgs a = d.args(8);
+    kernels::TailParams p;
+    p.expert_out = a.expert_out;
+    p.topk_weights = a.topk_weights;
+    p.shared_out = a.shared_out;
+    p.residual_in = a.residual_in;
+    p.gamma = a.gamma;
+    p.residual_out = a.residual_out;
+    p.norm_out = a.norm_out;
+    p.tokens = 8;
+    p.hidden = s.hidden;
+    p.top_k = s.top_k;
+    p.max_tokens = s.max_tokens;
+    p.ranks = ranks;
+    p.rank = g.rank;
+    p.eps = s.eps;
+    p.peer_table = static_cast<const std::uint64_t*>(state.slots->peer_table());
+    p.control = static_cast<kernels::TailControl*>(state.control);
+    p.timeout_ns = 500'000'000;
+    g.group->barrier();
+    const auto t0 = std::chrono::steady_clock::now();
+    kernels::launch_tail_fused_withholding_push(p,
+                                                kernels::tail_fused_capacity(s.hidden, false,
+                                                                             kernels::tail_cluster_blocks),
+                                                g.torpor_stream());
+    sync(g);
+    const auto took = std::chrono::steady_clock::now() - t0;
+    require(took < 5s, "the call with a withheld push took " +
+                           std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(took).count()) +
+                           " ms; its row barrier is bounded by twice the wait bound (1000 ms)");
+    std::string said;
+    try {
+      tail->check();
+    } catch (const timeout_error& e) {
+      said = e.what();
+    }
+    require(said.find("cluster's sums of squares") != std::string::npos,
+            "check() names the row barrier that never completed: '" + said + "'");
+    g.group->barrier();
+    tail->reset();
+    const CallInputs c2 = random_call(s, ranks, 8, 9001);
+    d.upload(c2, g.rank);
+    d.poison();
+    tail->run(d.args(8), g.torpor_stream());
+    sync(g);
+    tail->check();
+    const std::string bad = compare(s, c2, d.outputs(8), oracle(s, c2)[static_cast<std::size_t>(g.rank)], g.rank);
+    require(bad.empty(), "after reset: " + bad);
+  }));
+#endif
+}
+
+// The unfused path (finalize, NCCL all-reduce of the fp32 partials, residual + RMSNorm) against
+// the fused one as an independent oracle, directly and captured in a graph. Both round each
+// partial to bf16 once and sum the ranks' partials in fp32; with two ranks an element's sum is one
+// fp32 addition of the same two values on either path (addition commutes; NCCL's two-rank ring
+// and tree both do exactly one), and the epilogue is the same code: the outputs must be the same
+// bits. (With more ranks NCCL's order differs from rank order and this would be a bound, not
+// equality.) Each path's output is also held within bf16 bounds of the fp64 answer.
+TEST(TailCuda, UnfusedAgreesWithFused) {
+  TORPOR_REQUIRE_CUDA_BUILD();
+#if defined(TORPOR_KERNELS_CUDA)
+  static_assert(ranks == 2, "bitwise agreement of the two paths holds for two ranks (see above)");
+  expect_ranks(on_gpus([](GpuRank& g) {
+    const TailShape s = gpu_shape(7168);
     auto fused = make_tail(*g.heap, s);
+    require(fused->path() == TailPath::fused_unicast, "fused path: " + fused->reason());
     TailOptions o;
     o.allow_fused = false;
     auto unfused = make_tail(*g.heap, s, o);
     require(unfused->path() == TailPath::unfused, "unfused path: " + unfused->reason());
     DeviceCall d(*g.pool, s);
+    auto fused_outputs = [&](const CallInputs& c) {
+      d.poison();
+      fused->run(d.args(c.tokens), g.torpor_stream());
+      sync(g);
+      fused->check();
+      return d.outputs(c.tokens);
+    };
     for (std::size_t i = 0; i < gpu_tokens.size(); ++i) {
       const CallInputs c = random_call(s, ranks, gpu_tokens[i], 6000 + i);
       d.upload(c, g.rank);
-      fused->run(d.args(c.tokens), g.torpor_stream());
-      sync(g);
-      const auto f_out = d.outputs(c.tokens);
+      const auto f_out = fused_outputs(c);
       d.poison();
       unfused->run(d.args(c.tokens), g.torpor_stream());
       sync(g);
       unfused->check();
       const auto u_out = d.outputs(c.tokens);
-      require(compare(s, c, f_out, f_out, g.rank).empty(), "fused within bounds");
-      // Two ranks: the fp32 sums commute, so the unfused path must give the fused path's bits.
-      std::string bad = compare(s, c, u_out, f_out, g.rank, /*bitwise=*/ranks == 2);
-      require(bad.empty(), "unfused call " + std::to_string(i) + ": " + bad);
+      const std::string call = "call " + std::to_string(i) + ": ";
+      std::string bad = within_fp64_bounds(s, c, f_out, g.rank);
+      require(bad.empty(), call + "fused output not within bf16 bounds of fp64: " + bad);
+      bad = within_fp64_bounds(s, c, u_out, g.rank);
+      require(bad.empty(), call + "unfused output not within bf16 bounds of fp64: " + bad);
+      bad = compare(s, c, u_out, f_out, g.rank);
+      require(bad.empty(), call + "unfused output is not the fused one's bits: " + bad);
     }
-    // In a graph as well (NCCL captured); the graph goes before the communicator (declared later).
+    // In a graph as well (NCCL captured), held against the fused output of the same inputs; the
+    // graph goes before the communicator (declared later).
     const CallInputs c = random_call(s, ranks, 32, 6100);
     d.upload(c, g.rank);
+    const auto f_out = fused_outputs(c);
     CapturedGraph graph(g.stream, [&] { unfused->run(d.args(32), g.torpor_stream()); });
+    d.poison();
     graph.launch(g.stream);
     sync(g);
-    std::string bad = compare(s, c, d.outputs(32), d.outputs(32), g.rank, false);
-    require(bad.empty(), "unfused in a graph: " + bad);
+    unfused->check();
+    const auto u_out = d.outputs(32);
+    std::string bad = within_fp64_bounds(s, c, u_out, g.rank);
+    require(bad.empty(), "unfused in a graph, not within bf16 bounds of fp64: " + bad);
+    bad = compare(s, c, u_out, f_out, g.rank);
+    require(bad.empty(), "unfused in a graph is not the fused output's bits: " + bad);
   }));
+#endif
+}
+
+// Partials of -0.0 (exact, and subnormals rounding to it), NaN (quiet, negative with a payload)
+// and +-inf (tail_oracle.hpp's special_call): both paths give the tail's definition
+// (tail_by_definition, computed in the test) bit for bit on the rank's share, both modes. The
+// host suite's TailThreads.SpecialPartialsGiveTheDefinitionsBitsOnBothPaths on the GPU.
+TEST(TailCuda, SpecialPartialsGiveTheDefinitionsBits) {
+  TORPOR_REQUIRE_CUDA_BUILD();
+#if defined(TORPOR_KERNELS_CUDA)
+  expect_ranks(on_gpus([](GpuRank& g) {
+    for (TailMode mode : {TailMode::all_reduce, TailMode::reduce_scatter})
+      for (bool fused : {true, false}) {
+        const std::string what = std::string(fusion::to_string(mode)) + (fused ? ", fused" : ", unfused");
+        const TailShape s = gpu_shape(7168, mode);
+        TailOptions o;
+        o.allow_fused = fused;
+        auto tail = make_tail(*g.heap, s, o);
+        require(tail->path() == (fused ? TailPath::fused_unicast : TailPath::unfused),
+                what + ": path " + tail->reason());
+        DeviceCall d(*g.pool, s);
+        for (int tokens : {8, 5, 128, 4}) {
+          const CallInputs c = special_call(s, ranks, tokens, 8000 + static_cast<std::uint64_t>(tokens));
+          d.upload(c, g.rank);
+          d.poison();
+          tail->run(d.args(tokens), g.torpor_stream());
+          sync(g);
+          tail->check();
+          const auto share = share_of(s, tokens, g.rank);
+          const std::string bad = first_difference(d.outputs(tokens), tail_by_definition(s, c), s.hidden, share.begin,
+                                                   share.end, "the definition");
+          require(bad.empty(), what + ", " + std::to_string(tokens) + " tokens: " + bad);
+        }
+      }
+  }));
+#endif
+}
+
+// The fused kernel's bf16 rounding (cvt.rn.bf16x2, NaN made canonical) of every one of the 2^32
+// float patterns, against the IEEE definition written in the test (tail_oracle.hpp's ieee_bf16,
+// which TailProtocol.Bf16RoundingIsTheIeeeDefinitions also holds the CPU's rounding against).
+// One GPU, in a child process (the parent never touches CUDA).
+TEST(GpuTail, Bf16RoundingOfEveryFloatIsTheIeeeDefinitions) {
+  TORPOR_REQUIRE_CUDA_BUILD();
+#if defined(TORPOR_KERNELS_CUDA)
+  expect_ranks(run_ranks(
+      1,
+      [](int) {
+        int devices = 0;
+        if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+          report("SKIP: no usable GPU");
+          return;
+        }
+        cuda(cudaSetDevice(0), "cudaSetDevice");
+        constexpr std::size_t chunk = std::size_t{1} << 28;
+        std::uint16_t* dev = nullptr;
+        cuda(cudaMalloc(&dev, chunk * sizeof(std::uint16_t)), "cudaMalloc");
+        std::vector<std::uint16_t> got(chunk);
+        const unsigned workers = std::max(1u, std::thread::hardware_concurrency());
+        std::string bad;
+        for (std::uint64_t first = 0; first < (std::uint64_t{1} << 32) && bad.empty(); first += chunk) {
+          kernels::launch_tail_round_floats(static_cast<std::uint32_t>(first), chunk, dev,
+                                            kernels::from_native(nullptr, 0));
+          cuda(cudaMemcpy(got.data(), dev, chunk * sizeof(std::uint16_t), cudaMemcpyDeviceToHost), "download");
+          std::vector<std::string> found(workers);
+          std::vector<std::thread> pool;
+          for (unsigned w = 0; w < workers; ++w)
+            pool.emplace_back([&, w] {
+              for (std::size_t i = w; i < chunk; i += workers) {
+                const auto u = static_cast<std::uint32_t>(first + i);
+                if (got[i] != ieee_bf16(u)) {
+                  char text[96];
+                  std::snprintf(text, sizeof text, "float bits 0x%08x: GPU 0x%04x, the definition 0x%04x", u, got[i],
+                                ieee_bf16(u));
+                  found[w] = text;
+                  return;
+                }
+              }
+            });
+          for (auto& t : pool) t.join();
+          for (const auto& f : found)
+            if (!f.empty() && bad.empty()) bad = f;
+        }
+        (void)cudaFree(dev);
+        require(bad.empty(), bad);
+      },
+      600s));
 #endif
 }
 

@@ -1,13 +1,14 @@
 // The pieces of the tail protocol that both the kernels and the CPU reference rely on
 // (kernels/include/torpor/kernels/tail_protocol.hpp): the reduce-scatter split and its inverse,
-// bf16 rounding identical to the host type, the sentinel and its sanitising, the slot layout,
-// and the fixed reduction tree of the row's sum of squares.
+// bf16 rounding as the IEEE definition gives it (and as the host type does), the sentinel and its
+// sanitising, the slot layout, and the fixed reduction tree of the row's sum of squares.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <limits>
 #include <set>
 
+#include "tail_oracle.hpp"
 #include "tail_support.hpp"
 #include "torpor/fusion/tail.hpp"
 #include "torpor/kernels/tail_protocol.hpp"
@@ -55,34 +56,53 @@ TEST(TailProtocol, ReceiveRowsGiveEveryRankARowFromEverySourceEachCall) {
           }
 }
 
-// The tail rounds like the host bf16 type, except that every NaN becomes the canonical 0x7FFF
-// (what the GPU's cvt.rn.bf16x2.f32 path writes, see tail.cu).
-std::uint16_t host_rounding(float x) { return std::isnan(x) ? tail_bf16_nan : bf16::from_float(x).bits; }
+// The tail's rounding (tail_float_to_bf16, which the CPU reference uses and the GPU's
+// cvt.rn.bf16x2 path must equal, see GpuTail.Bf16RoundingOfEveryFloatIsTheIeeeDefinitions) and the
+// host bf16 type's, against rounding from the IEEE definition (tail_oracle.hpp: the nearer of the
+// two bf16 neighbours, ties to even). Every upper half of the float with the lower halves where
+// rounding turns (just below, at and just above the halfway point, both parities, the extremes),
+// then a million random floats, then the edge cases by name. NaN: the tail gives the canonical
+// 0x7FFF; the host type keeps the sign and the top of the payload and makes it quiet.
+std::uint16_t host_type_nan(std::uint32_t u) { return static_cast<std::uint16_t>((u >> 16) | 0x40); }
 
-TEST(TailProtocol, Bf16RoundingIsTheHostTypesBitForBit) {
+void expect_ieee_rounding(std::uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, 4);
+  ASSERT_EQ(tail_float_to_bf16(x), ieee_bf16(u)) << std::hex << "float bits 0x" << u;
+  ASSERT_EQ(bf16::from_float(x).bits, ieee_bf16(u, host_type_nan(u))) << std::hex << "float bits 0x" << u;
+}
+
+TEST(TailProtocol, Bf16RoundingIsTheIeeeDefinitions) {
+  const std::uint32_t lows[] = {0x0000, 0x0001, 0x3FFF, 0x4000, 0x7FFE, 0x7FFF, 0x8000,
+                                0x8001, 0x8002, 0xBFFF, 0xC000, 0xFFFE, 0xFFFF};
+  for (std::uint32_t high = 0; high <= 0xFFFFu; ++high)
+    for (std::uint32_t low : lows) expect_ieee_rounding((high << 16) | low);
   Rng rng{7};
-  const float specials[] = {0.0f,
-                            -0.0f,
-                            1.0f,
-                            -1.0f,
-                            1e-40f,
-                            -1e-40f,
-                            3.4e38f,
-                            std::numeric_limits<float>::infinity(),
-                            -std::numeric_limits<float>::infinity(),
-                            std::numeric_limits<float>::quiet_NaN(),
-                            1.00390625f /* a tie */,
-                            1.01171875f /* the other tie */};
-  for (float x : specials) EXPECT_EQ(tail_float_to_bf16(x), host_rounding(x)) << x;
-  EXPECT_EQ(tail_float_to_bf16(-std::numeric_limits<float>::quiet_NaN()), 0x7FFF);
-  for (int i = 0; i < 1000000; ++i) {
-    const std::uint32_t u = static_cast<std::uint32_t>(rng.next());
+  for (int i = 0; i < 1000000; ++i) expect_ieee_rounding(static_cast<std::uint32_t>(rng.next()));
+  // By name: signed zeros, the smallest subnormals (and halfway below them), the largest finite
+  // float (rounds up to inf), the largest bf16 and the halfway point above it (a tie towards the
+  // even significand: inf), the ties either side of 1.0, infinities, NaNs.
+  const std::pair<std::uint32_t, std::uint16_t> named[] = {{0x00000000u, 0x0000}, {0x80000000u, 0x8000},
+                                                           {0x00010000u, 0x0001}, {0x00008000u, 0x0000},
+                                                           {0x00018000u, 0x0002}, {0x80008001u, 0x8001},
+                                                           {0x7F7FFFFFu, 0x7F80}, {0x7F7F0000u, 0x7F7F},
+                                                           {0x7F7F8000u, 0x7F80}, {0x7F7F7FFFu, 0x7F7F},
+                                                           {0x3F808000u, 0x3F80}, {0x3F818000u, 0x3F82},
+                                                           {0x7F800000u, 0x7F80}, {0xFF800000u, 0xFF80},
+                                                           {0x7FC00000u, 0x7FFF}, {0xFFC00001u, 0x7FFF},
+                                                           {0x7F800001u, 0x7FFF}};
+  for (auto [u, want] : named) {
     float x;
     std::memcpy(&x, &u, 4);
-    ASSERT_EQ(tail_float_to_bf16(x), host_rounding(x)) << std::hex << u;
-    const float a = tail_bf16_to_float(static_cast<std::uint16_t>(u));
-    const float b = bf16::from_bits(static_cast<std::uint16_t>(u)).to_float();
-    ASSERT_EQ(std::memcmp(&a, &b, 4), 0) << std::hex << u;
+    EXPECT_EQ(tail_float_to_bf16(x), want) << std::hex << "float bits 0x" << u;
+    EXPECT_EQ(ieee_bf16(u), want) << std::hex << "the oracle itself, float bits 0x" << u;
+  }
+  for (std::uint32_t b = 0; b <= 0xFFFFu; ++b) {  // widening is exact: the bits move up
+    const float a = tail_bf16_to_float(static_cast<std::uint16_t>(b));
+    const float c = bf16::from_bits(static_cast<std::uint16_t>(b)).to_float();
+    const std::uint32_t want = b << 16;
+    ASSERT_EQ(std::memcmp(&a, &want, 4), 0) << std::hex << b;
+    ASSERT_EQ(std::memcmp(&c, &want, 4), 0) << std::hex << b;
   }
 }
 

@@ -57,6 +57,15 @@ bool tail_programmatic_launch_supported(int device);
 // becomes a programmatic edge.
 void launch_tail_fused(const TailParams& p, int blocks_per_row, int capacity, Stream stream, bool programmatic);
 
+// For tests only: a fused call (unicast, tail_cluster_blocks blocks per row, `capacity` from
+// tail_fused_capacity for that) whose block 1 of every cluster never pushes its sums of squares
+// of its first row, so the row barrier's deadline (I5) decides how the call ends.
+void launch_tail_fused_withholding_push(const TailParams& p, int capacity, Stream stream);
+
+// For tests only: out[i] = the bf16 bits the fused kernel's rounding (cvt.rn.bf16x2, NaN made
+// canonical) gives for the float with bits first + i, for i < count (count even, first even).
+void launch_tail_round_floats(std::uint32_t first, std::size_t count, std::uint16_t* out, Stream stream);
+
 // The unfused path's kernels: partial[t][*] for every row (rounded to bf16 like the fused
 // partials, stored as fp32 so the all-reduce sums in fp32 as the fused kernel does), and
 // residual + RMSNorm of the output rows from the all-reduced fp32 sums.

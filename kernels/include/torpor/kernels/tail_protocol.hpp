@@ -39,6 +39,14 @@
 //       waiter writes one error record (the first failure wins) and gives up; the call's outputs
 //       are then unspecified, later calls do nothing until reset() (they see the record), and
 //       check() on the host raises timeout_error naming rank, peer, slot, token, call and op.
+//       Every failure also sets the rank's abort word (TailParams::abort, one per rank, shared by
+//       all the rank's tails): a wait of any of them that still spins when it sees the word set
+//       gives up at once (op aborted), so a lost peer costs a decode step of L layers one bound,
+//       not L (each layer's tail is its own kernel in the step's graph, with its own record).
+//       Only reset() clears the word. On the GPU a wait also tells a missing peer from its own
+//       grid not being resident at once (op not_resident: blocks of the call never started, so
+//       their sends never happened), and a cluster's row barrier is bounded by twice the bound
+//       (a sibling block's own waits, which precede its push, take up to one bound).
 //   I6  A control block whose magic is wrong (lost, zeroed) is never trusted: the call records
 //       op = control_lost and does nothing (its peers then time out waiting for it).
 //   I7  Determinism: partials are rounded to bf16 once; the reader sums the R partials of an
@@ -83,10 +91,13 @@ inline constexpr int tail_max_vectors_per_thread = tail_max_hidden / tail_vector
 // What a failed call was doing.
 enum class TailOp : std::uint32_t {
   none = 0,
-  wait_unicast = 1,    // polling for a peer's partial stored over the peer table
-  wait_multicast = 2,  // polling for a peer's partial stored through the multicast address
-  control_lost = 3,    // the control block's magic was wrong (zeroed, lost, never initialised)
-  block_arrival = 4,   // GPU: the updating block waited for the call's other blocks to start
+  wait_unicast = 1,     // polling for a peer's partial stored over the peer table
+  wait_multicast = 2,   // polling for a peer's partial stored through the multicast address
+  control_lost = 3,     // the control block's magic was wrong (zeroed, lost, never initialised)
+  block_arrival = 4,    // GPU: the updating block waited for the call's other blocks to start
+  aborted = 5,          // a wait gave up at once: an earlier failure on this rank set the abort word
+  not_resident = 6,     // GPU: a wait ran out while blocks of this rank's call had not started
+  cluster_barrier = 7,  // GPU: a block waited past twice the bound for its cluster's sums of a row
 };
 
 // Written once per failure (the first one wins: flag goes 0 -> 1 atomically), read by check().
@@ -96,10 +107,12 @@ struct TailErrorRecord {
   std::int32_t rank;   // the rank that gave up
   std::int32_t peer;   // whose partial did not arrive (-1: not a wait)
   std::int32_t slot;
-  std::int32_t token;        // the row it waited for (-1: not a wait)
-  std::uint64_t call;        // the control block's call count at the failing call
-  std::uint64_t waited_ns;   // how long it waited
-  std::uint32_t seen_magic;  // control_lost: the magic found
+  std::int32_t token;            // the row it waited for (-1: not a wait)
+  std::uint64_t call;            // the control block's call count at the failing call
+  std::uint64_t waited_ns;       // how long it waited
+  std::uint32_t seen_magic;      // control_lost: the magic found
+  std::uint32_t blocks_started;  // GPU, not_resident and block_arrival: blocks of the call that had started
+  std::uint32_t blocks;          // ... of the call's grid
   std::uint32_t reserved;
 };
 
@@ -201,6 +214,9 @@ struct TailParams {
   const std::uint64_t* peer_table = nullptr;  // ranks + 1 entries
   TailControl* control = nullptr;
   std::uint64_t timeout_ns = 0;
+  // This rank's abort word (I5), in its own memory, shared by every tail of the rank: 0 until a
+  // call of any of them fails. nullptr: none (the waits are bounded by timeout_ns only).
+  std::uint32_t* abort = nullptr;
   TailTrace* trace = nullptr;  // diagnostics only (GPU): nullptr = no tracing
 };
 
