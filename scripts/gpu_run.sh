@@ -2,8 +2,9 @@
 # Builds torpor on a GPU machine and runs the GPU tests and benches in one go. Used with the
 # device tool (`run`), whose $OUT folder comes back; elsewhere OUT defaults to ./gpu-out.
 #
-#   scripts/gpu_run.sh [stage ...]     stages: probe tests bench-sleep bench-sleep-threads python engines
-#                                      graphs symmetric symmetric-nccl tail tail-bench stress stress-tail
+#   scripts/gpu_run.sh [stage ...]     stages: probe tests readme bench-sleep bench-sleep-threads python
+#                                      engines graphs symmetric symmetric-nccl tail tail-bench stress
+#                                      stress-tail
 #                                      (default: probe tests)
 #   TORPOR_BUILD_TARGETS="a b"         build only these targets (default: everything), to save
 #                                      device time when iterating on one part
@@ -117,6 +118,14 @@ for stage in "${stages[@]}"; do
       grep -E "tests passed|tests failed" "$OUT/ctest-host.log"
       grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$OUT/gtest-cuda.log" | sort | uniq -c | sort -rn | head -40
       tail -3 "$OUT/gtest-cuda.log"
+      ;;
+    readme)
+      # The README's two CI commands as they are (issue 17: green on a GPU machine), in a checkout
+      # of their own builds (build/, build-asan/, build-tsan/); sanitizers skipped to fit the
+      # device tool's 10-minute limit unless TORPOR_README_SANITIZERS=1.
+      ( timeout 590 env TORPOR_SKIP_SANITIZERS=$([ "${TORPOR_README_SANITIZERS:-0}" = 1 ] && echo 0 || echo 1) \
+          bash -c 'scripts/install-deps.sh && scripts/test.sh' ) > "$OUT/readme.log" 2>&1 || status=1
+      grep -E "install-deps:|tests passed|tests failed|torpor: all tests passed|\*\*\*Failed|Timeout" "$OUT/readme.log" | tail -30
       ;;
     bench-sleep)
       # Issue 3's scenario: 32 GiB of parameters in 2048 x 16 MiB, 256 MiB of state, 16 GiB of cache.

@@ -1,10 +1,11 @@
 // Fault injection: fail each kind of driver call at each position inside sleep and inside
-// wake. After every failure the pool must be consistent (each chunk awake with its bytes or
-// asleep with its backup, nothing leaked, the driver's live memory equal to what the pool
-// says is mapped), and calling again once the fault is gone must succeed with every byte
-// that had to survive intact.
+// wake, in a first cycle and in later ones (retained copies, the staging ring), alone and in pairs
+// (a second fault during the rollback of the first). After every failure the pool must be consistent (each chunk awake
+// with its bytes or asleep with its backup, nothing leaked, the driver's live memory equal to what the pool says is
+// mapped), and calling again once the fault is gone must succeed with every byte that had to survive intact.
 #include <gtest/gtest.h>
 
+#include "pool/host_store.hpp"
 #include "support/backends.hpp"
 #include "torpor/error.hpp"
 #include "torpor/fault_injecting_driver.hpp"
@@ -232,6 +233,243 @@ TYPED_TEST(FaultTest, FailuresInAllocateAndDeallocateChangeNothing) {
       pool.deallocate(p);
     }
     check_clean(this->host());
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Every kind of driver call, across cycles: a sleep that reuses retained copies, a wake that
+// verifies them, a sleep and a wake through the staging ring (host allocation and events
+// included). Each call of each kind the clean run makes is failed in turn (all of them, or a
+// spread of positions when there are many); after the failure the pool's accounting matches the
+// driver's and its host store's, every awake allocation holds its bytes, and a repeat completes.
+
+// What each item must hold: now (while awake before the operation) and after the wake that
+// follows a sleep at `level`.
+struct Expect {
+  std::vector<Item> items;
+  std::size_t g;
+  int level = 0;
+  std::vector<std::uint8_t> after_wake(std::size_t i) const {
+    const Item& it = items[i];
+    std::vector<std::uint8_t> v = it.bytes;
+    for (std::size_t k = 0; k < it.n; ++k) {
+      bool keep = level == 2 ? survives_level2(it, k, g, i) : it.cls != MemoryClass::cache;
+      if (!keep) v[k] = poison_byte;
+    }
+    return v;
+  }
+};
+
+void check_awake(Pool& pool, const Expect& e, bool woken_by_op) {
+  for (std::size_t i = 0; i < e.items.size(); ++i) {
+    const Item& it = e.items[i];
+    if (pool.find(it.p)->asleep) continue;
+    ASSERT_EQ(read(pool, it.p, it.n), woken_by_op ? e.after_wake(i) : it.bytes) << "item " << i;
+  }
+}
+
+// The pool's figures against the driver's and the host store's own.
+void check_books(Pool& pool, HostDriver* host) {
+  PoolStats st = pool.stats();
+  EXPECT_EQ(st.host_store_used_bytes, st.host_copies_bytes) << "host store bytes held = backups + retained copies";
+  if (host == nullptr) return;
+  EXPECT_EQ(host->counters().mapped_bytes, st.mapped_bytes) << "mapped = what the pool says is mapped";
+  if (st.pending_releases == 0) EXPECT_EQ(host->live_physical_bytes(0), st.mapped_bytes);
+}
+
+std::vector<std::size_t> positions(std::size_t count) {
+  std::vector<std::size_t> out;
+  if (count <= 16) {
+    for (std::size_t k = 1; k <= count; ++k) out.push_back(k);
+    return out;
+  }
+  for (std::size_t k : {std::size_t{1}, std::size_t{2}, std::size_t{3}, count / 4, count / 2, 3 * count / 4, count - 2,
+                        count - 1, count})
+    if (out.empty() || out.back() != k) out.push_back(k);
+  return out;
+}
+
+// setup(pool) -> Expect; op(pool) is the faulted call; wake_op: op is a wake.
+template <typename Setup, typename Op>
+void fail_every_call(Driver& inner, HostDriver* host, const PoolOptions& o, Setup setup, Op op, bool wake_op) {
+  std::size_t tried = 0;
+  for (int kind_i = 0; kind_i < static_cast<int>(DriverCall::count_); ++kind_i) {
+    auto kind = static_cast<DriverCall>(kind_i);
+    std::size_t count;
+    {
+      FaultInjectingDriver probe(inner);
+      Pool pool(probe, o);
+      setup(pool);
+      std::size_t before = probe.calls(kind);
+      op(pool);
+      count = probe.calls(kind) - before;
+    }
+    for (std::size_t k : positions(count)) {
+      SCOPED_TRACE(::testing::Message() << to_string(kind) << " #" << k << " of " << count);
+      ++tried;
+      FaultInjectingDriver faulty(inner);
+      {
+        Pool pool(faulty, o);
+        Expect e = setup(pool);
+        faulty.fail_nth(kind, k);
+        try {
+          op(pool);
+        } catch (const error&) {
+        }
+        EXPECT_EQ(faulty.failures(), 1u);
+        check_books(pool, host);
+        check_awake(pool, e, wake_op);
+        faulty.clear();
+        op(pool);  // the repeat completes
+        if (!wake_op) {
+          EXPECT_EQ(pool.stats().mapped_bytes, 0u);
+          pool.wake_up();
+        }
+        for (const Item& it : e.items) EXPECT_FALSE(pool.find(it.p)->asleep);
+        check_awake(pool, e, true);
+        check_books(pool, host);
+        pool.sleep(1);  // and the pool goes on working
+        pool.wake_up();
+        check_books(pool, host);
+      }
+      check_clean(host);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+  EXPECT_GT(tried, 5u);
+}
+
+// A first level-1 sleep and wake, then item 0 changes (its pieces are copied again, the others'
+// retained copies are trusted) and the cache is written anew.
+Expect after_one_cycle(Pool& pool, std::size_t g) {
+  Expect e{build(pool, g), g, 1};
+  pool.sleep(1);
+  pool.wake_up();
+  std::mt19937_64 rng(12);
+  for (std::size_t i = 0; i < e.items.size(); ++i) {
+    Item& it = e.items[i];
+    if (i == 0 || it.cls == MemoryClass::cache) {
+      it.bytes = random_bytes(rng, it.n);
+      write(pool, it.p, it.bytes);
+    }
+  }
+  return e;
+}
+
+TYPED_TEST(FaultTest, EveryCallOfASleepThatReusesRetainedCopiesCanFail) {
+  std::size_t g = this->granularity();
+  fail_every_call(
+      this->driver(), this->host(), options_for(this->driver()), [&](Pool& pool) { return after_one_cycle(pool, g); },
+      [](Pool& pool) { pool.sleep(1); }, false);
+}
+
+TYPED_TEST(FaultTest, EveryCallOfAWakeThatVerifiesRetainedCopiesCanFail) {
+  std::size_t g = this->granularity();
+  fail_every_call(
+      this->driver(), this->host(), options_for(this->driver()),
+      [&](Pool& pool) {
+        Expect e = after_one_cycle(pool, g);
+        pool.sleep(1);  // every unchanged piece is trusted, not copied
+        return e;
+      },
+      [](Pool& pool) { pool.wake_up(); }, true);
+}
+
+// Beyond a pinned cap of one block: backups in pageable memory through the staging ring.
+PoolOptions staged_options(Driver& d) {
+  PoolOptions o = options_for(d);
+  o.host_store_limit = HostStore::block_rounding;
+  o.staging_slots = 2;
+  o.staging_slot_bytes = d.device_properties(0).granularity;
+  return o;
+}
+
+Expect staged(Pool& pool, std::size_t g) {
+  Expect e{build(pool, g), g, 2};
+  std::mt19937_64 rng(13);
+  std::size_t n = HostStore::block_rounding + 3 * g + 5;  // does not fit the pinned cap
+  Item big{pool.allocate(n, {"weights", MemoryClass::state, "big"}), n, MemoryClass::state, random_bytes(rng, n)};
+  write(pool, big.p, big.bytes);
+  e.items.push_back(std::move(big));
+  return e;
+}
+
+TYPED_TEST(FaultTest, EveryCallOfASleepThroughTheStagingRingCanFail) {
+  std::size_t g = this->granularity();
+  fail_every_call(
+      this->driver(), this->host(), staged_options(this->driver()), [&](Pool& pool) { return staged(pool, g); },
+      [](Pool& pool) { pool.sleep(2); }, false);
+}
+
+TYPED_TEST(FaultTest, EveryCallOfAWakeThroughTheStagingRingCanFail) {
+  std::size_t g = this->granularity();
+  fail_every_call(
+      this->driver(), this->host(), staged_options(this->driver()),
+      [&](Pool& pool) {
+        Expect e = staged(pool, g);
+        pool.sleep(2);
+        return e;
+      },
+      [](Pool& pool) { pool.wake_up(); }, true);
+}
+
+// Pairs: a failure, then every call of one kind the rollback makes fails too (the rollback's
+// synchronize in a sleep; its unmaps or releases in a wake). The pool stays consistent: no chunk
+// asleep while the pool forgets its mapping, and a repeat once the faults are gone completes.
+TYPED_TEST(FaultTest, AFailureDuringTheRollbackOfAFailureLeavesThePoolConsistent) {
+  std::size_t g = this->granularity();
+  struct Pair {
+    bool wake;
+    DriverCall first;
+    DriverCall during_rollback;
+  };
+  const Pair pairs[] = {
+      {false, DriverCall::copy, DriverCall::stream_synchronize},
+      {false, DriverCall::event_synchronize, DriverCall::stream_synchronize},
+      {false, DriverCall::unmap, DriverCall::stream_synchronize},
+      {false, DriverCall::copy, DriverCall::release},
+      {true, DriverCall::create, DriverCall::unmap},
+      {true, DriverCall::map, DriverCall::unmap},
+      {true, DriverCall::set_access, DriverCall::unmap},
+      {true, DriverCall::copy, DriverCall::unmap},
+      {true, DriverCall::fill, DriverCall::unmap},
+      {true, DriverCall::stream_synchronize, DriverCall::unmap},
+      {true, DriverCall::copy, DriverCall::release},
+      {true, DriverCall::set_access, DriverCall::release},
+  };
+  for (const Pair& pair : pairs) {
+    for (std::size_t k : {std::size_t{1}, std::size_t{2}, std::size_t{4}}) {
+      SCOPED_TRACE(::testing::Message() << (pair.wake ? "wake: " : "sleep: ") << to_string(pair.first) << " #" << k
+                                        << ", then every " << to_string(pair.during_rollback));
+      FaultInjectingDriver faulty(this->driver());
+      {
+        PoolOptions o = options_for(this->driver());
+        Pool pool(faulty, o);
+        Expect e{build(pool, g), g, 2};
+        if (pair.wake) pool.sleep(2);
+        faulty.fail_nth(pair.first, k);
+        faulty.fail_from(pair.during_rollback, 1);
+        try {
+          pair.wake ? (void)pool.wake_up() : (void)pool.sleep(2);
+        } catch (const error&) {
+        }
+        faulty.clear();  // the checks read through the pool
+        check_books(pool, this->host());
+        check_awake(pool, e, pair.wake);
+        pair.wake ? (void)pool.wake_up() : (void)pool.sleep(2);
+        if (!pair.wake) pool.wake_up();
+        check_awake(pool, e, true);
+        for (const Item& it : e.items) EXPECT_FALSE(pool.find(it.p)->asleep);
+        pool.sleep(2);
+        EXPECT_EQ(pool.stats().mapped_bytes, 0u);
+        if (HostDriver* h = this->host()) EXPECT_EQ(h->counters().mapped_bytes, 0u) << "everything unmapped";
+        pool.wake_up();
+        check_awake(pool, e, true);
+        check_books(pool, this->host());
+      }
+      check_clean(this->host());
+      if (::testing::Test::HasFatalFailure()) return;
+    }
   }
 }
 

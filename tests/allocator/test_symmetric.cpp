@@ -385,6 +385,68 @@ TEST(SymmetricThreadsMismatch, AFailedWakeOnOneRankFailsEveryRankAndARetryComple
   EXPECT_EQ(joined(errors), "");
 }
 
+// The heap drops every rank's imports before the pools sleep. When the pools' sleep then fails
+// on every rank, every part is still awake: the imports are back at once, and the peers write
+// through them without a wake (before the fix they stayed unmapped until a wake).
+TEST(SymmetricThreadsMismatch, AFailedSleepOnEveryRankRestoresThePeerMappingsAtOnce) {
+  constexpr int n = 3;
+  ThreadRanks t(n, 5s);
+  auto errors = on_threads(n, [&](int r) {
+    Group& g = *t.groups[static_cast<std::size_t>(r)];
+    FaultInjectingDriver faulty(t.host);
+    Pool pool(faulty, pool_options(r));
+    SymmetricHeap heap(pool, g);
+    SymmetricBuffer& b = heap.allocate(n * 4096, {"weights", "slots", false});
+    write_through_peers(pool, b, 4096, 1);
+    g.barrier();
+    // The pool's sleep fails after the heap dropped the imports: the heap's before_sleep
+    // synchronizes first, then the pool's sleep does.
+    faulty.fail_nth(DriverCall::device_synchronize, 2, driver_status::invalid_value);
+    try {
+      pool.sleep(2);
+      throw std::runtime_error("a sleep whose synchronize failed succeeded");
+    } catch (const driver_error&) {
+    }
+    check(!pool.asleep("weights"), "the failed sleep changed nothing in the pool");
+    check(b.peers_mapped(), "the peers' imports are mapped again after the failed sleep");
+    g.barrier();
+    write_through_peers(pool, b, 4096, 2);
+    g.barrier();
+    check_own_part(pool, b, 4096, 2, "written through the restored imports");
+    g.barrier();
+  });
+  EXPECT_EQ(joined(errors), "");
+}
+
+// One rank's sleep fails, the others sleep: the buffer is not awake everywhere, so imports stay
+// dropped (all or none) and the next wake restores them on every rank.
+TEST(SymmetricThreadsMismatch, AFailedSleepOnOneRankLeavesTheImportsToTheWake) {
+  constexpr int n = 3, failing = 1;
+  ThreadRanks t(n, 5s);
+  auto errors = on_threads(n, [&](int r) {
+    Group& g = *t.groups[static_cast<std::size_t>(r)];
+    FaultInjectingDriver faulty(t.host);
+    Pool pool(faulty, pool_options(r));
+    SymmetricHeap heap(pool, g);
+    SymmetricBuffer& b = heap.allocate(n * 4096, {"weights", "slots", false});
+    write_through_peers(pool, b, 4096, 1);
+    g.barrier();
+    if (r == failing) faulty.fail_nth(DriverCall::device_synchronize, 2, driver_status::invalid_value);
+    try {
+      pool.sleep(2);
+      check(r != failing, "the failing rank's sleep succeeded");
+    } catch (const driver_error&) {
+      check(r == failing, "only the failing rank's pool fails");
+    }
+    check(!b.peers_mapped(), "imports are all or none while a part sleeps");
+    pool.wake_up();
+    check(b.peers_mapped(), "the wake restores the imports");
+    check_own_part(pool, b, 4096, 1, "after the wake");
+    g.barrier();
+  });
+  EXPECT_EQ(joined(errors), "");
+}
+
 TEST(SymmetricThreadsMismatch, AFailedAllocationOnOneRankFailsEveryRankAndLeavesNothing) {
   constexpr int n = 3;
   ThreadRanks t(n, 5s);

@@ -1,9 +1,13 @@
 // Backends for typed test suites: every pool/sleep test runs once per backend. The host
-// backend always runs; the cuda backend skips, saying why, when no usable GPU is present.
+// backend always runs; host_async is the same emulation with device work done later on worker
+// threads, in stream order, after random delays (HostDriverOptions::async), so that a missing
+// wait (for copies before unmapping, for a stream before reading) fails on a CPU machine; the
+// cuda backend skips, saying why, when no usable GPU is present.
 #pragma once
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -35,6 +39,21 @@ struct HostBackend {
   }
 };
 
+struct HostAsyncBackend {
+  static constexpr const char* name = "host_async";
+  static HostDriverOptions options() {
+    HostDriverOptions o = HostBackend::options();
+    o.async = true;
+    o.async_seed = 17;
+    o.async_max_delay = std::chrono::microseconds{100};
+    return o;
+  }
+  static std::shared_ptr<Driver> open(std::string& skip) {
+    (void)skip;
+    return std::make_shared<HostDriver>(options());
+  }
+};
+
 struct CudaBackend {
   static constexpr const char* name = "cuda";
   static std::shared_ptr<Driver> open(std::string& skip) {
@@ -57,7 +76,7 @@ struct CudaBackend {
   }
 };
 
-using Backends = ::testing::Types<HostBackend, CudaBackend>;
+using Backends = ::testing::Types<HostBackend, HostAsyncBackend, CudaBackend>;
 
 struct BackendNames {
   template <typename T>
@@ -74,6 +93,15 @@ class BackendTest : public ::testing::Test {
     std::string skip;
     driver_ = B::open(skip);
     if (!driver_) GTEST_SKIP() << skip;
+  }
+  // The asynchronous emulation refuses (and counts) an unmap or a host_free of memory that a
+  // queued operation still touches; code that swallows the refusal (a rollback that logs) must
+  // not hide it.
+  void TearDown() override {
+    if (HostDriver* h = host()) {
+      HostDriverCounters c = h->counters();
+      EXPECT_EQ(c.async_conflicts, 0u) << "memory was unmapped or freed while queued device work still touched it";
+    }
   }
   Driver& driver() { return *driver_; }
   HostDriver* host() { return dynamic_cast<HostDriver*>(driver_.get()); }

@@ -17,10 +17,22 @@
 // binding multicast memory before every device was added, and so on. Physical memory lives
 // while a handle or a mapping refers to it, as on the GPU.
 //
-// Device work is synchronous: a copy is done when copy_async returns.
+// Device work is synchronous by default: a copy is done when copy_async returns. In the
+// asynchronous mode (HostDriverOptions::async) it behaves like a GPU's streams instead: copies,
+// fills, hashes and host kernels (launch) are queued per stream and done later, in stream order,
+// by one worker thread per stream, each after a random delay drawn from a seed; events and
+// stream, event and device synchronisation really wait. As with CUDA, a copy from pageable host
+// memory (neither host_alloc'ed nor device memory) takes its source bytes when it is queued and a
+// copy into pageable memory returns once done; hash blocks until its results are out. Unmapping
+// or host_free'ing memory that a queued operation still touches is refused with driver_error
+// and counted (counters().async_conflicts), instead of faulting at random: the ordering bug a
+// sleep engine can have (unmapping before its copies completed) fails at once on a CPU machine.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <cstddef>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -34,12 +46,20 @@
 
 namespace torpor {
 
+class HostAsyncEngine;  // the asynchronous mode's streams and events (src/driver)
+
 struct HostDriverOptions {
   int devices = 8;
   std::size_t device_bytes = std::size_t{16} << 30;  // emulated memory per device
   std::size_t granularity = std::size_t{2} << 20;
   bool multicast_attribute = true;  // what the emulated devices report
   bool peer_access = true;          // every device can access every other
+  // The asynchronous mode (see above). Each queued operation waits 0 (half of them) or up to
+  // async_max_delay before it runs, drawn per stream from async_seed: the same seed and the same
+  // calls give the same delays. async_max_delay is at most one second.
+  bool async = false;
+  std::uint64_t async_seed = 1;
+  std::chrono::microseconds async_max_delay{100};
 };
 
 // Exact accounting, for tests and `torpor probe`.
@@ -54,6 +74,8 @@ struct HostDriverCounters {
   std::size_t streams = 0;
   std::size_t events = 0;
   std::size_t multicast_objects = 0;
+  std::size_t async_pending = 0;    // queued operations not completed yet (asynchronous mode)
+  std::size_t async_conflicts = 0;  // unmaps and host_frees refused: a queued operation touched the memory
 };
 
 // What multicast_at() reports about the multicast object mapped at an address.
@@ -142,6 +164,15 @@ class HostDriver final : public Driver {
   // mapping); nothing when no multicast object is mapped there.
   std::optional<HostMulticastInfo> multicast_at(device_ptr va) const;
   const HostDriverOptions& options() const noexcept { return options_; }
+  bool asynchronous() const noexcept { return async_ != nullptr; }
+  // The live host_alloc blocks (address, bytes), for tests that inspect or damage host copies.
+  std::vector<std::pair<std::byte*, std::size_t>> host_blocks() const;
+  // A host "kernel": `kernel` runs on the stream's worker after the work queued before it
+  // (asynchronous mode), or now (synchronous mode). It may touch any memory; it must not throw.
+  void launch(Stream s, std::function<void()> kernel);
+  // Asynchronous mode: the stream's next operation starts no earlier than `pause` after the work
+  // before it, so a test can make device work late on purpose. Does nothing in synchronous mode.
+  void delay_stream(Stream s, std::chrono::microseconds pause);
 
  private:
   struct Memory;
@@ -167,6 +198,19 @@ class HostDriver final : public Driver {
   const HandleEntry& entry(PhysicalHandle h, const char* call) const;
   std::shared_ptr<Multicast> multicast_of(MulticastHandle mc, const char* call) const;
   void require_stream(Stream s, const char* call) const;
+  // Asynchronous mode. The memory a queued operation touches is registered until it completed;
+  // unmap and host_free of a range that overlaps one are refused (misuse, counted).
+  struct InFlight {
+    std::uintptr_t lo = 0, hi = 0;
+    std::uint64_t stream = 0;
+    const char* call = "";
+  };
+  bool in_pinned_block(const void* p) const;                       // caller holds mu_
+  bool in_reservation(const void* p) const;                        // caller holds mu_
+  std::uint64_t register_in_flight(std::vector<InFlight> ranges);  // caller holds mu_
+  void unregister_in_flight(std::uint64_t op) noexcept;
+  void refuse_if_in_flight(std::uintptr_t lo, std::uintptr_t hi, const char* call);  // caller holds mu_
+  std::uint64_t submit(Stream s, std::function<void()> work, std::vector<InFlight> ranges);
 
   HostDriverOptions options_;
   mutable std::mutex mu_;
@@ -178,6 +222,10 @@ class HostDriver final : public Driver {
   std::unordered_map<void*, std::size_t> host_blocks_;
   std::set<std::uint64_t> streams_;
   std::set<std::uint64_t> events_;
+  std::map<std::uint64_t, std::vector<InFlight>> in_flight_;  // asynchronous mode: op -> ranges
+  std::uint64_t next_op_ = 1;
+  std::atomic<std::size_t> async_conflicts_{0};
+  std::unique_ptr<HostAsyncEngine> async_;  // set in the asynchronous mode
 };
 
 }  // namespace torpor

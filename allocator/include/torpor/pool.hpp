@@ -161,7 +161,10 @@ struct PoolStats {
   std::size_t host_store_bytes = 0;  // capacity held
   std::size_t host_store_pinned_bytes = 0;
   std::size_t host_store_used_bytes = 0;
-  std::size_t retained_bytes = 0;        // host copies kept after wake (skip_unchanged)
+  std::size_t retained_bytes = 0;  // host copies kept after wake (skip_unchanged)
+  // Host store bytes the backups and retained copies hold (their spans, rounding included):
+  // equals host_store_used_bytes, which the store counts on its own.
+  std::size_t host_copies_bytes = 0;
   std::size_t pending_releases = 0;      // handles whose release failed and will be retried
   std::size_t address_ranges_bytes = 0;  // VA handed out by reserve_address_range
   std::vector<TagStats> tags;            // sorted by tag
@@ -202,8 +205,9 @@ class Pool;
 // Layers that keep mappings of their own over pool memory (symmetric buffers: peers' imports,
 // multicast bindings) observe sleep and wake. Pool calls these outside its lock, for levels
 // 1 and 2 only, with the resolved tag list. A throw from before_* aborts the operation with
-// nothing changed in the pool; after_* run, for every observer whose before_* returned,
-// whether the operation succeeded (ok) or threw.
+// nothing changed in the pool; after_* runs exactly once for every observer whose before_*
+// returned: ok = false when the operation (or a later observer's before_*) threw, else ok = true,
+// for every observer even if one of them throws (the call then rethrows the first such error).
 class SleepObserver {
  public:
   virtual ~SleepObserver() = default;
@@ -224,7 +228,10 @@ class Pool {
   void* allocate(std::size_t bytes, const AllocationOptions& options = {});
   void deallocate(void* ptr);
   // Reclassify [ptr, ptr + bytes), which must lie inside one allocation. An empty name keeps
-  // the allocation's name.
+  // the allocation's name. On a sleeping allocation the new classes apply from the next sleep
+  // (the wake restores what the last sleep kept), and marking bytes that sleep discarded as
+  // state is refused (invalid_state naming the allocation and its tag): they have no content
+  // to keep; wake the tag (and reload them) first.
   void mark(void* ptr, std::size_t bytes, MemoryClass memory_class, std::string_view name = {});
   std::optional<AllocationInfo> find(const void* ptr) const;
   // The chunk of the allocation that contains ptr; nothing when ptr is not allocated here.

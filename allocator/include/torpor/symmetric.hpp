@@ -15,7 +15,10 @@
 //          operation (a rank that does not join within the group's timeout is named in a
 //          group_timeout on every other rank and nothing changes), unbind and release multicast,
 //          unmap and release the imports of peers (otherwise a peer's memory is never freed),
-//          then the pool offloads this rank's bytes and releases its memory;
+//          then the pool offloads this rank's bytes and releases its memory. If the pool's
+//          sleep fails on any rank, every rank learns it afterwards and the buffers whose parts
+//          are still awake on every rank get their imports (and multicast binding) back at
+//          once; the others are re-imported by the wake;
 //   wake:  agree; the pool re-creates and restores this rank's memory; every rank re-exports,
 //          all-gathers, re-imports and maps at the same peer addresses; multicast is re-created
 //          and re-bound at the same address.
@@ -132,6 +135,7 @@ class SymmetricHeap final : private SleepObserver {
 
  private:
   void before_sleep(Pool&, int level, const std::vector<std::string>& tags) override;
+  void after_sleep(Pool&, int level, const std::vector<std::string>& tags, bool ok) override;
   void before_wake(Pool&, const std::vector<std::string>& tags) override;
   void after_wake(Pool&, const std::vector<std::string>& tags, bool ok) override;
 
@@ -149,6 +153,9 @@ class SymmetricHeap final : private SleepObserver {
   void setup_multicast(SymmetricBuffer& b);
   void teardown_multicast(SymmetricBuffer& b);
   void write_table(SymmetricBuffer& b);
+  // Collective: re-export this rank's parts of `work`, all-gather, import and map the peers'
+  // parts, set multicast up again. Throws (every rank) after dropping what it imported.
+  void reimport(const std::vector<SymmetricBuffer*>& work);
   PhysicalHandle own_handle(const SymmetricBuffer& b) const;
   // Local release of everything a buffer holds; logs failures, never throws.
   void release_local(SymmetricBuffer& b) noexcept;

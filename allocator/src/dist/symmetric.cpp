@@ -484,12 +484,25 @@ void SymmetricHeap::before_sleep(Pool&, int level, const std::vector<std::string
     throw group_timeout(fmt::format("{}: collective {}: {}", who(), request, e.what()), e.missing());
   }
   // Every rank now lets go of what keeps the others' memory alive; then the pool releases ours.
-  std::exception_ptr first;
-  for (SymmetricBuffer* b : affected) {
-    attempt(first, [&] { teardown_multicast(*b); });
-    attempt(first, [&] { drop_imports(*b); });
+  try {
+    step("dropping the peer mappings", [&] {
+      std::exception_ptr first;
+      for (SymmetricBuffer* b : affected) {
+        attempt(first, [&] { teardown_multicast(*b); });
+        attempt(first, [&] { drop_imports(*b); });
+      }
+      if (first) std::rethrow_exception(first);
+    });
+  } catch (...) {
+    // Every rank is here and nothing sleeps: map again what was dropped (a group that failed
+    // refuses this at once; then the next wake does it).
+    try {
+      reimport(affected);
+    } catch (const std::exception& e) {
+      log::error("{}: restoring the peer mappings after a failed sleep failed: {}", who(), e.what());
+    }
+    throw;
   }
-  if (first) std::rethrow_exception(first);
 }
 
 void SymmetricHeap::before_wake(Pool&, const std::vector<std::string>& tags) {
@@ -516,6 +529,85 @@ void SymmetricHeap::before_wake(Pool&, const std::vector<std::string>& tags) {
   wake_work_ = std::move(work);
 }
 
+void SymmetricHeap::reimport(const std::vector<SymmetricBuffer*>& work) {
+  std::vector<UniqueFd> own;
+  std::vector<int> raw;
+  step("exporting this rank's parts", [&] {
+    for (SymmetricBuffer* b : work) {
+      own.emplace_back(driver_.export_fd(own_handle(*b)));
+      raw.push_back(own.back().get());
+    }
+  });
+  auto fds = group_.all_gather_fds(raw);
+  try {
+    step("mapping the peers' parts", [&] {
+      for (std::size_t i = 0; i < work.size(); ++i) {
+        std::vector<int> by_rank;
+        by_rank.reserve(fds.size());
+        for (auto& f : fds) by_rank.push_back(i < f.size() ? f[i].get() : -1);
+        import_peers(*work[i], by_rank);
+      }
+    });
+  } catch (...) {
+    for (SymmetricBuffer* b : work) {
+      try {
+        drop_imports(*b);
+      } catch (const std::exception& e) {
+        log::error("{}: dropping the peer mappings of buffer {} after a failure: {}", who(), b->id_, e.what());
+      }
+    }
+    throw;
+  }
+  for (SymmetricBuffer* b : work) {
+    if (!b->mc_) continue;
+    setup_multicast(*b);
+  }
+}
+
+void SymmetricHeap::after_sleep(Pool&, int, const std::vector<std::string>& tags, bool ok) {
+  // before_sleep dropped every rank's imports of these buffers. When the pool's sleep failed on
+  // some rank, the buffers whose parts are still awake on every rank would stay unmapped until a
+  // wake: every rank learns every outcome and those get their imports back now. A part asleep
+  // anywhere cannot be imported; the wake does it (imports stay all or none).
+  std::lock_guard lock(mu_);
+  auto affected = in_tags(tags);
+  if (affected.empty()) return;
+  std::string mine = ok ? "1" : "0";
+  for (SymmetricBuffer* b : affected) {
+    auto ci = pool_.chunk_info(b->local_);
+    mine += ci && ci->awake ? '1' : '0';
+  }
+  std::vector<std::vector<std::byte>> all;
+  try {
+    all = group_.all_gather(to_bytes(mine));
+  } catch (const std::exception& e) {
+    log::error("{}: after a sleep{} the ranks could not compare outcomes ({}); peer mappings of buffers {} are "
+               "restored by the next wake",
+               who(), ok ? "" : " that failed here", e.what(), ids_of(affected));
+    if (ok) throw;
+    return;
+  }
+  std::vector<std::string> outcomes;
+  for (auto& a : all) outcomes.push_back(from_bytes(a));
+  if (std::all_of(outcomes.begin(), outcomes.end(), [](const std::string& o) { return !o.empty() && o[0] == '1'; }))
+    return;  // asleep everywhere: the wake re-imports
+  std::vector<SymmetricBuffer*> work;
+  for (std::size_t i = 0; i < affected.size(); ++i)
+    if (std::all_of(outcomes.begin(), outcomes.end(),
+                    [&](const std::string& o) { return i + 1 < o.size() && o[i + 1] == '1'; }))
+      work.push_back(affected[i]);
+  if (work.empty()) return;
+  try {
+    reimport(work);
+    log::warn("{}: the sleep failed; the peer mappings of symmetric buffers {} were restored", who(), ids_of(work));
+  } catch (const std::exception& e) {
+    log::error("{}: restoring the peer mappings of symmetric buffers {} after a failed sleep failed ({}); the next "
+               "wake restores them",
+               who(), ids_of(work), e.what());
+    if (ok) throw;
+  }
+}
+
 void SymmetricHeap::after_wake(Pool&, const std::vector<std::string>&, bool ok) {
   // Inside Pool::wake_up's handler when !ok: the pool's own exception says why.
   std::string pool_failure = "the pool's wake_up failed on this rank";
@@ -539,38 +631,7 @@ void SymmetricHeap::after_wake(Pool&, const std::vector<std::string>&, bool ok) 
     step("waking the pool", [&] {
       if (!ok) throw error(pool_failure);
     });
-    std::vector<UniqueFd> own;
-    std::vector<int> raw;
-    step("exporting this rank's parts", [&] {
-      for (SymmetricBuffer* b : work) {
-        own.emplace_back(driver_.export_fd(own_handle(*b)));
-        raw.push_back(own.back().get());
-      }
-    });
-    auto fds = group_.all_gather_fds(raw);
-    try {
-      step("mapping the peers' parts", [&] {
-        for (std::size_t i = 0; i < work.size(); ++i) {
-          std::vector<int> by_rank;
-          by_rank.reserve(fds.size());
-          for (auto& f : fds) by_rank.push_back(i < f.size() ? f[i].get() : -1);
-          import_peers(*work[i], by_rank);
-        }
-      });
-    } catch (...) {
-      for (SymmetricBuffer* b : work) {
-        try {
-          drop_imports(*b);
-        } catch (const std::exception& e) {
-          log::error("{}: dropping the peer mappings of buffer {} after a failed wake: {}", who(), b->id_, e.what());
-        }
-      }
-      throw;
-    }
-    for (SymmetricBuffer* b : work) {
-      if (!b->mc_) continue;
-      setup_multicast(*b);
-    }
+    reimport(work);
   } catch (const group_timeout& e) {
     if (!ok) return;  // the pool rethrows its own error
     throw group_timeout(fmt::format("{}: collective {}: {}", who(), request, e.what()), e.missing());

@@ -19,6 +19,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "driver/host_driver_async.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 
@@ -145,10 +146,16 @@ HostDriver::HostDriver(HostDriverOptions options)
     throw invalid_argument(
         fmt::format("HostDriver granularity {} must be a power of two and a multiple of the page size",
                     options_.granularity));
+  if (options_.async_max_delay < std::chrono::microseconds{0} || options_.async_max_delay > std::chrono::seconds{1})
+    throw invalid_argument(
+        fmt::format("HostDriver async_max_delay {} us is outside [0, 1000000] us", options_.async_max_delay.count()));
   raise_fd_limit_once();
+  if (options_.async) async_ = std::make_unique<HostAsyncEngine>(options_.async_seed, options_.async_max_delay);
 }
 
 HostDriver::~HostDriver() {
+  // Queued work finishes first (it may touch the mappings given back below).
+  async_.reset();
   // Leaks are the pool's bug, not ours to hide: report them, then give the memory back.
   std::lock_guard lock(mu_);
   if (!mappings_.empty() || !handles_.empty() || !reservations_.empty())
@@ -327,6 +334,7 @@ void HostDriver::unmap(device_ptr va, std::size_t bytes) {
   auto it = mappings_.find(va);
   if (it == mappings_.end() || it->second.bytes != bytes)
     misuse(call, fmt::format("[{:#x}, +{:#x}) is not exactly one mapping", va, bytes));
+  refuse_if_in_flight(va, va + bytes, call);
   if (anon_none(reinterpret_cast<void*>(va), bytes) == MAP_FAILED)
     throw_driver_error(k_invalid, call, errno_text("mmap PROT_NONE over the mapping"));
   mappings_.erase(it);  // may free the memory if its handle was released already
@@ -573,6 +581,8 @@ void HostDriver::host_free(void* p) {
   std::lock_guard lock(mu_);
   auto it = host_blocks_.find(p);
   if (it == host_blocks_.end()) misuse("cuMemFreeHost", fmt::format("{} was not returned by host_alloc", p));
+  refuse_if_in_flight(reinterpret_cast<std::uintptr_t>(p), reinterpret_cast<std::uintptr_t>(p) + it->second,
+                      "cuMemFreeHost");
   ::munmap(p, it->second);
   host_blocks_.erase(it);
 }
@@ -583,16 +593,24 @@ void HostDriver::require_stream(Stream s, const char* call) const {
 
 Stream HostDriver::stream_create(int device) {
   check_device(device, "cuStreamCreate");
+  std::uint64_t id;
+  {
+    std::lock_guard lock(mu_);
+    id = next_id_++;
+  }
+  if (async_) async_->add_stream(id, device);
   std::lock_guard lock(mu_);
-  std::uint64_t id = next_id_++;
   streams_.insert(id);
   return Stream{id, device};
 }
 
 void HostDriver::stream_destroy(Stream s) {
-  std::lock_guard lock(mu_);
-  require_stream(s, "cuStreamDestroy");
-  streams_.erase(s.value);
+  {
+    std::lock_guard lock(mu_);
+    require_stream(s, "cuStreamDestroy");
+    streams_.erase(s.value);
+  }
+  if (async_) async_->remove_stream(s.value);  // its queued work completes first
 }
 
 void HostDriver::check_accessible(const void* p, std::size_t n, const char* call) const {
@@ -623,15 +641,104 @@ void HostDriver::check_accessible(const void* p, std::size_t n, const char* call
   }
 }
 
+bool HostDriver::in_reservation(const void* p) const {
+  auto lo = reinterpret_cast<device_ptr>(p);
+  auto r = reservations_.upper_bound(lo);
+  if (r == reservations_.begin()) return false;
+  --r;
+  return lo < r->first + r->second;
+}
+
+bool HostDriver::in_pinned_block(const void* p) const {
+  auto* b = static_cast<const std::byte*>(p);
+  for (auto& [base, bytes] : host_blocks_) {
+    const auto* lo = static_cast<const std::byte*>(base);
+    if (b >= lo && b < lo + bytes) return true;
+  }
+  return false;
+}
+
+std::uint64_t HostDriver::register_in_flight(std::vector<InFlight> ranges) {
+  std::uint64_t op = next_op_++;
+  in_flight_[op] = std::move(ranges);
+  return op;
+}
+
+void HostDriver::unregister_in_flight(std::uint64_t op) noexcept {
+  std::lock_guard lock(mu_);
+  in_flight_.erase(op);
+}
+
+void HostDriver::refuse_if_in_flight(std::uintptr_t lo, std::uintptr_t hi, const char* call) {
+  for (auto& [op, ranges] : in_flight_) {
+    for (const InFlight& r : ranges) {
+      if (r.lo >= hi || lo >= r.hi) continue;
+      ++async_conflicts_;
+      misuse(call, fmt::format("[{:#x}, {:#x}) is still touched by a queued {} on stream {} ([{:#x}, {:#x})); "
+                               "synchronize the stream or an event recorded after it first",
+                               lo, hi, r.call, r.stream, r.lo, r.hi));
+    }
+  }
+}
+
+std::uint64_t HostDriver::submit(Stream s, std::function<void()> work, std::vector<InFlight> ranges) {
+  std::uint64_t op;
+  {
+    std::lock_guard lock(mu_);
+    op = register_in_flight(std::move(ranges));
+  }
+  try {
+    return async_->submit(s.value, [this, op, work = std::move(work)] {
+      work();
+      unregister_in_flight(op);
+    });
+  } catch (...) {
+    unregister_in_flight(op);
+    throw;
+  }
+}
+
 void HostDriver::copy_async(void* dst, const void* src, std::size_t bytes, Stream s) {
   const char* call = "cuMemcpyAsync";
+  bool src_pageable = false, dst_pageable = false;
+  std::vector<InFlight> touched;
   {
     std::lock_guard lock(mu_);
     require_stream(s, call);
     check_accessible(src, bytes, call);
     check_accessible(dst, bytes, call);
+    if (!async_) {
+      // Synchronous mode: done below, outside the lock.
+    } else {
+      src_pageable = !in_reservation(src) && !in_pinned_block(src);
+      dst_pageable = !in_reservation(dst) && !in_pinned_block(dst);
+      auto add = [&](const void* p, bool pageable) {
+        auto lo = reinterpret_cast<std::uintptr_t>(p);
+        if (!pageable && bytes > 0) touched.push_back(InFlight{lo, lo + bytes, s.value, call});
+      };
+      add(src, src_pageable);
+      add(dst, dst_pageable);
+    }
   }
-  if (bytes > 0) std::memmove(dst, src, bytes);
+  if (!async_) {
+    if (bytes > 0) std::memmove(dst, src, bytes);
+    return;
+  }
+  // As cuMemcpyAsync: a pageable source is taken when the copy is queued; a pageable
+  // destination holds the bytes when the call returns.
+  std::shared_ptr<std::vector<std::byte>> staged;
+  if (src_pageable && bytes > 0) {
+    const auto* b = static_cast<const std::byte*>(src);
+    staged = std::make_shared<std::vector<std::byte>>(b, b + bytes);
+    src = staged->data();
+  }
+  std::uint64_t ticket = submit(
+      s,
+      [dst, src, bytes, staged] {
+        if (bytes > 0) std::memmove(dst, src, bytes);
+      },
+      std::move(touched));
+  if (dst_pageable) async_->wait(s.value, ticket);
 }
 
 void HostDriver::fill_async(device_ptr dst, std::uint8_t value, std::size_t bytes, Stream s) {
@@ -641,54 +748,131 @@ void HostDriver::fill_async(device_ptr dst, std::uint8_t value, std::size_t byte
     require_stream(s, call);
     check_accessible(reinterpret_cast<void*>(dst), bytes, call);
   }
-  if (bytes > 0) std::memset(reinterpret_cast<void*>(dst), value, bytes);
+  auto* p = reinterpret_cast<void*>(dst);
+  if (!async_) {
+    if (bytes > 0) std::memset(p, value, bytes);
+    return;
+  }
+  std::vector<InFlight> touched;
+  if (bytes > 0) touched.push_back(InFlight{dst, dst + bytes, s.value, call});
+  submit(
+      s,
+      [p, value, bytes] {
+        if (bytes > 0) std::memset(p, value, bytes);
+      },
+      std::move(touched));
+}
+
+void HostDriver::launch(Stream s, std::function<void()> kernel) {
+  {
+    std::lock_guard lock(mu_);
+    require_stream(s, "cuLaunchKernel");
+  }
+  if (!async_) {
+    kernel();
+    return;
+  }
+  submit(s, std::move(kernel), {});
+}
+
+void HostDriver::delay_stream(Stream s, std::chrono::microseconds pause) {
+  {
+    std::lock_guard lock(mu_);
+    require_stream(s, "delay_stream");
+  }
+  if (pause < std::chrono::microseconds{0} || pause > std::chrono::seconds{10})
+    throw invalid_argument(fmt::format("HostDriver::delay_stream: {} us is outside [0, 10000000] us", pause.count()));
+  if (async_)
+    async_->submit(
+        s.value, [] {}, pause);
 }
 
 void HostDriver::stream_synchronize(Stream s) {
-  std::lock_guard lock(mu_);
-  require_stream(s, "cuStreamSynchronize");
+  {
+    std::lock_guard lock(mu_);
+    require_stream(s, "cuStreamSynchronize");
+  }
+  if (async_) async_->synchronize_stream(s.value);
 }
 
-void HostDriver::device_synchronize(int device) { check_device(device, "cuCtxSynchronize"); }
+void HostDriver::device_synchronize(int device) {
+  check_device(device, "cuCtxSynchronize");
+  if (async_) async_->synchronize_device(device);
+}
 
 Event HostDriver::event_create(int device) {
   check_device(device, "cuEventCreate");
-  std::lock_guard lock(mu_);
-  std::uint64_t id = next_id_++;
-  events_.insert(id);
+  std::uint64_t id;
+  {
+    std::lock_guard lock(mu_);
+    id = next_id_++;
+    events_.insert(id);
+  }
+  if (async_) async_->add_event(id);
   return Event{id, device};
 }
 
 void HostDriver::event_destroy(Event e) {
-  std::lock_guard lock(mu_);
-  if (!events_.erase(e.value)) misuse("cuEventDestroy", fmt::format("unknown event {}", e.value));
+  {
+    std::lock_guard lock(mu_);
+    if (!events_.erase(e.value)) misuse("cuEventDestroy", fmt::format("unknown event {}", e.value));
+  }
+  if (async_) async_->remove_event(e.value);
 }
 
 void HostDriver::event_record(Event e, Stream s) {
-  std::lock_guard lock(mu_);
-  require_stream(s, "cuEventRecord");
-  if (!events_.count(e.value)) misuse("cuEventRecord", fmt::format("unknown event {}", e.value));
+  {
+    std::lock_guard lock(mu_);
+    require_stream(s, "cuEventRecord");
+    if (!events_.count(e.value)) misuse("cuEventRecord", fmt::format("unknown event {}", e.value));
+  }
+  if (async_) async_->record(e.value, s.value);
 }
 
 void HostDriver::stream_wait_event(Stream s, Event e) {
-  std::lock_guard lock(mu_);
-  require_stream(s, "cuStreamWaitEvent");
-  if (!events_.count(e.value)) misuse("cuStreamWaitEvent", fmt::format("unknown event {}", e.value));
+  {
+    std::lock_guard lock(mu_);
+    require_stream(s, "cuStreamWaitEvent");
+    if (!events_.count(e.value)) misuse("cuStreamWaitEvent", fmt::format("unknown event {}", e.value));
+  }
+  if (async_) async_->stream_wait_event(s.value, e.value);
 }
 
 void HostDriver::event_synchronize(Event e) {
-  std::lock_guard lock(mu_);
-  if (!events_.count(e.value)) misuse("cuEventSynchronize", fmt::format("unknown event {}", e.value));
+  {
+    std::lock_guard lock(mu_);
+    if (!events_.count(e.value)) misuse("cuEventSynchronize", fmt::format("unknown event {}", e.value));
+  }
+  if (async_) async_->synchronize_event(e.value);
 }
 
 void HostDriver::hash(std::span<const HashRange> ranges, Hash128* out, Stream s) {
   const char* call = "hash";
+  std::vector<InFlight> touched;
   {
     std::lock_guard lock(mu_);
     require_stream(s, call);
-    for (const HashRange& r : ranges) check_accessible(r.ptr, r.bytes, call);
+    for (const HashRange& r : ranges) {
+      check_accessible(r.ptr, r.bytes, call);
+      auto lo = reinterpret_cast<std::uintptr_t>(r.ptr);
+      if (async_ && r.bytes > 0) touched.push_back(InFlight{lo, lo + r.bytes, s.value, call});
+    }
   }
-  for (std::size_t i = 0; i < ranges.size(); ++i) out[i] = content_hash::compute(ranges[i].ptr, ranges[i].bytes);
+  if (!async_) {
+    for (std::size_t i = 0; i < ranges.size(); ++i) out[i] = content_hash::compute(ranges[i].ptr, ranges[i].bytes);
+    return;
+  }
+  // Ordered after the stream's earlier work, like the device's hash kernel; blocks for the results.
+  std::vector<HashRange> copy(ranges.begin(), ranges.end());
+  auto results = std::make_shared<std::vector<Hash128>>(copy.size());
+  std::uint64_t ticket = submit(
+      s,
+      [copy, results] {
+        for (std::size_t i = 0; i < copy.size(); ++i) (*results)[i] = content_hash::compute(copy[i].ptr, copy[i].bytes);
+      },
+      std::move(touched));
+  async_->wait(s.value, ticket);
+  std::copy(results->begin(), results->end(), out);
 }
 
 HostDriverCounters HostDriver::counters() const {
@@ -710,7 +894,16 @@ HostDriverCounters HostDriver::counters() const {
   for (auto& [p, n] : host_blocks_) c.host_bytes += n;
   c.streams = streams_.size();
   c.events = events_.size();
+  c.async_pending = async_ ? async_->pending() : 0;
+  c.async_conflicts = async_conflicts_.load();
   return c;
+}
+
+std::vector<std::pair<std::byte*, std::size_t>> HostDriver::host_blocks() const {
+  std::lock_guard lock(mu_);
+  std::vector<std::pair<std::byte*, std::size_t>> out;
+  for (auto& [p, bytes] : host_blocks_) out.emplace_back(static_cast<std::byte*>(p), bytes);
+  return out;
 }
 
 std::size_t HostDriver::live_physical_bytes(int device) const {

@@ -3,6 +3,8 @@
 
 #include <fmt/format.h>
 
+#include <array>
+#include <cstring>
 #include <exception>
 
 #include "torpor/error.hpp"
@@ -63,6 +65,7 @@ std::size_t ChunkMemory::pending() const {
 // Chunk
 
 void Chunk::remap(ChunkMemory& m) {
+  if (handle) return;  // stranded: still mapped
   PhysicalHandle h = m.create(bytes, tag);
   try {
     m.driver().map(va, bytes, h, 0);
@@ -90,15 +93,27 @@ void Chunk::unmap_and_release(ChunkMemory& m) {
   m.release_or_defer(h, va);
 }
 
-void Chunk::drop_mapping(ChunkMemory& m) noexcept {
+bool Chunk::drop_mapping(ChunkMemory& m) noexcept {
   try {
     m.driver().unmap(va, bytes);
   } catch (const std::exception& e) {
-    log::error("pool: unmapping chunk {:#x} in a rollback failed: {}", va, e.what());
+    // Releasing the handle now would hide memory that is still mapped: keep it.
+    log::error("pool: unmapping chunk {:#x} in a rollback failed; it keeps its mapping: {}", va, e.what());
+    return false;
   }
   PhysicalHandle h = handle;
   handle = {};
   m.release_or_defer(h, va);
+  return true;
+}
+
+Hash128 sample_of(const std::byte* p, std::size_t bytes) noexcept {
+  constexpr std::size_t window = 64, windows = 8;
+  if (bytes <= window * windows) return content_hash::compute(p, bytes);
+  std::array<std::byte, window * windows> buf{};
+  for (std::size_t i = 0; i < windows; ++i)
+    std::memcpy(buf.data() + i * window, p + i * (bytes - window) / (windows - 1), window);
+  return content_hash::compute(buf.data(), buf.size());
 }
 
 std::size_t Chunk::backed_bytes(std::size_t lo, std::size_t hi) const noexcept {

@@ -5,14 +5,17 @@
 // remap() creates new memory and maps it at the chunk's VA (the wake sets access once per
 // VA-contiguous group), map_new() also sets access (a new chunk on the allocation path),
 // unmap_and_release() gives the memory back, drop_mapping() does the same for rollbacks
-// without throwing. ChunkMemory is the driver side shared by a pool's chunks: creation with a
-// typed out-of-memory error, the access list, and the deferred-release rule.
+// without throwing (and says whether it could). ChunkMemory is the driver side shared by a pool's chunks: creation with
+// a typed out-of-memory error, the access list, and the deferred-release rule.
 //
 // Invariants:
 //   - a chunk holds a handle exactly while memory is mapped at [va, va + bytes); an awake
 //     chunk holds one with access set for ChunkMemory::access_devices(). During a wake an
 //     asleep chunk may hold the handle the map thread just mapped; the wake makes the chunk
-//     awake or drops the mapping before it returns;
+//     awake or drops the mapping before it returns. Only when that unmap fails and the chunk
+//     cannot be woken either does an asleep chunk keep its handle after the wake ("stranded":
+//     still mapped, its bytes in its backups); the next wake reuses the mapping, the next sleep
+//     or trim retries the unmap;
 //   - a failed unmap throws with nothing changed (the chunk keeps its handle);
 //   - a handle whose release failed is never lost: it waits in ChunkMemory's pending list
 //     (thread-safe: the sleep's release workers defer concurrently) and is retried by the next
@@ -52,12 +55,29 @@ struct Allocation {
 
 // A host copy of chunk bytes [offset, offset + bytes): a backup while asleep, a retained
 // copy while awake.
+//
+// Verification of retained copies, which live across many cycles. Before a sleep trusts one
+// (skips copying bytes whose device hash still matches), it re-reads a sample of the host bytes
+// (sample_of: at most 512 bytes in 8 windows spread over the copy, so the check costs
+// microseconds whatever the size) against the sample taken when the copy landed: a copy
+// overwritten in bulk is caught there and copied afresh while the device still holds the bytes.
+// A backup that came from a trusted copy (trusted) is checked completely once restored: the device
+// hashes the restored bytes (at HBM speed on a GPU, a small fraction of the restore's time) against
+// `hash`; a mismatch (a few bytes changed outside the sample) is not handed back (wake fills the
+// range with the poison pattern and throws naming the allocation).
 struct HostCopy {
   std::size_t bytes = 0;
   HostSpan span;  // span.bytes >= bytes
   Hash128 hash;   // of the bytes when copied (valid when hashed)
   bool hashed = false;
+  Hash128 sample;  // sample_of the host bytes once they landed (valid when sampled)
+  bool sampled = false;
+  bool trusted = false;  // a backup whose bytes were not copied at its sleep (an unchanged retained copy)
 };
+
+// The sample of a host copy (see HostCopy): the content hash of at most eight 64-byte windows
+// spread evenly over [p, p + bytes), first and last included; all of it when 512 bytes or fewer.
+Hash128 sample_of(const std::byte* p, std::size_t bytes) noexcept;
 
 // The driver side of chunks' physical memory, one per pool.
 class ChunkMemory {
@@ -107,8 +127,9 @@ struct Chunk {
 
   bool slab() const noexcept { return kind != ChunkKind::dedicated; }
 
-  // Create physical memory and map it at [va, va + bytes); access is the caller's. Needs no
-  // handle held. On failure nothing changed (a created handle is released or deferred).
+  // Create physical memory and map it at [va, va + bytes); access is the caller's. A stranded
+  // chunk's mapping is reused as it is. On failure nothing changed (a created handle is released
+  // or deferred).
   void remap(ChunkMemory& m);
   // remap() and set access for this chunk alone: a new chunk on the allocation path. On
   // failure nothing changed.
@@ -116,8 +137,11 @@ struct Chunk {
   // Unmap, then release (a failed release is deferred). A failed unmap throws with nothing
   // changed.
   void unmap_and_release(ChunkMemory& m);
-  // For rollbacks: unmap (a failure is logged), release or defer. Never throws.
-  void drop_mapping(ChunkMemory& m) noexcept;
+  // For rollbacks: unmap, then release or defer; true when the memory is unmapped. When the
+  // unmap fails (logged) the chunk keeps its handle, still mapped. Never throws.
+  bool drop_mapping(ChunkMemory& m) noexcept;
+  // Asleep but still holding its mapping (see the invariants above).
+  bool stranded() const noexcept { return !awake && handle; }
 
   // Bytes of chunk offsets [lo, hi) that backups cover.
   std::size_t backed_bytes(std::size_t lo, std::size_t hi) const noexcept;

@@ -25,11 +25,20 @@ void OffloadPipeline::issue(std::size_t k, Stream stream) {
   s_.driver.event_record(s_.events[k], stream);
 }
 
+void OffloadPipeline::sample_copies(std::size_t k) {
+  for (Piece& p : plan_.chunks[k].pieces) {
+    if (p.skip) continue;  // keeps the sample its retained copy had
+    p.sample = sample_of(p.span.ptr, p.bytes);
+    p.sampled = true;
+  }
+}
+
 void OffloadPipeline::release_loop() {
   while (auto k = issued_.pop()) {
     if (worker_failed_) continue;  // drain after a failure
     try {
       s_.driver.event_synchronize(s_.events[*k]);
+      sample_copies(*k);
       plan_.chunks[*k].chunk->unmap_and_release(s_.memory);  // a failed release is deferred
     } catch (...) {
       std::lock_guard lock(worker_mu_);

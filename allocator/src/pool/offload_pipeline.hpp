@@ -6,7 +6,8 @@
 // grows with its size, so a few workers overlap them.
 //
 // Invariants:
-//   - a chunk is unmapped only after its own copies completed (its event);
+//   - a chunk is unmapped only after its own copies completed (its event), and its pieces'
+//     host copies are sampled (HostCopy) in between, by the worker that releases it;
 //   - chunks are issued in plan order; an issue failure stops issuing at a chunk boundary and a
 //     worker failure stops both issuing and unmapping (the other workers drain the queue);
 //   - released(k) is true exactly for the chunks whose memory is gone (released, or deferred in
@@ -42,6 +43,7 @@ class OffloadPipeline {
  private:
   void issue(std::size_t k, Stream stream);  // chunk k's copies and event
   void release_loop();                       // a worker
+  void sample_copies(std::size_t k);         // chunk k's copies landed: take their samples
 
   Pool::State& s_;
   SleepPlan& plan_;

@@ -242,7 +242,7 @@ Pool::~Pool() {
     log::error("pool: device synchronize at destruction failed: {}", e.what());
   }
   for (auto& [va, c] : s.chunks) {
-    if (c->awake && c->handle) {
+    if (c->handle) {  // awake, or stranded
       try {
         c->unmap_and_release(s.memory);
       } catch (const std::exception& e) {
@@ -412,6 +412,21 @@ void remove_from_chunk(Pool::State& s, Allocation& a) {
   if (c.allocations.empty()) dispose_if_spare(s, c);
 }
 
+// mark() on a sleeping allocation: bytes the sleep discarded have no backup, so they come back
+// undefined whatever their class; calling them state would promise bytes that do not exist.
+void refuse_state_over_discarded_bytes(const Allocation& a, std::size_t lo, std::size_t hi, MemoryClass cls) {
+  const Chunk& c = *a.chunk;
+  if (c.awake || cls != MemoryClass::state) return;
+  std::size_t backed = c.backed_bytes(a.offset + lo, a.offset + hi);
+  if (backed == hi - lo) return;
+  const std::string& name = std::prev(a.segments.upper_bound(lo))->second.name;
+  throw invalid_state(fmt::format(
+      "mark: [{}, +{}) of allocation {}{} (tag '{}') is asleep at level {} and {} of those bytes were discarded by the "
+      "sleep; marking them state would claim bytes that no longer exist: wake_up({{\"{}\"}}) (and reload them) first",
+      hex(a.base + lo), hi - lo, hex(a.base), name.empty() ? std::string() : fmt::format(" '{}'", name), c.tag,
+      static_cast<int>(c.level), hi - lo - backed, c.tag));
+}
+
 }  // namespace
 
 void Pool::deallocate(void* ptr) {
@@ -440,6 +455,7 @@ void Pool::mark(void* ptr, std::size_t bytes, MemoryClass memory_class, std::str
     throw invalid_argument(fmt::format("mark: [{}, +{}) runs past the end of allocation {} ({} bytes)", hex(p), bytes,
                                        hex(a.base), a.bytes));
   std::size_t hi = lo + bytes;
+  refuse_state_over_discarded_bytes(a, lo, hi, memory_class);
   auto& segs = a.segments;
   auto split = [&](std::size_t at) {
     if (at == 0 || at >= a.bytes) return;
@@ -498,10 +514,16 @@ void add_chunk_stats(const Chunk& c, PoolStats& st, TagStats& x) {
   ++x.chunks;
   ++st.chunks;
   x.reserved_bytes += c.bytes;
-  for (auto& [off, r] : c.retained) st.retained_bytes += r.bytes;
-  if (c.awake) {
+  for (auto& [off, r] : c.retained) {
+    st.retained_bytes += r.bytes;
+    st.host_copies_bytes += r.span.bytes;
+  }
+  for (auto& [off, b] : c.backups) st.host_copies_bytes += b.span.bytes;
+  if (c.handle) {  // awake, or stranded: still mapped
     x.mapped_bytes += c.bytes;
     st.mapped_bytes += c.bytes;
+  }
+  if (c.awake) {
     if (c.allocations.empty()) st.cached_bytes += c.bytes;
   } else {
     x.level = std::max(x.level, static_cast<int>(c.level));
@@ -589,6 +611,7 @@ std::size_t Pool::trim() {
     s.dispose_chunk(*c);
     released += b;
   }
+  s.retry_stranded_mappings();
   s.retry_pending_releases();
   return released;
 }

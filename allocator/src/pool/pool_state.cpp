@@ -29,7 +29,16 @@ Chunk& Pool::State::new_chunk(std::size_t bytes, const std::string& tag, MemoryC
   try {
     c->map_new(memory);
   } catch (...) {
-    va.free(*off, bytes);
+    if (c->handle) {
+      // Set access failed and so did the unmap: the span stays mapped, so it must not be handed
+      // out again; the handle goes (the memory lives until the reservation is freed).
+      log::error("pool: a new chunk at {:#x} could not be unmapped after a failure; its {} bytes of address space "
+                 "are lost",
+                 c->va, bytes);
+      memory.release_or_defer(c->handle, c->va);
+    } else {
+      va.free(*off, bytes);
+    }
     throw;
   }
   if (c->slab()) c->space = RangeAllocator(bytes);
@@ -39,7 +48,7 @@ Chunk& Pool::State::new_chunk(std::size_t bytes, const std::string& tag, MemoryC
 }
 
 void Pool::State::dispose_chunk(Chunk& c) {
-  if (c.awake) c.unmap_and_release(memory);  // may throw: then nothing changed
+  if (c.handle) c.unmap_and_release(memory);  // awake or stranded; may throw: then nothing changed
   drop_all_copies(c.backups);
   drop_all_copies(c.retained);
   va.free(c.va - va_base, c.bytes);
@@ -78,17 +87,30 @@ void Pool::State::drop_copies(std::map<std::size_t, HostCopy>& copies, std::size
     // rounding slack; the middle goes back to the store. Split pieces lose their hash.
     std::size_t slack = c.span.bytes - c.bytes;
     if (cut_lo > start)
-      copies[start] = HostCopy{cut_lo - start, HostSpan{c.span.ptr, cut_lo - start, c.span.pinned}, {}, false};
+      copies[start] =
+          HostCopy{cut_lo - start, HostSpan{c.span.ptr, cut_lo - start, c.span.pinned}, {}, false, {}, false, false};
     if (cut_hi < end) {
-      copies[cut_hi] = HostCopy{end - cut_hi,
-                                HostSpan{c.span.ptr + (cut_hi - start), end - cut_hi + slack, c.span.pinned},
-                                {},
-                                false};
+      copies[cut_hi] =
+          HostCopy{end - cut_hi, HostSpan{c.span.ptr + (cut_hi - start), end - cut_hi + slack, c.span.pinned},
+                   {},           false,
+                   {},           false,
+                   false};
       free_span(HostSpan{c.span.ptr + (cut_lo - start), cut_hi - cut_lo, c.span.pinned});
     } else {
       free_span(HostSpan{c.span.ptr + (cut_lo - start), cut_hi - cut_lo + slack, c.span.pinned});
     }
     it = copies.lower_bound(cut_hi);
+  }
+}
+
+void Pool::State::retry_stranded_mappings() noexcept {
+  for (auto& [va, c] : chunks) {
+    if (!c->stranded()) continue;
+    try {
+      c->unmap_and_release(memory);
+    } catch (const std::exception& e) {
+      log::warn("pool: chunk {:#x} is asleep but still mapped; unmapping it failed again: {}", va, e.what());
+    }
   }
 }
 

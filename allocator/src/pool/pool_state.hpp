@@ -7,7 +7,8 @@
 //     segments cover [0, bytes) without gaps, adjacent segments differing in class or name;
 //   - a Chunk belongs to one tag; an awake Chunk holds a handle mapped at [va, va + bytes)
 //     with access set for memory.access_devices() and has no backups; an asleep Chunk holds no
-//     handle (outside a wake in progress, see chunk.hpp), nothing is mapped at its VA, and its
+//     handle (outside a wake in progress, and except a stranded one, see chunk.hpp: then its
+//     memory is still mapped and counted as mapped), nothing is mapped at its VA, and its
 //     backups cover exactly the allocated bytes that survived its level (sleep_policy.hpp) by
 //     the classes they had when it fell asleep or was deepened (mark() while asleep applies to
 //     the next sleep), each backup owning its own HostStore span;
@@ -85,6 +86,9 @@ struct Pool::State {
   Chunk& new_chunk(std::size_t bytes, const std::string& tag, MemoryClass cls, ChunkKind kind);
   // Retry deferred releases; failures stay pending (logged).
   void retry_pending_releases() noexcept { memory.retry_pending(); }
+  // Retry the unmap of stranded chunks (asleep, still mapped after a failed rollback); failures
+  // stay stranded (logged).
+  void retry_stranded_mappings() noexcept;
   // Drop a chunk with no allocations: unmaps if awake, frees host copies and VA.
   void dispose_chunk(Chunk& c);
   // Free the host copies of chunk offsets [lo, hi) in `copies`, splitting those that straddle.

@@ -44,18 +44,21 @@ SleepLevel checked_level(int level) {
 }
 
 // Runs `op` between the observers' before and after calls (the rules are SleepObserver's).
+// Every observer whose before call returned is told the outcome exactly once: after(false) when
+// a before call or the operation threw, else after(true), every observer even when one of them
+// throws (the first such exception is rethrown once all were told; the pool's own operation
+// succeeded, so it is never reported as failed).
 template <typename Before, typename Op, typename After>
 TransitionReport observed(const std::vector<SleepObserver*>& observers, Before before, Op op, After after,
                           const char* operation, const char* noun) {
   std::size_t notified = 0;
+  TransitionReport r;
   try {
     for (SleepObserver* o : observers) {
       before(*o);
       ++notified;
     }
-    TransitionReport r = op();
-    for (SleepObserver* o : observers) after(*o, true);
-    return r;
+    r = op();
   } catch (...) {
     for (std::size_t i = 0; i < notified; ++i) {
       try {
@@ -66,6 +69,16 @@ TransitionReport observed(const std::vector<SleepObserver*>& observers, Before b
     }
     throw;
   }
+  std::exception_ptr first;
+  for (SleepObserver* o : observers) {
+    try {
+      after(*o, true);
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
+  return r;
 }
 
 // The tags' state across one sleep: asleep from the start (allocating into them is refused);
@@ -105,7 +118,7 @@ void put_released_to_sleep(SleepPlan& plan, const OffloadPipeline& pipeline, Tra
     c.awake = false;
     c.level = plan.level;
     for (auto& p : cp.pieces) {
-      c.backups[p.offset] = HostCopy{p.bytes, p.span, p.hash, p.hashed};
+      c.backups[p.offset] = HostCopy{p.bytes, p.span, p.hash, p.hashed, p.sample, p.sampled, p.skip};
       p.span = {};
     }
     r.bytes_released += c.bytes;
@@ -214,6 +227,7 @@ TransitionReport Pool::sleep_tags(SleepLevel level, const std::vector<std::strin
     auto t = clock_type::now();
     s.driver.device_synchronize(options_.device);
     r.phases.push_back({"synchronize", since(t)});
+    s.retry_stranded_mappings();  // after the synchronize: no restore of a failed wake still writes
     plan_offload(s, plan, r);
   } catch (...) {
     plan.free_spans(s);

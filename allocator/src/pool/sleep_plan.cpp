@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <chrono>
 
+#include "torpor/log.hpp"
+
 namespace torpor {
 
 namespace {
@@ -63,8 +65,20 @@ std::size_t reuse_retained_copies(Pool::State& s, ChunkPlan& plan) {
   for (auto& p : plan.pieces) {
     auto it = c.retained.find(p.offset);
     if (it == c.retained.end() || it->second.bytes != p.bytes) continue;
-    p.span = it->second.span;
-    p.skip = p.hashed && it->second.hashed && it->second.hash == p.hash;
+    const HostCopy& kept = it->second;
+    p.span = kept.span;
+    p.skip = p.hashed && kept.hashed && kept.hash == p.hash;
+    if (p.skip && kept.sampled && sample_of(kept.span.ptr, kept.bytes) != kept.sample) {
+      // The host copy changed while it was kept: the device still has the bytes, copy them again.
+      log::warn("sleep: the retained host copy of chunk {:#x} +{:#x} ({} bytes, tag '{}') changed since it was made; "
+                "copying the bytes again",
+                c.va, p.offset, p.bytes, c.tag);
+      p.skip = false;
+    }
+    if (p.skip) {
+      p.sample = kept.sample;
+      p.sampled = kept.sampled;
+    }
     c.retained.erase(it);
   }
   s.drop_all_copies(c.retained);

@@ -8,8 +8,8 @@
 //      copy_piece_bytes; free space never travels;
 //   2. hash every piece on the device (skip_unchanged);
 //   3. a retained copy of exactly a piece's range lends the piece its span, and the copy is
-//      skipped when both hashes match; retained copies that match no piece are stale and go
-//      back to the store first;
+//      skipped when both hashes match and the copy's sample still reads the same (HostCopy);
+//      retained copies that match no piece are stale and go back to the store first;
 //   4. reserve host space for the other pieces in one go (one new block per tier at most: a
 //      steady cycle allocates no host memory), take a span for each, create one event per
 //      chunk for the pipeline.
@@ -34,6 +34,8 @@ struct Piece {
   Hash128 hash;
   bool hashed = false;
   bool skip = false;  // the retained copy holds exactly these bytes
+  Hash128 sample;     // sample_of the host copy (chunk.hpp), once it holds the bytes
+  bool sampled = false;
 };
 
 struct ChunkPlan {

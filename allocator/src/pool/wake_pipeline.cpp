@@ -2,7 +2,10 @@
 #include "pool/wake_pipeline.hpp"
 
 #include <chrono>
+#include <exception>
 #include <thread>
+
+#include "torpor/log.hpp"
 
 namespace torpor {
 
@@ -61,18 +64,32 @@ void WakePipeline::fill_discarded(const Chunk& c, Stream stream) {
   });
 }
 
-void WakePipeline::issue_restores(std::size_t g, Stream stream) {
-  for (Chunk* c : groups_[g]) {
-    for (auto& [off, b] : c->backups) {
-      if (b.span.pinned) {
-        s_.driver.copy_async(reinterpret_cast<void*>(c->va + off), b.span.ptr, b.bytes, stream);
-      } else {
-        s_.staging.to_device(c->va + off, b.span.ptr, b.bytes, stream);
-        r_.bytes_staged += b.bytes;
-      }
-      r_.bytes_restored += b.bytes;
+void WakePipeline::issue_chunk_restores(const Chunk& c, Stream stream) {
+  for (auto& [off, b] : c.backups) {
+    if (b.span.pinned) {
+      s_.driver.copy_async(reinterpret_cast<void*>(c.va + off), b.span.ptr, b.bytes, stream);
+    } else {
+      s_.staging.to_device(c.va + off, b.span.ptr, b.bytes, stream);
+      r_.bytes_staged += b.bytes;
     }
-    if (s_.options.fill_on_wake != FillOnWake::none) fill_discarded(*c, stream);
+    r_.bytes_restored += b.bytes;
+  }
+  if (s_.options.fill_on_wake != FillOnWake::none) fill_discarded(c, stream);
+}
+
+void WakePipeline::issue_restores(std::size_t g, Stream stream) {
+  for (Chunk* c : groups_[g]) issue_chunk_restores(*c, stream);
+}
+
+bool WakePipeline::restore_now(Chunk& c) noexcept {
+  try {
+    s_.memory.set_access(c.va, c.bytes);
+    issue_chunk_restores(c, s_.streams[0]);
+    s_.driver.stream_synchronize(s_.streams[0]);
+    return true;
+  } catch (const std::exception& e) {
+    log::error("wake_up: finishing the wake of chunk {:#x} failed: {}", c.va, e.what());
+    return false;
   }
 }
 

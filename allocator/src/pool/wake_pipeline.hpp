@@ -9,7 +9,8 @@
 //   - a group reaches the calling thread only once all its chunks are mapped with access set;
 //     a map failure rolls its own group back (Chunk::drop_mapping) and ends the map thread;
 //   - an issue failure stops the map thread after its current group; groups mapped but not
-//     restored stay mapped for the caller to roll back (mapped(g) && !restored(g));
+//     restored stay mapped for the caller to roll back (mapped(g) && !restored(g)); a chunk the
+//     map thread's own rollback could not unmap keeps its handle for the caller too;
 //   - restored(g): every restore and fill of group g was enqueued and every stream synchronized
 //     without an error; only such groups may be marked awake;
 //   - the map thread writes only its groups' chunk handles and mapped(g); the calling thread
@@ -41,6 +42,10 @@ class WakePipeline {
   void run();
 
   bool mapped(std::size_t g) const noexcept { return mapped_[g] != 0; }
+  // After run(): finish waking one chunk that holds a mapping but whose group was not restored
+  // (its rollback could not unmap it): access, restores and fills on the first stream, then
+  // that stream synchronized. False (logged) when any step fails. Never throws.
+  bool restore_now(Chunk& c) noexcept;
   bool restored(std::size_t g) const noexcept { return issued_[g] != 0 && synced_; }
   // The map failure first, else the issue failure, else the synchronize failure.
   std::exception_ptr error() const noexcept {
@@ -52,6 +57,7 @@ class WakePipeline {
   void map_loop();                // the map thread
   void map_group(std::size_t g);  // throws after rolling the group back
   void issue_restores(std::size_t g, Stream stream);
+  void issue_chunk_restores(const Chunk& c, Stream stream);
   void fill_discarded(const Chunk& c, Stream stream);
   void synchronize_streams();
 
