@@ -6,7 +6,9 @@
 # headers of the libraries (fmt, CLI11, nlohmann-json, GoogleTest/GoogleMock, Google Benchmark).
 # What is missing is installed with apt from Debian (or Ubuntu) where apt exists; the lint and
 # format tools scripts/lint.sh runs (clang-format and clang-tidy 14, flake8, black) are installed
-# the same way when apt can, and otherwise only reported: lint skips a missing tool. On a machine
+# the same way when apt can, and otherwise only reported: lint skips a missing tool. So is clang
+# with libFuzzer (scripts/test.sh's fuzz run; without it the fuzz targets run their seeded random
+# driver only). On a machine
 # where everything needed runs (the GPU machines: cmake, ninja and pytest from pip, no network)
 # the script installs nothing and succeeds. The CUDA toolkit (nvcc, cuda.h) is expected where
 # NVIDIA installs it (/usr/local/cuda); without it torpor builds the host backend alone.
@@ -65,6 +67,20 @@ clang-format-14 --version > /dev/null 2>&1 || lint_missing+=(clang-format-14)
 clang-tidy-14 --version > /dev/null 2>&1 || lint_missing+=(clang-tidy-14)
 flake8 --version > /dev/null 2>&1 || lint_missing+=(flake8)
 black --version > /dev/null 2>&1 || lint_missing+=(black)
+# libFuzzer ships in the runtime package of clang's own major version (14 on Debian 12, 18 on
+# Ubuntu 24.04): checked by linking an empty fuzz target.
+fuzzer_ok() {
+  echo 'extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned long) { return 0; }' |
+    clang++ -x c++ -fsanitize=fuzzer - -o /dev/null > /dev/null 2>&1
+}
+clang_rt_package() {
+  echo "libclang-rt-$(clang --version | sed -n 's/.*clang version \([0-9]*\).*/\1/p' | head -n 1)-dev"
+}
+if ! clang++ --version > /dev/null 2>&1; then
+  lint_missing+=(clang)
+elif ! fuzzer_ok; then
+  lint_missing+=("$(clang_rt_package)")
+fi
 
 if [ ${#missing[@]} -eq 0 ] && [ ${#lint_missing[@]} -eq 0 ]; then
   say "every tool runs (cmake >= $cmake_min, ninja, pytest, the compiler, lint tools); nothing to install"
@@ -91,9 +107,13 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 if [ ${#lint_missing[@]} -gt 0 ]; then
   if apt_install "${lint_missing[@]}"; then
-    :
+    # clang came just now: its libFuzzer runtime is a package of its own version.
+    if clang++ --version > /dev/null 2>&1 && ! fuzzer_ok; then
+      apt_install "$(clang_rt_package)" || say "libFuzzer not installed: fuzz targets run their random driver only"
+    fi
   else
-    say "lint tools not installed (${lint_missing[*]}): scripts/lint.sh skips them, saying so"
+    say "lint or fuzz tools not installed (${lint_missing[*]}): scripts/lint.sh skips them and the fuzz" \
+      "targets run their random driver only, saying so"
   fi
 fi
 exit 0

@@ -2,6 +2,12 @@
 // multicast emulation and the cuda backend's peer access both want that); processes each open
 // their own. The launcher's only job after starting the ranks is to collect outcomes and to make
 // sure a failed run ends: it never decides success itself.
+//
+// Processes: SIGINT, SIGTERM and SIGHUP to the launcher are forwarded to every rank still
+// running (a rank left orphaned would keep its device memory); the launcher waits for them (a
+// rank still running `signal_grace` after the last forwarded signal is killed), removes the
+// rendezvous directory, and then dies of the same signal. The rendezvous is removed on every
+// path out of launch_processes (ranks reaped first, so that none recreates it).
 #include "launch.hpp"
 
 #include <fcntl.h>
@@ -12,7 +18,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <condition_variable>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
@@ -26,6 +34,51 @@ namespace torpor::cli {
 namespace {
 
 using clock_type = std::chrono::steady_clock;
+
+// After a forwarded signal, ranks get this long to exit before they are killed.
+constexpr auto signal_grace = std::chrono::seconds(5);
+
+volatile std::sig_atomic_t pending_signal = 0;
+
+extern "C" void note_signal(int sig) { pending_signal = sig; }
+
+// Catches the forwarded signals for its life (the previous dispositions come back after).
+class SignalForwarding {
+ public:
+  static constexpr std::array<int, 3> signals = {SIGINT, SIGTERM, SIGHUP};
+
+  SignalForwarding() {
+    pending_signal = 0;
+    struct sigaction sa {};
+    sa.sa_handler = note_signal;
+    sigemptyset(&sa.sa_mask);
+    for (std::size_t i = 0; i < signals.size(); ++i) ::sigaction(signals[i], &sa, &previous_[i]);
+  }
+  ~SignalForwarding() {
+    for (std::size_t i = 0; i < signals.size(); ++i) ::sigaction(signals[i], &previous_[i], nullptr);
+  }
+  SignalForwarding(const SignalForwarding&) = delete;
+  SignalForwarding& operator=(const SignalForwarding&) = delete;
+
+  // The signal caught since the last call, or 0.
+  static int take() {
+    const int sig = pending_signal;
+    pending_signal = 0;
+    return sig;
+  }
+
+  // After the handlers are restored: dies of `sig` as the launcher would have without them
+  // (its caller's shell sees 128 + sig), unless the previous disposition ignores it.
+  static void reraise(int sig) {
+    struct sigaction now {};
+    ::sigaction(sig, nullptr, &now);
+    if (now.sa_handler == SIG_IGN) return;
+    ::raise(sig);
+  }
+
+ private:
+  std::array<struct sigaction, 3> previous_{};
+};
 
 RankOutcome outcome_of(int rank, const std::function<nlohmann::json()>& fn) {
   RankOutcome o;
@@ -109,7 +162,20 @@ LaunchResult launch_threads(const LaunchOptions& o, const RankBody& body) {
   return result;
 }
 
+LaunchResult collect_processes(const LaunchOptions& o, int& received);
+
 LaunchResult launch_processes(const LaunchOptions& o) {
+  int received = 0;  // the last signal forwarded to the ranks
+  LaunchResult result;
+  {
+    SignalForwarding forwarding;
+    result = collect_processes(o, received);
+  }
+  if (received != 0) SignalForwarding::reraise(received);
+  return result;
+}
+
+LaunchResult collect_processes(const LaunchOptions& o, int& received) {
   Rendezvous rv = Rendezvous::create();
   const std::size_t n = static_cast<std::size_t>(o.ranks);
   std::vector<pid_t> pids;
@@ -163,7 +229,7 @@ LaunchResult launch_processes(const LaunchOptions& o) {
   std::vector<std::string> text(n);
   std::vector<int> codes(n, -1);
   std::vector<bool> killed(n, false);
-  std::optional<clock_type::time_point> first_failure;
+  std::optional<clock_type::time_point> first_failure, signalled;
   const auto deadline = clock_type::now() + o.deadline;
   for (int fd : outs) ::fcntl(fd, F_SETFL, O_NONBLOCK);
   std::size_t left = n;
@@ -181,7 +247,14 @@ LaunchResult launch_processes(const LaunchOptions& o) {
       }
     }
     const auto now = clock_type::now();
-    if (left > 0 && (now > deadline || (first_failure && now > *first_failure + o.failure_grace)))
+    if (int sig = SignalForwarding::take(); sig != 0) {
+      received = sig;
+      signalled = now;
+      for (std::size_t r = 0; r < n; ++r)
+        if (codes[r] < 0) ::kill(pids[r], sig);
+    }
+    if (left > 0 && (now > deadline || (first_failure && now > *first_failure + o.failure_grace) ||
+                     (signalled && now > *signalled + signal_grace)))
       for (std::size_t r = 0; r < n; ++r)
         if (codes[r] < 0 && !killed[r]) {
           ::kill(pids[r], SIGKILL);
@@ -221,13 +294,18 @@ LaunchResult launch_processes(const LaunchOptions& o) {
       result.device_kernels = report->value("device_kernels", false);
       result.host_memory = report->value("host_memory", false);
     }
-    if (killed[r])
+    if (killed[r] && signalled)
+      out.error = fmt::format("killed: still running {:.0f} s after the launcher forwarded signal {}",
+                              std::chrono::duration<double>(signal_grace).count(), received);
+    else if (killed[r])
       out.error = first_failure && clock_type::now() < deadline
                       ? fmt::format("killed: still running {:.0f} s after the first failure",
                                     std::chrono::duration<double>(o.failure_grace).count())
                       : "killed at the deadline";
     else if (!report)
       out.error = fmt::format("exited with status {} without a report", codes[r]);
+    else if (signalled && codes[r] != 0 && out.error.empty())
+      out.error = fmt::format("exited with status {} after the launcher forwarded signal {}", codes[r], received);
     else if (codes[r] != 0 && out.error.empty())
       out.error = fmt::format("exited with status {}", codes[r]);
     result.ranks.push_back(std::move(out));
@@ -292,6 +370,24 @@ int run_worker(Backend backend, const GroupOptions& group_options, const RankBod
     }
   }
   return out.ok ? 0 : 1;
+}
+
+bool write_json_file(const std::string& path, const nlohmann::json& j, std::string_view command) {
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  if (f == nullptr) {
+    fmt::print(stderr, "torpor {}: could not write {}: {}\n", command, path, std::strerror(errno));
+    return false;
+  }
+  const std::string text = j.dump(2) + "\n";
+  const bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size() && std::fflush(f) == 0;
+  const int write_errno = errno;
+  const bool closed = std::fclose(f) == 0;
+  if (!written || !closed) {
+    fmt::print(stderr, "torpor {}: could not write {}: {}\n", command, path,
+               std::strerror(!written ? write_errno : errno));
+    return false;
+  }
+  return true;
 }
 
 Progress::Progress(bool enabled) : enabled_(enabled && ::isatty(STDERR_FILENO) == 1) {}

@@ -78,6 +78,16 @@ class rank_failure : public std::runtime_error {
   nlohmann::json partial_;
 };
 
+// Writes `j` (indented, one trailing newline) to `path`; on any failure (a missing directory, a
+// full disk, a failed close) prints "torpor COMMAND: could not write PATH: why" on stderr and
+// returns false, and the command must then exit non-zero: a run whose results were lost is not a
+// success.
+bool write_json_file(const std::string& path, const nlohmann::json& j, std::string_view command);
+
+// The accepted range of every --timeout (seconds): 0 would silently become the default and a
+// larger value overflows the group's clocks.
+inline constexpr int max_timeout_s = 86400;
+
 // A progress line on stderr, rewritten in place, when stderr is a terminal (nothing otherwise).
 class Progress {
  public:

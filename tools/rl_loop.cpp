@@ -13,7 +13,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 
 #include "commands.hpp"
 #include "launch.hpp"
@@ -165,7 +164,10 @@ int rl_main(RlOptions o) {
     DriverSelection sel = open_driver(backend);
     o.ranks = sel.backend == Backend::cuda ? sel.driver->device_count() : 2;
   }
-  if (o.train_fraction < 0.9 || o.train_fraction > 1.0)
+  (void)parse_size(o.train_cap);  // refused here, naming the flag's text, rather than in every rank
+  if (!(o.update_scale > 0 && o.update_scale <= 1000))  // written so that NaN fails too
+    throw invalid_argument(fmt::format("--update-scale {}: use a number in (0, 1000]", o.update_scale));
+  if (!(o.train_fraction >= 0.9 && o.train_fraction <= 1.0))
     throw invalid_argument(fmt::format("--train-fraction {}: must be in [0.9, 1]", o.train_fraction));
   GroupOptions go;
   go.timeout = std::chrono::seconds(o.group_timeout_s);
@@ -239,23 +241,22 @@ int rl_main(RlOptions o) {
     fmt::print("FAIL:\n");
     for (const auto& p : problems) fmt::print("  {}\n", p);
   }
-  if (!o.json.empty()) {
-    std::ofstream f(o.json);
-    f << nlohmann::json{{"backend", r.backend},
-                        {"ranks", all},
-                        {"processes", o.processes},
-                        {"pass", pass},
-                        {"problems", problems}}
-             .dump(2)
-      << "\n";
-  }
+  bool written = true;
+  if (!o.json.empty())
+    written = write_json_file(o.json,
+                              nlohmann::json{{"backend", r.backend},
+                                             {"ranks", all},
+                                             {"processes", o.processes},
+                                             {"pass", pass},
+                                             {"problems", problems}},
+                              "rl-loop");
   std::fflush(stdout);
   if (r.abandoned) {
     fmt::print(stderr, "torpor rl-loop: exiting with rank threads still running\n");
     std::fflush(stderr);
     std::_Exit(1);
   }
-  return pass ? 0 : 1;
+  return pass && written ? 0 : 1;
 }
 
 }  // namespace
@@ -282,7 +283,9 @@ void add_rl_loop(CLI::App& app, int& exit_code) {
                   "Host backend only: at most this much host memory for the training phase")
       ->capture_default_str();
   cmd->add_option("--json", o->json, "Also write the results as JSON to this file");
-  cmd->add_option("--timeout", o->group_timeout_s, "Bound on every group wait, in seconds")->capture_default_str();
+  cmd->add_option("--timeout", o->group_timeout_s, "Bound on every group wait, in seconds")
+      ->check(CLI::Range(1, max_timeout_s))
+      ->capture_default_str();
   cmd->add_flag(
       "--no-progress", [o](std::int64_t) { o->progress = false; }, "No progress line on the terminal");
   add_model_flags(cmd, o->model);

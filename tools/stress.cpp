@@ -7,7 +7,6 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 
 #include "commands.hpp"
 #include "launch.hpp"
@@ -51,10 +50,10 @@ int stress_main(StressOptions o) {
   const Backend backend = parse_backend(o.backend);
   if (o.ranks == 0) o.ranks = default_ranks(backend);
   if (o.ranks < 1) throw invalid_argument(fmt::format("--ranks {}: at least one rank is needed", o.ranks));
-  if (o.negative_rank < 0) o.negative_rank = o.ranks - 1;
-  if (o.negative_rank >= o.ranks)
-    throw invalid_argument(
-        fmt::format("--negative-control-rank {}: there are only {} ranks", o.negative_rank, o.ranks));
+  if (o.negative_rank == -1) o.negative_rank = o.ranks - 1;  // the default: the last rank
+  if (o.negative_rank < 0 || o.negative_rank >= o.ranks)
+    throw invalid_argument(fmt::format("--negative-control-rank {}: use a rank in [0, {}] ({} ranks)", o.negative_rank,
+                                       o.ranks - 1, o.ranks));
   GroupOptions go;
   go.timeout = std::chrono::seconds(o.group_timeout_s);
   LaunchOptions lo;
@@ -77,14 +76,12 @@ int stress_main(StressOptions o) {
   StressSummary s = summarize(r, ex);
   s.json["processes"] = o.processes;
   if (o.json != "-") fmt::print("{}", render(s));
+  bool written = true;
   if (!o.json.empty()) {
-    if (o.json == "-") {
+    if (o.json == "-")
       fmt::print("{}\n", s.json.dump(2));
-    } else {
-      std::ofstream f(o.json);
-      f << s.json.dump(2) << "\n";
-      if (!f) fmt::print(stderr, "torpor stress: could not write {}\n", o.json);
-    }
+    else
+      written = write_json_file(o.json, s.json, "stress");
   }
   std::fflush(stdout);
   if (r.abandoned) {
@@ -93,7 +90,7 @@ int stress_main(StressOptions o) {
     std::fflush(stderr);
     std::_Exit(1);
   }
-  return s.pass ? 0 : 1;
+  return s.pass && written ? 0 : 1;
 }
 
 int stress_worker(const StressOptions& o) {
@@ -136,9 +133,12 @@ void add_stress(CLI::App& app, int& exit_code) {
          "must fail")
       ->check(CLI::IsMember({"zero-flags", "stale-weights"}));
   cmd->add_option("--negative-control-rank", o->negative_rank,
-                  "The rank whose tail state is zeroed (default: the last)");
+                  "The rank whose tail state is zeroed (default: the last)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--json", o->json, "Also write the results as JSON to this file ('-': JSON on stdout, no table)");
-  cmd->add_option("--timeout", o->group_timeout_s, "Bound on every group wait, in seconds")->capture_default_str();
+  cmd->add_option("--timeout", o->group_timeout_s, "Bound on every group wait, in seconds")
+      ->check(CLI::Range(1, max_timeout_s))
+      ->capture_default_str();
   cmd->add_flag(
       "--no-progress", [o](std::int64_t) { o->progress = false; }, "No progress line on the terminal");
   add_model_flags(cmd, o->model);

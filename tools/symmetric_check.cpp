@@ -21,7 +21,6 @@
 
 #include <chrono>
 #include <cstring>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -243,6 +242,7 @@ std::string skip_reason(const Options& o) {
 
 int parent(const Options& o) {
   if (o.ranks < 1) throw invalid_argument("--ranks must be at least 1");
+  if (parse_size(o.bytes) == 0) throw invalid_argument("--bytes 0: use a size of at least one byte");
   if (std::string why = skip_reason(o); !why.empty()) {
     fmt::print("SKIP: symmetric-check on {} ranks: {}\n", o.ranks, why);
     return 0;
@@ -297,11 +297,9 @@ int parent(const Options& o) {
                  j["timeout_check"].get<std::string>());
   fmt::print("{}\n",
              ok ? "PASS: every rank's memory returned while asleep; addresses and bytes intact after wake" : "FAIL");
-  if (!o.json.empty()) {
-    std::ofstream f(o.json);
-    f << nlohmann::json{{"ranks", all}, {"pass", ok}}.dump(2) << "\n";
-  }
-  return ok ? 0 : 1;
+  const bool written =
+      o.json.empty() || write_json_file(o.json, nlohmann::json{{"ranks", all}, {"pass", ok}}, "symmetric-check");
+  return ok && written ? 0 : 1;
 }
 
 }  // namespace
@@ -315,7 +313,8 @@ void add_symmetric_check(CLI::App& app, int& exit_code) {
   cmd->add_option("--bytes", o->bytes, "Symmetric buffer size per rank, K/M/G suffixes (default 1G)");
   cmd->add_option("--backend", o->backend, "auto, host or cuda")->check(CLI::IsMember({"auto", "host", "cuda"}));
   cmd->add_option("--json", o->json, "Also write the results to this file");
-  cmd->add_option("--timeout", o->timeout_s, "Group timeout in seconds (default 120)");
+  cmd->add_option("--timeout", o->timeout_s, "Group timeout in seconds (default 120)")
+      ->check(CLI::Range(1, max_timeout_s));
   cmd->add_option("--group", o->group, "unix (Unix socket rendezvous) or nccl (bytes over NCCL, fds over unix)")
       ->check(CLI::IsMember({"unix", "nccl"}));
   cmd->add_flag("--timeout-check", o->timeout_check,

@@ -62,19 +62,50 @@ def _choice(table: dict, value: str, what: str) -> int:
         raise InvalidArgument(f"unknown {what} '{value}' (expected {', '.join(table)})") from None
 
 
+_SIZE_MAX = 2**64 - 1
+_INT_MAX = 2**31 - 1
+
+
+def _whole(value, what: str, lo: int, hi: int) -> int:
+    """`value` as an int in [lo, hi]: InvalidArgument naming the range otherwise (a C size_t
+    would silently wrap 2**64 + 5 to 5; bool and float are refused, not truncated)."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise InvalidArgument(f"{what} {value!r} is not a whole number (accepted: {lo} to {hi})")
+    v = value.__index__()
+    if not lo <= v <= hi:
+        raise InvalidArgument(f"{what} {v} is out of range (accepted: {lo} to {hi})")
+    return v
+
+
+def _text(value, what: str, allow_empty: bool = False) -> bytes:
+    """`value` as UTF-8 bytes for the C API: a str without NUL (C strings end there) and without
+    lone surrogates (not UTF-8); InvalidArgument otherwise."""
+    if not isinstance(value, str) or (not value and not allow_empty):
+        raise InvalidArgument(f"{what} {value!r} is not a non-empty string")
+    if "\0" in value:
+        raise InvalidArgument(f"{what} {value!r} holds a NUL character")
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgument(f"{what} {value!r} is not valid Unicode text (a lone surrogate?)") from None
+
+
 def pool_options(
-    device: int = 0, backend: str = "auto", va_bytes: int = 0, fill_on_wake: str = "none", exportable: bool = False
+    device: int = 0,
+    backend: str = "auto",
+    va_bytes: int = 0,
+    fill_on_wake: str = "none",
+    exportable: bool = False,
 ) -> _lib.PoolOptions:
     """torpor_pool_options, validated. backend: auto (TORPOR_BACKEND, else cuda when usable,
     else host), host or cuda. fill_on_wake: what discarded bytes hold after wake (none, zero,
-    or poison: 0xFF bytes, NaN in fp32/fp16/bf16, so a forgotten weight reload shows)."""
+    or poison: 0xFF bytes, NaN in fp32/fp16/bf16, so a forgotten weight reload shows).
+    """
     o = _lib.PoolOptions()
     _lib.lib().torpor_pool_options_init(ctypes.byref(o))
-    o.device = int(device)
+    o.device = _whole(device, "device", 0, _INT_MAX)
     o.backend = _choice(_lib.enum_values("backend"), backend, "backend")
-    if va_bytes < 0:
-        raise InvalidArgument(f"va_bytes {va_bytes} is negative (0 = twice the device's memory)")
-    o.va_bytes = int(va_bytes)
+    o.va_bytes = _whole(va_bytes, "va_bytes (0 = twice the device's memory)", 0, _SIZE_MAX)
     o.fill_on_wake = _choice(_lib.enum_values("fill"), fill_on_wake, "fill_on_wake")
     o.exportable = 1 if exportable else 0
     return o
@@ -88,8 +119,7 @@ def tag_list(tags: Tags) -> list[str] | None:
         tags = [tags]
     out = []
     for t in tags:
-        if not isinstance(t, str) or not t:
-            raise InvalidArgument(f"tag {t!r} is not a non-empty string")
+        _text(t, "tag")
         out.append(t)
     return out
 
@@ -176,18 +206,19 @@ class Pool:
         return name.decode()
 
     def alloc(
-        self, nbytes: int, tag: str = "default", memory_class: ClassLike = MemoryClass.STATE, name: str | None = None
+        self,
+        nbytes: int,
+        tag: str = "default",
+        memory_class: ClassLike = MemoryClass.STATE,
+        name: str | None = None,
     ) -> int:
         """Allocate `nbytes` in `tag` with one class for the whole allocation; its address."""
-        if not isinstance(tag, str) or not tag:
-            raise InvalidArgument(f"tag {tag!r} is not a non-empty string")
+        size = _whole(nbytes, "alloc: nbytes", 1, _SIZE_MAX)
+        tag_bytes = _text(tag, "tag")
+        name_bytes = _text(name, "name", allow_empty=True) if name else None
         out = ctypes.c_void_p()
         cls = to_memory_class(memory_class)
-        _lib.check(
-            _lib.lib().torpor_alloc(
-                self.handle, int(nbytes), tag.encode(), int(cls), name.encode() if name else None, ctypes.byref(out)
-            )
-        )
+        _lib.check(_lib.lib().torpor_alloc(self.handle, size, tag_bytes, int(cls), name_bytes, ctypes.byref(out)))
         return out.value
 
     def free(self, ptr: int) -> None:
@@ -196,12 +227,18 @@ class Pool:
     def mark(self, ptr: int, nbytes: int, memory_class: ClassLike, name: str | None = None) -> None:
         """Reclassify [ptr, ptr + nbytes), which must lie inside one allocation. name None or
         "" keeps the current name; names are what preserve globs match."""
+        address = _whole(ptr, "mark: ptr", 0, _SIZE_MAX)
+        size = _whole(nbytes, "mark: nbytes", 0, _SIZE_MAX)
+        name_bytes = _text(name, "name", allow_empty=True) if name else None
         cls = to_memory_class(memory_class)
-        _lib.check(_lib.lib().torpor_mark(self.handle, ptr, int(nbytes), int(cls), name.encode() if name else None))
+        _lib.check(_lib.lib().torpor_mark(self.handle, address, size, int(cls), name_bytes))
 
     def set_preserve(self, globs: Iterable[str]) -> None:
-        """Parameters whose name matches one of these fnmatch globs survive level 2 (offloaded)."""
-        globs = list(globs)
+        """Parameters whose name matches one of these fnmatch globs survive level 2 (offloaded).
+        One string is one glob (not its characters)."""
+        globs = [globs] if isinstance(globs, str) else list(globs)
+        for g in globs:
+            _text(g, "set_preserve: glob")
         arr, n = _lib.encode_list(globs)
         _lib.check(_lib.lib().torpor_set_preserve(self.handle, arr, n))
 
@@ -223,7 +260,10 @@ class Pool:
 
     def copy(self, dst: int, src: int, nbytes: int) -> None:
         """Synchronous copy between host memory and pool memory, any direction."""
-        _lib.check(_lib.lib().torpor_copy(self.handle, dst, src, int(nbytes)))
+        dst = _whole(dst, "copy: dst", 0, _SIZE_MAX)
+        src = _whole(src, "copy: src", 0, _SIZE_MAX)
+        size = _whole(nbytes, "copy: nbytes", 0, _SIZE_MAX)
+        _lib.check(_lib.lib().torpor_copy(self.handle, dst, src, size))
 
     def write(self, ptr: int, data: bytes) -> None:
         """Copy host bytes into pool memory at ptr."""
@@ -232,7 +272,7 @@ class Pool:
 
     def read(self, ptr: int, nbytes: int) -> bytes:
         """Copy nbytes of pool memory at ptr to the host."""
-        buf = ctypes.create_string_buffer(int(nbytes))
+        buf = ctypes.create_string_buffer(_whole(nbytes, "read: nbytes", 0, _SIZE_MAX))
         self.copy(ctypes.addressof(buf), ptr, nbytes)
         return buf.raw
 
@@ -240,12 +280,14 @@ class Pool:
 
     def sleep(self, level: int = 1, tags: Tags = None) -> dict:
         """Release the physical memory of `tags` (None = all), keeping what `level` keeps
-        (1: parameters and state; 2: state and preserved parameters). Returns the report."""
+        (1: parameters and state; 2: state and preserved parameters). Returns the report.
+        """
+        level = _whole(level, "sleep level", 0, 2)
         tags = tag_list(tags)
         if tags == []:
             return {}
         arr, n = _lib.encode_list(tags or [])
-        _lib.check(_lib.lib().torpor_sleep(self.handle, int(level), arr if tags else None, n))
+        _lib.check(_lib.lib().torpor_sleep(self.handle, level, arr if tags else None, n))
         return self.last_report()
 
     def wake_up(self, tags: Tags = None) -> dict:

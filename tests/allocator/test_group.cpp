@@ -1,18 +1,27 @@
 // Groups: collectives, descriptor passing, timeouts that name the missing rank, recovery, and the
 // Unix socket rendezvous's admission rules. Suites whose name contains "Threads" run under TSan.
+#include <dirent.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cctype>
 #include <chrono>
+#include <climits>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <latch>
+#include <optional>
+#include <sstream>
 #include <thread>
 
 #include "support/processes.hpp"
@@ -237,6 +246,24 @@ TEST(GroupOptionsTest, TimeoutFromTheEnvironment) {
   EXPECT_THROW(make_thread_group(0), invalid_argument);
 }
 
+TEST(GroupOptionsTest, ATimeoutOutsideItsRangeIsRefusedNamingTheRange) {
+  for (auto t : {std::chrono::milliseconds(-5), std::chrono::milliseconds(LLONG_MAX), max_group_timeout + 1ms}) {
+    try {
+      make_thread_group(1, fast(t));
+      ADD_FAILURE() << "GroupOptions::timeout " << t.count() << " ms was accepted";
+    } catch (const invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("outside [1, 86400000] ms"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(make_thread_group(1, fast(max_group_timeout))[0]->timeout(), max_group_timeout);
+  // The environment's bound is the same one.
+  ::setenv("TORPOR_GROUP_TIMEOUT_MS", "10000000000000", 1);
+  EXPECT_THROW(default_group_timeout(), invalid_argument);
+  ::setenv("TORPOR_GROUP_TIMEOUT_MS", "86400000", 1);
+  EXPECT_EQ(default_group_timeout(), max_group_timeout);
+  ::unsetenv("TORPOR_GROUP_TIMEOUT_MS");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Unix socket groups (ranks as threads here; as processes below)
 
@@ -362,50 +389,136 @@ TEST(UnixGroupThreadsAdmission, IntrudersAreRefusedAndTheGroupStillForms) {
   EXPECT_EQ(static_cast<UnixSocketGroup&>(*groups[0]).refused_connections(), 5u);
 }
 
-// Returns 1 when welcomed, 0 when refused or closed.
-int raw_hello(const Rendezvous& rv, const std::string& secret, int rank, int size) {
-  for (int attempt = 0; attempt < 500; ++attempt) {
+// A connection to the rendezvous socket (retried while rank 0 has not bound it yet); -1 if none.
+int connect_raw(const Rendezvous& rv, std::chrono::milliseconds patience = 2500ms) {
+  auto until = std::chrono::steady_clock::now() + patience;
+  for (;;) {
     int s = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     sockaddr_un a{};
     a.sun_family = AF_UNIX;
     std::strncpy(a.sun_path, rv.socket_path().c_str(), sizeof a.sun_path - 1);
-    if (::connect(s, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
-      ::close(s);
-      std::this_thread::sleep_for(5ms);
-      continue;
-    }
-    // The wire's hello: frame header then version, rank, size, secret (see group_wire.hpp).
-    struct {
-      std::uint32_t magic = 0x54525047;
-      std::uint8_t type = 1;
-      std::uint8_t reserved[3] = {};
-      std::uint32_t frame_bytes, frame_fds = 0;
-      std::uint64_t total_bytes, total_fds = 0;
-    } h;
-    std::string body;
-    auto put = [&](const void* p, std::size_t n) { body.append(static_cast<const char*>(p), n); };
-    std::uint32_t version = 1;
-    std::int32_t r = rank, z = size;
-    std::uint64_t len = secret.size();
-    put(&version, 4);
-    put(&r, 4);
-    put(&z, 4);
-    put(&len, 8);
-    body += secret;
-    h.frame_bytes = static_cast<std::uint32_t>(body.size());
-    h.total_bytes = body.size();
-    std::string msg(reinterpret_cast<const char*>(&h), sizeof h);
-    msg += body;
-    if (::send(s, msg.data(), msg.size(), MSG_NOSIGNAL) < 0) {
-      ::close(s);
-      return 0;
-    }
-    char buf[512];
-    ssize_t n = ::recv(s, buf, sizeof buf, 0);
+    if (::connect(s, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) return s;
     ::close(s);
-    return (n >= 5 && static_cast<std::uint8_t>(buf[4]) == 2) ? 1 : 0;  // type 2 = welcome
+    if (std::chrono::steady_clock::now() > until) return -1;
+    std::this_thread::sleep_for(5ms);
   }
-  return 0;
+}
+
+// Returns 1 when welcomed, 0 when refused or closed.
+int raw_hello(const Rendezvous& rv, const std::string& secret, int rank, int size) {
+  int s = connect_raw(rv);
+  if (s < 0) return 0;
+  // The wire's hello (group_wire.hpp): one frame header, then version, rank, size, the secret.
+  std::string h;
+  auto put = [&](auto v) { h.append(reinterpret_cast<const char*>(&v), sizeof v); };
+  put(std::uint32_t{0x54525047});
+  put(std::uint8_t{1});
+  h.append(3, '\0');
+  put(std::uint32_t{76});  // frame bytes
+  put(std::uint32_t{0});   // frame fds
+  put(std::uint64_t{76});  // total bytes
+  put(std::uint64_t{0});   // total fds
+  put(std::uint32_t{2});   // version
+  put(std::int32_t{rank});
+  put(std::int32_t{size});
+  std::string sec = secret.substr(0, 64);
+  sec.resize(64, '\0');
+  h += sec;
+  if (::send(s, h.data(), h.size(), MSG_NOSIGNAL) < 0) {
+    ::close(s);
+    return 0;
+  }
+  char buf[512];
+  ssize_t n = ::recv(s, buf, sizeof buf, 0);
+  ::close(s);
+  return (n >= 5 && static_cast<std::uint8_t>(buf[4]) == 2) ? 1 : 0;  // type 2 = welcome
+}
+
+// The first frame of a hello that announces `total` bytes: what a stranger sends to make a hub
+// that reassembles before authenticating wait for (and buffer) the rest.
+std::string big_hello_frame(std::uint64_t total) {
+  struct {
+    std::uint32_t magic = 0x54525047;
+    std::uint8_t type = 1;
+    std::uint8_t reserved[3] = {};
+    std::uint32_t frame_bytes = 32 * 1024, frame_fds = 0;
+    std::uint64_t total_bytes, total_fds = 0;
+  } h;
+  h.total_bytes = total;
+  std::string f(reinterpret_cast<const char*>(&h), sizeof h);
+  f.append(32 * 1024, 'x');
+  return f;
+}
+
+TEST(UnixGroupThreadsAdmission, AStrangersHugeHelloIsNotBuffered) {
+  Rendezvous rv = Rendezvous::create();
+  std::unique_ptr<UnixSocketGroup> g;
+  std::thread host([&] { g = std::make_unique<UnixSocketGroup>(rv, 0, 1, fast(5s)); });
+  host.join();
+  ASSERT_TRUE(g);
+  const int s = connect_raw(rv);
+  ASSERT_GE(s, 0);
+  // A hello announcing 4 GiB, its frames sent as fast as the hub takes them: a hub that
+  // authenticates with one bounded read closes the connection after the first frame, so the
+  // stranger cannot push more than the socket buffers hold.
+  const std::string frame = big_hello_frame(std::uint64_t{4} << 30);
+  std::size_t sent = 0;
+  timeval tv{2, 0};
+  ::setsockopt(s, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  while (sent < (std::size_t{64} << 20) && ::send(s, frame.data(), frame.size(), MSG_NOSIGNAL) > 0)
+    sent += frame.size();
+  ::close(s);
+  EXPECT_LT(sent, std::size_t{4} << 20) << "the hub kept reading an unauthenticated hello";
+  auto until = std::chrono::steady_clock::now() + 5s;
+  while (g->refused_connections() == 0 && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(5ms);
+  EXPECT_EQ(g->refused_connections(), 1u);
+  g->barrier();
+}
+
+TEST(UnixGroupThreadsAdmission, StrangersWaitingToSayHelloAreCapped) {
+  Rendezvous rv = Rendezvous::create();
+  std::unique_ptr<UnixSocketGroup> g;
+  std::thread host([&] { g = std::make_unique<UnixSocketGroup>(rv, 0, 2, fast(5s)); });
+  // 200 connections that say nothing, well inside the hello deadline.
+  std::vector<int> idle;
+  for (int i = 0; i < 200; ++i) {
+    int s = connect_raw(rv);
+    ASSERT_GE(s, 0);
+    idle.push_back(s);
+  }
+  std::unique_ptr<UnixSocketGroup> one;
+  std::thread joiner([&] { one = std::make_unique<UnixSocketGroup>(rv, 1, 2, fast(5s)); });
+  host.join();
+  joiner.join();
+  ASSERT_TRUE(g && one) << "the group did not form among idle strangers";
+  auto until = std::chrono::steady_clock::now() + 1s;
+  while (g->refused_connections() < 200 - 64 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(5ms);
+  EXPECT_GE(g->refused_connections(), 200u - 64u) << "more than 64 strangers may wait to say hello";
+  for (int s : idle) ::close(s);
+}
+
+TEST(UnixGroupThreadsAdmission, ASecondRankZeroCannotTakeTheRendezvousOver) {
+  Rendezvous rv = Rendezvous::create();
+  auto groups = unix_groups(rv, 2, 5s);
+  try {
+    UnixSocketGroup usurper(rv, 0, 2, fast(300ms));
+    ADD_FAILURE() << "a second rank 0 took the rendezvous over";
+  } catch (const invalid_state& e) {
+    EXPECT_NE(std::string(e.what()).find("already served by a live rank 0"), std::string::npos) << e.what();
+  }
+  // The live hub still serves the socket: a new connection reaches it (and is refused there).
+  EXPECT_EQ(raw_hello(rv, std::string(64, '0'), 1, 2), 0);
+  EXPECT_EQ(static_cast<UnixSocketGroup&>(*groups[0]).refused_connections(), 1u);
+  auto errors = on_threads(groups, [](int rank, Group& g) { exercise_collectives(rank, g); });
+  for (auto& e : errors) EXPECT_EQ(e, "");
+}
+
+TEST(UnixGroupThreadsTimeout, AFailedFormationLeavesNoRendezvousBehind) {
+  Rendezvous rv = Rendezvous::create();
+  EXPECT_THROW(UnixSocketGroup(rv, 0, 2, fast(100ms)), group_timeout);
+  struct stat st {};
+  EXPECT_NE(::lstat(rv.directory.c_str(), &st), 0) << "rank 0 left " << rv.directory << " behind";
 }
 
 TEST(UnixGroupThreadsAdmission, ADirectoryOthersCanEnterIsRejected) {
@@ -437,6 +550,107 @@ TEST(RendezvousTest, RoundTripsAndRejectsMalformedText) {
   EXPECT_THROW(Rendezvous::parse("/tmp/x#abc"), invalid_argument);
   rv.remove();
   EXPECT_NE(::stat(rv.directory.c_str(), &st), 0);
+}
+
+// TMPDIR set to `dir` for the scope.
+struct ScopedTmpdir {
+  explicit ScopedTmpdir(const std::string& dir) {
+    if (const char* v = std::getenv("TMPDIR")) old = v;
+    ::setenv("TMPDIR", dir.c_str(), 1);
+  }
+  ~ScopedTmpdir() {
+    if (old)
+      ::setenv("TMPDIR", old->c_str(), 1);
+    else
+      ::unsetenv("TMPDIR");
+  }
+  std::optional<std::string> old;
+};
+
+std::vector<std::string> entries(const std::string& dir) {
+  std::vector<std::string> out;
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (dirent* e = ::readdir(d))
+      if (e->d_name[0] != '.') out.emplace_back(e->d_name);
+    ::closedir(d);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::string scratch_dir(const std::string& name) {
+  std::string templ = "/tmp/" + name + "-XXXXXX";
+  if (::mkdtemp(templ.data()) == nullptr) throw std::runtime_error("mkdtemp");
+  return templ;
+}
+
+TEST(RendezvousTest, ATmpdirTooLongForASocketNameLeavesNothingBehind) {
+  std::string base = scratch_dir("torpor-test-long");
+  std::string deep = base + "/" + std::string(100, 'd');
+  ASSERT_EQ(::mkdir(deep.c_str(), 0700), 0);
+  {
+    ScopedTmpdir t(deep);
+    try {
+      Rendezvous::create();
+      ADD_FAILURE() << "a rendezvous whose socket path cannot be named was created";
+    } catch (const invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("use a shorter TMPDIR"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(entries(deep), std::vector<std::string>{}) << "a rendezvous directory stayed in " << deep;
+  ::rmdir(deep.c_str());
+  ::rmdir(base.c_str());
+}
+
+// A crashed run's rendezvous (its creator dead, no hub holding its lock) is removed by the next
+// create(); a live one, another user's, or one holding files torpor does not make, are not.
+TEST(RendezvousTest, StaleRendezvousOfDeadCreatorsAreRemoved) {
+  std::string base = scratch_dir("torpor-test-stale");
+  ScopedTmpdir t(base);
+  pid_t dead = ::fork();
+  if (dead == 0) ::_exit(0);
+  ASSERT_EQ(::waitpid(dead, nullptr, 0), dead);
+  // This process's start time (/proc/self/stat field 22), as create() records its creator's.
+  std::ifstream stat_file("/proc/self/stat");
+  std::string stat_line;
+  std::getline(stat_file, stat_line);
+  std::istringstream fields(stat_line.substr(stat_line.rfind(')') + 2));
+  std::string start;
+  for (int i = 3; i <= 22; ++i) fields >> start;
+  auto make = [&](const std::string& name, pid_t owner, bool extra) {
+    std::string d = base + "/" + name;
+    EXPECT_EQ(::mkdir(d.c_str(), 0700), 0);
+    std::string text = std::to_string(owner) + " " + start + "\n";
+    int f = ::open((d + "/owner").c_str(), O_WRONLY | O_CREAT, 0600);
+    EXPECT_EQ(::write(f, text.data(), text.size()), static_cast<ssize_t>(text.size()));
+    ::close(f);
+    ::close(::open((d + "/group.sock").c_str(), O_WRONLY | O_CREAT, 0600));  // stands for the socket file
+    ::close(::open((d + "/group.lock").c_str(), O_WRONLY | O_CREAT, 0600));
+    if (extra) ::close(::open((d + "/notes.txt").c_str(), O_WRONLY | O_CREAT, 0600));
+    return d;
+  };
+  make("torpor-group-crashed", dead, false);
+  make("torpor-group-foreign", dead, true);  // holds a file torpor does not make
+  std::string live = make("torpor-group-live", ::getpid(), false);
+  // A dead creator but a hub that still holds the lock (the launcher died, rank 0 lives on).
+  std::string served = make("torpor-group-served", dead, false);
+  int lock = ::open((served + "/group.lock").c_str(), O_RDWR);
+  ASSERT_EQ(::flock(lock, LOCK_EX | LOCK_NB), 0);
+  Rendezvous rv = Rendezvous::create();
+  auto left = entries(base);
+  EXPECT_EQ(std::count(left.begin(), left.end(), "torpor-group-crashed"), 0) << "the crashed run's directory stayed";
+  EXPECT_EQ(std::count(left.begin(), left.end(), "torpor-group-foreign"), 1);
+  EXPECT_EQ(std::count(left.begin(), left.end(), "torpor-group-live"), 1);
+  EXPECT_EQ(std::count(left.begin(), left.end(), "torpor-group-served"), 1);
+  ::close(lock);
+  rv.remove();
+  for (const char* n : {"torpor-group-foreign", "torpor-group-live", "torpor-group-served"}) {
+    for (const char* f : {"owner", "group.sock", "group.lock", "notes.txt"})
+      ::unlink((base + "/" + n + "/" + f).c_str());
+    ::rmdir((base + "/" + n).c_str());
+  }
+  EXPECT_EQ(entries(base), std::vector<std::string>{});
+  ::rmdir(base.c_str());
 }
 
 // NCCL needs a GPU; here only its refusal of the host backend can be checked. The GPU run
@@ -507,6 +721,88 @@ TEST(UnixGroupProcessesAdmission, AProcessWithoutTheSecretIsRefusedAndTheGroupSt
     g.barrier();
   });
   EXPECT_EQ(failures(outcomes), "");
+}
+
+// The scenario: a process of the same user without the secret announces a large hello
+// and sends a frame now and then, and holds a pile of idle connections, for longer than the
+// group timeout. Every barrier of the group meanwhile completes within 100 ms.
+TEST(UnixGroupProcessesHostile, AStrangerHoldingConnectionsDoesNotDelayABarrier) {
+  Rendezvous rv = Rendezvous::create();
+  constexpr auto timeout = 2000ms;
+  constexpr auto watched = timeout + 1000ms;
+  auto outcomes = run_ranks(3, [&](int who) {
+    if (who == 2) {
+      std::vector<int> held;
+      for (int i = 0; i < 100; ++i) {
+        int s = connect_raw(rv, 5s);
+        check(s >= 0, "the stranger reached the socket");
+        held.push_back(s);
+      }
+      const std::string frame = big_hello_frame(std::uint64_t{64} << 20);
+      int slow = held.front();
+      auto until = std::chrono::steady_clock::now() + watched;
+      while (std::chrono::steady_clock::now() < until) {
+        (void)::send(slow, frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+        std::this_thread::sleep_for(300ms);
+      }
+      for (int s : held) ::close(s);
+      return;
+    }
+    UnixSocketGroup g(rv, who, 2, fast(timeout));
+    g.barrier();
+    double worst = 0;
+    int barriers = 0;
+    auto until = std::chrono::steady_clock::now() + watched;
+    // Both ranks run the same number of barriers: rank 0 decides when to stop.
+    for (bool more = true; more;) {
+      auto t = std::chrono::steady_clock::now();
+      std::uint8_t go = who == 0 && t < until ? 1 : 0;
+      auto all = g.all_gather(std::as_bytes(std::span(&go, 1)));
+      worst = std::max(worst, std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count());
+      more = all[0][0] == std::byte{1};
+      ++barriers;
+      std::this_thread::sleep_for(1ms);
+    }
+    report("rank " + std::to_string(who) + ": " + std::to_string(barriers) + " barriers, worst " +
+           std::to_string(worst * 1000) + " ms");
+    check(worst < 0.100, "a barrier took " + std::to_string(worst * 1000) + " ms while a stranger held connections");
+    if (who == 0) check(g.refused_connections() >= 36, "the strangers beyond the cap were refused");
+  });
+  EXPECT_EQ(failures(outcomes), "");
+  for (auto& o : outcomes) std::printf("%s", o.report.c_str());
+}
+
+// A rank that joined a barrier and then died is the one named, not the rank that was on time.
+TEST(UnixGroupProcessesHostile, ARankThatDiesInsideABarrierIsNamed) {
+  Rendezvous rv = Rendezvous::create();
+  auto outcomes = run_ranks(3, [&](int rank) {
+    UnixSocketGroup g(rv, rank, 3, fast(3s));
+    g.barrier();
+    if (rank == 1) {
+      std::thread([] {
+        std::this_thread::sleep_for(300ms);
+        ::_exit(0);  // dies while its barrier is pending
+      }).detach();
+      g.barrier();
+      return;
+    }
+    if (rank == 2) std::this_thread::sleep_for(600ms);  // on time, after rank 1's death
+    auto start = std::chrono::steady_clock::now();
+    try {
+      g.barrier();
+      throw std::runtime_error("a barrier without rank 1 completed");
+    } catch (const group_rank_left& e) {
+      report(e.what());
+      check(e.ranks() == std::vector<int>{1}, "rank 1 named as the rank that left: " + std::string(e.what()));
+      check(std::string(e.what()).find("rank 1 left") != std::string::npos ||
+                std::string(e.what()).find("rank(s) [1] left") != std::string::npos,
+            e.what());
+    }
+    check(std::chrono::steady_clock::now() - start < 2s, "the death was reported without waiting for the timeout");
+    if (rank == 0) std::this_thread::sleep_for(1s);  // rank 0 hosts the rendezvous: rank 2 still needs it
+  });
+  EXPECT_EQ(outcomes[0].exit_code, 0) << outcomes[0].report;
+  EXPECT_EQ(outcomes[2].exit_code, 0) << outcomes[2].report;
 }
 
 TEST(UnixGroupProcessesAdmission, AnotherUserCannotConnect) {

@@ -181,6 +181,10 @@ class Driver {
   virtual int export_fd(PhysicalHandle handle) = 0;
   // A new handle referring to the exported memory; `fd` stays owned by the caller.
   virtual PhysicalHandle import_fd(int fd) = 0;
+  // import_fd of memory its exporter announced as `bytes` long: driver_error (invalid_value)
+  // where the backend can tell that it is not. The default checks what import_fd checks (the
+  // CUDA driver cannot size an imported handle; mapping more than it holds fails there).
+  virtual PhysicalHandle import_fd_of_size(int fd, std::size_t bytes);
 
   // --- multicast (NVLS). Reach these only after the collective multicast decision. --------
   virtual std::size_t multicast_granularity(std::span<const int> devices, std::size_t bytes) = 0;

@@ -56,6 +56,7 @@ class FaultInjectingDriver final : public Driver {
   void set_access(device_ptr va, std::size_t b, std::span<const int> d) override;
   int export_fd(PhysicalHandle h) override;
   PhysicalHandle import_fd(int fd) override;
+  PhysicalHandle import_fd_of_size(int fd, std::size_t bytes) override;
   std::size_t multicast_granularity(std::span<const int> d, std::size_t b) override;
   MulticastHandle multicast_create(std::span<const int> d, std::size_t b) override;
   void multicast_add_device(MulticastHandle mc, int d) override;

@@ -26,11 +26,13 @@
 // (the application's control plane tells it, as it told it to sleep); it is itself a collective
 // with the same timeout. It discards every half-finished collective and resets the order, after
 // which the group is as new. A failed recover() can be repeated. A rank whose process exited
-// cannot rejoin: build a new group.
+// cannot rejoin: every rank waiting in (or later calling) a collective gets group_rank_left
+// naming it, at once; build a new group.
 #pragma once
 
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <span>
 #include <string>
@@ -82,14 +84,29 @@ class group_timeout : public timeout_error {
   std::vector<int> missing_;
 };
 
+// A rank left the group (its process exited, or it destroyed its Group) while the others needed
+// it. ranks() names it; a group with a departed rank cannot be recovered: build a new one.
+class group_rank_left : public invalid_state {
+ public:
+  group_rank_left(const std::string& message, std::vector<int> ranks)
+      : invalid_state(message), ranks_(std::move(ranks)) {}
+  const std::vector<int>& ranks() const noexcept { return ranks_; }
+
+ private:
+  std::vector<int> ranks_;
+};
+
 struct GroupOptions {
-  // Bound on every wait. Default: TORPOR_GROUP_TIMEOUT_MS, else 60 s.
+  // Bound on every wait: 0 = the default (TORPOR_GROUP_TIMEOUT_MS, else 60 s), else 1 ms to
+  // 24 h; anything else is an invalid_argument naming that range.
   std::chrono::milliseconds timeout{0};
 };
 
 // TORPOR_GROUP_TIMEOUT_MS, or 60 s when unset. Throws invalid_argument on a malformed value
 // or one outside [1, 86400000] ms (24 h).
 std::chrono::milliseconds default_group_timeout();
+// The longest timeout a group accepts (24 h: no deadline arithmetic can overflow).
+inline constexpr std::chrono::milliseconds max_group_timeout{std::int64_t{24} * 60 * 60 * 1000};
 // "[1, 3]" for messages.
 std::string format_ranks(const std::vector<int>& ranks);
 

@@ -7,7 +7,8 @@
 //   set_access   mprotect(PROT_READ | PROT_WRITE)
 //   unmap        the span goes back to PROT_NONE anonymous memory: the hole stays reserved,
 //                and touching it faults, as touching a sleeping address does on a GPU
-//   export       a dup of the memfd (passable to another process with SCM_RIGHTS)
+//   export       a dup of the memfd (passable to another process with SCM_RIGHTS); its size is
+//                sealed at creation, and import takes nothing else
 //   multicast    an object with membership and bindings; a multicast store is fanned out in
 //                software to every bound buffer (multicast_store)
 //
@@ -27,6 +28,9 @@
 // or host_free'ing memory that a queued operation still touches is refused with driver_error
 // and counted (counters().async_conflicts), instead of faulting at random: the ordering bug a
 // sleep engine can have (unmapping before its copies completed) fails at once on a CPU machine.
+// In the synchronous mode a copy (fill, hash) holds the mapping lock shared from its check to its
+// last byte and unmap holds it exclusively, so a range checked as mapped stays mapped while it is
+// touched, whichever pool or thread unmaps.
 #pragma once
 
 #include <atomic>
@@ -38,6 +42,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <shared_mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -121,7 +126,11 @@ class HostDriver final : public Driver {
   void set_access(device_ptr va, std::size_t bytes, std::span<const int> devices) override;
 
   int export_fd(PhysicalHandle handle) override;
+  // Only physical memory a HostDriver created: a memfd named torpor-physical whose size is
+  // sealed (an exporter can never shrink it under an importer's mapping); anything else is a
+  // driver_error (invalid_value) naming what the descriptor is.
   PhysicalHandle import_fd(int fd) override;
+  PhysicalHandle import_fd_of_size(int fd, std::size_t bytes) override;
 
   std::size_t multicast_granularity(std::span<const int> devices, std::size_t bytes) override;
   MulticastHandle multicast_create(std::span<const int> devices, std::size_t bytes) override;
@@ -193,8 +202,10 @@ class HostDriver final : public Driver {
   void check_device(int device, const char* call) const;
   void check_aligned(std::size_t v, const char* what, const char* call) const;
   // Throws unless [p, p + n) is either entirely outside every reservation or entirely
-  // covered by accessible mappings. Caller holds mu_.
+  // covered by accessible mappings (and does not wrap around the address space). Caller holds
+  // mu_, and mapping_mu_ shared until it is done touching the range.
   void check_accessible(const void* p, std::size_t n, const char* call) const;
+  PhysicalHandle import_checked(int fd, std::optional<std::size_t> announced);
   const HandleEntry& entry(PhysicalHandle h, const char* call) const;
   std::shared_ptr<Multicast> multicast_of(MulticastHandle mc, const char* call) const;
   void require_stream(Stream s, const char* call) const;
@@ -213,6 +224,8 @@ class HostDriver final : public Driver {
   std::uint64_t submit(Stream s, std::function<void()> work, std::vector<InFlight> ranges);
 
   HostDriverOptions options_;
+  // Taken before mu_: shared by whatever touches mapped bytes outside mu_, exclusive by unmap.
+  mutable std::shared_mutex mapping_mu_;
   mutable std::mutex mu_;
   std::shared_ptr<Counters> counters_;
   std::uint64_t next_id_ = 1;

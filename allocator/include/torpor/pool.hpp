@@ -71,9 +71,14 @@ struct PoolOptions {
   // Handle-size policy: few, large handles keep VMM calls (and sleep/wake time) low.
   //   bytes <= small_limit             carved from small slabs of slab_bytes
   //   small_limit < bytes <= medium_limit  carved from medium slabs that grow with the
-  //                                    (tag, class): min(max(total so far, medium_slab_min),
-  //                                    medium_slab_max)
+  //                                    (tag, class) as far as the slack bound allows
   //   bytes > medium_limit             a chunk of its own
+  // Slack bound: a new medium slab never leaves a (tag, class) with more mapped-but-unallocated
+  // medium bytes than clamp(allocated / 8, medium_slab_min, medium_slab_max) (plus less than
+  // one granule of rounding), where `allocated` counts the pair's medium allocations with the
+  // new one; frees may leave more, which later allocations reuse before any new slab is made.
+  // When the device cannot hold the slab the policy asks for, a slab of the allocation's own
+  // size is taken: an allocation that fits in free memory never fails for the slab policy.
   std::size_t slab_bytes = 0;                         // 0 = the granularity
   std::size_t small_limit = 0;                        // 0 = slab_bytes / 2
   std::size_t medium_limit = std::size_t{256} << 20;  // 0 disables medium slabs

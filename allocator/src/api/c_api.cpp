@@ -132,8 +132,14 @@ MemoryClass to_class(int c) {
   return static_cast<MemoryClass>(c);
 }
 
+// The longest list of tags or globs a call takes: far beyond any real use, and a wrong count
+// (a negative int passed as size_t) is refused before the array is read.
+constexpr std::size_t max_list_count = 65536;
+
 std::vector<std::string> to_strings(const char* const* v, std::size_t n, const char* what) {
   std::vector<std::string> out;
+  if (n > max_list_count)
+    throw invalid_argument(fmt::format("{}: count {} is outside [0, {}]", what, n, max_list_count));
   if (n > 0 && v == nullptr) throw invalid_argument(fmt::format("{} is NULL but count is {}", what, n));
   for (std::size_t i = 0; i < n; ++i) {
     if (v[i] == nullptr) throw invalid_argument(fmt::format("{}[{}] is NULL", what, i));

@@ -35,8 +35,20 @@ std::chrono::milliseconds default_group_timeout() { return options::group_timeou
 
 std::string format_ranks(const std::vector<int>& ranks) { return fmt::format("[{}]", fmt::join(ranks, ", ")); }
 
-Group::Group(const GroupOptions& options)
-    : timeout_(options.timeout.count() > 0 ? options.timeout : default_group_timeout()) {}
+namespace {
+
+std::chrono::milliseconds checked_timeout(std::chrono::milliseconds t) {
+  if (t.count() == 0) return default_group_timeout();
+  if (t.count() < 0 || t > max_group_timeout)
+    throw invalid_argument(fmt::format("GroupOptions::timeout {} ms is outside [1, {}] ms (0 = the default: "
+                                       "TORPOR_GROUP_TIMEOUT_MS, else 60 s)",
+                                       t.count(), max_group_timeout.count()));
+  return t;
+}
+
+}  // namespace
+
+Group::Group(const GroupOptions& options) : timeout_(checked_timeout(options.timeout)) {}
 
 namespace detail {
 
@@ -59,7 +71,7 @@ void HubClientGroup::raise(const Received& r) {
     case FailReason::late:
       throw group_timeout(text + "; every rank must call recover() before the group is used again", r.missing);
     case FailReason::mismatch: throw invalid_state(text + "; then call recover() on every rank");
-    case FailReason::left:
+    case FailReason::left: throw group_rank_left(text, r.missing);
     case FailReason::recovery:
     case FailReason::stale: throw invalid_state(text);
   }

@@ -78,6 +78,17 @@ Deliveries Hub::contribute(int rank, std::uint64_t generation, std::uint64_t seq
                                    {}));
     return out;
   }
+  // A rank waits for each collective before its next, so it has at most one contribution
+  // pending: the hub never holds more than one message per rank.
+  for (auto& [seq, p] : pending_)
+    if (seq != sequence && p.parts[static_cast<std::size_t>(rank)]) {
+      out.emplace_back(rank, failure(FailReason::mismatch, sequence,
+                                     fmt::format("rank {} contributed to collective #{} while its contribution to #{} "
+                                                 "is pending",
+                                                 rank, sequence, seq),
+                                     {}));
+      return out;
+    }
   auto [it, fresh] = pending_.try_emplace(sequence);
   Pending& p = it->second;
   if (fresh) {
@@ -192,13 +203,18 @@ Deliveries Hub::give_up_recovery(int rank, std::uint64_t generation) {
 Deliveries Hub::leave(int rank) {
   Deliveries out;
   if (!gone_.insert(rank).second) return out;
+  // Every pending collective fails naming the rank that left, whether or not it had contributed:
+  // a collective it joined and then died in can never be answered to it, and the ranks still
+  // missing from it are not to blame.
   std::vector<std::uint64_t> open;
-  for (auto& [seq, p] : pending_)
-    if (!p.parts[static_cast<std::size_t>(rank)]) open.push_back(seq);
+  for (auto& [seq, p] : pending_) open.push_back(seq);
   for (std::uint64_t seq : open) {
-    std::string msg = fmt::format("rank {} left the group while collective #{} was pending", rank, seq);
+    std::string msg = fmt::format("rank {} left the group (its process exited or destroyed its group) while "
+                                  "collective #{} was pending",
+                                  rank, seq);
     fail(out, seq, FailReason::left, msg, msg);
   }
+  std::erase_if(out, [rank](const auto& d) { return d.first == rank; });
   for (auto& [to, reply] : out) reply.missing = {rank};
   recovering_.erase(rank);
   for (int r : recovering_)

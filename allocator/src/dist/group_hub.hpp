@@ -7,6 +7,8 @@
 //   - collectives are identified by (generation, sequence number); every rank numbers its own
 //     collectives 1, 2, 3, ... within a generation, so equal numbers are the same collective;
 //   - a pending collective completes when every rank contributed, with the same kind;
+//   - a rank has at most one contribution pending (it waits for each collective before its
+//     next), so the hub holds at most one message per rank;
 //   - a collective that failed (given up after a timeout, kinds mismatched, a rank left, a rank
 //     started recovery) is remembered by number, so a rank that arrives late is answered at once;
 //   - while any rank is recovering, new contributions are refused; when every rank asked to
@@ -75,7 +77,8 @@ class Hub {
   // `rank` stops waiting for recovery (it stays counted as asking); it is answered with the ranks
   // that have not asked yet.
   Deliveries give_up_recovery(int rank, std::uint64_t generation);
-  // `rank` is gone for good (its connection closed or its Group was destroyed).
+  // `rank` is gone for good (its connection closed or its Group was destroyed): every pending
+  // collective fails naming it (missing = {rank}), whether or not it had contributed.
   Deliveries leave(int rank);
 
   int size() const noexcept { return size_; }

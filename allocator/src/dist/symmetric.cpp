@@ -222,7 +222,7 @@ void SymmetricHeap::import_peers(SymmetricBuffer& b, const std::vector<int>& fd_
     if (r == me || imp.mapped) continue;
     int fd = fd_by_rank[static_cast<std::size_t>(r)];
     if (fd < 0) throw error(fmt::format("{}: rank {} sent no handle for symmetric buffer {}", who(), r, b.id_));
-    if (!imp.handle) imp.handle = driver_.import_fd(fd);
+    if (!imp.handle) imp.handle = driver_.import_fd_of_size(fd, b.part_bytes_);  // every rank's part is this long
     device_ptr va = b.peer_va_[static_cast<std::size_t>(r)];
     driver_.map(va, b.part_bytes_, imp.handle, 0);
     imp.mapped = true;

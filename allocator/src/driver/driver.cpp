@@ -40,6 +40,8 @@ int Driver::multicast_export_fd(MulticastHandle) {
                      "this driver cannot share multicast objects");
 }
 
+PhysicalHandle Driver::import_fd_of_size(int fd, std::size_t) { return import_fd(fd); }
+
 MulticastHandle Driver::multicast_import_fd(int) {
   throw_driver_error(static_cast<int>(driver_status::not_supported), "cuMemImportFromShareableHandle(multicast)",
                      "this driver cannot share multicast objects");

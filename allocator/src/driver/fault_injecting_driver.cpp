@@ -95,6 +95,9 @@ void FaultInjectingDriver::set_access(device_ptr va, std::size_t b, std::span<co
 }
 int FaultInjectingDriver::export_fd(PhysicalHandle h) { TORPOR_FORWARD(export_handle, export_fd(h)); }
 PhysicalHandle FaultInjectingDriver::import_fd(int fd) { TORPOR_FORWARD(import_handle, import_fd(fd)); }
+PhysicalHandle FaultInjectingDriver::import_fd_of_size(int fd, std::size_t bytes) {
+  TORPOR_FORWARD(import_handle, import_fd_of_size(fd, bytes));
+}
 MulticastHandle FaultInjectingDriver::multicast_create(std::span<const int> d, std::size_t b) {
   TORPOR_FORWARD(multicast_create, multicast_create(d, b));
 }

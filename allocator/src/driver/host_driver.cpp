@@ -4,7 +4,13 @@
 //   - every Mapping lies inside one reservation and no two mappings overlap;
 //   - a Memory object is alive while a handle entry or a mapping holds it; its destructor
 //     closes the memfd and takes its bytes off the owning device's live count;
-//   - a reservation can only be freed when nothing is mapped inside it.
+//   - a reservation can only be freed when nothing is mapped inside it;
+//   - a range checked accessible stays mapped until the copy (fill, hash) that checked it is
+//     done: those hold mapping_mu_ shared across check and touch (synchronous mode) or
+//     register the range as in flight until a worker did it (asynchronous mode); unmap holds
+//     mapping_mu_ exclusively and refuses a range still in flight;
+//   - every memfd it creates has its size sealed (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL),
+//     and import takes only such memfds: a peer can never truncate memory another process maps.
 #include "torpor/host_driver.hpp"
 
 #include <fcntl.h>
@@ -18,6 +24,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 
 #include "driver/host_driver_async.hpp"
 #include "torpor/error.hpp"
@@ -30,6 +37,10 @@ namespace {
 constexpr int k_invalid = static_cast<int>(driver_status::invalid_value);
 constexpr int k_oom = static_cast<int>(driver_status::out_of_memory);
 constexpr int k_invalid_device = static_cast<int>(driver_status::invalid_device);
+
+// The name every physical memfd gets; import checks it (with the seals) to know torpor's memory.
+constexpr std::string_view memfd_name = "torpor-physical";
+constexpr int size_seals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
 
 [[noreturn]] void misuse(const char* call, const std::string& what) { throw_driver_error(k_invalid, call, what); }
 
@@ -256,7 +267,7 @@ PhysicalHandle HostDriver::create(int device, std::size_t bytes, bool exportable
   mem->bytes = bytes;
   mem->exportable = exportable;
   mem->counters = counters_;
-  mem->fd = ::memfd_create("torpor-physical", MFD_CLOEXEC);
+  mem->fd = ::memfd_create(std::string(memfd_name).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (mem->fd < 0) {
     live -= bytes;
     mem->counters.reset();
@@ -265,6 +276,7 @@ PhysicalHandle HostDriver::create(int device, std::size_t bytes, bool exportable
   }
   mem->device = device;  // from here the destructor gives the bytes back
   if (::ftruncate(mem->fd, static_cast<off_t>(bytes)) != 0) throw_driver_error(k_oom, call, errno_text("ftruncate"));
+  if (::fcntl(mem->fd, F_ADD_SEALS, size_seals) != 0) throw_driver_error(k_invalid, call, errno_text("F_ADD_SEALS"));
   struct stat st {};
   ::fstat(mem->fd, &st);
   mem->st_dev = st.st_dev;
@@ -330,6 +342,7 @@ void HostDriver::map(device_ptr va, std::size_t bytes, PhysicalHandle handle, st
 
 void HostDriver::unmap(device_ptr va, std::size_t bytes) {
   const char* call = "cuMemUnmap";
+  std::unique_lock touching(mapping_mu_);  // waits for copies into the span to finish
   std::lock_guard lock(mu_);
   auto it = mappings_.find(va);
   if (it == mappings_.end() || it->second.bytes != bytes)
@@ -375,12 +388,36 @@ int HostDriver::export_fd(PhysicalHandle handle) {
   return fd;
 }
 
-PhysicalHandle HostDriver::import_fd(int fd) {
+PhysicalHandle HostDriver::import_fd(int fd) { return import_checked(fd, std::nullopt); }
+
+PhysicalHandle HostDriver::import_fd_of_size(int fd, std::size_t bytes) { return import_checked(fd, bytes); }
+
+namespace {
+
+// What /proc says the descriptor is ("/memfd:torpor-physical (deleted)", "pipe:[123]", a path).
+std::string describe_fd(int fd) {
+  char buf[256] = {};
+  ssize_t n = ::readlink(fmt::format("/proc/self/fd/{}", fd).c_str(), buf, sizeof buf - 1);
+  return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : std::string("?");
+}
+
+}  // namespace
+
+PhysicalHandle HostDriver::import_checked(int fd, std::optional<std::size_t> announced) {
   const char* call = "cuMemImportFromShareableHandle";
   struct stat st {};
   if (fd < 0 || ::fstat(fd, &st) != 0) misuse(call, fmt::format("fd {} is not open", fd));
+  const std::string what = describe_fd(fd);
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  if (!S_ISREG(st.st_mode) || !what.starts_with(fmt::format("/memfd:{}", memfd_name)) || seals < 0 ||
+      (seals & size_seals) != size_seals)
+    misuse(call, fmt::format("fd {} ({}) is not physical memory exported by torpor: only a size-sealed memfd named "
+                             "{} is imported",
+                             fd, what, memfd_name));
   if (st.st_size <= 0 || static_cast<std::size_t>(st.st_size) % options_.granularity != 0)
     misuse(call, fmt::format("fd {} is not exported physical memory (size {})", fd, st.st_size));
+  if (announced && static_cast<std::size_t>(st.st_size) != *announced)
+    misuse(call, fmt::format("fd {} holds {} bytes; its exporter announced {}", fd, st.st_size, *announced));
   std::lock_guard lock(mu_);
   // Memory exported by this same driver (ranks that are threads): share the object, so the
   // accounting sees one piece of memory kept alive by two handles.
@@ -615,6 +652,8 @@ void HostDriver::stream_destroy(Stream s) {
 
 void HostDriver::check_accessible(const void* p, std::size_t n, const char* call) const {
   auto lo = reinterpret_cast<device_ptr>(p);
+  if (n > std::numeric_limits<device_ptr>::max() - lo)
+    misuse(call, fmt::format("[{:#x}, +{}) wraps around the end of the address space", lo, n));
   device_ptr hi = lo + n;
   auto r = reservations_.upper_bound(lo);
   bool inside = false;
@@ -700,6 +739,7 @@ std::uint64_t HostDriver::submit(Stream s, std::function<void()> work, std::vect
 
 void HostDriver::copy_async(void* dst, const void* src, std::size_t bytes, Stream s) {
   const char* call = "cuMemcpyAsync";
+  std::shared_lock touching(mapping_mu_);
   bool src_pageable = false, dst_pageable = false;
   std::vector<InFlight> touched;
   {
@@ -743,6 +783,7 @@ void HostDriver::copy_async(void* dst, const void* src, std::size_t bytes, Strea
 
 void HostDriver::fill_async(device_ptr dst, std::uint8_t value, std::size_t bytes, Stream s) {
   const char* call = "cuMemsetD8Async";
+  std::shared_lock touching(mapping_mu_);
   {
     std::lock_guard lock(mu_);
     require_stream(s, call);
@@ -848,6 +889,7 @@ void HostDriver::event_synchronize(Event e) {
 
 void HostDriver::hash(std::span<const HashRange> ranges, Hash128* out, Stream s) {
   const char* call = "hash";
+  std::shared_lock touching(mapping_mu_);
   std::vector<InFlight> touched;
   {
     std::lock_guard lock(mu_);

@@ -17,9 +17,12 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <limits>
 #include <optional>
 #include <span>
 
+#include "common/text.hpp"
 #include "pool/pool_state.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
@@ -30,6 +33,11 @@ namespace {
 
 constexpr std::size_t sub_alignment = 256;
 constexpr std::size_t recently_freed_limit = 4096;
+// A new medium slab never makes a (tag, class) hold more than this share of what it allocated
+// (at least medium_slab_min, at most medium_slab_max) mapped but unallocated.
+constexpr std::size_t medium_slack_divisor = 8;
+// PoolOptions::va_bytes: far beyond any device's (twice its memory) and any rounding overflow.
+constexpr std::size_t max_va_bytes = std::size_t{1} << 52;
 
 }  // namespace
 
@@ -111,7 +119,10 @@ void check_device(const PoolOptions& o, const DeviceProperties& props) {
 
 // The handle-size policy's defaults, rounded to the granularity, and its consistency.
 void normalize_sizes(PoolOptions& o, const DeviceProperties& props, std::size_t gran) {
-  if (o.va_bytes == 0) o.va_bytes = 2 * props.total_bytes;
+  if (o.va_bytes > max_va_bytes)
+    throw invalid_argument(fmt::format("PoolOptions::va_bytes {} is outside [0, {}] (0 = twice the device's memory)",
+                                       o.va_bytes, max_va_bytes));
+  if (o.va_bytes == 0) o.va_bytes = std::min(2 * props.total_bytes, max_va_bytes);
   o.va_bytes = align_up(o.va_bytes, gran);
   if (o.slab_bytes == 0) o.slab_bytes = gran;
   if (o.slab_bytes % gran != 0)
@@ -284,16 +295,56 @@ struct Placement {
   std::size_t footprint = 0;
 };
 
-// The fast path: room in a mapped slab of this kind and (tag, class). No driver call. Adds the
-// bytes of the pair's slabs to `pair_bytes` (medium slabs grow with them).
+// The awake slabs of one kind and (tag, class): bytes mapped, and bytes of them not carved.
+struct PairSpace {
+  std::size_t mapped = 0;
+  std::size_t free = 0;
+};
+
+// The fast path: room in a mapped slab of this kind and (tag, class). No driver call. Sums the
+// pair's slabs into `pair` (the medium slab policy sizes a new slab by them).
 std::optional<Placement> carve_from_slab(Pool::State& s, ChunkKind kind, std::size_t footprint,
-                                         const AllocationOptions& options, std::size_t& pair_bytes) {
+                                         const AllocationOptions& options, PairSpace& pair) {
   for (auto& [va, c] : s.chunks) {
     if (c->kind != kind || c->tag != options.tag || c->cls != options.memory_class || !c->awake) continue;
-    pair_bytes += c->bytes;
     if (auto off = c->space.allocate(footprint, sub_alignment)) return Placement{c.get(), *off, footprint};
+    pair.mapped += c->bytes;
+    pair.free += c->space.free_bytes();
   }
   return std::nullopt;
+}
+
+// A new medium slab for `footprint` bytes: as large as the slack budget allows (PoolOptions: the
+// pair's mapped-but-unallocated bytes stay within clamp(allocated / 8, medium_slab_min,
+// medium_slab_max)), at most medium_slab_max, at least the allocation itself.
+std::size_t medium_slab_bytes(const PoolOptions& o, std::size_t gran, const PairSpace& pair, std::size_t footprint) {
+  const std::size_t need = align_up(footprint, gran);
+  const std::size_t allocated = pair.mapped - pair.free + footprint;
+  const std::size_t budget = std::clamp(allocated / medium_slack_divisor, o.medium_slab_min, o.medium_slab_max);
+  if (budget + footprint <= pair.free) return need;  // frees left more than the budget: no slack added
+  const std::size_t fits = (budget + footprint - pair.free) / gran * gran;
+  return std::max(need, std::min(fits, o.medium_slab_max));
+}
+
+bool out_of_memory_error(const std::exception& e) {
+  if (dynamic_cast<const out_of_memory*>(&e) != nullptr) return true;
+  const auto* d = dynamic_cast<const driver_error*>(&e);
+  return d != nullptr && d->is_out_of_memory();
+}
+
+// A slab of `preferred` bytes, or, when the device (or the VA reservation) cannot hold one, a
+// slab of just `need` bytes: a slab is a convenience, and an allocation that fits must not fail
+// for it (nor strand, in a half-size slab, memory the next allocation needs).
+Chunk& new_slab(Pool::State& s, std::size_t preferred, std::size_t need, const AllocationOptions& options,
+                ChunkKind kind) {
+  try {
+    return s.new_chunk(preferred, options.tag, options.memory_class, kind);
+  } catch (const std::exception& e) {
+    if (preferred <= need || !out_of_memory_error(e)) throw;
+    log::debug("pool: no room for a {}-byte slab in tag '{}' ({}); taking {} bytes", preferred, options.tag, e.what(),
+               need);
+  }
+  return s.new_chunk(need, options.tag, options.memory_class, kind);
 }
 
 Placement place(Pool::State& s, std::size_t bytes, const AllocationOptions& options) {
@@ -304,20 +355,19 @@ Placement place(Pool::State& s, std::size_t bytes, const AllocationOptions& opti
     return Placement{&s.new_chunk(footprint, options.tag, options.memory_class, kind), 0, footprint};
   }
   std::size_t footprint = align_up(bytes, sub_alignment);
-  std::size_t pair_bytes = 0;
-  if (auto p = carve_from_slab(s, kind, footprint, options, pair_bytes)) return *p;
-  std::size_t slab = o.slab_bytes;
-  if (kind == ChunkKind::medium_slab)
-    slab = std::max(align_up(bytes, s.granularity),
-                    std::clamp(align_up(pair_bytes, s.granularity), o.medium_slab_min, o.medium_slab_max));
-  Chunk& c = s.new_chunk(slab, options.tag, options.memory_class, kind);
+  PairSpace pair;
+  if (auto p = carve_from_slab(s, kind, footprint, options, pair)) return *p;
+  const std::size_t need = align_up(footprint, s.granularity);
+  std::size_t slab = std::max(o.slab_bytes, need);
+  if (kind == ChunkKind::medium_slab) slab = medium_slab_bytes(o, s.granularity, pair, footprint);
+  Chunk& c = new_slab(s, slab, need, options, kind);
   return Placement{&c, *c.space.allocate(footprint, sub_alignment), footprint};
 }
 
 void check_allocation(std::size_t bytes, const AllocationOptions& options, std::size_t va_bytes) {
   if (bytes == 0) throw invalid_argument("allocate: size 0 (torpor does not hand out empty allocations)");
   check_class(options.memory_class);
-  if (options.tag.empty()) throw invalid_argument("allocate: empty tag (use \"default\" or a name)");
+  check_tag(options.tag, "allocate");
   if (bytes > va_bytes)
     throw invalid_argument(fmt::format("allocate: {} bytes exceed the pool's whole VA reservation of {} bytes; "
                                        "raise PoolOptions::va_bytes",
@@ -574,8 +624,10 @@ PoolStats Pool::stats() const {
 }
 
 void Pool::set_preserve(std::vector<std::string> globs) {
-  for (const auto& g : globs)
+  for (const auto& g : globs) {
     if (g.empty()) throw invalid_argument("set_preserve: empty glob");
+    check_no_nul(g, fmt::format("glob '{}'", g.substr(0, g.find('\0'))), "set_preserve");
+  }
   std::lock_guard lock(state_->mu);
   state_->preserve = std::move(globs);
 }
@@ -655,6 +707,11 @@ void Pool::remove_observer(SleepObserver* observer) {
 }
 
 void Pool::copy(void* dst, const void* src, std::size_t bytes) {
+  constexpr auto top = std::numeric_limits<std::uintptr_t>::max();
+  for (const void* p : {static_cast<const void*>(dst), src})
+    if (bytes > top - reinterpret_cast<std::uintptr_t>(p))
+      throw invalid_argument(fmt::format("copy: [{}, +{}) wraps around the end of the address space", p, bytes));
+  if (bytes > 0 && (dst == nullptr || src == nullptr)) throw invalid_argument("copy: NULL pointer");
   std::lock_guard lock(state_->mu);
   driver_.copy_async(dst, src, bytes, state_->streams[0]);
   driver_.stream_synchronize(state_->streams[0]);
