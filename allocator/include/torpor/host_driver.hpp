@@ -10,6 +10,8 @@
 //   export       a dup of the memfd (passable to another process with SCM_RIGHTS)
 //   multicast    an object with membership and bindings; a multicast store is fanned out in
 //                software to every bound buffer (multicast_store)
+//   host_register  bookkeeping of page-locked ranges (no page is really locked), with an optional
+//                limit and delay, and overlap and unknown-pointer misuse detection
 //
 // It keeps exact accounting (live handles, live physical bytes per device, mapped bytes, host
 // bytes) and raises driver_error on misuse: unmap of a span that is not exactly one mapping,
@@ -20,7 +22,9 @@
 // Device work is synchronous: a copy is done when copy_async returns.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -40,6 +44,15 @@ struct HostDriverOptions {
   std::size_t granularity = std::size_t{2} << 20;
   bool multicast_attribute = true;  // what the emulated devices report
   bool peer_access = true;          // every device can access every other
+  // host_register: page-locking more than this many bytes in all is refused with
+  // CUDA_ERROR_OUT_OF_MEMORY, as a driver refuses past its locked-memory limit (0 = no limit);
+  // every registration takes at least host_register_delay, as pinning real memory takes time.
+  std::size_t host_register_limit = 0;
+  std::chrono::microseconds host_register_delay{0};
+  // A copy between device memory and host memory must use page-locked host memory (host_alloc'ed
+  // or registered), else misuse. Pageable copies are legal in CUDA, so this is off by default; a
+  // test turns it on to prove that nothing is copied into host memory whose pinning is not done.
+  bool require_page_locked_copies = false;
 };
 
 // Exact accounting, for tests and `torpor probe`.
@@ -50,7 +63,9 @@ struct HostDriverCounters {
   std::size_t mappings = 0;
   std::size_t reservations = 0;
   std::size_t reserved_bytes = 0;
-  std::size_t host_bytes = 0;  // host_alloc'ed and not freed
+  std::size_t host_bytes = 0;        // host_alloc'ed and not freed
+  std::size_t registered_bytes = 0;  // host_register'ed and not unregistered
+  std::size_t registrations = 0;
   std::size_t streams = 0;
   std::size_t events = 0;
   std::size_t multicast_objects = 0;
@@ -122,6 +137,8 @@ class HostDriver final : public Driver {
 
   void* host_alloc(std::size_t bytes) override;
   void host_free(void* p) override;
+  void host_register(void* p, std::size_t bytes, int device) override;
+  void host_unregister(void* p, int device) override;
 
   Stream stream_create(int device) override;
   void stream_destroy(Stream s) override;
@@ -164,6 +181,10 @@ class HostDriver final : public Driver {
   // Throws unless [p, p + n) is either entirely outside every reservation or entirely
   // covered by accessible mappings. Caller holds mu_.
   void check_accessible(const void* p, std::size_t n, const char* call) const;
+  // Throws unless host memory [p, p + n) lies in one host_alloc block or one registration, when
+  // require_page_locked_copies asks for it. Caller holds mu_.
+  void check_page_locked(const void* p, std::size_t n, const char* call) const;
+  bool in_reservation(const void* p) const;
   const HandleEntry& entry(PhysicalHandle h, const char* call) const;
   std::shared_ptr<Multicast> multicast_of(MulticastHandle mc, const char* call) const;
   void require_stream(Stream s, const char* call) const;
@@ -176,6 +197,7 @@ class HostDriver final : public Driver {
   std::map<device_ptr, Mapping> mappings_;          // va -> mapping
   std::unordered_map<std::uint64_t, HandleEntry> handles_;
   std::unordered_map<void*, std::size_t> host_blocks_;
+  std::map<std::uintptr_t, std::size_t> registered_;  // host_register'ed: start -> bytes
   std::set<std::uint64_t> streams_;
   std::set<std::uint64_t> events_;
 };
