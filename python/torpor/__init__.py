@@ -6,7 +6,8 @@ Two layers:
   mark, sleep, wake_up, stats, copy. Runs on the host backend anywhere.
 - The PyTorch embedding (torpor.torch_pools, re-exported here): use_pool(tag),
   register_parameters(module, preserve), sleep(level=1, tags=None), wake_up(tags=None),
-  stats(); and CuMemAllocator, vLLM's interface. PyTorch is imported on first use only.
+  stats(), release_host_store(), prepare_host_store();
+  and CuMemAllocator, vLLM's interface. PyTorch is imported on first use only.
 
 libtorpor.so is found through TORPOR_LIBRARY, then a copy bundled at install time, then the
 repository's build directories, then the system path (see torpor._lib).
@@ -29,7 +30,18 @@ from .errors import (
     Unavailable,
 )
 from .pool import MemoryClass, Pool
-from .torch_pools import Registration, configure, pools, register_parameters, sleep, stats, use_pool, wake_up
+from .torch_pools import (
+    Registration,
+    configure,
+    pools,
+    prepare_host_store,
+    register_parameters,
+    release_host_store,
+    sleep,
+    stats,
+    use_pool,
+    wake_up,
+)
 
 __version__ = "0.1.0"
 
@@ -54,7 +66,9 @@ __all__ = [
     "last_error",
     "library_path",
     "pools",
+    "prepare_host_store",
     "register_parameters",
+    "release_host_store",
     "sleep",
     "stats",
     "tags",
