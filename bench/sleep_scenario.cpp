@@ -9,6 +9,10 @@
 //   3. the per-allocation baseline, as vLLM's CuMemAllocator does it: per allocation a fresh
 //      pinned buffer, a synchronous copy, unmap and release; the reverse on wake;
 //   4. device memory returned after each sleep, by cuMemGetInfo.
+// The first L1 sleep pins the host store it copies into (pinning pipelined with the copies);
+// with --prepare the store is pinned in the background while the scenario loads
+// (Pool::prepare_host_store), as an engine would during model load. Cycle 1's L1 sleep is
+// checked against its own target, with or without preparation.
 // Every wake is checked: hashes of the bytes that must survive equal those before the sleep.
 // Everything goes through the driver seam, so the same program runs on the host backend
 // (CI's smoke test, with a small scenario) and on a GPU.
@@ -55,6 +59,9 @@ struct Options {
   int baseline_cycles = 2;
   std::size_t ceiling_buffer = std::size_t{2} << 30;
   int release_threads = 2;
+  bool prepare = false;              // prepare_host_store() while the scenario loads
+  std::size_t host_store_limit = 0;  // PoolOptions::host_store_limit
+  std::string spill_dir;             // PoolOptions::spill_dir
   std::string json;
 };
 
@@ -293,7 +300,9 @@ int run(const Options& o) {
                    {"state_bytes", o.state_bytes}, {"state_min", o.state_min},
                    {"state_max", o.state_max},     {"shared", o.shared},
                    {"cache_bytes", o.cache_bytes}, {"cache_alloc", o.cache_alloc},
-                   {"cycles", o.cycles},           {"release_threads", o.release_threads}};
+                   {"cycles", o.cycles},           {"release_threads", o.release_threads},
+                   {"prepare", o.prepare},         {"host_store_limit", o.host_store_limit},
+                   {"spill_dir", o.spill_dir}};
 
   Ceiling ceiling;
   std::vector<nlohmann::json> cycles;
@@ -302,9 +311,16 @@ int run(const Options& o) {
     PoolOptions po;
     po.device = device;
     po.release_threads = o.release_threads;
+    po.host_store_limit = o.host_store_limit;
+    po.spill_dir = o.spill_dir;
     Pool pool(d, po);
     auto t = clock_type::now();
     Scenario s = build(pool, o);
+    if (o.prepare) {
+      std::size_t added = pool.prepare_host_store();  // pins while the bytes load and the ceiling runs
+      j["prepare_added_bytes"] = added;
+      fmt::print("prepare_host_store: pinning {} in the background\n", format_bytes(added));
+    }
     Stream st = d.stream_create(device);
     fill_random(d, st, s.params, 1);
     fill_random(d, st, s.state, 2);
@@ -322,6 +338,13 @@ int run(const Options& o) {
     for (int c = 1; c <= o.cycles; ++c) {
       nlohmann::json cj;
       cj["cycle"] = c;
+      if (c == 1) {
+        PoolStats hs = pool.stats();
+        j["host_before_first_sleep"] = {{"pinned_bytes", hs.host_store_pinned_bytes},
+                                        {"pinning_bytes", hs.host_store_pinning_bytes}};
+        fmt::print("host store before the first sleep: {} pinned, {} being pinned\n",
+                   format_bytes(hs.host_store_pinned_bytes), format_bytes(hs.host_store_pinning_bytes));
+      }
       mutate(d, st, s.params, c);
       mutate(d, st, s.state, c + 100);
       auto hp = hashes(d, st, s.params);
@@ -359,6 +382,18 @@ int run(const Options& o) {
                  g("l2_wake_kv"), cj["l1_sleep"]["returned"].get<double>(), cj["l2_sleep"]["returned"].get<double>());
       cycles.push_back(cj);
     }
+    PoolStats hs = pool.stats();
+    j["host_store"] = {{"bytes", hs.host_store_bytes},
+                       {"pinned_bytes", hs.host_store_pinned_bytes},
+                       {"pageable_bytes", hs.host_store_pageable_bytes},
+                       {"registration_refused", hs.host_registration_refused},
+                       {"spill_bytes", hs.spill_bytes},
+                       {"spill_direct_io", hs.spill_direct_io}};
+    fmt::print("host store: {} held ({} pinned, {} pageable){}; spill {}{}\n", format_bytes(hs.host_store_bytes),
+               format_bytes(hs.host_store_pinned_bytes), format_bytes(hs.host_store_pageable_bytes),
+               hs.host_registration_refused ? ", registration refused (host_alloc used)" : "",
+               format_bytes(hs.spill_bytes),
+               hs.spill_path.empty() ? "" : (hs.spill_direct_io ? " (O_DIRECT)" : " (buffered I/O)"));
     d.stream_destroy(st);
   }
   j["ceiling"] = {{"bytes", ceiling.bytes}, {"d2h_seconds", ceiling.d2h_seconds}, {"h2d_seconds", ceiling.h2d_seconds}};
@@ -424,11 +459,17 @@ int run(const Options& o) {
        {"l2_sleep_seconds", {{"value", s2}, {"target", "<= 0.100"}, {"met", s2 <= 0.1}}},
        {"l2_wake_seconds", {{"value", w2}, {"target", "<= 0.150"}, {"met", w2 <= 0.15}}},
        {"returned_fraction", {{"value", min_returned}, {"target", ">= 0.999"}, {"met", min_returned >= 0.999}}}};
+  // The first L1 sleep, which pins the host store (issue 15): 2.0 s unprepared, 0.8 s prepared.
+  const double first_target = o.prepare ? 0.8 : 2.0;
+  const std::string first_key = o.prepare ? "first_l1_sleep_prepared_seconds" : "first_l1_sleep_seconds";
+  targets[first_key] = {{"value", first("l1_sleep")},
+                        {"target", fmt::format("<= {:.3f}", first_target)},
+                        {"met", first("l1_sleep") <= first_target}};
   if (o.baseline)
     targets["l1_round_trip_speedup"] = {{"value", base_round / (s1 + w1)},
                                         {"target", ">= 10"},
                                         {"met", base_round / (s1 + w1) >= 10}};
-  fmt::print("\ntargets (steady state):\n");
+  fmt::print("\ntargets (steady state; first_l1_sleep*: cycle 1):\n");
   for (auto& [k, v] : targets.items())
     fmt::print("  {:<30} {:>10.4f}  target {:<8} {}\n", k, v["value"].get<double>(), v["target"].get<std::string>(),
                v["met"].get<bool>() ? "met" : "MISSED");
@@ -483,6 +524,11 @@ int main(int argc, char** argv) {
       "pinned buffer for the ceiling copies (default 2G)");
   app.add_option("--release-threads", o.release_threads, "PoolOptions::release_threads (default 2)")
       ->check(CLI::Range(1, 64));
+  app.add_flag("--prepare", o.prepare, "prepare_host_store() while the scenario loads (first-sleep target 0.8 s)");
+  app.add_option_function<std::string>(
+      "--host-store-limit", [&](const std::string& s) { o.host_store_limit = parse_size(s); },
+      "PoolOptions::host_store_limit (default 0: none)");
+  app.add_option("--spill-dir", o.spill_dir, "PoolOptions::spill_dir (needs --host-store-limit)");
   app.add_option("--json", o.json, "write every number to this JSON file");
   CLI11_PARSE(app, argc, argv);
   try {

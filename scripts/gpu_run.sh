@@ -3,8 +3,8 @@
 # device tool (`run`), whose $OUT folder comes back; elsewhere OUT defaults to ./gpu-out.
 #
 #   scripts/gpu_run.sh [stage ...]     stages: probe tests readme bench-sleep bench-sleep-threads python
-#                                      engines graphs symmetric symmetric-nccl tail tail-bench stress
-#                                      stress-tail
+#                                      bench-first-sleep bench-torch-sleep host-store engines graphs
+#                                      symmetric symmetric-nccl tail tail-bench stress stress-tail
 #                                      (default: probe tests)
 #   TORPOR_BUILD_TARGETS="a b"         build only these targets (default: everything), to save
 #                                      device time when iterating on one part
@@ -36,6 +36,13 @@
 # split; same greedy tokens after sleep(2) + reload without re-capture; graphs-*.txt, graphs-*.json),
 # the graph GPU tests (graphs-pytest.log), then `torpor stress --ranks 1` with its per-rank memory
 # report (stress-graphs.txt, stress-graphs.json).
+#
+# bench-first-sleep runs the sleep bench's first cycle against issue 15's targets, unprepared and
+# with the host store prepared during load, then with a pinned limit and the disk tier beyond it
+# (spill file under $OUT's disk, removed after). bench-torch-sleep runs the same scenario through
+# torpor.sleep/wake_up and through torch_memory_saver (built from .anchors/torch_memory_saver, so
+# run it with .anchors carried) and plots both. host-store runs the host-store and spill tests on
+# the GPU (registration, O_DIRECT detection: the log says which path ran).
 #
 # The multicast kill switches are always set: these machines are shared, and a multicast
 # object can take their GPUs out of service. torpor honours every one of them.
@@ -139,6 +146,47 @@ for stage in "${stages[@]}"; do
           --json "$OUT/bench-sleep-threads$t.json" > "$OUT/bench-sleep-threads$t.txt" 2>&1 || status=1
         echo "release threads $t:"; grep -E "^cycle|L1 sleep \(unchanged\)|L2 sleep|L2 wake" "$OUT/bench-sleep-threads$t.txt"
       done
+      ;;
+    bench-first-sleep)
+      for variant in unprepared prepared; do
+        flag=$([ "$variant" = prepared ] && echo --prepare || true)
+        TORPOR_LOG=info timeout 300 build-gpu/bench/torpor_bench_sleep --no-baseline --cycles 2 $flag \
+          --json "$OUT/bench-first-sleep-$variant.json" > "$OUT/bench-first-sleep-$variant.txt" 2>&1 || status=1
+        echo "== first sleep, $variant:"
+        grep -E "host store|^cycle|first_l1_sleep|l1_sleep_of_ceiling|l1_wake_of_ceiling|unchanged_sleep" \
+          "$OUT/bench-first-sleep-$variant.txt"
+      done
+      spill=$(mktemp -d "$PWD/spill.XXXXXX")
+      TORPOR_LOG=info timeout 300 build-gpu/bench/torpor_bench_sleep --no-baseline --cycles 2 --host-store-limit 16G \
+        --spill-dir "$spill" --json "$OUT/bench-first-sleep-spill.json" > "$OUT/bench-first-sleep-spill.txt" 2>&1 || status=1
+      rm -rf "$spill"
+      echo "== 16 GiB pinned, the rest on disk:"
+      grep -E "spill|^host store|^cycle|first_l1_sleep|torpor L1" "$OUT/bench-first-sleep-spill.txt"
+      ;;
+    bench-torch-sleep)
+      tms_dir=$PWD/build-gpu/tms
+      if [ ! -d "$tms_dir/torch_memory_saver" ]; then
+        TMS_CUDA_MAJOR=13 timeout 300 python3 -m pip install --no-build-isolation --no-deps --no-index \
+          --target "$tms_dir" .anchors/torch_memory_saver > "$OUT/tms-build.log" 2>&1 ||
+          { echo "torch_memory_saver build failed (tms-build.log); its rows will say skipped"; tail -5 "$OUT/tms-build.log"; }
+      fi
+      pyenv=(env TORPOR_LIBRARY="$PWD/build-gpu/allocator/libtorpor.so" PYTHONPATH="$PWD/python:$tms_dir"
+        PYTHONDONTWRITEBYTECODE=1)
+      for variant in unprepared prepared; do
+        flag=$([ "$variant" = prepared ] && echo --prepare || true)
+        engines=$([ "$variant" = prepared ] && echo torpor || echo torpor,tms)
+        timeout 540 "${pyenv[@]}" python3 bench/torch_sleep_bench.py --engines "$engines" --cycles 3 $flag \
+          --json "$OUT/bench-torch-sleep-$variant.json" > "$OUT/bench-torch-sleep-$variant.txt" 2>&1 || status=1
+        echo "== PyTorch path, $variant:"; cat "$OUT/bench-torch-sleep-$variant.txt"
+        python3 bench/plot_torch_sleep.py "$OUT/bench-torch-sleep-$variant.json" -o "$OUT/bench-torch-sleep-$variant.png" ||
+          echo "(plot skipped)"
+      done
+      ;;
+    host-store)
+      TORPOR_LOG=info timeout 300 build-gpu/tests/torpor_tests --gtest_filter='*HostStore*:*Spill*' > "$OUT/host-store-tests.log" 2>&1 ||
+        status=1
+      grep -E "^\[ +(OK|FAILED|SKIPPED) +\]|direct I/O|O_DIRECT|registration" "$OUT/host-store-tests.log" | head -60
+      tail -3 "$OUT/host-store-tests.log"
       ;;
     python)
       # The Python package with PyTorch on the GPU: each tests/python file in its own process

@@ -6,7 +6,7 @@ Two layers:
   mark, sleep, wake_up, stats, copy. Runs on the host backend anywhere.
 - The PyTorch embedding (torpor.torch_pools, re-exported here): use_pool(tag),
   register_parameters(module, preserve), sleep(level=1, tags=None), wake_up(tags=None),
-  stats(). PyTorch is imported on first use only.
+  stats(), release_host_store(), prepare_host_store(). PyTorch is imported on first use only.
 - CUDA graphs in torpor (torpor.graphs, re-exported here): graph(cuda_graph, tag=...) for
   torch.cuda.graph, graph_pool(tag) for torch.cuda.graph(..., pool=...), mark_state(tensor);
   their memory is released at sleep and the same graphs replay after wake.
@@ -39,7 +39,18 @@ from .errors import (
 )
 from .graphs import GraphPool, graph, graph_memory, graph_pool, graph_pools, mark_state, memory_nodes
 from .pool import MemoryClass, Pool
-from .torch_pools import Registration, configure, pools, register_parameters, sleep, stats, use_pool, wake_up
+from .torch_pools import (
+    Registration,
+    configure,
+    pools,
+    prepare_host_store,
+    register_parameters,
+    release_host_store,
+    sleep,
+    stats,
+    use_pool,
+    wake_up,
+)
 from .vllm import CuMemAllocator
 
 __version__ = "0.1.0"
@@ -72,7 +83,9 @@ __all__ = [
     "mark_state",
     "memory_nodes",
     "pools",
+    "prepare_host_store",
     "register_parameters",
+    "release_host_store",
     "sleep",
     "stats",
     "tags",

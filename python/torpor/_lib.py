@@ -53,6 +53,11 @@ class PoolOptions(ctypes.Structure):
         ("va_bytes", ctypes.c_size_t),
         ("fill_on_wake", ctypes.c_int),
         ("exportable", ctypes.c_int),
+        ("skip_unchanged", ctypes.c_int),
+        ("host_store_limit", ctypes.c_size_t),
+        ("host_store_prepare", ctypes.c_size_t),
+        ("spill_dir", ctypes.c_char_p),
+        ("spill_limit", ctypes.c_size_t),
         ("_reserved", ctypes.c_char * 256),
     ]
 
@@ -131,6 +136,9 @@ def _prototypes(lib: ctypes.CDLL) -> None:
         "torpor_alloc": (I, [P, S, C, I, C, PP]),
         "torpor_free": (I, [P, P]),
         "torpor_mark": (I, [P, P, S, I, C]),
+        "torpor_mark_ranges": (I, [P, S, PP, PS, ctypes.POINTER(ctypes.c_int), CC]),
+        "torpor_release_host_store": (I, [P, PS]),
+        "torpor_prepare_host_store": (I, [P, S, I, PS]),
         "torpor_set_preserve": (I, [P, CC, S]),
         "torpor_sleep": (I, [P, I, CC, S]),
         "torpor_wake_up": (I, [P, CC, S]),

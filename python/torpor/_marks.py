@@ -102,6 +102,6 @@ def plan(
 
 
 def apply(pool, p: Plan) -> None:
-    """Make the marks of a plan in a torpor.Pool (blocks, then states, then parameters: later wins)."""
-    for m in p.marks:
-        pool.mark(m.address, m.nbytes, m.memory_class, m.name)
+    """Make the marks of a plan in a torpor.Pool, in one C call (blocks, then states, then
+    parameters: later wins)."""
+    pool.mark_ranges((m.address, m.nbytes, m.memory_class, m.name) for m in p.marks)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import json
+import os
 from typing import Iterable, Union
 
 from . import _lib
@@ -90,17 +91,34 @@ def _text(value, what: str, allow_empty: bool = False) -> bytes:
         raise InvalidArgument(f"{what} {value!r} is not valid Unicode text (a lone surrogate?)") from None
 
 
+def _size(value, what: str, accepted: str) -> int:
+    """A byte count for a size_t option: _whole over [0, 2**64 - 1], the message saying what 0 means."""
+    return _whole(value, f"{what} ({accepted})", 0, _SIZE_MAX)
+
+
 def pool_options(
     device: int = 0,
     backend: str = "auto",
     va_bytes: int = 0,
     fill_on_wake: str = "none",
     exportable: bool = False,
+    *,
+    skip_unchanged: bool = True,
+    host_store_limit: int = 0,
+    host_store_prepare: int = 0,
+    spill_dir: str | os.PathLike | None = None,
+    spill_limit: int = 0,
 ) -> _lib.PoolOptions:
     """torpor_pool_options, validated. backend: auto (TORPOR_BACKEND, else cuda when usable,
     else host), host or cuda. fill_on_wake: what discarded bytes hold after wake (none, zero,
     or poison: 0xFF bytes, NaN in fp32/fp16/bf16, so a forgotten weight reload shows).
-    """
+
+    Host memory: skip_unchanged (default True) keeps the host copies after wake so that an
+    unchanged re-sleep copies nothing, at the price of that host memory while awake
+    (Pool.release_host_store() gives it back); host_store_limit caps page-locked host bytes
+    (0 = none); beyond it backups go to pageable memory, or with spill_dir to a file there (at
+    most spill_limit bytes, 0 = what the disk holds); host_store_prepare starts page-locking
+    that many bytes in the background when the pool is created."""
     o = _lib.PoolOptions()
     _lib.lib().torpor_pool_options_init(ctypes.byref(o))
     o.device = _whole(device, "device", 0, _INT_MAX)
@@ -108,6 +126,12 @@ def pool_options(
     o.va_bytes = _whole(va_bytes, "va_bytes (0 = twice the device's memory)", 0, _SIZE_MAX)
     o.fill_on_wake = _choice(_lib.enum_values("fill"), fill_on_wake, "fill_on_wake")
     o.exportable = 1 if exportable else 0
+    o.skip_unchanged = 1 if skip_unchanged else 0
+    o.host_store_limit = _size(host_store_limit, "host_store_limit", "0 = no limit")
+    o.host_store_prepare = _size(host_store_prepare, "host_store_prepare", "0 = none")
+    o.spill_limit = _size(spill_limit, "spill_limit", "0 = what the disk holds")
+    if spill_dir is not None and os.fspath(spill_dir) != "":
+        o.spill_dir = os.fsencode(spill_dir)  # the C API copies it; ctypes keeps the bytes alive until then
     return o
 
 
@@ -147,8 +171,11 @@ class Pool:
         va_bytes: int = 0,
         fill_on_wake: str = "none",
         exportable: bool = False,
+        **host_options,
     ):
-        o = pool_options(device, backend, va_bytes, fill_on_wake, exportable)
+        """host_options: skip_unchanged, host_store_limit, host_store_prepare, spill_dir,
+        spill_limit (see pool_options)."""
+        o = pool_options(device, backend, va_bytes, fill_on_wake, exportable, **host_options)
         handle = ctypes.c_void_p()
         _lib.check(_lib.lib().torpor_pool_create(ctypes.byref(o), ctypes.byref(handle)))
         self._handle: int | None = handle.value
@@ -233,6 +260,31 @@ class Pool:
         cls = to_memory_class(memory_class)
         _lib.check(_lib.lib().torpor_mark(self.handle, address, size, int(cls), name_bytes))
 
+    def mark_ranges(self, ranges: Iterable[tuple]) -> None:
+        """Reclassify many ranges in one call, in order (a later range wins where ranges
+        overlap): (ptr, nbytes, memory_class) or (ptr, nbytes, memory_class, name) tuples. Every
+        range is checked first; on a bad one nothing changes and the error names its
+        index."""
+        ranges = list(ranges)
+        n = len(ranges)
+        if n == 0:
+            return
+        ptrs = (ctypes.c_void_p * n)()
+        sizes = (ctypes.c_size_t * n)()
+        classes = (ctypes.c_int * n)()
+        names = (ctypes.c_char_p * n)()
+        any_name = False
+        for i, r in enumerate(ranges):
+            if len(r) not in (3, 4):
+                raise InvalidArgument(f"mark_ranges: range {i} {r!r} is not (ptr, nbytes, class[, name])")
+            if r[1] < 0:
+                raise InvalidArgument(f"mark_ranges: range {i} has a negative size {r[1]}")
+            ptrs[i], sizes[i], classes[i] = r[0], r[1], int(to_memory_class(r[2]))
+            if len(r) == 4 and r[3]:
+                names[i] = r[3].encode()
+                any_name = True
+        _lib.check(_lib.lib().torpor_mark_ranges(self.handle, n, ptrs, sizes, classes, names if any_name else None))
+
     def set_preserve(self, globs: Iterable[str]) -> None:
         """Parameters whose name matches one of these fnmatch globs survive level 2 (offloaded).
         One string is one glob (not its characters)."""
@@ -299,6 +351,24 @@ class Pool:
         arr, n = _lib.encode_list(tags or [])
         _lib.check(_lib.lib().torpor_wake_up(self.handle, arr if tags else None, n))
         return self.last_report()
+
+    def release_host_store(self) -> int:
+        """Drop the host copies kept after wake (skip_unchanged) and give every unused host
+        store block back, memory and disk (backups of sleeping tags stay). Returns the bytes
+        released."""
+        released = ctypes.c_size_t(0)
+        _lib.check(_lib.lib().torpor_release_host_store(self.handle, ctypes.byref(released)))
+        return released.value
+
+    def prepare_host_store(self, nbytes: int = 0, wait: bool = False) -> int:
+        """Start page-locking host memory in the background until the pinned store holds
+        `nbytes` (0 = what a level-1 sleep of everything allocated now needs), so that the first
+        sleep copies at full speed; call it while the model loads. wait: block until done.
+        The bytes added."""
+        added = ctypes.c_size_t(0)
+        n = _size(nbytes, "prepare_host_store: nbytes", "0 = what a level-1 sleep needs")
+        _lib.check(_lib.lib().torpor_prepare_host_store(self.handle, n, 1 if wait else 0, ctypes.byref(added)))
+        return added.value
 
     def stats(self) -> dict:
         """Pool statistics: mapped bytes, per tag and class (the C API's JSON document)."""

@@ -192,13 +192,37 @@ def _expandable_segments_off(torch):
 # -- pools ---------------------------------------------------------------------------------
 
 
-def configure(*, backend: str = "auto", fill_on_wake: str = "none", va_bytes: int = 0) -> None:
+def configure(
+    *,
+    backend: str = "auto",
+    fill_on_wake: str = "none",
+    va_bytes: int = 0,
+    skip_unchanged: bool = True,
+    host_store_limit: int = 0,
+    host_store_prepare: int = 0,
+    spill_dir=None,
+    spill_limit: int = 0,
+) -> None:
     """Options of the pools PyTorch allocates in; call before the first allocation (later,
     only the same options are accepted). backend: auto (TORPOR_BACKEND, else cuda when
     usable, else host), cuda or host. fill_on_wake: none, zero, or poison (NaN bytes, so a
     forgotten weight reload is visible). va_bytes: address space per device (0 = twice its
-    memory)."""
-    o = pool_options(0, backend, va_bytes, fill_on_wake)
+    memory). Host memory (torpor.pool.pool_options says more): skip_unchanged (default True:
+    host copies stay after wake so an unchanged re-sleep copies nothing, costing that host
+    memory while awake; release_host_store() gives it back), host_store_limit (page-locked
+    bytes at most), spill_dir and spill_limit (the disk tier beyond the limit),
+    host_store_prepare (bytes to page-lock in the background when a pool is created)."""
+    o = pool_options(
+        0,
+        backend,
+        va_bytes,
+        fill_on_wake,
+        skip_unchanged=skip_unchanged,
+        host_store_limit=host_store_limit,
+        host_store_prepare=host_store_prepare,
+        spill_dir=spill_dir,
+        spill_limit=spill_limit,
+    )
     _lib.check(_lib.lib().torpor_torch_configure(ctypes.byref(o)))
 
 
@@ -406,13 +430,16 @@ def register_parameters(module, preserve=None, prefix: str = "") -> Registration
     spans = _parameter_spans([(module, prefix)])
     for device, device_spans in spans.items():
         pool = Pool.torch(device) if device in devices else None
+        marks = []
         for s in device_spans:
             if pool is None or s.nbytes == 0 or not pool.contains(s.address):
                 result.outside.append(s.name)
                 continue
-            pool.mark(s.address, s.nbytes, MemoryClass.PARAMETER, s.name)
+            marks.append((s.address, s.nbytes, MemoryClass.PARAMETER, s.name))
             result.parameters += 1
             result.nbytes += s.nbytes
+        if marks:
+            pool.mark_ranges(marks)
     return result
 
 
@@ -479,21 +506,29 @@ def _tags_by_device(tags: list[str] | None, operation: str) -> dict[int, list[st
     return {d: [t for t in tags if t in known[d]] for d in devices}
 
 
-def sleep(level: int = 1, tags: Tags = None) -> dict[int, dict]:
+def sleep(level: int = 1, tags: Tags = None, collect: int | None = 1) -> dict[int, dict]:
     """Give the GPU memory of `tags` (None = all) back, on every device with torpor pools.
 
     level 1: parameters and state are offloaded to host memory, cache is discarded.
     level 2: parameters are discarded too (reload them after wake_up), except those matching
     a preserve glob; state is still offloaded. 0 does nothing. Idempotent; a level-1 sleeper
     asked for level 2 drops its parameter copies. Returns {device: report} (bytes and time
-    per phase). On failure the devices already asleep stay asleep; calling again finishes."""
-    return _sleep(level, tags)
+    per phase). On failure the devices already asleep stay asleep; calling again finishes.
+
+    collect: the garbage-collector generation collected first (0..2, None = none), so that
+    tensors only a reference cycle still holds are free space rather than copied state. The
+    default, 1, collects young objects only, which costs little; a full collection (2) walks
+    every object of the process, which in a large program costs more than the sleep itself:
+    ask for it when long-lived cycles hold tensors."""
+    return _sleep(level, tags, collect=collect)
 
 
-def _sleep(level: int, tags: Tags, policy: ClassPolicy = _pool_class) -> dict[int, dict]:
+def _sleep(level: int, tags: Tags, policy: ClassPolicy = _pool_class, collect: int | None = 1) -> dict[int, dict]:
     """sleep(), with the classes of allocated blocks decided by `policy`."""
     if level not in (0, 1, 2):
         raise InvalidArgument(f"sleep: level {level!r} is not 0, 1 or 2")
+    if collect is not None and (isinstance(collect, bool) or collect not in (0, 1, 2)):
+        raise InvalidArgument(f"sleep: collect {collect!r} is not a generation 0..2 or None")
     tags = tag_list(tags)
     if tags == [] or not _devices():
         if tags:
@@ -504,7 +539,8 @@ def _sleep(level: int, tags: Tags, policy: ClassPolicy = _pool_class) -> dict[in
         return {}
     torch = _cuda_torch()
     selected = _tags_by_device(tags, "sleep")
-    gc.collect()  # tensors only a reference cycle still holds are free space, not state
+    if collect is not None:
+        gc.collect(collect)  # tensors only a reference cycle still holds are free space, not state
     reports = {}
     with _keep_current_device(torch):
         if level > 0:
@@ -546,6 +582,21 @@ def tag_states() -> dict[str, bool]:
         for tag, t in Pool.torch(d).stats()["tags"].items():
             out[tag] = out.get(tag, False) or t["asleep"]
     return out
+
+
+def release_host_store() -> dict[int, int]:
+    """Give host memory back on every device: the host copies kept after wake (skip_unchanged)
+    and every unused host store block, memory and disk (backups of sleeping tags stay).
+    Returns {device: bytes released}."""
+    return {d: Pool.torch(d).release_host_store() for d in _devices()}
+
+
+def prepare_host_store(nbytes: int = 0, wait: bool = False) -> dict[int, int]:
+    """Start page-locking host memory on every device in the background (nbytes each; 0 = what
+    a level-1 sleep of everything allocated now needs), so that the first sleep copies at full
+    speed: call it while or after the model loads. wait: block until done.
+    Returns {device: bytes added}."""
+    return {d: Pool.torch(d).prepare_host_store(nbytes, wait) for d in _devices()}
 
 
 def stats(device: int | None = None) -> dict:

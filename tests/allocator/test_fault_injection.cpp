@@ -95,11 +95,19 @@ void check_clean(HostDriver* host) {
   EXPECT_EQ(c.mappings, 0u);
   EXPECT_EQ(c.reservations, 0u);
   EXPECT_EQ(c.host_bytes, 0u);
+  EXPECT_EQ(c.registered_bytes, 0u);
 }
 
-const DriverCall sleep_kinds[] = {DriverCall::device_synchronize, DriverCall::hash,  DriverCall::host_alloc,
-                                  DriverCall::event_create,       DriverCall::copy,  DriverCall::event_record,
-                                  DriverCall::event_synchronize,  DriverCall::unmap, DriverCall::release};
+// (The host store is page-locked by registration in the background; a refused registration is
+// not a failure of the sleep: test_host_store.cpp covers it.)
+const DriverCall sleep_kinds[] = {DriverCall::device_synchronize,
+                                  DriverCall::hash,
+                                  DriverCall::event_create,
+                                  DriverCall::copy,
+                                  DriverCall::event_record,
+                                  DriverCall::event_synchronize,
+                                  DriverCall::unmap,
+                                  DriverCall::release};
 const DriverCall wake_kinds[] = {DriverCall::create, DriverCall::map,  DriverCall::set_access,
                                  DriverCall::copy,   DriverCall::fill, DriverCall::stream_synchronize};
 

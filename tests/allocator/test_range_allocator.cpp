@@ -1,11 +1,7 @@
 #include <gtest/gtest.h>
 
-#include <cstring>
-
-#include "pool/host_store.hpp"
 #include "pool/range_allocator.hpp"
 #include "torpor/error.hpp"
-#include "torpor/host_driver.hpp"
 
 namespace torpor {
 namespace {
@@ -35,48 +31,6 @@ TEST(RangeAllocator, FreeingASubRangeSplitsAndDoubleFreeIsCaught) {
   auto again = r.allocate(200, 1);
   ASSERT_TRUE(again);
   EXPECT_EQ(*again, 100u);
-}
-
-TEST(HostStore, ReserveMakesOneBlockAndReuseDoesNotGrow) {
-  HostDriver d;
-  HostStore s(d);
-  s.reserve(3 * HostStore::reserved_size(1000));
-  EXPECT_EQ(s.growths(), 1u);
-  HostSpan a = s.allocate(1000);
-  HostSpan b = s.allocate(1000);
-  HostSpan c = s.allocate(1000);
-  EXPECT_EQ(s.growths(), 1u);
-  EXPECT_TRUE(a.pinned);
-  EXPECT_EQ(a.bytes, HostStore::reserved_size(1000));
-  s.free(a.ptr, a.bytes);
-  s.free(b.ptr, b.bytes);
-  s.free(c.ptr, c.bytes);
-  s.reserve(3 * HostStore::reserved_size(1000));
-  EXPECT_EQ(s.growths(), 1u) << "the second identical cycle reuses the block";
-  EXPECT_GT(s.release_unused(), 0u);
-  EXPECT_EQ(s.blocks(), 0u);
-  EXPECT_EQ(d.counters().host_bytes, 0u);
-}
-
-TEST(HostStore, BeyondThePinnedLimitSpansArePageable) {
-  HostDriver d;
-  constexpr std::size_t MiB = std::size_t{1} << 20;
-  HostStore s(d, 4 * MiB);
-  s.reserve(10 * MiB);
-  EXPECT_EQ(s.pinned_capacity(), 4 * MiB);
-  EXPECT_GE(s.capacity(), 10 * MiB);
-  EXPECT_EQ(d.counters().host_bytes, 4 * MiB) << "only the pinned tier comes from the driver";
-  HostSpan a = s.allocate(3 * MiB);
-  HostSpan b = s.allocate(3 * MiB);
-  EXPECT_TRUE(a.pinned);
-  EXPECT_FALSE(b.pinned);
-  std::memset(b.ptr, 7, 3 * MiB);
-  s.free(a.ptr, a.bytes);
-  s.free(b.ptr, b.bytes);
-  std::size_t held = s.capacity();
-  EXPECT_EQ(s.release_unused(), held);
-  EXPECT_EQ(s.blocks(), 0u);
-  EXPECT_EQ(d.counters().host_bytes, 0u);
 }
 
 }  // namespace

@@ -201,3 +201,35 @@ def test_vllm_cumem_allocator_maps_offload_tags_to_levels(torch):
     allocator.sleep(offload_tags=())
     allocator.wake_up()
     assert not any(t["asleep"] for t in torpor.stats(0)["tags"].values())
+
+
+def test_sleep_marks_in_one_call_per_tag_and_collects_only_young_objects(torch, monkeypatch):
+    with torpor.use_pool("tl.many"):
+        params = {f"w{i}": torch.empty(4096) for i in range(200)}
+    module = torch.nn.Module(**params)
+    torpor.register_parameters(module)
+    lib = torpor._lib.lib()
+    calls = {"mark": 0, "mark_ranges": 0}
+    for name in calls:
+        real = getattr(lib, f"torpor_{name}")
+
+        def counted(*args, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(lib, f"torpor_{name}", counted)
+    generations = []
+    real_collect = torch_pools.gc.collect
+    monkeypatch.setattr(torch_pools.gc, "collect", lambda g=2: generations.append(g) or real_collect(g))
+    report = torpor.sleep(2, "tl.many")
+    assert report[0]["bytes_discarded"] >= 200 * 4096, "every parameter was marked"
+    assert calls == {"mark": 0, "mark_ranges": 1}, "one C call marks every block and parameter"
+    assert generations == [1], "no full collection by default"
+    torpor.wake_up("tl.many")
+    torpor.sleep(1, "tl.many", collect=2)
+    assert generations == [1, 2]
+    torpor.wake_up("tl.many")
+    torpor.sleep(1, "tl.many", collect=None)
+    assert generations == [1, 2]
+    with pytest.raises(torpor.InvalidArgument, match="collect 3"):
+        torpor.sleep(1, "tl.many", collect=3)

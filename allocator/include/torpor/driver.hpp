@@ -136,6 +136,8 @@ enum class DriverCall : int {
   multicast_granularity,
   multicast_export,
   multicast_import,
+  host_register,
+  host_unregister,
   count_
 };
 
@@ -225,6 +227,14 @@ class Driver {
   // Page-locked host memory usable as a copy source/target at full link speed.
   virtual void* host_alloc(std::size_t bytes) = 0;
   virtual void host_free(void* p) = 0;
+  // Page-lock existing host memory [p, p + bytes) (cuMemHostRegister, portable: usable from every
+  // device's context), so copies to and from it run at link speed. `device` names the context the
+  // call runs in when the calling thread has none current. Throws driver_error when refused
+  // (registration limits, overlapping an earlier registration, ...); nothing is registered then.
+  // Registering memory that was first touched (by several threads) is much faster than host_alloc.
+  virtual void host_register(void* p, std::size_t bytes, int device) = 0;
+  // Undo host_register; `p` must be the start of a registered range (else driver_error).
+  virtual void host_unregister(void* p, int device) = 0;
 
   // --- streams, copies, events --------------------------------------------------------------
   virtual Stream stream_create(int device) = 0;

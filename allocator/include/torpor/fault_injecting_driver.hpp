@@ -72,6 +72,8 @@ class FaultInjectingDriver final : public Driver {
   std::size_t live_physical_bytes(int d) const override;
   void* host_alloc(std::size_t b) override;
   void host_free(void* p) override;
+  void host_register(void* p, std::size_t b, int d) override;
+  void host_unregister(void* p, int d) override;
   Stream stream_create(int d) override;
   void stream_destroy(Stream s) override;
   void copy_async(void* dst, const void* src, std::size_t b, Stream s) override;

@@ -11,6 +11,8 @@
 //                sealed at creation, and import takes nothing else
 //   multicast    an object with membership and bindings; a multicast store is fanned out in
 //                software to every bound buffer (multicast_store)
+//   host_register  bookkeeping of page-locked ranges (no page is really locked), with an optional
+//                limit and delay, and overlap and unknown-pointer misuse detection
 //
 // It keeps exact accounting (live handles, live physical bytes per device, mapped bytes, host
 // bytes) and raises driver_error on misuse: unmap of a span that is not exactly one mapping,
@@ -36,6 +38,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
@@ -65,6 +68,15 @@ struct HostDriverOptions {
   bool async = false;
   std::uint64_t async_seed = 1;
   std::chrono::microseconds async_max_delay{100};
+  // host_register: page-locking more than this many bytes in all is refused with
+  // CUDA_ERROR_OUT_OF_MEMORY, as a driver refuses past its locked-memory limit (0 = no limit);
+  // every registration takes at least host_register_delay, as pinning real memory takes time.
+  std::size_t host_register_limit = 0;
+  std::chrono::microseconds host_register_delay{0};
+  // A copy between device memory and host memory must use page-locked host memory (host_alloc'ed
+  // or registered), else misuse. Pageable copies are legal in CUDA, so this is off by default; a
+  // test turns it on to prove that nothing is copied into host memory whose pinning is not done.
+  bool require_page_locked_copies = false;
 };
 
 // Exact accounting, for tests and `torpor probe`.
@@ -75,7 +87,9 @@ struct HostDriverCounters {
   std::size_t mappings = 0;
   std::size_t reservations = 0;
   std::size_t reserved_bytes = 0;
-  std::size_t host_bytes = 0;  // host_alloc'ed and not freed
+  std::size_t host_bytes = 0;        // host_alloc'ed and not freed
+  std::size_t registered_bytes = 0;  // host_register'ed and not unregistered
+  std::size_t registrations = 0;
   std::size_t streams = 0;
   std::size_t events = 0;
   std::size_t multicast_objects = 0;
@@ -153,6 +167,8 @@ class HostDriver final : public Driver {
 
   void* host_alloc(std::size_t bytes) override;
   void host_free(void* p) override;
+  void host_register(void* p, std::size_t bytes, int device) override;
+  void host_unregister(void* p, int device) override;
 
   Stream stream_create(int device) override;
   void stream_destroy(Stream s) override;
@@ -206,6 +222,9 @@ class HostDriver final : public Driver {
   // mu_, and mapping_mu_ shared until it is done touching the range.
   void check_accessible(const void* p, std::size_t n, const char* call) const;
   PhysicalHandle import_checked(int fd, std::optional<std::size_t> announced);
+  // Throws unless host memory [p, p + n) lies in one host_alloc block or one registration, when
+  // require_page_locked_copies asks for it. Caller holds mu_.
+  void check_page_locked(const void* p, std::size_t n, const char* call) const;
   const HandleEntry& entry(PhysicalHandle h, const char* call) const;
   std::shared_ptr<Multicast> multicast_of(MulticastHandle mc, const char* call) const;
   void require_stream(Stream s, const char* call) const;
@@ -233,6 +252,7 @@ class HostDriver final : public Driver {
   std::map<device_ptr, Mapping> mappings_;          // va -> mapping
   std::unordered_map<std::uint64_t, HandleEntry> handles_;
   std::unordered_map<void*, std::size_t> host_blocks_;
+  std::map<std::uintptr_t, std::size_t> registered_;  // host_register'ed: start -> bytes
   std::set<std::uint64_t> streams_;
   std::set<std::uint64_t> events_;
   std::map<std::uint64_t, std::vector<InFlight>> in_flight_;  // asynchronous mode: op -> ranges

@@ -90,14 +90,36 @@ struct PoolOptions {
   int copy_streams = 2;                                  // streams the copies rotate over
   int release_threads = 2;                               // threads unmapping/releasing chunks during sleep
   std::size_t map_group_bytes = std::size_t{2} << 30;    // contiguous chunks mapped per set_access call on wake
-  // Keep host copies after wake with their device-computed hash; the next sleep hashes again
-  // and copies only the pieces whose hash changed. Costs host memory (the copies stay).
+  // Host memory. The offloaded bytes live in a persistent host store; its page-locked blocks are
+  // kept from sleep to sleep (a steady cycle allocates nothing) until release_host_store().
+  //
+  // skip_unchanged (default on): keep the host copies after wake with their device-computed
+  // hash; the next sleep hashes again and copies only the pieces whose hash changed, so an
+  // unchanged re-sleep takes milliseconds instead of a full copy. The cost: a copy of every byte
+  // that survives a sleep stays in (page-locked) host memory while awake. Off, wake gives the
+  // copies back to the store (its blocks stay for the next sleep); vLLM's allocator instead
+  // frees its host memory after wake: release_host_store() after wake_up does that here.
   bool skip_unchanged = true;
-  // Page-locked host store cap in bytes (0 = none). Beyond it backups live in pageable memory,
-  // moved through a pinned staging ring of staging_slots x staging_slot_bytes.
+  // Page-locked host store cap in bytes (0 = none). Beyond it backups live in pageable memory
+  // or, with spill_dir, on disk; either way moved through a pinned staging ring of
+  // staging_slots x staging_slot_bytes (rounded up to 4 KiB).
   std::size_t host_store_limit = 0;
   int staging_slots = 4;
   std::size_t staging_slot_bytes = std::size_t{8} << 20;
+  // The disk tier: what does not fit under host_store_limit goes to one file of this directory
+  // (created if missing; direct I/O where the file system takes it), at most spill_limit bytes
+  // (0 = what the disk holds). Needs host_store_limit > 0; a limit below 2 MiB puts every backup
+  // on disk. Empty: no disk tier.
+  std::string spill_dir;
+  std::size_t spill_limit = 0;
+  // Page-locking: the pinned store grows in blocks of at most host_pin_block_bytes, each mapped,
+  // first touched by host_pin_threads threads (0 = min(16, cores)) and registered in the
+  // background while the sleep copies into the blocks already done. host_store_prepare starts
+  // pinning that many bytes when the pool is created (as prepare_host_store() does), so that the
+  // first sleep, after the engine loaded its model, runs at steady-state speed.
+  std::size_t host_store_prepare = 0;
+  int host_pin_threads = 0;
+  std::size_t host_pin_block_bytes = std::size_t{256} << 20;
 };
 
 inline constexpr std::string_view default_tag = "default";
@@ -163,12 +185,19 @@ struct PoolStats {
   std::size_t cached_bytes = 0;  // mapped empty slabs kept for the fast path (trim() frees)
   std::size_t chunks = 0;
   std::size_t allocations = 0;
-  std::size_t host_store_bytes = 0;  // capacity held
-  std::size_t host_store_pinned_bytes = 0;
-  std::size_t host_store_used_bytes = 0;
-  std::size_t retained_bytes = 0;  // host copies kept after wake (skip_unchanged)
-  // Host store bytes the backups and retained copies hold (their spans, rounding included):
-  // equals host_store_used_bytes, which the store counts on its own.
+  std::size_t host_store_bytes = 0;           // host memory held: pinned, being pinned, pageable
+  std::size_t host_store_pinned_bytes = 0;    // page-locked and ready
+  std::size_t host_store_pinning_bytes = 0;   // being page-locked in the background
+  std::size_t host_store_pageable_bytes = 0;  // beyond host_store_limit (no spill_dir), or refused pinning
+  std::size_t host_store_used_bytes = 0;      // host memory holding copies
+  std::size_t retained_bytes = 0;             // host copies kept after wake (skip_unchanged), any tier
+  std::size_t spill_bytes = 0;                // disk held by the spill file
+  std::size_t spill_used_bytes = 0;           // disk holding copies
+  std::string spill_path;                     // the spill file ("" without a disk tier)
+  bool spill_direct_io = false;               // the spill file takes O_DIRECT
+  bool host_registration_refused = false;     // page-locking by registration failed once
+  // Host store bytes the backups and retained copies hold, every tier (their spans, rounding
+  // included): equals host_store_used_bytes + spill_used_bytes, which the store counts on its own.
   std::size_t host_copies_bytes = 0;
   std::size_t pending_releases = 0;      // handles whose release failed and will be retried
   std::size_t address_ranges_bytes = 0;  // VA handed out by reserve_address_range
@@ -195,6 +224,7 @@ struct TransitionReport {
   std::size_t bytes_skipped = 0;    // unchanged since the retained copy: not copied
   std::size_t bytes_hashed = 0;     // hashed on the device
   std::size_t bytes_staged = 0;     // moved through the pinned staging ring (host_store_limit)
+  std::size_t bytes_spilled = 0;    // of those, written to (sleep) or read from (wake) the spill file
   std::size_t pieces = 0;           // copy pieces planned
   std::size_t bytes_discarded = 0;  // allocated bytes released without a copy
   std::size_t bytes_released = 0;   // physical memory given back
@@ -278,8 +308,26 @@ class Pool {
 
   // Unmaps cached empty slabs. Returns the bytes released.
   std::size_t trim();
-  // Gives unused host store blocks back. Returns the bytes released.
+  // Drops the host copies kept after wake (skip_unchanged) and gives every unused host store
+  // block back, memory and disk (backups of sleeping chunks stay). Returns the bytes released.
   std::size_t release_host_store();
+  // Starts page-locking host memory in the background until the pinned store holds `bytes`
+  // (0: what a level-1 sleep of everything allocated now needs), within host_store_limit, so that
+  // a later first sleep copies at full speed instead of waiting for pinning. Returns at once,
+  // with the bytes being added. Call it while the engine loads its model.
+  std::size_t prepare_host_store(std::size_t bytes = 0);
+  // Blocks until no host store block is being pinned (without holding up other calls).
+  void wait_host_store();
+  // Reclassify several ranges at once, in order (later ranges win where they overlap): what an
+  // embedding does before every sleep, in one call. Every range is checked first; on a bad one
+  // nothing is applied and invalid_argument names its index.
+  struct MarkRange {
+    void* ptr = nullptr;
+    std::size_t bytes = 0;
+    MemoryClass memory_class = MemoryClass::state;
+    std::string_view name;  // empty keeps the name
+  };
+  void mark(std::span<const MarkRange> ranges);
 
   Driver& driver() const noexcept { return driver_; }
   int device() const noexcept { return options_.device; }

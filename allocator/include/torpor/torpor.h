@@ -60,6 +60,15 @@ typedef struct torpor_pool_options {
   size_t va_bytes;  /* 0 = twice the device's memory */
   int fill_on_wake; /* torpor_fill; default NONE */
   int exportable;   /* physical memory exportable as POSIX fds; default 0 */
+  /* Host memory (PoolOptions in torpor/pool.hpp says more). Default: host copies kept after wake,
+   * no limit, no disk tier. */
+  int skip_unchanged;        /* 1: keep host copies after wake, so an unchanged re-sleep copies nothing
+                                (costs host memory while awake); 0: give them back at wake. Default 1 */
+  size_t host_store_limit;   /* page-locked host bytes at most; beyond: pageable memory, or spill_dir; 0 = none */
+  size_t host_store_prepare; /* start page-locking this many bytes in the background at creation; default 0 */
+  const char* spill_dir;     /* beyond host_store_limit, backups go to a file here (needs a limit; the
+                                string is copied); NULL = no disk tier */
+  size_t spill_limit;        /* disk bytes at most; 0 = what the disk holds */
 } torpor_pool_options;
 
 void torpor_pool_options_init(torpor_pool_options* options);
@@ -76,9 +85,26 @@ torpor_status torpor_mark(torpor_pool_t pool, void* ptr, size_t bytes, int memor
 /* Parameters matching one of the globs are offloaded (not discarded) by level 2. */
 torpor_status torpor_set_preserve(torpor_pool_t pool, const char* const* globs, size_t count);
 
+/* Reclassify `count` ranges [ptrs[i], ptrs[i] + bytes[i]) as memory_classes[i], named names[i], in
+ * one call and in order (a later range wins where ranges overlap): what an embedding does before
+ * every sleep. Every range is checked first; on a bad one nothing changes and the message names its
+ * index. names NULL, or names[i] NULL or "", keeps the names. */
+torpor_status torpor_mark_ranges(torpor_pool_t pool, size_t count, void* const* ptrs, const size_t* bytes,
+                                 const int* memory_classes, const char* const* names);
+
 /* tags NULL / count 0 = all known tags. */
 torpor_status torpor_sleep(torpor_pool_t pool, int level, const char* const* tags, size_t count);
 torpor_status torpor_wake_up(torpor_pool_t pool, const char* const* tags, size_t count);
+
+/* Host memory. torpor_release_host_store drops the host copies kept after wake (skip_unchanged)
+ * and gives every unused block of the host store back, memory and disk; *released (may be NULL)
+ * gets the bytes released. torpor_prepare_host_store starts page-locking host memory in the
+ * background until the pinned store holds `bytes` (0 = what a level-1 sleep of everything
+ * allocated now needs), so that the first sleep copies at full speed: call it while the model
+ * loads; wait != 0 blocks until the pinning is done; *added (may be NULL) gets the bytes added.
+ * Host bytes (held, page-locked, being pinned, used, retained, on disk) are in the stats JSON. */
+torpor_status torpor_release_host_store(torpor_pool_t pool, size_t* released);
+torpor_status torpor_prepare_host_store(torpor_pool_t pool, size_t bytes, int wait, size_t* added);
 
 /* JSON documents. Writes at most `capacity` bytes (NUL included) to `buffer` and the full
  * size needed (NUL included) to *needed; call again with a larger buffer if it did not fit. */

@@ -174,6 +174,11 @@ void torpor_pool_options_init(torpor_pool_options* o) {
   o->va_bytes = 0;
   o->fill_on_wake = TORPOR_FILL_NONE;
   o->exportable = 0;
+  o->skip_unchanged = 1;
+  o->host_store_limit = 0;
+  o->host_store_prepare = 0;
+  o->spill_dir = nullptr;
+  o->spill_limit = 0;
 }
 
 torpor_status torpor_pool_create(const torpor_pool_options* options, torpor_pool_t* out) {
@@ -194,6 +199,13 @@ torpor_status torpor_pool_create(const torpor_pool_options* options, torpor_pool
     po.va_bytes = o.va_bytes;
     po.fill_on_wake = static_cast<FillOnWake>(o.fill_on_wake);
     po.exportable = o.exportable != 0;
+    if (o.skip_unchanged != 0 && o.skip_unchanged != 1)
+      throw invalid_argument(fmt::format("skip_unchanged {} is not 0 or 1", o.skip_unchanged));
+    po.skip_unchanged = o.skip_unchanged != 0;
+    po.host_store_limit = o.host_store_limit;
+    po.host_store_prepare = o.host_store_prepare;
+    if (o.spill_dir != nullptr) po.spill_dir = o.spill_dir;
+    po.spill_limit = o.spill_limit;
     cp->pool = std::make_unique<Pool>(*cp->driver.driver, po);
     Registry& r = registry();
     std::lock_guard lock(r.mu);
@@ -240,6 +252,42 @@ torpor_status torpor_free(torpor_pool_t pool, void* ptr) {
 torpor_status torpor_mark(torpor_pool_t pool, void* ptr, size_t bytes, int memory_class, const char* name) {
   return with_pool("torpor_mark", pool,
                    [&](CPool& p) { p.pool->mark(ptr, bytes, to_class(memory_class), name != nullptr ? name : ""); });
+}
+
+torpor_status torpor_mark_ranges(torpor_pool_t pool, size_t count, void* const* ptrs, const size_t* bytes,
+                                 const int* memory_classes, const char* const* names) {
+  return with_pool("torpor_mark_ranges", pool, [&](CPool& p) {
+    if (count == 0) return;
+    if (ptrs == nullptr || bytes == nullptr || memory_classes == nullptr)
+      throw invalid_argument(fmt::format("ptrs, bytes and memory_classes must not be NULL ({} ranges)", count));
+    std::vector<Pool::MarkRange> ranges(count);
+    for (std::size_t i = 0; i < count; ++i) {
+      ranges[i].ptr = ptrs[i];
+      ranges[i].bytes = bytes[i];
+      try {
+        ranges[i].memory_class = to_class(memory_classes[i]);
+      } catch (const invalid_argument& e) {
+        throw invalid_argument(fmt::format("range {}: {}", i, e.what()));
+      }
+      if (names != nullptr && names[i] != nullptr) ranges[i].name = names[i];
+    }
+    p.pool->mark(ranges);
+  });
+}
+
+torpor_status torpor_release_host_store(torpor_pool_t pool, size_t* released) {
+  return with_pool("torpor_release_host_store", pool, [&](CPool& p) {
+    std::size_t n = p.pool->release_host_store();
+    if (released != nullptr) *released = n;
+  });
+}
+
+torpor_status torpor_prepare_host_store(torpor_pool_t pool, size_t bytes, int wait, size_t* added) {
+  return with_pool("torpor_prepare_host_store", pool, [&](CPool& p) {
+    std::size_t n = p.pool->prepare_host_store(bytes);
+    if (added != nullptr) *added = n;
+    if (wait != 0) p.pool->wait_host_store();
+  });
 }
 
 torpor_status torpor_set_preserve(torpor_pool_t pool, const char* const* globs, size_t count) {

@@ -36,6 +36,7 @@ struct DevicePool {
 struct DevicePools {
   std::mutex mu;
   torpor_pool_options options{};
+  std::string spill_dir;  // options.spill_dir points here (or is NULL)
   std::map<int, DevicePool> pools;
 };
 
@@ -96,8 +97,11 @@ torpor_status from_exception(const char* fn) noexcept {
 }
 
 bool same_options(const torpor_pool_options& a, const torpor_pool_options& b) {
+  auto dir = [](const torpor_pool_options& o) { return std::string(o.spill_dir != nullptr ? o.spill_dir : ""); };
   return a.backend == b.backend && a.va_bytes == b.va_bytes && a.fill_on_wake == b.fill_on_wake &&
-         a.exportable == b.exportable;
+         a.exportable == b.exportable && a.skip_unchanged == b.skip_unchanged &&
+         a.host_store_limit == b.host_store_limit && a.host_store_prepare == b.host_store_prepare && dir(a) == dir(b) &&
+         a.spill_limit == b.spill_limit;
 }
 
 // Whether a new segment of `size` bytes leaves the memory margin free on `device`; sets the
@@ -288,7 +292,9 @@ torpor_status torpor_torch_configure(const torpor_pool_options* options) {
                                  devices));
       return TORPOR_ERROR_INVALID_STATE;
     }
+    d.spill_dir = o.spill_dir != nullptr ? o.spill_dir : "";
     d.options = o;
+    d.options.spill_dir = o.spill_dir != nullptr ? d.spill_dir.c_str() : nullptr;
     return TORPOR_OK;
   } catch (...) {
     return from_exception("torpor_torch_configure");

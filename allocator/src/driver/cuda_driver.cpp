@@ -57,6 +57,8 @@ namespace torpor {
   X(cuMemImportFromShareableHandle, 10020) \
   X(cuMemHostAlloc, 2020)                  \
   X(cuMemFreeHost, 2000)                   \
+  X(cuMemHostRegister, 6050)               \
+  X(cuMemHostUnregister, 4000)             \
   X(cuStreamCreate, 2000)                  \
   X(cuStreamDestroy, 4000)                 \
   X(cuMemcpyAsync, 4000)                   \
@@ -190,10 +192,14 @@ struct CudaDriver::Impl {
   }
 
   // VA operations need some context; keep the caller's if it has one.
-  [[nodiscard]] ContextGuard ensure_context(const char* call) {
+  [[nodiscard]] ContextGuard ensure_context(const char* call) { return ensure_context_on(0, call); }
+
+  // The caller's context if it has one, else `device`'s primary context (a worker thread that
+  // never touched CUDA must not create device 0's context in a process that uses another device).
+  [[nodiscard]] ContextGuard ensure_context_on(int device, const char* call) {
     CUcontext cur = nullptr;
     if (cuCtxGetCurrent_(&cur) == CUDA_SUCCESS && cur != nullptr) return ContextGuard(this, cur, false);
-    return bind(0, call);
+    return bind(device, call);
   }
 
   CUmemAllocationProp prop(int device, bool exportable) const {
@@ -531,6 +537,19 @@ void CudaDriver::host_free(void* p) {
   Impl& d = *impl_;
   auto context = d.ensure_context("cuMemFreeHost");
   d.check(d.cuMemFreeHost_(p), "cuMemFreeHost", fmt::format("{}", p));
+}
+
+void CudaDriver::host_register(void* p, std::size_t bytes, int device) {
+  Impl& d = *impl_;
+  auto context = d.ensure_context_on(device, "cuMemHostRegister");
+  d.check(d.cuMemHostRegister_(p, bytes, CU_MEMHOSTREGISTER_PORTABLE), "cuMemHostRegister",
+          fmt::format("{} size {}", p, bytes));
+}
+
+void CudaDriver::host_unregister(void* p, int device) {
+  Impl& d = *impl_;
+  auto context = d.ensure_context_on(device, "cuMemHostUnregister");
+  d.check(d.cuMemHostUnregister_(p), "cuMemHostUnregister", fmt::format("{}", p));
 }
 
 Stream CudaDriver::stream_create(int device) {

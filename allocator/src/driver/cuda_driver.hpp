@@ -59,6 +59,8 @@ class CudaDriver final : public Driver {
 
   void* host_alloc(std::size_t bytes) override;
   void host_free(void* p) override;
+  void host_register(void* p, std::size_t bytes, int device) override;
+  void host_unregister(void* p, int device) override;
 
   Stream stream_create(int device) override;
   void stream_destroy(Stream s) override;

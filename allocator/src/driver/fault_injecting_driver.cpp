@@ -125,6 +125,10 @@ MulticastHandle FaultInjectingDriver::multicast_import_fd(int fd) {
 }
 void* FaultInjectingDriver::host_alloc(std::size_t b) { TORPOR_FORWARD(host_alloc, host_alloc(b)); }
 void FaultInjectingDriver::host_free(void* p) { TORPOR_FORWARD(host_free, host_free(p)); }
+void FaultInjectingDriver::host_register(void* p, std::size_t b, int d) {
+  TORPOR_FORWARD(host_register, host_register(p, b, d));
+}
+void FaultInjectingDriver::host_unregister(void* p, int d) { TORPOR_FORWARD(host_unregister, host_unregister(p, d)); }
 Stream FaultInjectingDriver::stream_create(int d) { TORPOR_FORWARD(stream_create, stream_create(d)); }
 void FaultInjectingDriver::stream_destroy(Stream s) { TORPOR_FORWARD(stream_destroy, stream_destroy(s)); }
 void FaultInjectingDriver::copy_async(void* dst, const void* src, std::size_t b, Stream s) {

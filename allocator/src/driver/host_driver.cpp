@@ -25,6 +25,7 @@
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <thread>
 
 #include "driver/host_driver_async.hpp"
 #include "torpor/error.hpp"
@@ -144,6 +145,8 @@ std::string_view to_string(DriverCall c) noexcept {
     case DriverCall::multicast_granularity: return "multicast_granularity";
     case DriverCall::multicast_export: return "multicast_export";
     case DriverCall::multicast_import: return "multicast_import";
+    case DriverCall::host_register: return "host_register";
+    case DriverCall::host_unregister: return "host_unregister";
     case DriverCall::count_: break;
   }
   return "?";
@@ -624,6 +627,61 @@ void HostDriver::host_free(void* p) {
   host_blocks_.erase(it);
 }
 
+void HostDriver::host_register(void* p, std::size_t bytes, int device) {
+  const char* call = "cuMemHostRegister";
+  check_device(device, call);
+  if (p == nullptr || bytes == 0) misuse(call, fmt::format("{} bytes at {}: nothing to register", bytes, p));
+  auto lo = reinterpret_cast<std::uintptr_t>(p);
+  if (bytes > UINTPTR_MAX - lo) misuse(call, fmt::format("[{}, +{}) wraps around the address space", p, bytes));
+  {
+    std::lock_guard lock(mu_);
+    if (in_reservation(p)) misuse(call, fmt::format("{} is device memory (inside a reservation)", p));
+    auto next = registered_.lower_bound(lo);
+    bool overlaps = (next != registered_.end() && next->first < lo + bytes) ||
+                    (next != registered_.begin() && std::prev(next)->first + std::prev(next)->second > lo);
+    for (auto& [b, n] : host_blocks_) {
+      auto blo = reinterpret_cast<std::uintptr_t>(b);
+      if (blo < lo + bytes && lo < blo + n) overlaps = true;
+    }
+    if (overlaps)
+      throw_driver_error(k_invalid, call,
+                         fmt::format("[{}, +{}) overlaps memory that is already page-locked "
+                                     "(CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)",
+                                     p, bytes));
+    std::size_t held = 0;
+    for (auto& [b, n] : registered_) held += n;
+    if (options_.host_register_limit != 0 && held + bytes > options_.host_register_limit)
+      throw_driver_error(k_oom, call,
+                         fmt::format("page-locking {} more bytes would pass the emulated limit of {} ({} held)", bytes,
+                                     options_.host_register_limit, held));
+    registered_[lo] = bytes;
+  }
+  if (options_.host_register_delay.count() > 0) std::this_thread::sleep_for(options_.host_register_delay);
+}
+
+void HostDriver::host_unregister(void* p, int device) {
+  const char* call = "cuMemHostUnregister";
+  check_device(device, call);
+  std::lock_guard lock(mu_);
+  auto it = registered_.find(reinterpret_cast<std::uintptr_t>(p));
+  if (it == registered_.end())
+    misuse(call, fmt::format("{} is not the start of a registered range (CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED)", p));
+  refuse_if_in_flight(it->first, it->first + it->second, call);
+  registered_.erase(it);
+}
+
+void HostDriver::check_page_locked(const void* p, std::size_t n, const char* call) const {
+  if (!options_.require_page_locked_copies || n == 0 || in_reservation(p)) return;
+  auto lo = reinterpret_cast<std::uintptr_t>(p);
+  auto r = registered_.upper_bound(lo);
+  if (r != registered_.begin() && lo + n <= std::prev(r)->first + std::prev(r)->second) return;
+  for (auto& [b, bytes] : host_blocks_) {
+    auto blo = reinterpret_cast<std::uintptr_t>(b);
+    if (lo >= blo && lo + n <= blo + bytes) return;
+  }
+  misuse(call, fmt::format("host memory [{}, +{}) is not page-locked (require_page_locked_copies)", p, n));
+}
+
 void HostDriver::require_stream(Stream s, const char* call) const {
   if (!streams_.count(s.value)) misuse(call, fmt::format("unknown stream {}", s.value));
 }
@@ -689,6 +747,9 @@ bool HostDriver::in_reservation(const void* p) const {
 }
 
 bool HostDriver::in_pinned_block(const void* p) const {
+  auto at = reinterpret_cast<std::uintptr_t>(p);
+  auto r = registered_.upper_bound(at);
+  if (r != registered_.begin() && at < std::prev(r)->first + std::prev(r)->second) return true;
   auto* b = static_cast<const std::byte*>(p);
   for (auto& [base, bytes] : host_blocks_) {
     const auto* lo = static_cast<const std::byte*>(base);
@@ -747,6 +808,10 @@ void HostDriver::copy_async(void* dst, const void* src, std::size_t bytes, Strea
     require_stream(s, call);
     check_accessible(src, bytes, call);
     check_accessible(dst, bytes, call);
+    if (in_reservation(src) != in_reservation(dst)) {
+      check_page_locked(src, bytes, call);
+      check_page_locked(dst, bytes, call);
+    }
     if (!async_) {
       // Synchronous mode: done below, outside the lock.
     } else {
@@ -934,6 +999,8 @@ HostDriverCounters HostDriver::counters() const {
   c.reservations = reservations_.size();
   for (auto& [b, n] : reservations_) c.reserved_bytes += n;
   for (auto& [p, n] : host_blocks_) c.host_bytes += n;
+  for (auto& [p, n] : registered_) c.registered_bytes += n;
+  c.registrations = registered_.size();
   c.streams = streams_.size();
   c.events = events_.size();
   c.async_pending = async_ ? async_->pending() : 0;

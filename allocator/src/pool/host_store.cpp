@@ -1,104 +1,304 @@
+// HostStore; the design note and invariants are in host_store.hpp.
 #include "pool/host_store.hpp"
 
 #include <fmt/format.h>
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <fstream>
 #include <limits>
+#include <mutex>
 
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 
 namespace torpor {
 
+namespace {
+
+// Once per process: without transparent huge pages the first touch faults 4 KiB pages and
+// pinning runs at about half the speed (DESIGN.md's performance table).
+void note_huge_pages_once() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    std::ifstream f("/sys/kernel/mm/transparent_hugepage/enabled");
+    std::string line;
+    if (std::getline(f, line) && line.find("[never]") != std::string::npos)
+      log::info("host store: transparent huge pages are off on this machine ({}); page-locking the store runs "
+                "slower",
+                line);
+  });
+}
+
+// Anonymous read-write memory, 2 MiB-aligned so that huge pages can back all of it.
+std::byte* map_for_pinning(std::size_t bytes) {
+  const std::size_t align = HostStore::block_rounding;
+  void* raw = ::mmap(nullptr, bytes + align, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) return nullptr;
+  auto at = reinterpret_cast<std::uintptr_t>(raw);
+  std::uintptr_t base = align_up(at, align);
+  if (base > at) ::munmap(raw, base - at);
+  std::size_t tail = at + bytes + align - (base + bytes);
+  if (tail > 0) ::munmap(reinterpret_cast<void*>(base + bytes), tail);
+  auto* p = reinterpret_cast<std::byte*>(base);
+#ifdef MADV_HUGEPAGE
+  if (::madvise(p, bytes, MADV_HUGEPAGE) != 0) log::debug("host store: madvise(MADV_HUGEPAGE) refused");
+#endif
+  note_huge_pages_once();
+  return p;
+}
+
+}  // namespace
+
+std::string_view to_string(HostTier t) noexcept {
+  switch (t) {
+    case HostTier::pinned: return "pinned";
+    case HostTier::pageable: return "pageable";
+    case HostTier::disk: return "disk";
+  }
+  return "?";
+}
+
+HostTier HostStore::Block::tier() const noexcept {
+  switch (source) {
+    case Source::registered: {
+      PinJob::Status st = job->status();
+      return st == PinJob::Status::refused || st == PinJob::Status::cancelled ? HostTier::pageable : HostTier::pinned;
+    }
+    case Source::allocated: return HostTier::pinned;
+    case Source::pageable: return HostTier::pageable;
+    case Source::disk: return HostTier::disk;
+  }
+  return HostTier::pageable;
+}
+
+bool HostStore::Block::counts_as_pinned() const noexcept {
+  return source == Source::allocated || (source == Source::registered && tier() == HostTier::pinned);
+}
+
+HostStore::HostStore(Driver& driver, HostStoreOptions options)
+    : driver_(driver),
+      options_(std::move(options)),
+      spill_(options_.spill_dir.empty() ? nullptr
+                                        : std::make_unique<SpillStore>(options_.spill_dir, options_.spill_limit)),
+      pinner_(driver, options_.device, options_.pin_threads) {
+  options_.pin_block_bytes = align_up(std::max(options_.pin_block_bytes, block_rounding), block_rounding);
+}
+
 HostStore::~HostStore() {
-  for (auto& b : blocks_) free_block(b);
+  for (auto& b : blocks_)
+    if (b->job) HostPinner::cancel(*b->job);
+  pinner_.wait_all();
+  for (auto& b : blocks_) free_block(*b);
 }
 
 void HostStore::free_block(Block& b) noexcept {
   try {
-    if (b.pinned)
-      driver_.host_free(b.base);
-    else
-      ::munmap(b.base, b.space.capacity());
+    switch (b.source) {
+      case Source::registered:
+        HostPinner::cancel(*b.job);
+        if (pinner_.wait(*b.job) == PinJob::Status::ready) driver_.host_unregister(b.base, options_.device);
+        ::munmap(b.base, b.map_bytes);
+        break;
+      case Source::allocated: driver_.host_free(b.base); break;
+      case Source::pageable: ::munmap(b.base, b.map_bytes); break;
+      case Source::disk:
+        ::munmap(b.base, b.map_bytes);
+        spill_->free(b.file_offset, b.map_bytes);
+        break;
+    }
   } catch (const std::exception& e) {
-    log::error("HostStore: freeing a {}-byte block failed: {}", b.space.capacity(), e.what());
+    log::error("HostStore: freeing a {}-byte block failed: {}", b.map_bytes, e.what());
   }
 }
 
-std::size_t HostStore::pinned_room() const noexcept {
-  if (pinned_limit_ == 0) return std::numeric_limits<std::size_t>::max();
-  std::size_t have = pinned_capacity();
-  return have >= pinned_limit_ ? 0 : pinned_limit_ - have;
+std::size_t HostStore::pinned_held() const noexcept {
+  std::size_t n = 0;
+  for (auto& b : blocks_)
+    if (b->counts_as_pinned()) n += b->map_bytes;
+  return n;
 }
 
-void HostStore::add_block(std::size_t bytes, bool pinned) {
+std::size_t HostStore::pinned_room() const noexcept {
+  if (options_.pinned_limit == 0) return std::numeric_limits<std::size_t>::max();
+  std::size_t have = pinned_held();
+  return have >= options_.pinned_limit ? 0 : options_.pinned_limit - have;
+}
+
+void HostStore::note_refusal(const Block& b) {
+  if (registration_refused_ || b.source != Source::registered || b.job->status() != PinJob::Status::refused) return;
+  registration_refused_ = true;
+  log::warn("host store: page-locking {} bytes of host memory (cuMemHostRegister) was refused: {}; those bytes stay "
+            "pageable (copied through the staging ring) and the store grows with cuMemHostAlloc from now on",
+            b.map_bytes, b.job->refusal());
+}
+
+HostStore::Block& HostStore::add_block(std::size_t bytes, HostTier tier) {
+  Block& b = tier == HostTier::pinned ? add_pinned_block(bytes) : add_beyond_limit_block(bytes);
+  by_base_[b.base] = &b;
+  ++growths_;
+  log::debug("HostStore: new {} block of {} bytes ({} blocks, {} bytes of host memory)", to_string(tier), b.map_bytes,
+             blocks_.size(), capacity());
+  return b;
+}
+
+HostStore::Block& HostStore::add_pinned_block(std::size_t bytes) {
   bytes = align_up(bytes, block_rounding);
-  void* p = nullptr;
-  if (pinned) {
+  for (auto& b : blocks_) note_refusal(*b);
+  auto block = std::make_unique<Block>();
+  block->map_bytes = bytes;
+  block->space = RangeAllocator(bytes);
+  if (registration_refused_) {
     try {
-      p = driver_.host_alloc(bytes);
+      block->base = static_cast<std::byte*>(driver_.host_alloc(bytes));
     } catch (const driver_error& e) {
       throw out_of_memory(fmt::format("host backing store could not grow by {} pinned bytes ({} held): {}", bytes,
                                       capacity(), e.what()));
     }
+    block->source = Source::allocated;
   } else {
-    p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    block->base = map_for_pinning(bytes);
+    if (block->base == nullptr)
+      throw out_of_memory(
+          fmt::format("host backing store could not map {} bytes to page-lock ({} held)", bytes, capacity()));
+    block->source = Source::registered;
+    try {
+      block->job = pinner_.submit(block->base, bytes);
+    } catch (...) {
+      ::munmap(block->base, bytes);
+      throw;
+    }
+  }
+  blocks_.push_back(std::move(block));
+  return *blocks_.back();
+}
+
+HostStore::Block& HostStore::add_beyond_limit_block(std::size_t bytes) {
+  bytes = align_up(bytes, block_rounding);
+  auto block = std::make_unique<Block>();
+  block->map_bytes = bytes;
+  block->space = RangeAllocator(bytes);
+  if (spill_) {
+    block->file_offset = spill_->allocate(bytes);  // throws out_of_memory with nothing held
+    void* va = ::mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (va == MAP_FAILED) {
+      spill_->free(block->file_offset, bytes);
+      throw out_of_memory(fmt::format("host backing store could not reserve addresses for {} spilled bytes", bytes));
+    }
+    block->base = static_cast<std::byte*>(va);
+    block->source = Source::disk;
+  } else {
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED)
       throw out_of_memory(
           fmt::format("host backing store could not grow by {} pageable bytes ({} held)", bytes, capacity()));
+    block->base = static_cast<std::byte*>(p);
+    block->source = Source::pageable;
   }
-  blocks_.push_back(Block{static_cast<std::byte*>(p), RangeAllocator(bytes), pinned});
-  ++growths_;
-  log::debug("HostStore: new {} block of {} bytes ({} blocks, {} bytes)", pinned ? "pinned" : "pageable", bytes,
-             blocks_.size(), capacity());
+  blocks_.push_back(std::move(block));
+  return *blocks_.back();
 }
 
 void HostStore::reserve(std::size_t bytes) {
   if (bytes == 0) return;
   std::size_t free_total = 0;
-  for (auto& b : blocks_) free_total += b.space.free_bytes();
+  for (auto& b : blocks_) free_total += b->space.free_bytes();
   if (free_total >= bytes) return;
   std::size_t need = bytes - free_total;
-  // Pinned up to the limit; what is left beyond it goes to one pageable block.
+  // Pinned up to the limit, in blocks of at most pin_block_bytes; what is left beyond it goes to
+  // one pageable or disk block.
   std::size_t room = pinned_room();
   std::size_t pinned = room >= align_up(need, block_rounding) ? need : (room / block_rounding) * block_rounding;
-  if (pinned > 0) add_block(pinned, true);
-  if (need > pinned) add_block(need - pinned, false);
+  for (std::size_t added = 0; added < pinned;) {
+    std::size_t n = std::min(options_.pin_block_bytes, pinned - added);
+    added += add_block(n, HostTier::pinned).map_bytes;
+  }
+  if (need > pinned) add_block(need - pinned, spill_ ? HostTier::disk : HostTier::pageable);
 }
 
-HostSpan HostStore::allocate(std::size_t bytes) {
-  std::size_t rounded = reserved_size(bytes);
-  // Pinned blocks first: they copy at link speed.
-  for (int pass = 0; pass < 2; ++pass) {
-    bool want_pinned = pass == 0;
-    for (auto& b : blocks_) {
-      if (b.pinned != want_pinned) continue;
-      if (auto off = b.space.allocate(rounded, alignment)) return HostSpan{b.base + *off, rounded, b.pinned};
-    }
+std::size_t HostStore::prepare(std::size_t bytes) {
+  std::size_t target = options_.pinned_limit == 0 ? bytes : std::min(bytes, options_.pinned_limit);
+  std::size_t added = 0;
+  for (std::size_t have = pinned_held(); have < target;) {
+    std::size_t n = std::min(options_.pin_block_bytes, align_up(target - have, block_rounding));
+    if (options_.pinned_limit != 0) n = std::min(n, pinned_room() / block_rounding * block_rounding);
+    if (n == 0) break;
+    std::size_t got = add_block(n, HostTier::pinned).map_bytes;
+    have += got;
+    added += got;
   }
-  bool pinned = pinned_room() >= align_up(rounded, block_rounding);
-  add_block(rounded, pinned);
-  Block& b = blocks_.back();
-  return HostSpan{b.base + *b.space.allocate(rounded, alignment), rounded, b.pinned};
+  return added;
+}
+
+HostSpan HostStore::allocate(std::size_t bytes, std::size_t remaining, std::size_t remaining_spans) {
+  const std::size_t rounded = reserved_size(bytes);
+  const std::size_t on_disk = align_up(bytes, SpillStore::alignment);
+  auto take = [&](Block& b, HostTier tier) -> std::optional<HostSpan> {
+    bool disk = tier == HostTier::disk;
+    std::size_t n = disk ? on_disk : rounded;
+    if (auto off = b.space.allocate(n, disk ? SpillStore::alignment : alignment))
+      return HostSpan{b.base + *off, n, tier};
+    return std::nullopt;
+  };
+  // Pinned space first (ready or being pinned: both copy at link speed), then the rest.
+  for (HostTier want : {HostTier::pinned, HostTier::pageable, HostTier::disk})
+    for (auto& b : blocks_)
+      if (b->tier() == want)
+        if (auto span = take(*b, want)) return *span;
+  // Grow by a block sized for what this sleep still needs, within pin_block_bytes.
+  std::size_t grow = std::max(rounded, std::min(options_.pin_block_bytes, remaining));
+  std::size_t room = pinned_room();
+  HostTier tier = spill_ ? HostTier::disk : HostTier::pageable;
+  if (room >= align_up(rounded, block_rounding)) {
+    tier = HostTier::pinned;
+    grow = std::max(rounded, std::min(grow, room / block_rounding * block_rounding));
+  } else if (tier == HostTier::disk) {
+    // Disk spans are rounded up to SpillStore::alignment each.
+    grow = std::max(on_disk, std::min(options_.pin_block_bytes, remaining + remaining_spans * SpillStore::alignment));
+  }
+  Block& b = add_block(grow, tier);
+  auto span = take(b, b.tier());
+  if (!span) throw error(fmt::format("internal: a new {}-byte host block cannot hold {} bytes", b.map_bytes, bytes));
+  return *span;
+}
+
+HostStore::Block* HostStore::block_of(const std::byte* p) const {
+  auto it = by_base_.upper_bound(p);
+  if (it == by_base_.begin()) return nullptr;
+  Block* b = std::prev(it)->second;
+  return p < b->base + b->map_bytes ? b : nullptr;
+}
+
+HostTier HostStore::wait_ready(const HostSpan& span) {
+  if (span.tier != HostTier::pinned) return span.tier;
+  Block* b = block_of(span.ptr);
+  if (b == nullptr) throw error(fmt::format("internal: {} is not in the host store", static_cast<void*>(span.ptr)));
+  if (b->source == Source::registered) {
+    pinner_.wait(*b->job);
+    note_refusal(*b);
+  }
+  return b->tier();
+}
+
+void HostStore::wait_pinning() {
+  pinner_.wait_all();
+  for (auto& b : blocks_) note_refusal(*b);
 }
 
 void HostStore::free(std::byte* p, std::size_t bytes) {
-  for (auto& b : blocks_) {
-    if (p >= b.base && p < b.base + b.space.capacity()) {
-      b.space.free(static_cast<std::size_t>(p - b.base), bytes);
-      return;
-    }
-  }
-  throw error(fmt::format("internal: {} is not in the host store", static_cast<void*>(p)));
+  Block* b = block_of(p);
+  if (b == nullptr) throw error(fmt::format("internal: {} is not in the host store", static_cast<void*>(p)));
+  b->space.free(static_cast<std::size_t>(p - b->base), bytes);
 }
 
 std::size_t HostStore::release_unused() {
   std::size_t released = 0;
   for (auto it = blocks_.begin(); it != blocks_.end();) {
-    if (it->space.unused()) {
-      released += it->space.capacity();
-      free_block(*it);
+    Block& b = **it;
+    if (b.space.unused()) {
+      released += b.map_bytes;
+      by_base_.erase(b.base);
+      free_block(b);
       it = blocks_.erase(it);
     } else {
       ++it;
@@ -107,23 +307,43 @@ std::size_t HostStore::release_unused() {
   return released;
 }
 
+std::uint64_t HostStore::file_offset(const std::byte* p) const {
+  Block* b = block_of(p);
+  if (b == nullptr || b->source != Source::disk)
+    throw error(fmt::format("internal: {} is not a spilled span", static_cast<const void*>(p)));
+  return b->file_offset + static_cast<std::uint64_t>(p - b->base);
+}
+
+HostStoreStats HostStore::stats() const {
+  HostStoreStats st;
+  st.registration_refused = registration_refused_;
+  for (auto& b : blocks_) {
+    std::size_t used = b->space.used_bytes();
+    switch (b->tier()) {
+      case HostTier::pinned:
+        (b->source == Source::registered && !b->job->settled() ? st.pinning_bytes : st.pinned_bytes) += b->map_bytes;
+        st.used_bytes += used;
+        break;
+      case HostTier::pageable:
+        st.pageable_bytes += b->map_bytes;
+        st.used_bytes += used;
+        break;
+      case HostTier::disk:
+        st.disk_bytes += b->map_bytes;
+        st.disk_used_bytes += used;
+        break;
+    }
+  }
+  return st;
+}
+
 std::size_t HostStore::capacity() const noexcept {
-  std::size_t c = 0;
-  for (auto& b : blocks_) c += b.space.capacity();
-  return c;
+  HostStoreStats st = stats();
+  return st.pinned_bytes + st.pinning_bytes + st.pageable_bytes;
 }
 
-std::size_t HostStore::pinned_capacity() const noexcept {
-  std::size_t c = 0;
-  for (auto& b : blocks_)
-    if (b.pinned) c += b.space.capacity();
-  return c;
-}
+std::size_t HostStore::pinned_capacity() const noexcept { return stats().pinned_bytes; }
 
-std::size_t HostStore::used() const noexcept {
-  std::size_t u = 0;
-  for (auto& b : blocks_) u += b.space.used_bytes();
-  return u;
-}
+std::size_t HostStore::used() const noexcept { return stats().used_bytes; }
 
 }  // namespace torpor

@@ -1,26 +1,71 @@
 // HostStore: the persistent host backing store that offloaded bytes live in while a pool
 // sleeps (and, with skip-unchanged, after it wakes, as retained copies).
 //
-// Two tiers. Page-locked blocks come from the driver (cuMemHostAlloc, far slower than the copies
-// it backs, so it must never happen per cycle; bench/results/2026-11-30-sleep-h200.md): reserve(n)
-// adds one block big enough for a whole sleep and later cycles of the same size reuse it. When
-// `pinned_limit` is set, bytes beyond it live in ordinary pageable blocks (mmap) instead; the
-// sleep engine moves those through a small pinned staging ring. Blocks are kept until release_unused() or destruction.
-// Not thread-safe: the pool locks.
+// Three tiers, in the order spans are given out:
+//   pinned    page-locked memory, copied to and from at link speed. It is mapped anonymous,
+//             advised for huge pages, first-touched by several threads and registered
+//             (HostPinner), in blocks of at most pin_block_bytes, in the background: allocate()
+//             hands out spans in a block at once, and the sleep waits (wait_ready) for that block
+//             only when it copies into it, so copies into block k overlap the pinning of block
+//             k + 1. prepare() does the same ahead of a sleep (while an engine loads its model).
+//             Where registration is refused (one log line), that block's spans are pageable and
+//             the store grows with Driver::host_alloc from then on;
+//   pageable  beyond `pinned_limit`: ordinary memory, moved through the pinned staging ring;
+//   disk      beyond `pinned_limit` when a spill directory is set, instead of pageable memory:
+//             extents of a SpillStore file. A disk block is a span of reserved, inaccessible
+//             addresses standing for its extent (file offset = block offset + address - base),
+//             so spans of every tier are split and freed by address alike, and a stray access
+//             to one faults.
+// A steady cycle allocates nothing: blocks are kept until release_unused() or destruction.
+//
+// Invariants: every span lies inside one block (so one registration covers a pinned copy);
+// disk spans start at file offsets aligned to SpillStore::alignment and cover whole aligned
+// extents; a block is unmapped (and unregistered when ready) only after its pinning settled.
+// Not thread-safe: the pool locks (the pinner's threads only touch blocks they were given).
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
 #include <vector>
 
+#include "pool/host_pinner.hpp"
 #include "pool/range_allocator.hpp"
+#include "pool/spill_store.hpp"
 #include "torpor/driver.hpp"
 
 namespace torpor {
 
+enum class HostTier : std::uint8_t { pinned, pageable, disk };
+std::string_view to_string(HostTier t) noexcept;
+
 struct HostSpan {
   std::byte* ptr = nullptr;
   std::size_t bytes = 0;  // reserved (what free() takes back)
-  bool pinned = false;
+  HostTier tier = HostTier::pinned;
+};
+
+struct HostStoreOptions {
+  int device = 0;                                       // registration's context
+  std::size_t pinned_limit = 0;                         // page-locked bytes at most; 0 = no limit
+  std::size_t pin_block_bytes = std::size_t{256} << 20;  // pinned growth in blocks of at most this
+  int pin_threads = 0;                                  // first-touch threads; 0 = min(16, cores)
+  std::string spill_dir;                                // beyond the limit: files here (empty: pageable)
+  std::size_t spill_limit = 0;                          // disk bytes at most; 0 = no limit
+};
+
+struct HostStoreStats {
+  std::size_t pinned_bytes = 0;    // page-locked and ready
+  std::size_t pinning_bytes = 0;   // being page-locked in the background
+  std::size_t pageable_bytes = 0;  // beyond the limit, or where registration was refused
+  std::size_t used_bytes = 0;      // host memory holding copies
+  std::size_t disk_bytes = 0;      // spill file extents held
+  std::size_t disk_used_bytes = 0;
+  bool registration_refused = false;
 };
 
 class HostStore {
@@ -28,44 +73,81 @@ class HostStore {
   static constexpr std::size_t alignment = 256;
   static constexpr std::size_t block_rounding = std::size_t{2} << 20;
 
-  // pinned_limit 0 = no limit.
-  explicit HostStore(Driver& driver, std::size_t pinned_limit = 0) : driver_(driver), pinned_limit_(pinned_limit) {}
+  explicit HostStore(Driver& driver, HostStoreOptions options = {});
   ~HostStore();
   HostStore(const HostStore&) = delete;
   HostStore& operator=(const HostStore&) = delete;
 
-  // What allocate(bytes) really takes.
+  // What allocate(bytes) takes in host memory (a disk span takes it rounded to SpillStore::alignment).
   static constexpr std::size_t reserved_size(std::size_t bytes) noexcept { return align_up(bytes, alignment); }
-  // Ensure `bytes` more (a sum of reserved_size values) fit: adds at most one block per tier.
+  // Ensure `bytes` more (a sum of reserved_size values) fit: pinned blocks up to the limit, then
+  // one pageable or disk block.
   void reserve(std::size_t bytes);
-  // Pinned space first; pageable beyond the limit. Throws out_of_memory.
-  HostSpan allocate(std::size_t bytes);
+  // Grow the pinned tier, in the background, until it holds min(bytes, pinned_limit). Returns the
+  // bytes added (0 when it already holds that much).
+  std::size_t prepare(std::size_t bytes);
+  // A span: pinned space first, then pageable or disk. When nothing fits, the store grows by a
+  // block sized for what this sleep still needs (`remaining` bytes, a sum of reserved_size values,
+  // in `remaining_spans` spans; this one included) within pin_block_bytes. Throws out_of_memory
+  // (host memory, disk, spill limit).
+  HostSpan allocate(std::size_t bytes, std::size_t remaining = 0, std::size_t remaining_spans = 1);
+  // The span's tier once its bytes can be copied: for a span in a block still being pinned,
+  // waits for the pinning (pageable when registration was refused).
+  HostTier wait_ready(const HostSpan& span);
+  // Blocks until no block is being pinned.
+  void wait_pinning();
   // Any allocated sub-range, exactly.
   void free(std::byte* p, std::size_t bytes);
-  // Gives unused blocks back. Returns the bytes released.
+  // Gives unused blocks back (cancelling their pinning). Returns the bytes released (memory and disk).
   std::size_t release_unused();
 
-  std::size_t capacity() const noexcept;
-  std::size_t pinned_capacity() const noexcept;
-  std::size_t used() const noexcept;
+  // The spill file offset of a disk span's address; the spill store.
+  std::uint64_t file_offset(const std::byte* p) const;
+  SpillStore* spill() noexcept { return spill_.get(); }
+  const SpillStore* spill() const noexcept { return spill_.get(); }
+
+  HostStoreStats stats() const;
+  std::size_t capacity() const noexcept;         // host memory held (pinned, being pinned, pageable)
+  std::size_t pinned_capacity() const noexcept;  // page-locked and ready
+  std::size_t used() const noexcept;             // host memory holding copies
   std::size_t blocks() const noexcept { return blocks_.size(); }
   std::size_t growths() const noexcept { return growths_; }  // blocks ever added
-  std::size_t pinned_limit() const noexcept { return pinned_limit_; }
+  std::size_t pinned_limit() const noexcept { return options_.pinned_limit; }
+  int pin_threads() const noexcept { return pinner_.threads(); }
+  // Thread-safe: waiting for the pinning needs no pool lock.
+  HostPinner& pinner() noexcept { return pinner_; }
 
  private:
+  enum class Source : std::uint8_t { registered, allocated, pageable, disk };
   struct Block {
-    std::byte* base;
+    std::byte* base = nullptr;
+    std::size_t map_bytes = 0;  // the mapping (registered, pageable, disk) or allocation
+    Source source = Source::pageable;
     RangeAllocator space;
-    bool pinned;
+    std::shared_ptr<PinJob> job;    // registered blocks
+    std::uint64_t file_offset = 0;  // disk blocks
+    HostTier tier() const noexcept;
+    bool counts_as_pinned() const noexcept;  // toward pinned_limit
   };
-  void add_block(std::size_t bytes, bool pinned);
+
+  Block& add_block(std::size_t bytes, HostTier tier);
+  Block& add_pinned_block(std::size_t bytes);
+  Block& add_beyond_limit_block(std::size_t bytes);
   std::size_t pinned_room() const noexcept;
+  std::size_t pinned_held() const noexcept;  // toward the limit
+  Block* block_of(const std::byte* p) const;
+  Block* fitting(std::size_t bytes, bool (*want)(const Block&));
+  void note_refusal(const Block& b);
   void free_block(Block& b) noexcept;
 
   Driver& driver_;
-  std::size_t pinned_limit_;
-  std::vector<Block> blocks_;
+  HostStoreOptions options_;
+  std::unique_ptr<SpillStore> spill_;
+  HostPinner pinner_;
+  std::vector<std::unique_ptr<Block>> blocks_;   // in the order they were added
+  std::map<const std::byte*, Block*> by_base_;  // for lookups by address
   std::size_t growths_ = 0;
+  bool registration_refused_ = false;
 };
 
 }  // namespace torpor

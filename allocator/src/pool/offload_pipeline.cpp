@@ -4,22 +4,18 @@
 #include <chrono>
 #include <thread>
 
+#include "pool/host_copies.hpp"
+
 namespace torpor {
 
 void OffloadPipeline::issue(std::size_t k, Stream stream) {
-  const ChunkPlan& cp = plan_.chunks[k];
-  for (const Piece& p : cp.pieces) {
+  ChunkPlan& cp = plan_.chunks[k];
+  for (Piece& p : cp.pieces) {
     if (p.skip) {
       r_.bytes_skipped += p.bytes;
       continue;
     }
-    device_ptr src = cp.chunk->va + p.offset;
-    if (p.span.pinned) {
-      s_.driver.copy_async(p.span.ptr, reinterpret_cast<const void*>(src), p.bytes, stream);
-    } else {
-      s_.staging.to_host(p.span.ptr, src, p.bytes, stream);
-      r_.bytes_staged += p.bytes;
-    }
+    offload_to_span(s_, p.span, cp.chunk->va + p.offset, p.bytes, stream, r_);
     r_.bytes_offloaded += p.bytes;
   }
   s_.driver.event_record(s_.events[k], stream);
@@ -28,6 +24,7 @@ void OffloadPipeline::issue(std::size_t k, Stream stream) {
 void OffloadPipeline::sample_copies(std::size_t k) {
   for (Piece& p : plan_.chunks[k].pieces) {
     if (p.skip) continue;  // keeps the sample its retained copy had
+    if (p.span.tier == HostTier::disk) continue;  // its addresses stand for a file extent: not readable
     p.sample = sample_of(p.span.ptr, p.bytes);
     p.sampled = true;
   }

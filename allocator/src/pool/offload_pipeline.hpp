@@ -2,8 +2,10 @@
 // pieces, device -> host store) on copy_streams streams in rotation and records the chunk's
 // event behind them; release_threads workers wait for each chunk's event, then unmap and
 // release it (Chunk::unmap_and_release) while the copies of later chunks still run. Copies
-// to pageable spans go through the staging ring. Releasing costs a driver call per chunk that
-// grows with its size, so a few workers overlap them.
+// go to the host span's tier (host_copies.hpp): a pinned span once its block is page-locked
+// (pinning runs in the background, ahead of the copies), pageable and spilled spans through
+// the staging ring. Releasing costs a driver call per chunk that grows with its size, so a few
+// workers overlap them.
 //
 // Invariants:
 //   - a chunk is unmapped only after its own copies completed (its event), and its pieces'

@@ -24,6 +24,7 @@
 
 #include "common/text.hpp"
 #include "pool/pool_state.hpp"
+#include "pool/sleep_plan.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 
@@ -151,8 +152,24 @@ void check_engine_options(PoolOptions& o) {
     throw invalid_argument(
         fmt::format("PoolOptions::copy_piece_bytes {} is below {}", o.copy_piece_bytes, HostStore::alignment));
   o.copy_piece_bytes = align_up(o.copy_piece_bytes, HostStore::alignment);
-  if (o.staging_slots < 2 || o.staging_slot_bytes < HostStore::alignment)
-    throw invalid_argument("PoolOptions: the staging ring needs at least 2 slots of at least 256 bytes");
+  if (o.staging_slots < 2 || o.staging_slots > 64 || o.staging_slot_bytes < HostStore::alignment ||
+      o.staging_slot_bytes > (std::size_t{1} << 30))
+    throw invalid_argument(
+        "PoolOptions: the staging ring needs 2..64 slots (staging_slots) of 256 bytes to 1 GiB (staging_slot_bytes)");
+}
+
+// The host store's knobs.
+void check_host_options(const PoolOptions& o) {
+  if (o.host_pin_threads < 0 || o.host_pin_threads > 256)
+    throw invalid_argument(
+        fmt::format("PoolOptions::host_pin_threads {} must be 0..256 (0 = min(16, cores))", o.host_pin_threads));
+  if (o.host_pin_block_bytes < HostStore::block_rounding || o.host_pin_block_bytes > (std::size_t{64} << 30))
+    throw invalid_argument(
+        fmt::format("PoolOptions::host_pin_block_bytes {} must be 2 MiB..64 GiB", o.host_pin_block_bytes));
+  if (!o.spill_dir.empty() && o.host_store_limit == 0)
+    throw invalid_argument(fmt::format("PoolOptions::spill_dir '{}' needs host_store_limit > 0: what does not fit "
+                                       "under the limit goes to disk (a limit below 2 MiB puts every backup there)",
+                                       o.spill_dir));
 }
 
 // The bookkeeping and the copy streams; on failure the streams created so far are destroyed.
@@ -225,11 +242,13 @@ Pool::Pool(Driver& driver, PoolOptions options) : driver_(driver), options_(std:
   granularity_ = props.granularity;
   normalize_sizes(options_, props, granularity_);
   check_engine_options(options_);
+  check_host_options(options_);
   std::vector<int> access = access_devices(driver_, options_, count);
 
   va_base_ = driver_.reserve(options_.va_bytes, granularity_);
   try {
     state_ = make_state(driver_, options_, granularity_, va_base_, std::move(access));
+    if (options_.host_store_prepare != 0) state_->host.prepare(options_.host_store_prepare);
   } catch (...) {
     try {
       driver_.free_reservation(va_base_, options_.va_bytes);
@@ -490,20 +509,52 @@ void Pool::deallocate(void* ptr) {
   remember_freed(s, p);
 }
 
-void Pool::mark(void* ptr, std::size_t bytes, MemoryClass memory_class, std::string_view name) {
+namespace {
+
+// The allocation [ptr, ptr + bytes) lies in, checked (invalid_argument naming `what`).
+Allocation& mark_target(const Pool::State& s, void* ptr, std::size_t bytes, MemoryClass memory_class,
+                        const std::string& what) {
   check_class(memory_class);
-  if (bytes == 0) throw invalid_argument("mark: size 0");
-  State& s = *state_;
+  if (bytes == 0) throw invalid_argument(fmt::format("{}: size 0", what));
   auto p = reinterpret_cast<device_ptr>(ptr);
-  std::lock_guard lock(s.mu);
   Allocation* found = s.containing(p);
   if (found == nullptr)
-    throw invalid_argument(fmt::format("mark: {} is not inside any allocation of this pool", hex(p)));
-  Allocation& a = *found;
+    throw invalid_argument(fmt::format("{}: {} is not inside any allocation of this pool", what, hex(p)));
+  if (bytes > found->bytes - (p - found->base))
+    throw invalid_argument(fmt::format("{}: [{}, +{}) runs past the end of allocation {} ({} bytes)", what, hex(p),
+                                       bytes, hex(found->base), found->bytes));
+  return *found;
+}
+
+void apply_mark(Allocation& a, device_ptr p, std::size_t bytes, MemoryClass memory_class, std::string_view name);
+
+}  // namespace
+
+void Pool::mark(void* ptr, std::size_t bytes, MemoryClass memory_class, std::string_view name) {
+  State& s = *state_;
+  std::lock_guard lock(s.mu);
+  Allocation& a = mark_target(s, ptr, bytes, memory_class, "mark");
+  apply_mark(a, reinterpret_cast<device_ptr>(ptr), bytes, memory_class, name);
+}
+
+void Pool::mark(std::span<const MarkRange> ranges) {
+  State& s = *state_;
+  std::lock_guard lock(s.mu);
+  std::vector<Allocation*> targets;
+  targets.reserve(ranges.size());
+  for (std::size_t i = 0; i < ranges.size(); ++i) {
+    const MarkRange& m = ranges[i];
+    targets.push_back(&mark_target(s, m.ptr, m.bytes, m.memory_class, fmt::format("mark: range {}", i)));
+  }
+  for (std::size_t i = 0; i < ranges.size(); ++i)
+    apply_mark(*targets[i], reinterpret_cast<device_ptr>(ranges[i].ptr), ranges[i].bytes, ranges[i].memory_class,
+               ranges[i].name);
+}
+
+namespace {
+
+void apply_mark(Allocation& a, device_ptr p, std::size_t bytes, MemoryClass memory_class, std::string_view name) {
   std::size_t lo = p - a.base;
-  if (bytes > a.bytes - lo)
-    throw invalid_argument(fmt::format("mark: [{}, +{}) runs past the end of allocation {} ({} bytes)", hex(p), bytes,
-                                       hex(a.base), a.bytes));
   std::size_t hi = lo + bytes;
   refuse_state_over_discarded_bytes(a, lo, hi, memory_class);
   auto& segs = a.segments;
@@ -533,6 +584,8 @@ void Pool::mark(void* ptr, std::size_t bytes, MemoryClass memory_class, std::str
     }
   }
 }
+
+}  // namespace
 
 std::optional<AllocationInfo> Pool::find(const void* ptr) const {
   State& s = *state_;
@@ -607,9 +660,19 @@ PoolStats Pool::stats() const {
   st.va_bytes = options_.va_bytes;
   st.va_used_bytes = s.va.used_bytes();
   st.granularity = granularity_;
-  st.host_store_bytes = s.host.capacity();
-  st.host_store_used_bytes = s.host.used();
-  st.host_store_pinned_bytes = s.host.pinned_capacity();
+  HostStoreStats hs = s.host.stats();
+  st.host_store_bytes = hs.pinned_bytes + hs.pinning_bytes + hs.pageable_bytes;
+  st.host_store_pinned_bytes = hs.pinned_bytes;
+  st.host_store_pinning_bytes = hs.pinning_bytes;
+  st.host_store_pageable_bytes = hs.pageable_bytes;
+  st.host_store_used_bytes = hs.used_bytes;
+  st.spill_bytes = hs.disk_bytes;
+  st.spill_used_bytes = hs.disk_used_bytes;
+  st.host_registration_refused = hs.registration_refused;
+  if (const SpillStore* spill = s.host.spill()) {
+    st.spill_path = spill->path();
+    st.spill_direct_io = spill->direct_io();
+  }
   st.pending_releases = s.memory.pending();
   for (auto& [va, n] : s.address_ranges) st.address_ranges_bytes += n;
   std::map<std::string, TagStats, std::less<>> by_tag;
@@ -722,6 +785,17 @@ std::size_t Pool::release_host_store() {
   // Retained copies only save a future copy; asleep backups are needed and stay.
   for (auto& [va, c] : state_->chunks) state_->drop_all_copies(c->retained);
   return state_->host.release_unused();
+}
+
+std::size_t Pool::prepare_host_store(std::size_t bytes) {
+  std::lock_guard lock(state_->mu);
+  return state_->host.prepare(bytes != 0 ? bytes : level1_host_bytes(*state_));
+}
+
+void Pool::wait_host_store() {
+  state_->host.pinner().wait_all();  // thread-safe: other calls go on meanwhile
+  std::lock_guard lock(state_->mu);
+  state_->host.wait_pinning();  // notes a refusal (and waits for blocks added meanwhile)
 }
 
 }  // namespace torpor

@@ -86,18 +86,13 @@ void Pool::State::drop_copies(std::map<std::size_t, HostCopy>& copies, std::size
     // Left piece keeps [start, cut_lo); right piece keeps [cut_hi, end) plus the store's
     // rounding slack; the middle goes back to the store. Split pieces lose their hash.
     std::size_t slack = c.span.bytes - c.bytes;
-    if (cut_lo > start)
-      copies[start] =
-          HostCopy{cut_lo - start, HostSpan{c.span.ptr, cut_lo - start, c.span.pinned}, {}, false, {}, false, false};
+    auto sub = [&](std::size_t from, std::size_t n) { return HostSpan{c.span.ptr + (from - start), n, c.span.tier}; };
+    if (cut_lo > start) copies[start] = HostCopy{cut_lo - start, sub(start, cut_lo - start), {}, false, {}, false, false};
     if (cut_hi < end) {
-      copies[cut_hi] =
-          HostCopy{end - cut_hi, HostSpan{c.span.ptr + (cut_hi - start), end - cut_hi + slack, c.span.pinned},
-                   {},           false,
-                   {},           false,
-                   false};
-      free_span(HostSpan{c.span.ptr + (cut_lo - start), cut_hi - cut_lo, c.span.pinned});
+      copies[cut_hi] = HostCopy{end - cut_hi, sub(cut_hi, end - cut_hi + slack), {}, false, {}, false, false};
+      free_span(sub(cut_lo, cut_hi - cut_lo));
     } else {
-      free_span(HostSpan{c.span.ptr + (cut_lo - start), cut_hi - cut_lo + slack, c.span.pinned});
+      free_span(sub(cut_lo, cut_hi - cut_lo + slack));
     }
     it = copies.lower_bound(cut_hi);
   }

@@ -57,7 +57,16 @@ struct Pool::State {
         memory(d, o.device, o.exportable),
         staging(d, o.device, o.staging_slots, o.staging_slot_bytes),
         va(o.va_bytes),
-        host(d, o.host_store_limit) {}
+        host(d, host_store_options(o)) {}
+
+  static HostStoreOptions host_store_options(const PoolOptions& o) {
+    return HostStoreOptions{.device = o.device,
+                            .pinned_limit = o.host_store_limit,
+                            .pin_block_bytes = o.host_pin_block_bytes,
+                            .pin_threads = o.host_pin_threads,
+                            .spill_dir = o.spill_dir,
+                            .spill_limit = o.spill_limit};
+  }
 
   Driver& driver;
   const PoolOptions& options;

@@ -88,12 +88,18 @@ std::size_t reuse_retained_copies(Pool::State& s, ChunkPlan& plan) {
   return needed;
 }
 
-// Step 4: one reservation, then a span for every piece still without one.
+// Step 4: a span for every piece still without one; `needed` (what is left to place) sizes the
+// blocks the store grows by.
 void take_host_spans(Pool::State& s, SleepPlan& plan, std::size_t needed) {
-  s.host.reserve(needed);
+  std::size_t spans = 0;
+  for (auto& cp : plan.chunks)
+    for (auto& p : cp.pieces) spans += p.span.ptr == nullptr ? 1 : 0;
   for (auto& cp : plan.chunks)
     for (auto& p : cp.pieces)
-      if (p.span.ptr == nullptr) p.span = s.host.allocate(p.bytes);
+      if (p.span.ptr == nullptr) {
+        p.span = s.host.allocate(p.bytes, needed, spans--);
+        needed -= std::min(needed, HostStore::reserved_size(p.bytes));
+      }
   for (std::size_t k = 0; k < plan.chunks.size(); ++k) s.event(k);  // create events before the pipeline
 }
 
@@ -119,6 +125,20 @@ SleepPlan select_chunks(const Pool::State& s, const std::vector<std::string>& ta
       plan.deepen.push_back(c.get());
   }
   return plan;
+}
+
+std::size_t level1_host_bytes(const Pool::State& s) {
+  std::size_t bytes = 0;
+  for (auto& [va, c] : s.chunks) {
+    if (c->awake) {
+      ChunkPlan cp{c.get(), {}, 0};
+      split_into_pieces(s, cp, SleepLevel::offload);
+      for (const Piece& p : cp.pieces) bytes += HostStore::reserved_size(p.bytes);
+    } else {
+      for (auto& [off, b] : c->backups) bytes += b.span.bytes;
+    }
+  }
+  return bytes;
 }
 
 void plan_offload(Pool::State& s, SleepPlan& plan, TransitionReport& r) {

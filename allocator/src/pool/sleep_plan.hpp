@@ -8,11 +8,13 @@
 //      copy_piece_bytes; free space never travels;
 //   2. hash every piece on the device (skip_unchanged);
 //   3. a retained copy of exactly a piece's range lends the piece its span, and the copy is
-//      skipped when both hashes match and the copy's sample still reads the same (HostCopy);
-//      retained copies that match no piece are stale and go back to the store first;
-//   4. reserve host space for the other pieces in one go (one new block per tier at most: a
-//      steady cycle allocates no host memory), take a span for each, create one event per
-//      chunk for the pipeline.
+//      skipped when both hashes match and the copy's sample still reads the same (HostCopy;
+//      disk-tier copies are not sampled); retained copies that match no piece are stale and go
+//      back to the store first;
+//   4. take a host span for each of the other pieces (the store grows by blocks sized for what
+//      the sleep still needs; a steady cycle allocates no host memory), create one event per
+//      chunk for the pipeline. A span may lie in a block still being page-locked in the
+//      background: the pipeline waits for that block before copying into it.
 //
 // Invariants once planned: every piece owns a host span; the planned chunks hold no retained
 // copies; the plan owns its spans until apply moves them into the chunks' backups, and
@@ -58,5 +60,8 @@ SleepPlan select_chunks(const Pool::State& s, const std::vector<std::string>& ta
 // Steps 1-4 above; records r.pieces, r.bytes_hashed and the "hash" phase. On failure the
 // caller gives back the spans already taken (free_spans).
 void plan_offload(Pool::State& s, SleepPlan& plan, TransitionReport& r);
+// The host store bytes (reserved sizes) a level-1 sleep of every chunk would hold: the pieces of
+// the awake chunks and the backups of the asleep ones. What prepare_host_store(0) pins.
+std::size_t level1_host_bytes(const Pool::State& s);
 
 }  // namespace torpor

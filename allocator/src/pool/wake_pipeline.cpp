@@ -5,6 +5,7 @@
 #include <exception>
 #include <thread>
 
+#include "pool/host_copies.hpp"
 #include "torpor/log.hpp"
 
 namespace torpor {
@@ -66,12 +67,7 @@ void WakePipeline::fill_discarded(const Chunk& c, Stream stream) {
 
 void WakePipeline::issue_chunk_restores(const Chunk& c, Stream stream) {
   for (auto& [off, b] : c.backups) {
-    if (b.span.pinned) {
-      s_.driver.copy_async(reinterpret_cast<void*>(c.va + off), b.span.ptr, b.bytes, stream);
-    } else {
-      s_.staging.to_device(c.va + off, b.span.ptr, b.bytes, stream);
-      r_.bytes_staged += b.bytes;
-    }
+    restore_from_span(s_, c.va + off, b.span, b.bytes, stream, r_);
     r_.bytes_restored += b.bytes;
   }
   if (s_.options.fill_on_wake != FillOnWake::none) fill_discarded(c, stream);

@@ -2,8 +2,9 @@
 // VA-contiguous chunks of at most map_group_bytes: one set_access call each. The pipeline: a
 // map thread creates and maps each group's chunks (Chunk::remap) and sets access once for the
 // group; the calling thread enqueues each ready group's restores (host store -> device, pageable
-// backups through the staging ring) and fills (FillOnWake) on the copy streams in rotation while
-// the next group is mapped. One synchronize of every copy stream at the end.
+// and spilled backups through the staging ring) and fills (FillOnWake) on the copy streams in rotation while
+// the next group is mapped (restores from spilled backups read the spill file into the ring,
+// host_copies.hpp). One synchronize of every copy stream at the end.
 //
 // Invariants:
 //   - a group reaches the calling thread only once all its chunks are mapped with access set;

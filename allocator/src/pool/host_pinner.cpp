@@ -1,0 +1,126 @@
+// HostPinner; the design note and invariants are in host_pinner.hpp.
+#include "pool/host_pinner.hpp"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <exception>
+
+#include "torpor/error.hpp"
+#include "torpor/log.hpp"
+
+namespace torpor {
+
+HostPinner::HostPinner(Driver& driver, int device, int threads) : driver_(driver), device_(device) {
+  if (threads <= 0) {
+    unsigned hw = std::thread::hardware_concurrency();
+    threads = static_cast<int>(std::clamp(hw == 0 ? 4U : hw, 1U, 16U));
+  }
+  threads_ = threads;
+}
+
+HostPinner::~HostPinner() {
+  std::unique_lock lock(mu_);
+  for (Slice& s : queue_) s.job->cancel_ = true;
+  settled_.wait(lock, [&] { return running_ == 0; });
+  reap_locked();
+  for (auto& [id, t] : workers_)
+    if (t.joinable()) t.join();
+}
+
+std::shared_ptr<PinJob> HostPinner::submit(std::byte* base, std::size_t bytes) {
+  if (base == nullptr || bytes == 0) throw error("internal: HostPinner::submit of an empty range");
+  auto job = std::make_shared<PinJob>(base, bytes);
+  job->slices_left_ = (bytes + slice_bytes - 1) / slice_bytes;
+  std::lock_guard lock(mu_);
+  reap_locked();
+  for (std::size_t off = 0; off < bytes; off += slice_bytes)
+    queue_.push_back(Slice{job, off, std::min(slice_bytes, bytes - off)});
+  ++unsettled_;
+  int wanted = static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(threads_), queue_.size()));
+  while (running_ < wanted) {
+    int id = next_id_++;
+    ++running_;
+    workers_.emplace(id, std::thread([this, id] { work(id); }));
+  }
+  return job;
+}
+
+PinJob::Status HostPinner::wait(const PinJob& job) {
+  if (job.settled()) return job.status();
+  std::unique_lock lock(mu_);
+  settled_.wait(lock, [&] { return job.settled(); });
+  return job.status();
+}
+
+void HostPinner::wait_all() {
+  std::unique_lock lock(mu_);
+  settled_.wait(lock, [&] { return unsettled_ == 0; });
+}
+
+void HostPinner::reap_locked() {
+  for (int id : exited_) {
+    auto it = workers_.find(id);
+    if (it == workers_.end()) continue;
+    it->second.join();  // it returned from work() right after recording itself
+    workers_.erase(it);
+  }
+  exited_.clear();
+}
+
+void HostPinner::work(int id) {
+  for (;;) {
+    Slice s;
+    {
+      std::lock_guard lock(mu_);
+      if (queue_.empty()) {
+        --running_;
+        exited_.push_back(id);
+        settled_.notify_all();
+        return;
+      }
+      s = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    if (!s.job->cancel_) touch(s.job->base_ + s.offset, s.bytes);
+    if (s.job->slices_left_.fetch_sub(1) == 1) finish(*s.job);
+  }
+}
+
+// First touch: the kernel allocates (huge) pages here, on many threads, instead of inside the
+// single-threaded registration.
+void HostPinner::touch(std::byte* p, std::size_t bytes) {
+#ifdef MADV_POPULATE_WRITE
+  if (populate_works_.load(std::memory_order_relaxed)) {
+    if (::madvise(p, bytes, MADV_POPULATE_WRITE) == 0) return;
+    populate_works_ = false;  // an older kernel: touch page by page from now on
+  }
+#endif
+  static const std::size_t page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  for (std::size_t off = 0; off < bytes; off += page) static_cast<volatile std::byte*>(p)[off] = std::byte{0};
+}
+
+void HostPinner::finish(PinJob& job) {
+  if (job.cancel_) {
+    settle(job, PinJob::Status::cancelled);
+    return;
+  }
+  try {
+    driver_.host_register(job.base_, job.bytes_, device_);
+  } catch (const std::exception& e) {
+    job.refusal_ = e.what();
+    settle(job, PinJob::Status::refused);
+    return;
+  }
+  settle(job, PinJob::Status::ready);
+}
+
+void HostPinner::settle(PinJob& job, PinJob::Status status) {
+  std::lock_guard lock(mu_);
+  job.status_.store(static_cast<int>(status), std::memory_order_release);
+  --unsettled_;
+  settled_.notify_all();
+}
+
+}  // namespace torpor

@@ -1,0 +1,250 @@
+// SpillStore; the design note and invariants are in spill_store.hpp.
+#include "pool/spill_store.hpp"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <csignal>
+#include <cstring>
+#include <random>
+#include <string_view>
+
+#include "torpor/error.hpp"
+#include "torpor/log.hpp"
+
+namespace torpor {
+
+namespace {
+
+// Far beyond any disk: the extent allocator's offsets are file offsets.
+constexpr std::size_t file_span = std::size_t{1} << 50;
+
+std::string errno_text(int err) { return std::strerror(err); }
+
+bool disk_full(int err) { return err == ENOSPC || err == EDQUOT || err == EFBIG; }
+
+std::uint64_t random_tag() {
+  std::random_device rd;
+  return (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
+}
+
+bool ends_with(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+// The pid in "torpor-spill-<pid>-<tag>.tmp", or -1.
+long pid_of(std::string_view name) {
+  name.remove_prefix(std::string_view(SpillStore::file_prefix).size());
+  long pid = 0;
+  std::size_t i = 0;
+  for (; i < name.size() && name[i] >= '0' && name[i] <= '9'; ++i) pid = pid * 10 + (name[i] - '0');
+  return i > 0 && i < name.size() && name[i] == '-' && pid > 0 ? pid : -1;
+}
+
+// Whether the file at `path` (not followed if a link) is a regular file of this user.
+bool ours(const std::string& path) {
+  struct stat st {};
+  return ::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid();
+}
+
+void prepare_dir(const std::string& dir) {
+  if (dir.empty()) throw invalid_argument("spill directory: empty path");
+  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
+    throw invalid_argument(fmt::format("spill directory {}: cannot create it: {}", dir, errno_text(errno)));
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+    throw invalid_argument(fmt::format("spill directory {} is not a directory", dir));
+  if (::access(dir.c_str(), W_OK | X_OK) != 0)
+    throw invalid_argument(fmt::format("spill directory {} is not writable: {}", dir, errno_text(errno)));
+}
+
+}  // namespace
+
+std::size_t SpillStore::remove_stale(const std::string& dir) {
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return 0;
+  std::size_t removed = 0;
+  while (dirent* e = ::readdir(d)) {
+    std::string_view name(e->d_name);
+    if (name.rfind(file_prefix, 0) != 0) continue;
+    std::string path = dir + "/" + std::string(name);
+    if (ends_with(name, ".bin")) {
+      int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+      if (fd < 0) continue;
+      struct stat st {};
+      // The lock is free only once its process is gone (a live one holds it from creation on).
+      if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid() &&
+          ::flock(fd, LOCK_EX | LOCK_NB) == 0 && ::unlink(path.c_str()) == 0)
+        ++removed;
+      ::close(fd);
+    } else if (ends_with(name, ".tmp")) {
+      long pid = pid_of(name);
+      if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH && ours(path) &&
+          ::unlink(path.c_str()) == 0)
+        ++removed;
+    }
+  }
+  ::closedir(d);
+  return removed;
+}
+
+SpillStore::SpillStore(const std::string& dir, std::size_t limit) : dir_(dir), limit_(limit), space_(file_span) {
+  prepare_dir(dir_);
+  if (std::size_t n = remove_stale(dir_); n > 0)
+    log::info("spill: removed {} stale file(s) of processes that are gone from {}", n, dir_);
+  open_file();
+}
+
+void SpillStore::open_file() {
+  std::string base = fmt::format("{}/{}{}-{:016x}", dir_, file_prefix, ::getpid(), random_tag());
+  std::string tmp = base + ".tmp";
+  fd_ = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd_ < 0) throw invalid_argument(fmt::format("spill: cannot create {}: {}", tmp, errno_text(errno)));
+  path_ = base + ".bin";
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0 || ::rename(tmp.c_str(), path_.c_str()) != 0) {
+    int err = errno;
+    ::unlink(tmp.c_str());
+    ::close(fd_);
+    fd_ = -1;
+    throw invalid_argument(fmt::format("spill: cannot lock and name {}: {}", path_, errno_text(err)));
+  }
+  int flags = ::fcntl(fd_, F_GETFL);
+  direct_ = flags >= 0 && ::fcntl(fd_, F_SETFL, flags | O_DIRECT) == 0;
+  if (direct_)
+    log::info("spill: {}: direct I/O (O_DIRECT)", path_);
+  else
+    log::info("spill: {} does not take direct I/O (O_DIRECT: {}); buffered I/O, so the page cache may hold "
+              "spilled bytes for a while",
+              dir_, errno_text(errno));
+}
+
+SpillStore::~SpillStore() {
+  if (fd_ < 0) return;
+  if (::unlink(path_.c_str()) != 0) log::error("spill: removing {} failed: {}", path_, errno_text(errno));
+  ::close(fd_);
+}
+
+std::string SpillStore::free_space_text() const {
+  struct statvfs v {};
+  if (::fstatvfs(fd_, &v) != 0) return "free space unknown";
+  return fmt::format("{} bytes free on its file system", static_cast<std::uint64_t>(v.f_bavail) * v.f_frsize);
+}
+
+std::uint64_t SpillStore::allocate(std::size_t bytes) {
+  if (bytes == 0 || bytes % alignment != 0)
+    throw error(fmt::format("internal: spill extent of {} bytes is not a multiple of {}", bytes, alignment));
+  if (limit_ != 0 && held_ + bytes > limit_)
+    throw out_of_memory(fmt::format("spill: {} more bytes in {} would pass the spill limit of {} bytes ({} held)",
+                                    bytes, dir_, limit_, held_));
+  auto off = space_.allocate(bytes, alignment);
+  if (!off) throw out_of_memory(fmt::format("spill: no file offset left for {} bytes in {}", bytes, path_));
+  if (can_fallocate_ &&
+      ::fallocate(fd_, FALLOC_FL_KEEP_SIZE, static_cast<off_t>(*off), static_cast<off_t>(bytes)) != 0) {
+    int err = errno;
+    if (disk_full(err)) {
+      space_.free(*off, bytes);
+      throw out_of_memory(fmt::format("spill: claiming {} bytes of disk in {} failed: {} ({})", bytes, path_,
+                                      errno_text(err), free_space_text()));
+    }
+    can_fallocate_ = false;  // not supported here: the writes will tell
+    log::debug("spill: fallocate is not available in {} ({}); disk space is claimed by the writes", dir_,
+               errno_text(err));
+  }
+  extents_[*off] = bytes;
+  held_ += bytes;
+  return *off;
+}
+
+void SpillStore::free(std::uint64_t offset, std::size_t bytes) noexcept {
+  auto it = extents_.find(offset);
+  if (it == extents_.end() || it->second != bytes) {
+    log::error("spill: freeing an unknown extent [{}, +{}) of {}", offset, bytes, path_);
+    return;
+  }
+  extents_.erase(it);
+  held_ -= bytes;
+  try {
+    space_.free(offset, bytes);
+  } catch (const std::exception& e) {
+    log::error("spill: {}", e.what());
+  }
+  if (can_fallocate_)
+    ::fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(offset), static_cast<off_t>(bytes));
+  truncate_to_extents();
+}
+
+void SpillStore::truncate_to_extents() noexcept {
+  std::uint64_t end = extents_.empty() ? 0 : extents_.rbegin()->first + extents_.rbegin()->second;
+  struct stat st {};
+  if (::fstat(fd_, &st) == 0 && static_cast<std::uint64_t>(st.st_size) > end &&
+      ::ftruncate(fd_, static_cast<off_t>(end)) != 0)
+    log::warn("spill: truncating {} failed: {}", path_, errno_text(errno));
+}
+
+void SpillStore::disable_direct_io(int err) noexcept {
+  int flags = ::fcntl(fd_, F_GETFL);
+  if (flags >= 0) ::fcntl(fd_, F_SETFL, flags & ~O_DIRECT);
+  direct_ = false;
+  log::warn("spill: {} refused a direct write ({}); buffered I/O from now on", path_, errno_text(err));
+}
+
+void SpillStore::throw_write_error(int err, std::uint64_t offset, std::size_t bytes) const {
+  std::string what =
+      fmt::format("spill: writing {} bytes at offset {} of {} failed: {}", bytes, offset, path_, errno_text(err));
+  if (disk_full(err))
+    throw out_of_memory(fmt::format("{} ({}{}); the bytes stay in device memory", what, free_space_text(),
+                                    err == EFBIG ? ", or the file-size limit RLIMIT_FSIZE" : ""));
+  throw error(what);
+}
+
+void SpillStore::write(std::uint64_t offset, const std::byte* buffer, std::size_t bytes) {
+  std::size_t done = 0;
+  while (done < bytes) {
+    ssize_t n = ::pwrite(fd_, buffer + done, bytes - done, static_cast<off_t>(offset + done));
+    if (n > 0) {
+      done += static_cast<std::size_t>(n);
+      continue;
+    }
+    int err = n == 0 ? ENOSPC : errno;
+    if (err == EINTR) continue;
+    if (err == EINVAL && direct_) {
+      disable_direct_io(err);
+      continue;
+    }
+    throw_write_error(err, offset + done, bytes - done);
+  }
+}
+
+void SpillStore::read(std::uint64_t offset, std::byte* buffer, std::size_t bytes) {
+  std::uint64_t lo = offset / alignment * alignment;
+  std::uint64_t hi = align_up(offset + bytes, alignment);
+  std::size_t want = static_cast<std::size_t>(hi - lo);
+  std::size_t done = 0;
+  while (done < want) {
+    ssize_t n = ::pread(fd_, buffer + done, want - done, static_cast<off_t>(lo + done));
+    if (n > 0) {
+      done += static_cast<std::size_t>(n);
+      continue;
+    }
+    int err = n == 0 ? 0 : errno;
+    if (err == EINTR) continue;
+    if (err == EINVAL && direct_) {
+      disable_direct_io(err);
+      continue;
+    }
+    // The window was written whole (writes are whole extents' aligned pieces): a short read is
+    // a file that changed under us.
+    if (done >= offset - lo + bytes) break;
+    throw error(fmt::format("spill: reading {} bytes at offset {} of {} failed: {}", want - done, lo + done, path_,
+                            n == 0 ? std::string("unexpected end of file") : errno_text(err)));
+  }
+  if (offset != lo) std::memmove(buffer, buffer + (offset - lo), bytes);
+}
+
+}  // namespace torpor

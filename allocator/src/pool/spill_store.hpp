@@ -1,0 +1,83 @@
+// SpillStore: the disk tier of the host store. With a host memory limit and a spill directory,
+// the backups that do not fit in host memory live in one file of that directory per pool, moved
+// between the device and the file through the pinned staging ring.
+//
+// The file: `torpor-spill-<pid>-<64 random bits>.bin`, created as `.tmp` with O_EXCL (mode
+// 0600), locked with flock(LOCK_EX), then renamed to `.bin`, so a `.bin` file is always locked
+// while its process lives (the lock goes with the process, however it ends). Creating a store
+// first removes stale files of this user in the directory: a `.bin` whose lock can be taken (its
+// process is gone) and a `.tmp` whose pid no longer exists. A live process's file is never
+// removed. The destructor removes the store's own file.
+//
+// I/O is direct (O_DIRECT) where the file system takes it, so spilled bytes do not also sit in
+// the page cache; where it does not (tmpfs, some network file systems), one log line says so and
+// buffered I/O is used. Direct I/O needs aligned offsets, lengths and buffers: extents and writes
+// are multiples of `alignment` at aligned offsets; a read of any sub-range reads the aligned
+// window around it (the staging ring's slots leave room for it).
+//
+// A full disk, a quota, a file-size limit (RLIMIT_FSIZE; the process must ignore SIGXFSZ) or
+// `limit` raise out_of_memory naming the file and the cause; space is claimed (fallocate) when an
+// extent is allocated, so a full disk usually shows before any byte moves.
+// Not thread-safe: the pool locks.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "pool/range_allocator.hpp"
+
+namespace torpor {
+
+class SpillStore {
+ public:
+  static constexpr std::size_t alignment = 4096;
+  static constexpr const char* file_prefix = "torpor-spill-";
+
+  // Creates `dir` (one level, mode 0700) if missing. limit 0 = no limit but the disk's.
+  // Throws invalid_argument when dir is unusable (not a directory, not writable, ...).
+  SpillStore(const std::string& dir, std::size_t limit);
+  ~SpillStore();
+  SpillStore(const SpillStore&) = delete;
+  SpillStore& operator=(const SpillStore&) = delete;
+
+  // A file extent of `bytes` (a multiple of alignment) at an aligned offset. Throws out_of_memory
+  // when the limit or the disk refuses it; nothing is held then.
+  std::uint64_t allocate(std::size_t bytes);
+  // An extent from allocate(), exactly. Its disk space goes back (hole punched, tail truncated).
+  void free(std::uint64_t offset, std::size_t bytes) noexcept;
+  // `bytes` (a multiple of alignment) from an aligned buffer to an aligned offset.
+  void write(std::uint64_t offset, const std::byte* buffer, std::size_t bytes);
+  // [offset, offset + bytes), any offset, to buffer[0, bytes). buffer is aligned and has room
+  // for align_up(bytes, alignment) + alignment bytes.
+  void read(std::uint64_t offset, std::byte* buffer, std::size_t bytes);
+
+  const std::string& path() const noexcept { return path_; }
+  const std::string& dir() const noexcept { return dir_; }
+  bool direct_io() const noexcept { return direct_; }
+  std::size_t held_bytes() const noexcept { return held_; }
+  std::size_t limit() const noexcept { return limit_; }
+
+  // Removes the stale spill files of this user in `dir` (see above). Returns how many.
+  static std::size_t remove_stale(const std::string& dir);
+
+ private:
+  void open_file();
+  void disable_direct_io(int err) noexcept;
+  [[noreturn]] void throw_write_error(int err, std::uint64_t offset, std::size_t bytes) const;
+  void truncate_to_extents() noexcept;
+  std::string free_space_text() const;
+
+  std::string dir_;
+  std::string path_;
+  std::size_t limit_;
+  int fd_ = -1;
+  bool direct_ = false;
+  bool can_fallocate_ = true;
+  std::size_t held_ = 0;
+  RangeAllocator space_;
+  std::map<std::uint64_t, std::size_t> extents_;  // offset -> bytes
+};
+
+}  // namespace torpor

@@ -1,0 +1,350 @@
+// The disk tier: backups beyond the host limit in a spill file, bit-exact through sleep levels,
+// skipped copies and split backups; crash-safe naming and stale-file cleanup; a spill limit and
+// a file-size limit that fill up mid-sleep (clear error, nothing lost, a retry works).
+#include <dirent.h>
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/file.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstdlib>
+#include <set>
+#include <string>
+
+#include "pool/host_store.hpp"
+#include "pool/spill_store.hpp"
+#include "support/backends.hpp"
+#include "torpor/error.hpp"
+#include "torpor/host_driver.hpp"
+
+namespace torpor::test {
+namespace {
+
+constexpr std::size_t KiB = std::size_t{1} << 10;
+constexpr std::size_t MiB = std::size_t{1} << 20;
+
+// A fresh directory under the test's temporary directory, removed with its files at the end.
+struct TempDir {
+  TempDir() {
+    std::string base = ::testing::TempDir();
+    if (base.empty() || base.back() != '/') base += '/';
+    std::string tmpl = base + "torpor-spill-test-XXXXXX";
+    EXPECT_NE(::mkdtemp(tmpl.data()), nullptr);
+    path = tmpl;
+  }
+  ~TempDir() {
+    for (const auto& f : files()) ::unlink((path + "/" + f).c_str());
+    ::rmdir(path.c_str());
+  }
+  std::set<std::string> files() const {
+    std::set<std::string> out;
+    if (DIR* d = ::opendir(path.c_str())) {
+      while (dirent* e = ::readdir(d))
+        if (std::string(e->d_name) != "." && std::string(e->d_name) != "..") out.insert(e->d_name);
+      ::closedir(d);
+    }
+    return out;
+  }
+  void touch(const std::string& name) const {
+    int fd = ::open((path + "/" + name).c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
+    EXPECT_GE(fd, 0);
+    ::close(fd);
+  }
+  std::string path;
+};
+
+template <typename B>
+class SpillTest : public BackendTest<B> {
+ protected:
+  struct Item {
+    void* p;
+    std::vector<std::uint8_t> bytes;
+  };
+  PoolOptions spilling(const std::string& dir, std::size_t host_limit) {
+    PoolOptions o = this->tiered_pool(FillOnWake::poison);
+    o.host_store_limit = host_limit;
+    o.spill_dir = dir;
+    o.staging_slots = 3;
+    o.staging_slot_bytes = 64 * KiB;
+    o.copy_piece_bytes = 300000;
+    return o;
+  }
+  Item make(Pool& pool, const std::string& tag, std::size_t n, MemoryClass cls, const std::string& name,
+            std::mt19937_64& rng) {
+    Item it{pool.allocate(n, {tag, cls, name}), random_bytes(rng, n)};
+    write(pool, it.p, it.bytes);
+    return it;
+  }
+  // Sizes on either side of pieces, slots, pages and granules.
+  std::vector<Item> items(Pool& pool, std::mt19937_64& rng) {
+    std::size_t g = this->granularity();
+    std::vector<Item> out;
+    int i = 0;
+    for (std::size_t n : {std::size_t{777}, std::size_t{4096}, 64 * KiB + 1, g - 1, g + 4097, 3 * g + 300001}) {
+      out.push_back(make(pool, "weights", n, MemoryClass::state, "s" + std::to_string(i), rng));
+      out.push_back(make(pool, "weights", n + 13, MemoryClass::parameter, "p" + std::to_string(i++), rng));
+    }
+    return out;
+  }
+  static bool all_poison(const std::vector<std::uint8_t>& v) {
+    return std::all_of(v.begin(), v.end(), [](std::uint8_t b) { return b == poison_byte; });
+  }
+};
+TYPED_TEST_SUITE(SpillTest, Backends, BackendNames);
+
+TYPED_TEST(SpillTest, EveryBackupOnDiskComesBackBitExact) {
+  TempDir dir;
+  {
+    Pool pool(this->driver(), this->spilling(dir.path, 1));  // below 2 MiB: nothing page-locked
+    std::mt19937_64 rng(11);
+    auto items = this->items(pool, rng);
+    void* cache = pool.allocate(3 * this->granularity(), {"kv_cache", MemoryClass::cache, ""});
+    PoolStats st = pool.stats();
+    std::string prefix = dir.path + "/" + SpillStore::file_prefix + std::to_string(::getpid()) + "-";
+    EXPECT_EQ(st.spill_path.rfind(prefix, 0), 0u) << st.spill_path;
+    EXPECT_EQ(st.spill_path.substr(st.spill_path.size() - 4), ".bin");
+    EXPECT_EQ(dir.files().size(), 1u);
+    for (int cycle = 0; cycle < 4; ++cycle) {
+      int level = cycle == 2 ? 2 : 1;
+      if (cycle != 1)  // cycle 1 sleeps unchanged: the retained copies on disk are reused
+        for (auto& it : items) {
+          for (auto& b : it.bytes) b = static_cast<std::uint8_t>(b * 29 + 3);
+          write(pool, it.p, it.bytes);
+        }
+      TransitionReport r = pool.sleep(level);
+      SCOPED_TRACE(::testing::Message() << "cycle " << cycle << " level " << level);
+      EXPECT_EQ(r.bytes_spilled, r.bytes_offloaded) << "every copy went to disk";
+      if (cycle == 1) EXPECT_EQ(r.bytes_offloaded, 0u);
+      st = pool.stats();
+      EXPECT_GT(st.spill_used_bytes, 0u);
+      EXPECT_EQ(st.host_store_used_bytes, 0u);
+      EXPECT_EQ(st.host_store_pinned_bytes + st.host_store_pinning_bytes, 0u);
+      TransitionReport w = pool.wake_up();
+      EXPECT_EQ(w.bytes_spilled, w.bytes_restored);
+      for (std::size_t i = 0; i < items.size(); ++i) {
+        bool discarded = level == 2 && i % 2 == 1;  // odd items are parameters
+        auto back = read(pool, items[i].p, items[i].bytes.size());
+        if (discarded)
+          EXPECT_TRUE(this->all_poison(back)) << "item " << i;
+        else
+          ASSERT_EQ(back, items[i].bytes) << "item " << i;
+      }
+      if (level == 2)
+        for (std::size_t i = 1; i < items.size(); i += 2) write(pool, items[i].p, items[i].bytes);  // reload
+    }
+    pool.deallocate(cache);
+    EXPECT_GT(pool.release_host_store(), 0u);
+    EXPECT_EQ(pool.stats().spill_bytes, 0u);
+  }
+  EXPECT_TRUE(dir.files().empty()) << "the pool removes its spill file";
+}
+
+TYPED_TEST(SpillTest, PinnedFirstThenDisk) {
+  TempDir dir;
+  std::size_t limit = 2 * MiB;
+  Pool pool(this->driver(), this->spilling(dir.path, limit));
+  std::mt19937_64 rng(12);
+  std::vector<typename TestFixture::Item> items;
+  std::size_t total = 0;
+  for (int i = 0; total < 3 * limit; ++i) {
+    items.push_back(this->make(pool, "weights", this->granularity() + 777 * i, MemoryClass::state, "s", rng));
+    total += items.back().bytes.size();
+  }
+  TransitionReport r = pool.sleep(1);
+  EXPECT_EQ(r.bytes_offloaded, total);
+  EXPECT_GT(r.bytes_spilled, 0u);
+  EXPECT_LT(r.bytes_spilled, total) << "what fits under the limit stays in page-locked memory";
+  PoolStats st = pool.stats();
+  EXPECT_LE(st.host_store_pinned_bytes + st.host_store_pinning_bytes, limit);
+  EXPECT_EQ(st.host_store_pageable_bytes, 0u) << "beyond the limit: disk, not pageable memory";
+  pool.wake_up();
+  for (auto& it : items) ASSERT_EQ(read(pool, it.p, it.bytes.size()), it.bytes);
+}
+
+TYPED_TEST(SpillTest, ABackupSplitByAFreeIsReadBackFromAnUnalignedOffset) {
+  TempDir dir;
+  Pool pool(this->driver(), this->spilling(dir.path, 1));
+  std::mt19937_64 rng(13);
+  // Three small allocations side by side in one slab: one run, one piece, one disk span.
+  auto a = this->make(pool, "weights", 1000, MemoryClass::state, "a", rng);
+  auto b = this->make(pool, "weights", 1000, MemoryClass::state, "b", rng);
+  auto c = this->make(pool, "weights", 5000, MemoryClass::state, "c", rng);
+  ASSERT_EQ(pool.chunk_info(a.p)->va, pool.chunk_info(c.p)->va);
+  pool.sleep(1);
+  pool.deallocate(a.p);  // the backup is cut: b's part now starts 1 KiB into the span
+  pool.wake_up();
+  EXPECT_EQ(read(pool, b.p, 1000), b.bytes);
+  EXPECT_EQ(read(pool, c.p, 5000), c.bytes);
+}
+
+TYPED_TEST(SpillTest, ASpillLimitIsAClearErrorThatLosesNothingAndARetryWorks) {
+  TempDir probe_dir, dir;
+  // Each tag needs more than the slack of the disk block "a" grows (under a block rounding plus
+  // a page per piece), so "b" cannot fit in what "a" holds.
+  const std::size_t item_bytes = std::max(2 * this->granularity(), 3 * MiB / 2) + 100;
+  auto build = [&](Pool& pool, std::uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::vector<typename TestFixture::Item> v;
+    for (const char* tag : {"a", "b"})
+      for (int i = 0; i < 2; ++i) v.push_back(this->make(pool, tag, item_bytes, MemoryClass::state, "x", rng));
+    return v;
+  };
+  // What tag "a" alone takes on disk, measured without a limit.
+  std::size_t a_disk = 0;
+  {
+    Pool pool(this->driver(), this->spilling(probe_dir.path, 1));
+    build(pool, 1);
+    pool.sleep(1, {"a"});
+    a_disk = pool.stats().spill_bytes;
+  }
+  ASSERT_GT(a_disk, 0u);
+  PoolOptions o = this->spilling(dir.path, 1);
+  o.spill_limit = a_disk;  // room for "a", none for "b"
+  Pool pool(this->driver(), o);
+  auto items = build(pool, 1);
+  pool.sleep(1, {"a"});
+  try {
+    pool.sleep(1, {"b"});
+    FAIL() << "the spill limit must refuse tag b";
+  } catch (const out_of_memory& e) {
+    EXPECT_NE(std::string(e.what()).find("spill limit"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(pool.asleep("b"));
+  for (int i = 2; i < 4; ++i) {
+    EXPECT_FALSE(pool.find(items[i].p)->asleep);
+    EXPECT_EQ(read(pool, items[i].p, items[i].bytes.size()), items[i].bytes) << "b keeps its bytes";
+  }
+  EXPECT_EQ(pool.stats().spill_bytes, a_disk) << "nothing of the failed sleep is held";
+  // Free the disk: wake "a" and give its retained copies (on disk too) back.
+  pool.wake_up({"a"});
+  pool.release_host_store();
+  pool.sleep(1, {"b"});  // the retry works
+  pool.wake_up();
+  for (auto& it : items) EXPECT_EQ(read(pool, it.p, it.bytes.size()), it.bytes);
+}
+
+TEST(Spill, StaleFilesOfProcessesThatAreGoneAreRemovedAndLiveOnesKept) {
+  TempDir dir;
+  std::string me = std::to_string(::getpid());
+  pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) ::_exit(0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);  // reaped: its pid names no process now
+  std::string prefix = SpillStore::file_prefix;
+  std::string dead_bin = prefix + "123-00000000000000aa.bin";  // nobody holds its lock
+  std::string live_bin = prefix + me + "-00000000000000bb.bin";
+  std::string dead_tmp = prefix + std::to_string(child) + "-00000000000000cc.tmp";
+  std::string live_tmp = prefix + me + "-00000000000000dd.tmp";
+  for (const auto& f : {dead_bin, live_bin, dead_tmp, live_tmp, std::string("unrelated.bin")}) dir.touch(f);
+  // A live pool's file: locked through its own open file description, as SpillStore holds it.
+  int live = ::open((dir.path + "/" + live_bin).c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(live, 0);
+  ASSERT_EQ(::flock(live, LOCK_EX), 0);
+  {
+    HostDriver d(HostBackend::options());
+    PoolOptions o;
+    o.va_bytes = 64 * MiB;
+    o.host_store_limit = 1;
+    o.spill_dir = dir.path;
+    Pool pool(d, o);
+    std::set<std::string> files = dir.files();
+    EXPECT_FALSE(files.count(dead_bin));
+    EXPECT_FALSE(files.count(dead_tmp));
+    EXPECT_TRUE(files.count(live_bin)) << "a live process's file is never removed";
+    EXPECT_TRUE(files.count(live_tmp));
+    EXPECT_TRUE(files.count("unrelated.bin"));
+    EXPECT_EQ(files.size(), 4u) << "the four kept and the pool's own";
+    EXPECT_EQ(SpillStore::remove_stale(dir.path), 0u) << "the pool's own file is locked too";
+  }
+  ::close(live);
+  EXPECT_EQ(SpillStore::remove_stale(dir.path), 1u) << "unlocked now";
+  EXPECT_EQ(dir.files(), (std::set<std::string>{live_tmp, "unrelated.bin"}));
+}
+
+TEST(Spill, AnUnusableDirectoryIsRefusedAtCreation) {
+  TempDir dir;
+  dir.touch("a-file");
+  HostDriver d(HostBackend::options());
+  PoolOptions o;
+  o.va_bytes = 64 * MiB;
+  o.host_store_limit = 1;
+  o.spill_dir = dir.path + "/a-file";
+  try {
+    Pool pool(d, o);
+    FAIL() << "a file is not a spill directory";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("is not a directory"), std::string::npos) << e.what();
+  }
+  o.spill_dir = dir.path + "/new";
+  Pool pool(d, o);  // one missing level is created
+  EXPECT_EQ(pool.stats().spill_path.rfind(dir.path + "/new/", 0), 0u);
+}
+
+int fill_and_retry(const std::string& dir);
+
+// A file-size limit (RLIMIT_FSIZE) hit in the middle of a sleep, in a child process (the limit
+// and SIGXFSZ are per process): the chunks whose bytes reached the file are asleep, the others
+// awake with their bytes, and once the limit is lifted the retry completes the sleep.
+int fill_the_disk_mid_sleep(const TempDir& dir) {
+  std::signal(SIGXFSZ, SIG_IGN);  // the write fails with EFBIG instead of killing the process
+  int rc = fill_and_retry(dir.path);
+  if (rc == 0 && !dir.files().empty()) return 17;  // the pool must remove its file
+  return rc;
+}
+
+int fill_and_retry(const std::string& dir) {
+  HostDriver d(HostBackend::options());
+  PoolOptions o;
+  o.va_bytes = 64 * MiB;
+  o.medium_limit = 0;
+  o.host_store_limit = 1;
+  o.spill_dir = dir;
+  o.staging_slot_bytes = 64 * KiB;
+  Pool pool(d, o);
+  std::mt19937_64 rng(14);
+  std::vector<std::pair<void*, std::vector<std::uint8_t>>> items;
+  for (int i = 0; i < 8; ++i) {
+    items.emplace_back(pool.allocate(256 * KiB, {"weights", MemoryClass::state, ""}), random_bytes(rng, 256 * KiB));
+    write(pool, items.back().first, items.back().second);
+  }
+  rlimit rl{};
+  ::getrlimit(RLIMIT_FSIZE, &rl);
+  rlimit low = rl;
+  low.rlim_cur = 800 * KiB;  // three chunks fit, the fourth does not
+  if (::setrlimit(RLIMIT_FSIZE, &low) != 0) return 10;
+  try {
+    pool.sleep(1);
+    return 11;  // must fail
+  } catch (const out_of_memory& e) {
+    std::string m = e.what();
+    if (m.find("RLIMIT_FSIZE") == std::string::npos && m.find("spill") == std::string::npos) return 12;
+  }
+  int asleep = 0;
+  for (auto& [p, bytes] : items) {
+    if (pool.find(p)->asleep) {
+      ++asleep;
+      continue;
+    }
+    if (read(pool, p, bytes.size()) != bytes) return 13;  // an awake chunk lost its bytes
+  }
+  if (asleep == static_cast<int>(items.size())) return 14;
+  if (::setrlimit(RLIMIT_FSIZE, &rl) != 0) return 15;
+  pool.sleep(1);  // the retry completes the sleep
+  pool.wake_up();
+  for (auto& [p, bytes] : items)
+    if (read(pool, p, bytes.size()) != bytes) return 16;
+  return 0;
+}
+
+TEST(SpillDeathTest, AFileSizeLimitMidSleepIsAClearErrorAndARetryWorks) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  TempDir dir;
+  EXPECT_EXIT(std::exit(fill_the_disk_mid_sleep(dir)), ::testing::ExitedWithCode(0), "");
+}
+
+}  // namespace
+}  // namespace torpor::test
