@@ -6,6 +6,9 @@
 #                                      bench-first-sleep bench-torch-sleep host-store engines graphs
 #                                      symmetric symmetric-nccl tail tail-bench stress stress-tail
 #                                      (default: probe tests)
+#   TORPOR_GPU_BUILD=dir               the build directory (default build-gpu, type Release);
+#   TORPOR_GPU_BUILD_TYPE=type         e.g. TORPOR_GPU_BUILD=build TORPOR_GPU_BUILD_TYPE=RelWithDebInfo
+#                                      reuses what the readme stage built, saving a build
 #   TORPOR_BUILD_TARGETS="a b"         build only these targets (default: everything), to save
 #                                      device time when iterating on one part
 #   TORPOR_TAIL_BENCH_ARGS="..."       more arguments for torpor_bench_tail (tail, tail-bench),
@@ -50,6 +53,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export TORPOR_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-$PWD/gpu-out}
+build=${TORPOR_GPU_BUILD:-build-gpu}
 mkdir -p "$OUT"
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(probe tests)
@@ -64,20 +68,26 @@ status=0
 } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 
-cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release > "$OUT/configure.log" 2>&1 &&
-  cmake --build build-gpu -j "$(nproc)" ${TORPOR_BUILD_TARGETS:+--target $TORPOR_BUILD_TARGETS} > "$OUT/build.log" 2>&1 || {
-    echo "build failed"; tail -40 "$OUT/configure.log" "$OUT/build.log"; exit 1; }
+# Built once, before the first stage that needs it (readme builds its own build/).
+built=0
+ensure_built() {
+  [ $built = 1 ] && return 0
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE="${TORPOR_GPU_BUILD_TYPE:-Release}" > "$OUT/configure.log" 2>&1 &&
+    cmake --build "$build" -j "$(nproc)" ${TORPOR_BUILD_TARGETS:+--target $TORPOR_BUILD_TARGETS} > "$OUT/build.log" 2>&1 || {
+      echo "build failed"; tail -40 "$OUT/configure.log" "$OUT/build.log"; exit 1; }
+  built=1
+}
 
 # The fused-vs-unfused tail bench with its per-phase trace (stages tail and tail-bench).
 tail_bench() {
-  timeout 240 build-gpu/bench/torpor_bench_tail --trace --json "$OUT/bench-tail.json" ${TORPOR_TAIL_BENCH_ARGS:-} > "$OUT/bench-tail.txt" 2>&1 || status=1
+  timeout 240 $build/bench/torpor_bench_tail --trace --json "$OUT/bench-tail.json" ${TORPOR_TAIL_BENCH_ARGS:-} > "$OUT/bench-tail.txt" 2>&1 || status=1
   cat "$OUT/bench-tail.txt"
 }
 
 # `torpor stress` on the GPUs, bounded: name, limit, args...
 run_stress() {
   local name=$1 limit=$2; shift 2
-  timeout "$limit" build-gpu/tools/torpor stress --backend cuda --no-progress --json "$OUT/stress-$name.json" "$@" \
+  timeout "$limit" $build/tools/torpor stress --backend cuda --no-progress --json "$OUT/stress-$name.json" "$@" \
     > "$OUT/stress-$name.txt" 2>&1
   local rc=$?
   [ $rc -ne 0 ] && status=1
@@ -93,7 +103,7 @@ stress_fused_unfused() {
 }
 # Must fail (non-zero exit), naming the rank and the op, within the wait bound plus seconds.
 stress_negative_control() {
-  timeout 90 build-gpu/tools/torpor stress --backend cuda --no-progress --ranks 2 --processes --negative-control zero-flags \
+  timeout 90 $build/tools/torpor stress --backend cuda --no-progress --ranks 2 --processes --negative-control zero-flags \
     --json "$OUT/stress-negative.json" > "$OUT/stress-negative.txt" 2>&1
   local rc=$?
   echo "== negative control (exit $rc: $([ $rc -ne 0 ] && [ $rc -ne 124 ] && echo 'failed as required' || { status=1; echo 'WRONG'; }))"
@@ -103,7 +113,7 @@ stress_negative_control() {
 # Must fail (non-zero exit): level 2 keeps every parameter while the weight version advances, so
 # the outputs differ from a freshly built model's.
 stress_stale_weights() {
-  timeout 120 build-gpu/tools/torpor stress --backend cuda --no-progress --ranks "$1" --negative-control stale-weights \
+  timeout 120 $build/tools/torpor stress --backend cuda --no-progress --ranks "$1" --negative-control stale-weights \
     --json "$OUT/stress-stale-weights.json" > "$OUT/stress-stale-weights.txt" 2>&1
   local rc=$?
   echo "== negative control stale-weights (exit $rc: $([ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -q 'prompts match a freshly built model' "$OUT/stress-stale-weights.txt" && echo 'failed as required' || { status=1; echo 'WRONG'; }))"
@@ -111,17 +121,18 @@ stress_stale_weights() {
 }
 
 for stage in "${stages[@]}"; do
+  [ "$stage" = readme ] || ensure_built
   case "$stage" in
     probe)
-      build-gpu/tools/torpor probe --json > "$OUT/probe.json" || status=1
-      build-gpu/tools/torpor probe || status=1
+      $build/tools/torpor probe --json > "$OUT/probe.json" || status=1
+      $build/tools/torpor probe || status=1
       ;;
     tests)
       # Host-backend tests in parallel; cuda-typed tests one at a time, since some of them
       # read the device's free memory.
       # (TailCuda, GpuTail: the tail stage runs those, one at a time; TailCuda on two GPUs.)
-      ctest --test-dir build-gpu -j 8 -E 'CudaBackend|TailCuda|GpuTail' --output-on-failure > "$OUT/ctest-host.log" 2>&1 || status=1
-      build-gpu/tests/torpor_tests --gtest_filter='*/cuda.*' --gtest_brief=0 > "$OUT/gtest-cuda.log" 2>&1 || status=1
+      ctest --test-dir $build -j 8 -E 'CudaBackend|TailCuda|GpuTail' --output-on-failure > "$OUT/ctest-host.log" 2>&1 || status=1
+      $build/tests/torpor_tests --gtest_filter='*/cuda.*' --gtest_brief=0 > "$OUT/gtest-cuda.log" 2>&1 || status=1
       grep -E "tests passed|tests failed" "$OUT/ctest-host.log"
       grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$OUT/gtest-cuda.log" | sort | uniq -c | sort -rn | head -40
       tail -3 "$OUT/gtest-cuda.log"
@@ -136,13 +147,13 @@ for stage in "${stages[@]}"; do
       ;;
     bench-sleep)
       # Issue 3's scenario: 32 GiB of parameters in 2048 x 16 MiB, 256 MiB of state, 16 GiB of cache.
-      build-gpu/bench/torpor_bench_sleep --json "$OUT/bench-sleep.json" > "$OUT/bench-sleep.txt" 2>&1 || status=1
+      $build/bench/torpor_bench_sleep --json "$OUT/bench-sleep.json" > "$OUT/bench-sleep.txt" 2>&1 || status=1
       cat "$OUT/bench-sleep.txt"
       ;;
     bench-sleep-threads)
       # The release-thread count, compared on the same scenario (no baseline, 3 cycles each).
       for t in 1 4; do
-        build-gpu/bench/torpor_bench_sleep --no-baseline --cycles 3 --release-threads "$t" \
+        $build/bench/torpor_bench_sleep --no-baseline --cycles 3 --release-threads "$t" \
           --json "$OUT/bench-sleep-threads$t.json" > "$OUT/bench-sleep-threads$t.txt" 2>&1 || status=1
         echo "release threads $t:"; grep -E "^cycle|L1 sleep \(unchanged\)|L2 sleep|L2 wake" "$OUT/bench-sleep-threads$t.txt"
       done
@@ -150,27 +161,27 @@ for stage in "${stages[@]}"; do
     bench-first-sleep)
       for variant in unprepared prepared; do
         flag=$([ "$variant" = prepared ] && echo --prepare || true)
-        TORPOR_LOG=info timeout 300 build-gpu/bench/torpor_bench_sleep --no-baseline --cycles 2 $flag \
+        TORPOR_LOG=info timeout 300 $build/bench/torpor_bench_sleep --no-baseline --cycles 2 $flag \
           --json "$OUT/bench-first-sleep-$variant.json" > "$OUT/bench-first-sleep-$variant.txt" 2>&1 || status=1
         echo "== first sleep, $variant:"
         grep -E "host store|^cycle|first_l1_sleep|l1_sleep_of_ceiling|l1_wake_of_ceiling|unchanged_sleep" \
           "$OUT/bench-first-sleep-$variant.txt"
       done
       spill=$(mktemp -d "$PWD/spill.XXXXXX")
-      TORPOR_LOG=info timeout 300 build-gpu/bench/torpor_bench_sleep --no-baseline --cycles 2 --host-store-limit 16G \
+      TORPOR_LOG=info timeout 300 $build/bench/torpor_bench_sleep --no-baseline --cycles 2 --host-store-limit 16G \
         --spill-dir "$spill" --json "$OUT/bench-first-sleep-spill.json" > "$OUT/bench-first-sleep-spill.txt" 2>&1 || status=1
       rm -rf "$spill"
       echo "== 16 GiB pinned, the rest on disk:"
       grep -E "spill|^host store|^cycle|first_l1_sleep|torpor L1" "$OUT/bench-first-sleep-spill.txt"
       ;;
     bench-torch-sleep)
-      tms_dir=$PWD/build-gpu/tms
+      tms_dir=$PWD/$build/tms
       if [ ! -d "$tms_dir/torch_memory_saver" ]; then
         TMS_CUDA_MAJOR=13 timeout 300 python3 -m pip install --no-build-isolation --no-deps --no-index \
           --target "$tms_dir" .anchors/torch_memory_saver > "$OUT/tms-build.log" 2>&1 ||
           { echo "torch_memory_saver build failed (tms-build.log); its rows will say skipped"; tail -5 "$OUT/tms-build.log"; }
       fi
-      pyenv=(env TORPOR_LIBRARY="$PWD/build-gpu/allocator/libtorpor.so" PYTHONPATH="$PWD/python:$tms_dir"
+      pyenv=(env TORPOR_LIBRARY="$PWD/$build/allocator/libtorpor.so" PYTHONPATH="$PWD/python:$tms_dir"
         PYTHONDONTWRITEBYTECODE=1)
       for variant in unprepared prepared; do
         flag=$([ "$variant" = prepared ] && echo --prepare || true)
@@ -183,7 +194,7 @@ for stage in "${stages[@]}"; do
       done
       ;;
     host-store)
-      TORPOR_LOG=info timeout 300 build-gpu/tests/torpor_tests --gtest_filter='*HostStore*:*Spill*' > "$OUT/host-store-tests.log" 2>&1 ||
+      TORPOR_LOG=info timeout 300 $build/tests/torpor_tests --gtest_filter='*HostStore*:*Spill*' > "$OUT/host-store-tests.log" 2>&1 ||
         status=1
       grep -E "^\[ +(OK|FAILED|SKIPPED) +\]|direct I/O|O_DIRECT|registration" "$OUT/host-store-tests.log" | head -60
       tail -3 "$OUT/host-store-tests.log"
@@ -192,7 +203,7 @@ for stage in "${stages[@]}"; do
       # The Python package with PyTorch on the GPU: each tests/python file in its own process
       # (the PyTorch pools' options are per process; host-backend files run too), then the
       # RL weight-update loop.
-      pyenv=(env TORPOR_LIBRARY="$PWD/build-gpu/allocator/libtorpor.so" PYTHONPATH="$PWD/python" PYTHONDONTWRITEBYTECODE=1)
+      pyenv=(env TORPOR_LIBRARY="$PWD/$build/allocator/libtorpor.so" PYTHONPATH="$PWD/python" PYTHONDONTWRITEBYTECODE=1)
       "${pyenv[@]}" python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" 2>&1 |
         tee -a "$OUT/machine.txt"
       : > "$OUT/pytest.log"
@@ -204,7 +215,7 @@ for stage in "${stages[@]}"; do
         tee "$OUT/rl_loop.txt" || status=1
       ;;
     engines)
-      pyenv=(env TORPOR_LIBRARY="$PWD/build-gpu/allocator/libtorpor.so" PYTHONPATH="$PWD/python" PYTHONDONTWRITEBYTECODE=1)
+      pyenv=(env TORPOR_LIBRARY="$PWD/$build/allocator/libtorpor.so" PYTHONPATH="$PWD/python" PYTHONDONTWRITEBYTECODE=1)
       : > "$OUT/engines-pytest.log"
       for f in test_engines_gpu.py test_vllm_mode.py test_vllm_plugin.py test_tms_mode.py test_pool_memory.py; do
         timeout 300 "${pyenv[@]}" python3 -m pytest -v -s -rs -p no:cacheprovider "tests/python/$f" \
@@ -216,19 +227,19 @@ for stage in "${stages[@]}"; do
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       ;;
     symmetric)
-      build-gpu/tools/torpor symmetric-check --backend cuda --ranks 2 --bytes 4G --json "$OUT/symmetric.json" \
+      $build/tools/torpor symmetric-check --backend cuda --ranks 2 --bytes 4G --json "$OUT/symmetric.json" \
         > "$OUT/symmetric.txt" 2>&1 || status=1
       cat "$OUT/symmetric.txt"
       ;;
     symmetric-nccl)
-      build-gpu/tools/torpor symmetric-check --backend cuda --ranks 2 --bytes 1G --group nccl --timeout 10 \
+      $build/tools/torpor symmetric-check --backend cuda --ranks 2 --bytes 1G --group nccl --timeout 10 \
         --timeout-check --json "$OUT/symmetric-nccl.json" > "$OUT/symmetric-nccl.txt" 2>&1 || status=1
       cat "$OUT/symmetric-nccl.txt"
       ;;
     tail)
       # Each step is bounded, so a hang cannot eat the machine's time (expected: ~1 min each).
       sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-      timeout 360 build-gpu/tests/torpor_fusion_tests --gtest_filter='GpuTail.*:TailCuda.*' > "$OUT/tail-tests.log" 2>&1 || status=1
+      timeout 360 $build/tests/torpor_fusion_tests --gtest_filter='GpuTail.*:TailCuda.*' > "$OUT/tail-tests.log" 2>&1 || status=1
       grep -E "^\[ +(OK|FAILED|SKIPPED) +\]|Skipped|Failure|rank [0-9]" "$OUT/tail-tests.log" | head -40
       tail -3 "$OUT/tail-tests.log"
       # One sanitizer per rank (each the process that runs the kernels), meeting at a rendezvous
@@ -239,7 +250,7 @@ for stage in "${stages[@]}"; do
         pids=()
         for r in 0 1; do
           TORPOR_GROUP_RENDEZVOUS="$rv" TORPOR_RANK=$r TORPOR_WORLD_SIZE=2 timeout 150 "$sanitizer" --tool "$tool" \
-            --error-exitcode 86 build-gpu/tests/torpor_fusion_tests --gtest_filter='TailCuda.SanitizerSmoke' \
+            --error-exitcode 86 $build/tests/torpor_fusion_tests --gtest_filter='TailCuda.SanitizerSmoke' \
             > "$OUT/tail-$tool-rank$r.log" 2>&1 &
           pids+=($!)
         done
@@ -257,9 +268,9 @@ for stage in "${stages[@]}"; do
       ;;
     stress)
       # Every step is bounded (timeout), so a hang cannot eat the machine's time.
-      t=build-gpu/tools/torpor
+      t=$build/tools/torpor
       gpus=$(nvidia-smi -L | wc -l)
-      timeout 120 build-gpu/tests/torpor_fusion_tests --gtest_filter='GpuKernels.*' > "$OUT/stress-kernels.log" 2>&1 || status=1
+      timeout 120 $build/tests/torpor_fusion_tests --gtest_filter='GpuKernels.*' > "$OUT/stress-kernels.log" 2>&1 || status=1
       grep -E "^\[ +(OK|FAILED|SKIPPED) +\]" "$OUT/stress-kernels.log"
       run_stress 1gpu 120 --ranks 1
       if [ "$gpus" -ge 2 ]; then
@@ -285,7 +296,7 @@ for stage in "${stages[@]}"; do
       fi
       ;;
     graphs)
-      pyenv=(env TORPOR_LIBRARY="$PWD/build-gpu/allocator/libtorpor.so" PYTHONPATH="$PWD/python" PYTHONDONTWRITEBYTECODE=1)
+      pyenv=(env TORPOR_LIBRARY="$PWD/$build/allocator/libtorpor.so" PYTHONPATH="$PWD/python" PYTHONDONTWRITEBYTECODE=1)
       for mode in torpor outside; do
         timeout 300 "${pyenv[@]}" python3 python/examples/graph_decoder.py --graphs "$mode" \
           --json "$OUT/graphs-$mode.json" > "$OUT/graphs-$mode.txt" 2>&1 || status=1

@@ -30,8 +30,10 @@ torch_memory_saver/entrypoint.py and csrc/core.cpp):
   x's bytes: while paused, its backup; after resume, None unless retain_cpu_backup is set.
   torpor always returns a copy: zero_copy is accepted and gives a copy too, since torpor's host
   store reuses its memory for the next pause.
-- ``set_disk_backup_dir(path)`` and ``region(enable_disk_backup=True)``: the disk tier is issue 15's
-  (torpor's host store spilling to files); until it is there both raise torpor.Unavailable saying
+- ``set_disk_backup_dir(path)`` and ``region(enable_disk_backup=True)``: torch_memory_saver chooses
+  disk per region; torpor's disk tier is per pool: the backups beyond the pool's page-locked
+  limit go to files (``torpor.configure(host_store_limit=..., spill_dir=...)`` before the first
+  allocation, then regions with ``enable_cpu_backup=True``). Both raise torpor.Unavailable saying
   so, rather than keep the bytes somewhere the caller did not ask for.
 - ``cuda_graph(cuda_graph, pool=None, stream=None, capture_error_mode="global", tag="default",
   enable_cpu_backup=False)``: torch.cuda.graph with the graph's memory in torpor (torpor.graph):
@@ -88,8 +90,9 @@ _HOOK_MODES = ("preload", "torch")
 SHIM_DIR = pathlib.Path(__file__).resolve().parent / "_shims"
 
 DISK_TIER_MISSING = (
-    "torch_memory_saver's disk backup needs torpor's disk tier (the host store spilling to a directory, "
-    "issue 15), which this build does not have yet; use enable_cpu_backup=True (host memory) instead"
+    "torch_memory_saver's per-region disk backup has no torpor equivalent: torpor's disk tier is per pool "
+    "(backups beyond the page-locked limit go to files): call torpor.configure(host_store_limit=..., "
+    "spill_dir=...) before the first allocation and use region(enable_cpu_backup=True)"
 )
 
 
@@ -232,13 +235,8 @@ class TorchMemorySaver:
 
     def _drop_host_copies(self) -> None:
         # torpor keeps host copies after wake to skip unchanged bytes at the next pause;
-        # torch_memory_saver frees them unless retained. Pool.release_host_store comes with
-        # issue 15's host-memory controls in the C API; before that the copies stay in torpor's
-        # host store (get_cpu_backup still answers None, as torch_memory_saver's does).
-        for pool in torch_pools.pools().values():
-            release = getattr(pool, "release_host_store", None)
-            if release is not None:
-                release()
+        # torch_memory_saver frees them unless retained.
+        torch_pools.release_host_store()
 
     # -- settings ----------------------------------------------------------------------------
 
