@@ -16,6 +16,7 @@
 #include "torpor/collective_sleep.hpp"
 #include "torpor/fault_injecting_driver.hpp"
 #include "torpor/host_driver.hpp"
+#include "torpor/torpor.h"
 
 namespace torpor::test {
 namespace {
@@ -304,6 +305,86 @@ TEST(CallbackGroup, AReplyThatLosesThisRanksBytesIsMalformed) {
   CallbackGroup g(0, 2, cb);
   std::string mine = "x";
   EXPECT_THROW(g.all_gather(std::as_bytes(std::span(mine.data(), mine.size()))), invalid_state);
+}
+
+// The C API: callbacks over a thread group's collectives, one pool handle per rank.
+int c_all_gather(void* user, const void* mine, size_t bytes, torpor_gather_t out) {
+  try {
+    auto all = static_cast<Group*>(user)->all_gather({static_cast<const std::byte*>(mine), bytes});
+    for (const auto& part : all)
+      if (torpor_gather_append(out, part.data(), part.size()) != TORPOR_OK) return 2;
+    return 0;
+  } catch (const std::exception& e) {
+    torpor_gather_fail(out, e.what());
+    return 1;
+  }
+}
+int c_barrier(void* user) {
+  try {
+    static_cast<Group*>(user)->barrier();
+    return 0;
+  } catch (const std::exception&) {
+    return 1;
+  }
+}
+int c_short_gather(void*, const void* mine, size_t bytes, torpor_gather_t out) {
+  return torpor_gather_append(out, mine, bytes) == TORPOR_OK ? 0 : 2;  // one part for two ranks
+}
+
+TEST(CollectiveSleepThreads, TheCApiSleepsAndWakesEveryRankAndRejectsAMismatch) {
+  const int n = 2;
+  auto transport = make_thread_group(n, short_timeout());
+  std::vector<torpor_pool_t> pools(n);
+  std::vector<torpor_group_t> groups(n);
+  std::vector<void*> ptrs(n);
+  const std::size_t bytes = std::size_t{1} << 20;
+  for (int r = 0; r < n; ++r) {
+    torpor_pool_options o;
+    torpor_pool_options_init(&o);
+    o.backend = TORPOR_BACKEND_HOST;
+    o.va_bytes = std::size_t{256} << 20;
+    ASSERT_EQ(torpor_pool_create(&o, &pools[r]), TORPOR_OK) << torpor_last_error();
+    ASSERT_EQ(torpor_alloc(pools[r], bytes, TORPOR_TAG_KV_CACHE, TORPOR_CLASS_STATE, "s", &ptrs[r]), TORPOR_OK);
+    auto p = pattern(r, 0, bytes);
+    ASSERT_EQ(torpor_copy(pools[r], ptrs[r], p.data(), bytes), TORPOR_OK);
+    torpor_group_callbacks cb{c_all_gather, c_barrier, transport[static_cast<std::size_t>(r)].get()};
+    ASSERT_EQ(torpor_group_create_callbacks(r, n, &cb, 0, &groups[r]), TORPOR_OK) << torpor_last_error();
+  }
+  std::vector<int> st(n);
+  std::vector<std::string> why(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      const char* tags[] = {TORPOR_TAG_KV_CACHE};
+      st[r] = torpor_collective_sleep(pools[r], groups[r], r == 0 ? 1 : 2, tags, 1);  // levels differ
+      why[r] = torpor_last_error();
+      if (st[r] != TORPOR_ERROR_INVALID_ARGUMENT) return;
+      st[r] = torpor_collective_sleep(pools[r], groups[r], 1, tags, 1);
+      if (st[r] == TORPOR_OK) st[r] = torpor_collective_wake_up(pools[r], groups[r], tags, 1);
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) {
+    EXPECT_TRUE(contains(why[r], "rank(s) [1]")) << why[r];
+    EXPECT_EQ(st[r], TORPOR_OK) << torpor_last_error();
+    std::vector<std::uint8_t> got(bytes);
+    ASSERT_EQ(torpor_copy(pools[r], got.data(), ptrs[r], bytes), TORPOR_OK);
+    EXPECT_EQ(got, pattern(r, 0, bytes)) << "rank " << r;
+  }
+  torpor_group_callbacks short_cb{c_short_gather, c_barrier, nullptr};
+  torpor_group_t bad = nullptr;
+  ASSERT_EQ(torpor_group_create_callbacks(0, 2, &short_cb, 0, &bad), TORPOR_OK);
+  EXPECT_EQ(torpor_collective_sleep(pools[0], bad, 1, nullptr, 0), TORPOR_ERROR_INVALID_STATE);
+  EXPECT_TRUE(contains(torpor_last_error(), "returned 1 entries for 2 ranks")) << torpor_last_error();
+  EXPECT_EQ(torpor_group_destroy(bad), TORPOR_OK);
+  torpor_group_t never = nullptr;
+  EXPECT_EQ(torpor_group_create_callbacks(2, 2, &short_cb, 0, &never), TORPOR_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(torpor_group_create_callbacks(0, 2, &short_cb, -1, &never), TORPOR_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(never, nullptr);
+  for (int r = 0; r < n; ++r) {
+    EXPECT_EQ(torpor_group_destroy(groups[r]), TORPOR_OK);
+    EXPECT_EQ(torpor_collective_wake_up(pools[r], groups[r], nullptr, 0), TORPOR_ERROR_INVALID_HANDLE);
+    EXPECT_EQ(torpor_pool_destroy(pools[r]), TORPOR_OK);
+  }
 }
 
 UniqueFd memfd_with(const std::string& text) {
