@@ -3,7 +3,7 @@
 # device tool (`run`), whose $OUT folder comes back; elsewhere OUT defaults to ./gpu-out.
 #
 #   scripts/gpu_run.sh [stage ...]     stages: probe tests bench-sleep bench-sleep-threads python engines
-#                                      symmetric symmetric-nccl tail tail-bench stress stress-tail
+#                                      distributed symmetric symmetric-nccl tail tail-bench stress stress-tail
 #                                      (default: probe tests)
 #   TORPOR_BUILD_TARGETS="a b"         build only these targets (default: everything), to save
 #                                      device time when iterating on one part
@@ -29,6 +29,9 @@
 # torch_memory_saver's examples restated (tests/python/test_engines_gpu.py), the vLLM plugin and
 # mode tests, and an RL loop through vLLM mode (level 2, reload, wake; RSS, host store bytes and
 # the bytes copied to host per iteration: engines-rl-loop.json).
+#
+# distributed (2 GPUs; nvidia-h200-x2) runs torpor.distributed over a real torch.distributed group,
+# gloo and nccl, one process per GPU (tests/python/test_distributed_gpu.py; SKIP with one GPU).
 #
 # The multicast kill switches are always set: these machines are shared, and a multicast
 # object can take their GPUs out of service. torpor honours every one of them.
@@ -141,6 +144,12 @@ for stage in "${stages[@]}"; do
       timeout 300 "${pyenv[@]}" python3 tests/python/engines_rl_loop.py --iterations 5 \
         --json "$OUT/engines-rl-loop.json" 2>&1 | tee "$OUT/engines-rl-loop.txt"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      ;;
+    distributed)
+      pyenv=(env TORPOR_LIBRARY="$PWD/build-gpu/allocator/libtorpor.so" PYTHONPATH="$PWD/python" PYTHONDONTWRITEBYTECODE=1)
+      timeout 420 "${pyenv[@]}" python3 -m pytest -v -s -rs -p no:cacheprovider tests/python/test_distributed_gpu.py \
+        > "$OUT/distributed-pytest.log" 2>&1 || status=1
+      grep -E "^=+ .*(passed|failed|skipped|error).* in .*=+$|^(FAILED|ERROR|SKIPPED) " "$OUT/distributed-pytest.log"
       ;;
     symmetric)
       build-gpu/tools/torpor symmetric-check --backend cuda --ranks 2 --bytes 4G --json "$OUT/symmetric.json" \
