@@ -190,6 +190,35 @@ TEST(CollectiveSleepThreads, OneRankFailingToSleepFailsEveryRankAndLeavesEveryRa
   }
 }
 
+TEST(CollectiveSleepThreads, ATagOneRankDoesNotHaveFailsEveryRankWithoutAHang) {
+  const int n = 2;
+  GroupOptions quick;
+  quick.timeout = 3s;  // a rank that skipped the outcome exchange would show as a timeout
+  auto transport = make_thread_group(n, quick);
+  auto ranks = make_ranks(n);
+  AllocationOptions extra;
+  extra.tag = "extra";
+  ranks[0]->pool.allocate(4096, extra);  // only rank 0 knows the tag
+  std::vector<int> invalid(n, 0);
+  auto errors = on_every_rank(n, [&](int r) {
+    try {
+      collective_sleep(ranks[static_cast<std::size_t>(r)]->pool, *transport[static_cast<std::size_t>(r)], 1,
+                       {"weights", "extra"});
+    } catch (const invalid_argument&) {
+      invalid[static_cast<std::size_t>(r)] = 1;
+      throw;
+    }
+  });
+  for (int r = 0; r < n; ++r) {
+    const auto& e = errors[static_cast<std::size_t>(r)];
+    EXPECT_TRUE(invalid[static_cast<std::size_t>(r)]) << "rank " << r << ": " << e;
+    EXPECT_TRUE(contains(e, "rank(s) [1] failed to sleep")) << e;
+    EXPECT_TRUE(ranks[static_cast<std::size_t>(r)]->awake()) << "rank " << r;
+    EXPECT_TRUE(ranks[static_cast<std::size_t>(r)]->intact()) << "rank " << r;
+  }
+  EXPECT_FALSE(ranks[0]->pool.asleep("extra"));
+}
+
 TEST(CollectiveSleepThreads, OneRankFailingToWakeIsNamedEverywhereAndAWakeAgainCompletes) {
   const int n = 2;
   CallbackRanks g(n);

@@ -159,11 +159,15 @@ TransitionReport collective_sleep(Pool& pool, Group& group, int level, const std
   agree(group, "collective_sleep", request_text("sleep", level, tags));
 
   std::vector<std::string> were_awake;  // what a rollback wakes: nothing that slept before the call
-  for (const auto& t : resolved(pool, tags))
-    if (!pool.asleep(t)) were_awake.push_back(t);
-
   TransitionReport report;
-  Outcome mine = attempt([&] { return pool.sleep(level, tags); }, report);
+  // Inside attempt(): an unknown tag must reach the outcome exchange, not skip it.
+  Outcome mine = attempt(
+      [&] {
+        for (const auto& t : resolved(pool, tags))
+          if (!pool.asleep(t)) were_awake.push_back(t);
+        return pool.sleep(level, tags);
+      },
+      report);
   Failures failed = failures_of(gather_outcomes(group, mine));
   if (failed.ranks.empty()) return report;
 
