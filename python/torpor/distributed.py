@@ -37,7 +37,6 @@ whose address rank 0 sends over the torch group (one node only).
 from __future__ import annotations
 
 import ctypes
-import threading
 from typing import Callable, Sequence
 
 from . import _lib, errors
@@ -76,7 +75,6 @@ class Group:
     ):
         self.rank, self.size = int(rank), int(size)
         self._all_gather, self._barrier = all_gather, barrier
-        self._errors = threading.local()
         # The C callbacks must stay alive as long as the group: they are attributes.
         self._c_all_gather = _ALL_GATHER(self._gather_trampoline)
         self._c_barrier = _BARRIER(self._barrier_trampoline)

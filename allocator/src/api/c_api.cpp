@@ -371,16 +371,6 @@ namespace {
 constexpr int group_size_max = 65536;
 constexpr int group_timeout_ms_max = 86400000;
 
-std::shared_ptr<CallbackGroup> lookup_group(const char* fn, torpor_group_t handle) {
-  Registry& r = registry();
-  std::lock_guard lock(r.mu);
-  auto it = r.groups.find(reinterpret_cast<std::uintptr_t>(handle));
-  if (it == r.groups.end())
-    throw invalid_argument(fmt::format("{}: group handle {} is not a live group (destroyed, or never created)", fn,
-                                       static_cast<void*>(handle)));
-  return it->second;
-}
-
 GroupCallbacks callbacks_of(const torpor_group_callbacks& c, int size) {
   GroupCallbacks out;
   out.all_gather = [c, size](std::span<const std::byte> mine) {
@@ -400,12 +390,16 @@ GroupCallbacks callbacks_of(const torpor_group_callbacks& c, int size) {
 template <typename F>
 torpor_status with_pool_and_group(const char* fn, torpor_pool_t pool, torpor_group_t group, F&& f) {
   std::shared_ptr<CallbackGroup> g;
-  torpor_status s = guarded(fn, [&] { g = lookup_group(fn, group); });
-  if (s != TORPOR_OK) {
-    last_error = fmt::format("{}: group handle {} is not a live group (destroyed, or never created)", fn,
-                             static_cast<void*>(group));
-    return TORPOR_ERROR_INVALID_HANDLE;
+  {
+    Registry& r = registry();
+    std::lock_guard lock(r.mu);
+    auto it = r.groups.find(reinterpret_cast<std::uintptr_t>(group));
+    if (it != r.groups.end()) g = it->second;
   }
+  if (!g)
+    return fail(TORPOR_ERROR_INVALID_HANDLE, fmt::format("{}: group handle {} is not a live group (destroyed, or "
+                                                         "never created)",
+                                                         fn, static_cast<void*>(group)));
   return with_pool(fn, pool, [&](CPool& p) { f(p, *g); });
 }
 
