@@ -4,7 +4,8 @@
 #
 #   scripts/gpu_run.sh [stage ...]     stages: probe tests readme bench-sleep bench-sleep-threads python
 #                                      bench-first-sleep bench-torch-sleep host-store engines graphs
-#                                      symmetric symmetric-nccl tail tail-bench stress stress-tail
+#                                      distributed symmetric symmetric-nccl tail tail-bench stress
+#                                      stress-tail
 #                                      (default: probe tests)
 #   TORPOR_GPU_BUILD=dir               the build directory (default build-gpu, type Release);
 #   TORPOR_GPU_BUILD_TYPE=type         e.g. TORPOR_GPU_BUILD=build TORPOR_GPU_BUILD_TYPE=RelWithDebInfo
@@ -46,6 +47,9 @@
 # torpor.sleep/wake_up and through torch_memory_saver (built from .anchors/torch_memory_saver, so
 # run it with .anchors carried) and plots both. host-store runs the host-store and spill tests on
 # the GPU (registration, O_DIRECT detection: the log says which path ran).
+#
+# distributed (2 GPUs; nvidia-h200-x2) runs torpor.distributed over a real torch.distributed group,
+# gloo and nccl, one process per GPU (tests/python/test_distributed_gpu.py; SKIP with one GPU).
 #
 # The multicast kill switches are always set: these machines are shared, and a multicast
 # object can take their GPUs out of service. torpor honours every one of them.
@@ -225,6 +229,12 @@ for stage in "${stages[@]}"; do
       timeout 300 "${pyenv[@]}" python3 tests/python/engines_rl_loop.py --iterations 5 \
         --json "$OUT/engines-rl-loop.json" 2>&1 | tee "$OUT/engines-rl-loop.txt"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      ;;
+    distributed)
+      pyenv=(env TORPOR_LIBRARY="$PWD/build-gpu/allocator/libtorpor.so" PYTHONPATH="$PWD/python" PYTHONDONTWRITEBYTECODE=1)
+      timeout 420 "${pyenv[@]}" python3 -m pytest -v -s -rs -p no:cacheprovider tests/python/test_distributed_gpu.py \
+        > "$OUT/distributed-pytest.log" 2>&1 || status=1
+      grep -E "^=+ .*(passed|failed|skipped|error).* in .*=+$|^(FAILED|ERROR|SKIPPED) " "$OUT/distributed-pytest.log"
       ;;
     symmetric)
       $build/tools/torpor symmetric-check --backend cuda --ranks 2 --bytes 4G --json "$OUT/symmetric.json" \

@@ -15,6 +15,8 @@ Engines that have a sleep-mode API of their own keep it:
 
 - torpor.vllm: vLLM's allocator (CuMemAllocator, also here) with vLLM's semantics;
   torpor.vllm_plugin is the vLLM plugin that puts it in every vLLM process (TORPOR_VLLM=1).
+- torpor.distributed: collective sleep / wake over the engine's own torch.distributed group
+  (Group.from_torch(), sleep(pool, level, group=...), wake_up(pool, group=...)).
 - torpor.tms: torch_memory_saver's API (the torch_memory_saver singleton) for SGLang and the
   RL frameworks on it.
 
@@ -22,7 +24,7 @@ libtorpor.so is found through TORPOR_LIBRARY, then a copy bundled at install tim
 repository's build directories, then the system path (see torpor._lib).
 """
 
-from . import errors, tags, tms, vllm
+from . import distributed, errors, tags, tms, vllm
 from ._lib import last_error, library_path
 from .errors import (
     DriverError,

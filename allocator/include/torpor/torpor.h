@@ -128,6 +128,39 @@ torpor_status torpor_copy(torpor_pool_t pool, void* dst, const void* src, size_t
  * sleeps, whatever the status, once the range was found. */
 torpor_status torpor_read_host_copy(torpor_pool_t pool, const void* ptr, size_t bytes, void* dst, int* asleep);
 
+/* Groups: collective sleep over the embedder's own process group (torch.distributed, an engine's
+ * communicator), so no second rendezvous is needed (torpor/callback_group.hpp, collective_sleep.hpp).
+ * The embedder supplies two collectives, called on the thread that called torpor:
+ *   all_gather(user, mine, bytes, out): every rank contributes `mine`; the callback calls
+ *     torpor_gather_append(out, ...) once per rank, in rank order (exactly `size` times), and
+ *     returns 0; on failure it returns non-zero (and may say why with torpor_gather_fail).
+ *   barrier(user): returns 0, or non-zero on failure.
+ * File descriptors (symmetric memory) travel through a Unix group that the first such exchange
+ * bootstraps over all_gather: one node only. */
+typedef struct torpor_group_s* torpor_group_t;
+typedef struct torpor_gather_s* torpor_gather_t;
+typedef struct torpor_group_callbacks {
+  int (*all_gather)(void* user, const void* mine, size_t bytes, torpor_gather_t out);
+  int (*barrier)(void* user);
+  void* user; /* handed to both callbacks; must outlive the group */
+} torpor_group_callbacks;
+
+/* rank in [0, size), size in [1, 65536], timeout_ms in [0, 86400000] (0 = TORPOR_GROUP_TIMEOUT_MS
+ * or 60 s; it bounds the fd group's waits, the embedder's group bounds its own). */
+torpor_status torpor_group_create_callbacks(int rank, int size, const torpor_group_callbacks* callbacks, int timeout_ms,
+                                            torpor_group_t* out);
+torpor_status torpor_group_destroy(torpor_group_t group);
+torpor_status torpor_gather_append(torpor_gather_t out, const void* data, size_t bytes);
+void torpor_gather_fail(torpor_gather_t out, const char* message);
+/* Collective (every rank of the group, same arguments): see torpor/collective_sleep.hpp. A request
+ * that differs between ranks is TORPOR_ERROR_INVALID_ARGUMENT on every rank and nothing sleeps; a
+ * rank that fails to sleep fails every rank, with every rank woken back up; a failed wake leaves
+ * the ranks that woke awake. The last report (torpor_last_report_json) is this rank's. */
+torpor_status torpor_collective_sleep(torpor_pool_t pool, torpor_group_t group, int level, const char* const* tags,
+                                      size_t count);
+torpor_status torpor_collective_wake_up(torpor_pool_t pool, torpor_group_t group, const char* const* tags,
+                                        size_t count);
+
 const char* torpor_last_error(void);
 /* "TORPOR_ERROR_TIMEOUT" for TORPOR_ERROR_TIMEOUT, ...; "TORPOR_ERROR_UNKNOWN" for any other value. */
 const char* torpor_status_name(torpor_status status);

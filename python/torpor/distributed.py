@@ -1,0 +1,263 @@
+"""Collective sleep and wake over a process group the engine already has.
+
+A tensor-parallel engine must never end with some ranks asleep and others awake. This module
+puts one torpor pool per rank to sleep (or wakes it) as one collective over the engine's own
+``torch.distributed`` process group, so no second rendezvous is needed::
+
+    import torch.distributed as dist
+    import torpor
+    from torpor import distributed as tdist
+
+    dist.init_process_group("nccl")                 # the engine's own group
+    group = tdist.Group.from_torch()                # or Group.from_torch(tp_group)
+    pool = torpor.Pool.torch(torch.cuda.current_device())
+    tdist.sleep(pool, level=1, group=group)         # every rank, same arguments
+    tdist.wake_up(pool, group=group)
+
+Semantics (allocator/include/torpor/collective_sleep.hpp):
+
+- Every rank first agrees on the request (level and tags; order and duplicates ignored). A
+  rank that asks for something else makes every rank raise ``InvalidArgument`` naming it, and
+  no rank sleeps.
+- If any rank fails to sleep, every rank wakes back up what it put to sleep, and every rank
+  raises the failed rank's error type naming each failed rank and its message.
+- If any rank fails to wake, the ranks that woke stay awake and every rank raises, naming the
+  ranks still asleep; calling ``wake_up`` again on every rank once the cause is gone finishes.
+
+``sleep``/``wake_up`` take a ``torpor.Pool`` (the collective runs in libtorpor), or None for
+the PyTorch embedding's pools (``torpor.sleep``/``torpor.wake_up``; the same protocol runs
+here in Python over the group's all_gather).
+
+``Group.from_torch`` gathers bytes with ``all_gather_object`` on the given group (default: the
+world group) and synchronises with ``barrier``. File descriptors (symmetric memory) cannot
+travel that way: the first exchange that needs them creates a Unix socket group on this node,
+whose address rank 0 sends over the torch group (one node only).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Callable, Sequence
+
+from . import _lib, errors
+from .errors import InvalidArgument, TorporError
+from .pool import Pool, Tags, tag_list
+
+_ALL_GATHER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+_BARRIER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
+
+class _Callbacks(ctypes.Structure):
+    _fields_ = [
+        ("all_gather", _ALL_GATHER),
+        ("barrier", _BARRIER),
+        ("user", ctypes.c_void_p),
+    ]
+
+
+class Group:
+    """A torpor group over an embedder's collectives (kind "torch" in libtorpor).
+
+    ``all_gather(data: bytes) -> list[bytes]`` must return every rank's bytes, indexed by
+    rank; ``barrier()`` waits for every rank. Both are called on the thread that called torpor.
+    An exception in either becomes a ``TorporError`` naming the group and the rank; a reply of
+    the wrong length an ``InvalidState``. Close the group (or use it as a context manager) after
+    a final barrier."""
+
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        all_gather: Callable[[bytes], Sequence[bytes]],
+        barrier: Callable[[], None],
+        *,
+        timeout_ms: int = 0,
+    ):
+        self.rank, self.size = int(rank), int(size)
+        self._all_gather, self._barrier = all_gather, barrier
+        # The C callbacks must stay alive as long as the group: they are attributes.
+        self._c_all_gather = _ALL_GATHER(self._gather_trampoline)
+        self._c_barrier = _BARRIER(self._barrier_trampoline)
+        callbacks = _Callbacks(self._c_all_gather, self._c_barrier, None)
+        handle = ctypes.c_void_p()
+        _lib.check(
+            _lib.lib().torpor_group_create_callbacks(
+                self.rank,
+                self.size,
+                ctypes.byref(callbacks),
+                int(timeout_ms),
+                ctypes.byref(handle),
+            )
+        )
+        self._handle: int | None = handle.value
+
+    @classmethod
+    def from_torch(cls, process_group=None, *, timeout_ms: int = 0) -> "Group":
+        """A group over a ``torch.distributed`` process group (None: the default group), which
+        must be initialised. Bytes travel with ``all_gather_object``, so any backend works.
+        """
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise InvalidArgument(
+                "Group.from_torch: torch.distributed is not initialised (call init_process_group first)"
+            )
+        rank = dist.get_rank(process_group)
+        size = dist.get_world_size(process_group)
+
+        def all_gather(data: bytes) -> list[bytes]:
+            out = [None] * size
+            dist.all_gather_object(out, data, group=process_group)
+            return out
+
+        def barrier() -> None:
+            dist.barrier(group=process_group)
+
+        return cls(rank, size, all_gather, barrier, timeout_ms=timeout_ms)
+
+    # -- the C callbacks -----------------------------------------------------------------
+
+    def _gather_trampoline(self, _user, mine, nbytes, out) -> int:
+        lib = _lib.lib()
+        try:
+            parts = self._all_gather(ctypes.string_at(mine, nbytes) if nbytes else b"")
+            for part in parts:
+                if not isinstance(part, (bytes, bytearray)):
+                    raise TypeError(f"all_gather returned a {type(part).__name__}, not bytes")
+                buf = bytes(part)
+                if lib.torpor_gather_append(out, buf, len(buf)) != _lib.status_ok():
+                    raise InvalidArgument(_lib.last_error())
+            return 0
+        except BaseException as e:  # noqa: B036 - nothing may cross the C boundary
+            lib.torpor_gather_fail(out, f"{type(e).__name__}: {e}".encode(errors="replace"))
+            return 1
+
+    def _barrier_trampoline(self, _user) -> int:
+        try:
+            self._barrier()
+            return 0
+        except BaseException:  # noqa: B036 - nothing may cross the C boundary
+            return 1
+
+    # -- lifetime ------------------------------------------------------------------------
+
+    @property
+    def handle(self) -> int:
+        if self._handle is None:
+            raise InvalidArgument(f"this torpor Group (rank {self.rank} of {self.size}) was closed")
+        return self._handle
+
+    def close(self) -> None:
+        if self._handle is not None:
+            handle, self._handle = self._handle, None
+            _lib.check(_lib.lib().torpor_group_destroy(handle))
+
+    def __enter__(self) -> "Group":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finaliser
+            pass
+
+    def __repr__(self) -> str:
+        return f"torpor.distributed.Group(rank={self.rank}, size={self.size})"
+
+
+def _request_tags(tags: Tags) -> list[str] | None:
+    tags = tag_list(tags)
+    if tags == []:
+        raise InvalidArgument("an empty tag list asks for nothing; pass None for every tag")
+    return tags
+
+
+def _group_or_default(group: Group | None) -> Group:
+    if group is None:
+        return Group.from_torch()
+    if not isinstance(group, Group):
+        raise InvalidArgument(f"group must be a torpor.distributed.Group, not {type(group).__name__}")
+    return group
+
+
+def sleep(pool=None, level: int = 1, tags: Tags = None, *, group: Group | None = None) -> dict:
+    """Collective sleep: every rank of `group` (None: Group.from_torch() of the default
+    group) calls it with the same level and tags. `pool` is a torpor.Pool, or None for the
+    PyTorch embedding's pools. Returns this rank's report."""
+    g = _group_or_default(group)
+    tags = _request_tags(tags)
+    if isinstance(pool, Pool):
+        arr, n = _lib.encode_list(tags or [])
+        _lib.check(_lib.lib().torpor_collective_sleep(pool.handle, g.handle, int(level), arr if tags else None, n))
+        return pool.last_report()
+    if pool is not None:
+        raise InvalidArgument(f"sleep: pool must be a torpor.Pool or None, not {type(pool).__name__}")
+    from . import torch_pools
+
+    return _python_collective(
+        g,
+        ("sleep", int(level), tags),
+        lambda: torch_pools.sleep(level, tags),
+        lambda: torch_pools.wake_up(tags),
+    )
+
+
+def wake_up(pool=None, tags: Tags = None, *, group: Group | None = None) -> dict:
+    """Collective wake: every rank of `group` with the same tags (see the module note for a
+    rank that fails). `pool` as for sleep()."""
+    g = _group_or_default(group)
+    tags = _request_tags(tags)
+    if isinstance(pool, Pool):
+        arr, n = _lib.encode_list(tags or [])
+        _lib.check(_lib.lib().torpor_collective_wake_up(pool.handle, g.handle, arr if tags else None, n))
+        return pool.last_report()
+    if pool is not None:
+        raise InvalidArgument(f"wake_up: pool must be a torpor.Pool or None, not {type(pool).__name__}")
+    from . import torch_pools
+
+    return _python_collective(g, ("wake_up", 0, tags), lambda: torch_pools.wake_up(tags), None)
+
+
+def _python_collective(group: Group, request: tuple, act, rollback) -> dict:
+    """The protocol of collective_sleep.hpp over group's Python all_gather, for targets that
+    live in Python (the PyTorch embedding marks parameters before the pools sleep)."""
+    op, level, tags = request
+    mine = repr((op, level, sorted(set(tags)) if tags is not None else None)).encode()
+    everyone = list(group._all_gather(mine))
+    differ = [r for r, other in enumerate(everyone) if other != everyone[0]]
+    if differ:
+        raise InvalidArgument(
+            f"{op} on rank {group.rank} of {group.size}: rank(s) {differ} asked for another operation than rank 0 "
+            f"({everyone[0].decode()}); no rank changed anything"
+        )
+    report, failure = {}, None
+    try:
+        report = act()
+    except Exception as e:  # noqa: BLE001 - reported to every rank below
+        failure = e
+    outcome = b"" if failure is None else f"{type(failure).__name__}\0{failure}".encode()
+    outcomes = [o.decode(errors="replace").partition("\0") for o in group._all_gather(outcome)]
+    failed = [r for r, o in enumerate(outcomes) if o[0]]
+    if not failed:
+        return report
+    details = "; ".join(f"rank {r}: {outcomes[r][0]}: {outcomes[r][2]}" for r in failed)
+    if rollback is not None:
+        try:
+            rollback()
+            what = "every rank woke back up"
+        except TorporError as e:
+            what = f"this rank could NOT wake back up: {e}"
+        message = f"{op} (level {level}) on rank {group.rank}: rank(s) {failed} failed to sleep ({details}); {what}"
+    else:
+        message = (
+            f"{op} on rank {group.rank}: rank(s) {failed} are still asleep ({details}); the ranks that woke stay "
+            f"awake: call wake_up again on every rank once the cause is gone"
+        )
+    kind = getattr(errors, outcomes[failed[0]][0], None)  # the first failed rank's type, on every rank
+    raise (kind if isinstance(kind, type) and issubclass(kind, TorporError) else TorporError)(message)
+
+
+__all__ = ["Group", "sleep", "wake_up"]
