@@ -231,7 +231,7 @@ for stage in "${stages[@]}"; do
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       ;;
     distributed)
-      pyenv=(env TORPOR_LIBRARY="$PWD/build-gpu/allocator/libtorpor.so" PYTHONPATH="$PWD/python" PYTHONDONTWRITEBYTECODE=1)
+      pyenv=(env TORPOR_LIBRARY="$PWD/$build/allocator/libtorpor.so" PYTHONPATH="$PWD/python" PYTHONDONTWRITEBYTECODE=1)
       timeout 420 "${pyenv[@]}" python3 -m pytest -v -s -rs -p no:cacheprovider tests/python/test_distributed_gpu.py \
         > "$OUT/distributed-pytest.log" 2>&1 || status=1
       grep -E "^=+ .*(passed|failed|skipped|error).* in .*=+$|^(FAILED|ERROR|SKIPPED) " "$OUT/distributed-pytest.log"
