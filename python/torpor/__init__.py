@@ -59,6 +59,7 @@ __all__ = [
     "TorporError",
     "Unavailable",
     "configure",
+    "distributed",
     "errors",
     "last_error",
     "library_path",
