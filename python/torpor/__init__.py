@@ -75,6 +75,7 @@ __all__ = [
     "TorporError",
     "Unavailable",
     "configure",
+    "distributed",
     "errors",
     "graph",
     "graph_memory",
