@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -118,6 +119,9 @@ class BackendTest : public ::testing::Test {
   PoolOptions tiered_pool(FillOnWake fill = FillOnWake::none) {
     PoolOptions o = small_pool(fill);
     std::size_t g = granularity();
+    // Sizes here scale with the granularity (2 MiB on a GPU, 64 KiB on the host backend): so
+    // does the address space, or a random sequence fragments it before it fills the device.
+    o.va_bytes = std::max(o.va_bytes, 2048 * g);
     o.medium_limit = 8 * g;
     o.medium_slab_min = 4 * g;
     o.medium_slab_max = 16 * g;

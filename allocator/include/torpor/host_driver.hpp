@@ -190,7 +190,8 @@ class HostDriver final : public Driver {
   std::optional<HostMulticastInfo> multicast_at(device_ptr va) const;
   const HostDriverOptions& options() const noexcept { return options_; }
   bool asynchronous() const noexcept { return async_ != nullptr; }
-  // The live host_alloc blocks (address, bytes), for tests that inspect or damage host copies.
+  // The live page-locked host memory (address, bytes): host_alloc blocks and host_register'ed
+  // ranges, for tests that inspect or damage host copies.
   std::vector<std::pair<std::byte*, std::size_t>> host_blocks() const;
   // A host "kernel": `kernel` runs on the stream's worker after the work queued before it
   // (asynchronous mode), or now (synchronous mode). It may touch any memory; it must not throw.

@@ -1012,6 +1012,7 @@ std::vector<std::pair<std::byte*, std::size_t>> HostDriver::host_blocks() const 
   std::lock_guard lock(mu_);
   std::vector<std::pair<std::byte*, std::size_t>> out;
   for (auto& [p, bytes] : host_blocks_) out.emplace_back(static_cast<std::byte*>(p), bytes);
+  for (auto& [p, bytes] : registered_) out.emplace_back(reinterpret_cast<std::byte*>(p), bytes);
   return out;
 }
 
