@@ -173,10 +173,14 @@ def test_get_cpu_backup_follows_torch_memory_savers_rules(torch):
     ), "without retain_cpu_backup, no backup after resume"
     saver.retain_cpu_backup = True
     assert saver.retain_cpu_backup is True
-    assert saver.get_cpu_backup(x) is None, "the copy went at the last resume: retaining now cannot bring it back"
+    assert (
+        saver.get_cpu_backup(x) is None
+    ), "the copy went at the last resume: retaining now cannot bring it back"
     saver.pause("tms.backup")
     saver.resume("tms.backup")
-    assert saver.get_cpu_backup(x).tobytes() == data, "retained: the copy of the last pause"
+    assert (
+        saver.get_cpu_backup(x).tobytes() == data
+    ), "retained: the copy of the last pause"
     write(x, 8)
     assert saver.get_cpu_backup(x).tobytes() == data, "still the last pause's bytes"
     saver.pause("tms.backup")

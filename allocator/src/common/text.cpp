@@ -21,12 +21,10 @@ bool valid_utf8(std::string_view s) noexcept {
       n = 1;
     } else if (c == 0xE0) {
       n = 2, lo = 0xA0;  // no overlong three-byte forms
-    } else if (c >= 0xE1 && c <= 0xEC) {
+    } else if ((c >= 0xE1 && c <= 0xEC) || c == 0xEE || c == 0xEF) {
       n = 2;
     } else if (c == 0xED) {
       n = 2, hi = 0x9F;  // no surrogates
-    } else if (c >= 0xEE && c <= 0xEF) {
-      n = 2;
     } else if (c == 0xF0) {
       n = 3, lo = 0x90;  // no overlong four-byte forms
     } else if (c >= 0xF1 && c <= 0xF3) {

@@ -588,6 +588,7 @@ void SymmetricHeap::after_sleep(Pool&, int, const std::vector<std::string>& tags
     return;
   }
   std::vector<std::string> outcomes;
+  outcomes.reserve(all.size());
   for (auto& a : all) outcomes.push_back(from_bytes(a));
   if (std::all_of(outcomes.begin(), outcomes.end(), [](const std::string& o) { return !o.empty() && o[0] == '1'; }))
     return;  // asleep everywhere: the wake re-imports

@@ -121,7 +121,8 @@ void HostAsyncEngine::synchronize_device(int device) {
   std::vector<std::pair<std::uint64_t, std::uint64_t>> targets;
   for (auto& [id, st] : streams_)
     if (st->device == device) targets.emplace_back(id, st->submitted);
-  for (auto& [id, ticket] : targets) {
+  for (const auto& target : targets) {
+    const std::uint64_t id = target.first, ticket = target.second;
     auto it = streams_.find(id);
     if (it == streams_.end()) continue;  // destroyed meanwhile: it drained first
     const StreamState* st = it->second.get();

@@ -42,19 +42,21 @@ class HostAsyncEngine {
   HostAsyncEngine(const HostAsyncEngine&) = delete;
   HostAsyncEngine& operator=(const HostAsyncEngine&) = delete;
 
-  void add_stream(std::uint64_t stream, int device);
+  // `id`: a stream's id (add_stream, remove_stream, submit, wait, synchronize_stream) or an
+  // event's (add_event, remove_event).
+  void add_stream(std::uint64_t id, int device);
   // Drains the stream's queued work, then stops its worker.
-  void remove_stream(std::uint64_t stream);
+  void remove_stream(std::uint64_t id);
   // Queues `work` on the stream after an extra pause of `pause` (beyond the random delay).
   // Returns its ticket for wait().
-  std::uint64_t submit(std::uint64_t stream, std::function<void()> work,
+  std::uint64_t submit(std::uint64_t id, std::function<void()> work,
                        std::chrono::microseconds pause = std::chrono::microseconds{0});
-  void wait(std::uint64_t stream, std::uint64_t ticket);
-  void synchronize_stream(std::uint64_t stream);
+  void wait(std::uint64_t id, std::uint64_t ticket);
+  void synchronize_stream(std::uint64_t id);
   void synchronize_device(int device);
 
-  void add_event(std::uint64_t event);
-  void remove_event(std::uint64_t event);
+  void add_event(std::uint64_t id);
+  void remove_event(std::uint64_t id);
   void record(std::uint64_t event, std::uint64_t stream);
   void stream_wait_event(std::uint64_t stream, std::uint64_t event);
   void synchronize_event(std::uint64_t event);

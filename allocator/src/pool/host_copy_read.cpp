@@ -12,9 +12,9 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <memory>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -35,9 +35,11 @@ struct Piece {
 void read_from_spill(Pool::State& s, const HostSpan& span, std::size_t from, std::size_t bytes, std::byte* dst) {
   SpillStore& spill = *s.host.spill();
   std::size_t room = align_up(bytes, SpillStore::alignment) + SpillStore::alignment;
-  std::unique_ptr<std::byte, decltype(&std::free)> bounce(
-      static_cast<std::byte*>(std::aligned_alloc(SpillStore::alignment, room)), &std::free);
-  if (!bounce) throw out_of_memory(fmt::format("read_host_copy: no {} bytes of host memory to read the disk tier", room));
+  std::unique_ptr<std::byte, decltype(&std::free)> bounce(static_cast<std::byte*>(
+                                                              std::aligned_alloc(SpillStore::alignment, room)),
+                                                          &std::free);
+  if (!bounce)
+    throw out_of_memory(fmt::format("read_host_copy: no {} bytes of host memory to read the disk tier", room));
   spill.read(s.host.file_offset(span.ptr) + from, bounce.get(), bytes);
   std::memcpy(dst, bounce.get(), bytes);
 }

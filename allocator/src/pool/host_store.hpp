@@ -50,12 +50,12 @@ struct HostSpan {
 };
 
 struct HostStoreOptions {
-  int device = 0;                                       // registration's context
-  std::size_t pinned_limit = 0;                         // page-locked bytes at most; 0 = no limit
+  int device = 0;                                        // registration's context
+  std::size_t pinned_limit = 0;                          // page-locked bytes at most; 0 = no limit
   std::size_t pin_block_bytes = std::size_t{256} << 20;  // pinned growth in blocks of at most this
-  int pin_threads = 0;                                  // first-touch threads; 0 = min(16, cores)
-  std::string spill_dir;                                // beyond the limit: files here (empty: pageable)
-  std::size_t spill_limit = 0;                          // disk bytes at most; 0 = no limit
+  int pin_threads = 0;                                   // first-touch threads; 0 = min(16, cores)
+  std::string spill_dir;                                 // beyond the limit: files here (empty: pageable)
+  std::size_t spill_limit = 0;                           // disk bytes at most; 0 = no limit
 };
 
 struct HostStoreStats {
@@ -144,7 +144,7 @@ class HostStore {
   HostStoreOptions options_;
   std::unique_ptr<SpillStore> spill_;
   HostPinner pinner_;
-  std::vector<std::unique_ptr<Block>> blocks_;   // in the order they were added
+  std::vector<std::unique_ptr<Block>> blocks_;  // in the order they were added
   std::map<const std::byte*, Block*> by_base_;  // for lookups by address
   std::size_t growths_ = 0;
   bool registration_refused_ = false;

@@ -23,7 +23,7 @@ void OffloadPipeline::issue(std::size_t k, Stream stream) {
 
 void OffloadPipeline::sample_copies(std::size_t k) {
   for (Piece& p : plan_.chunks[k].pieces) {
-    if (p.skip) continue;  // keeps the sample its retained copy had
+    if (p.skip) continue;                         // keeps the sample its retained copy had
     if (p.span.tier == HostTier::disk) continue;  // its addresses stand for a file extent: not readable
     p.sample = sample_of(p.span.ptr, p.bytes);
     p.sampled = true;

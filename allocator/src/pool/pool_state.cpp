@@ -87,7 +87,8 @@ void Pool::State::drop_copies(std::map<std::size_t, HostCopy>& copies, std::size
     // rounding slack; the middle goes back to the store. Split pieces lose their hash.
     std::size_t slack = c.span.bytes - c.bytes;
     auto sub = [&](std::size_t from, std::size_t n) { return HostSpan{c.span.ptr + (from - start), n, c.span.tier}; };
-    if (cut_lo > start) copies[start] = HostCopy{cut_lo - start, sub(start, cut_lo - start), {}, false, {}, false, false};
+    if (cut_lo > start)
+      copies[start] = HostCopy{cut_lo - start, sub(start, cut_lo - start), {}, false, {}, false, false};
     if (cut_hi < end) {
       copies[cut_hi] = HostCopy{end - cut_hi, sub(cut_hi, end - cut_hi + slack), {}, false, {}, false, false};
       free_span(sub(cut_lo, cut_hi - cut_lo));

@@ -17,8 +17,12 @@ void split_into_pieces(const Pool::State& s, ChunkPlan& plan, SleepLevel level) 
   const std::size_t piece_bytes = s.options.copy_piece_bytes;
   std::size_t run_lo = 0, run_hi = 0;
   auto flush = [&] {
-    for (std::size_t at = run_lo; at < run_hi; at += piece_bytes)
-      plan.pieces.push_back(Piece{at, std::min(piece_bytes, run_hi - at), {}, {}, false, false});
+    for (std::size_t at = run_lo; at < run_hi; at += piece_bytes) {
+      Piece piece;
+      piece.offset = at;
+      piece.bytes = std::min(piece_bytes, run_hi - at);
+      plan.pieces.push_back(piece);
+    }
     run_lo = run_hi = 0;
   };
   for (auto& [aoff, a] : plan.chunk->allocations) {
