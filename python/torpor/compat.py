@@ -11,6 +11,8 @@ class deriving from both the original class and RuntimeError, with torpor's mess
 
 from __future__ import annotations
 
+import contextlib
+
 from .errors import TorporError
 
 _runtime_classes: dict[type, type] = {}
@@ -56,3 +58,12 @@ def __getattr__(name):
 
 
 __all__ = ["CuMemAllocator", "runtime_error", "runtime_error_class"]  # noqa: F822 (module __getattr__)
+
+
+@contextlib.contextmanager
+def as_runtime_errors():
+    """Inside: a TorporError leaves as runtime_error(e), with its traceback."""
+    try:
+        yield
+    except TorporError as e:
+        raise runtime_error(e).with_traceback(e.__traceback__) from None

@@ -78,8 +78,8 @@ import threading
 from typing import Optional
 
 from . import _lib, graphs, torch_pools
-from .compat import runtime_error
-from .errors import InvalidArgument, InvalidState, TorporError, Unavailable, error_for
+from .compat import as_runtime_errors
+from .errors import InvalidArgument, InvalidState, Unavailable, error_for
 from .pool import MemoryClass, Pool
 
 logger = logging.getLogger(__name__)
@@ -101,9 +101,7 @@ def graph_tag(tag: str) -> str:
     return f"{tag}.graph"
 
 
-def _check_backup_backend(
-    enable_cpu_backup: bool, cpu_backup_backend: Optional[str]
-) -> None:
+def _check_backup_backend(enable_cpu_backup: bool, cpu_backup_backend: Optional[str]) -> None:
     if cpu_backup_backend is None:
         return
     if not enable_cpu_backup:
@@ -113,14 +111,6 @@ def _check_backup_backend(
             f"cpu_backup_backend {cpu_backup_backend!r} is not one of {', '.join(_CPU_BACKUP_BACKENDS)} "
             f"(torpor keeps every backup in its own host store either way)"
         )
-
-
-@contextlib.contextmanager
-def _as_runtime_errors():
-    try:
-        yield
-    except TorporError as e:
-        raise runtime_error(e).with_traceback(e.__traceback__) from None
 
 
 class TorchMemorySaver:
@@ -146,9 +136,7 @@ class TorchMemorySaver:
     ):
         _check_backup_backend(enable_cpu_backup, cpu_backup_backend)
         if enable_cpu_backup and enable_disk_backup:
-            raise InvalidArgument(
-                "enable_cpu_backup and enable_disk_backup are mutually exclusive"
-            )
+            raise InvalidArgument("enable_cpu_backup and enable_disk_backup are mutually exclusive")
         if enable_disk_backup:
             raise Unavailable(DISK_TIER_MISSING)
         if not isinstance(tag, str) or not tag:
@@ -206,29 +194,23 @@ class TorchMemorySaver:
         """The tags a pause (asleep=False) or resume (asleep=True) acts on: `tag`, or every
         region's, among the tags torpor knows that are awake, or asleep."""
         if tag is not None and (not isinstance(tag, str) or not tag):
-            raise InvalidArgument(
-                f"{operation}: tag {tag!r} is not a non-empty string (None means every tag)"
-            )
+            raise InvalidArgument(f"{operation}: tag {tag!r} is not a non-empty string (None means every tag)")
         with self._lock:
             wanted = set(self._tags) if tag is None else {tag}
         wanted |= {graph_tag(t) for t in wanted}
-        return sorted(
-            t
-            for t, sleeping in torch_pools.tag_states().items()
-            if t in wanted and sleeping == asleep
-        )
+        return sorted(t for t, sleeping in torch_pools.tag_states().items() if t in wanted and sleeping == asleep)
 
     def pause(self, tag: Optional[str] = None) -> None:
         """Release the memory of `tag` (None: every region's tag): backed-up bytes go to host
         memory, the rest is discarded. Pausing a paused tag does nothing."""
-        with _as_runtime_errors():
+        with as_runtime_errors():
             torch_pools.sleep(1, self._selected(tag, "pause", asleep=False))
 
     def resume(self, tag: Optional[str] = None) -> None:
         """Map the memory of `tag` (None: every region's tag) again at the same addresses and
         restore the backed-up bytes. Resuming an awake tag does nothing."""
         tags = self._selected(tag, "resume", asleep=True)
-        with _as_runtime_errors():
+        with as_runtime_errors():
             torch_pools.wake_up(tags)
             if tags and not self._retain_cpu_backup:
                 self._drop_host_copies()
@@ -251,9 +233,7 @@ class TorchMemorySaver:
     @hook_mode.setter
     def hook_mode(self, value: str) -> None:
         if value not in _HOOK_MODES:
-            raise InvalidArgument(
-                f"hook_mode {value!r} is not one of {', '.join(_HOOK_MODES)}"
-            )
+            raise InvalidArgument(f"hook_mode {value!r} is not one of {', '.join(_HOOK_MODES)}")
         if value == "preload" and os.environ.get("TMS_INIT_ENABLE") == "1":
             logger.warning(
                 "torpor.tms: TMS_INIT_ENABLE=1 asks torch_memory_saver's preload mode to capture every "
@@ -276,14 +256,10 @@ class TorchMemorySaver:
     @memory_margin_bytes.setter
     def memory_margin_bytes(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidArgument(
-                f"memory_margin_bytes {value!r} is not a whole number of bytes >= 0"
-            )
+            raise InvalidArgument(f"memory_margin_bytes {value!r} is not a whole number of bytes >= 0")
         lib = _lib.lib()
         if value > ctypes.c_size_t(-1).value:
-            raise InvalidArgument(
-                f"memory_margin_bytes {value} does not fit in a size_t"
-            )
+            raise InvalidArgument(f"memory_margin_bytes {value} does not fit in a size_t")
         _lib.check(lib.torpor_torch_set_memory_margin(value))
 
     def set_disk_backup_dir(self, path: str) -> None:
@@ -295,13 +271,10 @@ class TorchMemorySaver:
         """A CPU tensor with the host copy of x's bytes, or None (see the module note)."""
         torch = torch_pools._cuda_torch()
         if not isinstance(x, torch.Tensor) or not x.is_cuda:
-            raise InvalidArgument(
-                f"get_cpu_backup: {type(x).__name__} is not a CUDA tensor"
-            )
+            raise InvalidArgument(f"get_cpu_backup: {type(x).__name__} is not a CUDA tensor")
         if not x.is_contiguous():
             raise InvalidArgument(
-                f"get_cpu_backup: the tensor is not contiguous (shape {tuple(x.shape)}, "
-                f"stride {x.stride()})"
+                f"get_cpu_backup: the tensor is not contiguous (shape {tuple(x.shape)}, " f"stride {x.stride()})"
             )
         out = torch.empty(x.shape, dtype=x.dtype, device="cpu")
         nbytes = x.numel() * x.element_size()
@@ -318,9 +291,7 @@ class TorchMemorySaver:
             return None  # awake without a retained copy
         message = _lib.last_error()
         if status == InvalidState.status:
-            message += (
-                " (was the tensor created in a region without enable_cpu_backup=True?)"
-            )
+            message += " (was the tensor created in a region without enable_cpu_backup=True?)"
         raise error_for(status, message)
 
 
@@ -332,9 +303,7 @@ def configure_subprocess():
 @contextlib.contextmanager
 def _shim_on_pythonpath():
     previous = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [shim_path()] + ([previous] if previous else [])
-    )
+    os.environ["PYTHONPATH"] = os.pathsep.join([shim_path()] + ([previous] if previous else []))
     try:
         yield
     finally:
@@ -372,9 +341,7 @@ __all__ = [
 def _main(argv=None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(
-        prog="python3 -m torpor.tms", description="torpor's torch_memory_saver mode"
-    )
+    ap = argparse.ArgumentParser(prog="python3 -m torpor.tms", description="torpor's torch_memory_saver mode")
     ap.add_argument(
         "--shim-path",
         action="store_true",

@@ -42,12 +42,11 @@ Every address is the same after wake (as in vLLM), so CUDA graphs replay.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Iterable
 
 from . import torch_pools
-from .compat import runtime_error
-from .errors import InvalidArgument, TorporError
+from .compat import as_runtime_errors, runtime_error
+from .errors import InvalidArgument
 from .pool import MemoryClass
 from .tags import KV_CACHE, WEIGHTS
 
@@ -74,14 +73,6 @@ def _discard(tag: str, memory_class: MemoryClass, has_parameters: bool) -> Memor
     """Discarded tags: everything goes (vLLM), except in a tag holding registered parameters,
     whose other bytes are state and stay (torpor's upgrade; the parameters go at level 2)."""
     return MemoryClass.STATE if has_parameters else MemoryClass.CACHE
-
-
-@contextlib.contextmanager
-def _as_runtime_errors():
-    try:
-        yield
-    except TorporError as e:
-        raise runtime_error(e).with_traceback(e.__traceback__) from None
 
 
 class CuMemAllocator:
@@ -125,7 +116,7 @@ class CuMemAllocator:
     def sleep(self, offload_tags: tuple[str, ...] | str | None = None) -> None:
         offload = (self.default_tag,) if offload_tags is None else _tag_tuple(offload_tags, "sleep")
         awake = [t for t, asleep in sorted(torch_pools.tag_states().items()) if not asleep]
-        with _as_runtime_errors():
+        with as_runtime_errors():
             self.last_reports = {
                 "offload": torch_pools._sleep(1, [t for t in awake if t in offload], _keep_everything),
                 "discard": torch_pools._sleep(2, [t for t in awake if t not in offload], _discard),
@@ -134,7 +125,7 @@ class CuMemAllocator:
     def discard(self, tags: tuple[str, ...] | str) -> None:
         wanted = set(_tag_tuple(tags, "discard"))
         awake = [t for t, asleep in sorted(torch_pools.tag_states().items()) if not asleep and t in wanted]
-        with _as_runtime_errors():
+        with as_runtime_errors():
             self.last_reports = {"discard": torch_pools._sleep(2, awake, _discard)}
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -146,7 +137,7 @@ class CuMemAllocator:
             selected = [
                 t for t, asleep in sorted(states.items()) if asleep and (t in wanted or t not in DEFERRABLE_TAGS)
             ]
-        with _as_runtime_errors():
+        with as_runtime_errors():
             self.last_reports = {"wake_up": torch_pools.wake_up(selected)}
 
 

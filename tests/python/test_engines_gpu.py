@@ -14,9 +14,7 @@ PyTorch or a CUDA device. Run by `scripts/gpu_run.sh engines`.
 
 import pytest
 
-torch = pytest.importorskip(
-    "torch", reason="PyTorch is not installed (these tests need torch with CUDA)"
-)
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (these tests need torch with CUDA)")
 if not torch.cuda.is_available():
     pytest.skip("PyTorch sees no CUDA device", allow_module_level=True)
 
@@ -103,21 +101,15 @@ def test_vllm_level_2_with_registered_parameters_keeps_everything_but_the_parame
     allocator = CuMemAllocator.get_instance()
     with allocator.use_memory_pool("e.reg"):
         model = torch.nn.Linear(256, 256, device="cuda")
-        model.register_buffer(
-            "table", torch.arange(4096, dtype=torch.float32, device="cuda")
-        )
+        model.register_buffer("table", torch.arange(4096, dtype=torch.float32, device="cuda"))
     torpor.register_parameters(model, prefix="e.reg")
     table = model.table.clone()
     allocator.sleep(offload_tags=())
     parameters = torpor.stats(0)["tags"]["e.reg"]["classes"]["parameter"]
     allocator.wake_up()
     assert torch.equal(model.table, table), "the buffer came back bit-exact"
-    assert torch.all(
-        torch.isnan(model.weight)
-    ), "the parameter was discarded (poisoned)"
-    assert (
-        parameters["offloaded_bytes"] == 0
-    ), f"no parameter copied to host: {parameters}"
+    assert torch.all(torch.isnan(model.weight)), "the parameter was discarded (poisoned)"
+    assert parameters["offloaded_bytes"] == 0, f"no parameter copied to host: {parameters}"
     assert parameters["discarded_bytes"] >= model.weight.nbytes + model.bias.nbytes
 
 
@@ -213,9 +205,7 @@ def test_tms_cuda_graph():
     after_kv = device_free()
     assert after_kv - before > 400_000_000
     tms.pause("e.graph")
-    assert (
-        device_free() - after_kv > 3_000_000_000
-    ), "the graph's 4 GB intermediate went back"
+    assert device_free() - after_kv > 3_000_000_000, "the graph's 4 GB intermediate went back"
     other = torch.zeros((2_500_000_000,), dtype=torch.uint8, device="cuda")
     del other
     torch.cuda.empty_cache()
@@ -246,9 +236,7 @@ def test_tms_cpu_backup():
     try:
         tms.pause("e.cpu")
         tms.resume("e.cpu")
-        assert torch.equal(
-            tms.get_cpu_backup(typed), typed_expected
-        ), "retained after resume"
+        assert torch.equal(tms.get_cpu_backup(typed), typed_expected), "retained after resume"
     finally:
         tms.retain_cpu_backup = False
     tms.pause("e.cpu")
@@ -296,9 +284,7 @@ def test_tms_rl_example_and_training_engine():
 
 def test_tms_multi_device():
     if torch.cuda.device_count() < 2:
-        pytest.skip(
-            "torch_memory_saver's multi_device example needs two GPUs (one region on each)"
-        )
+        pytest.skip("torch_memory_saver's multi_device example needs two GPUs (one region on each)")
     for d in range(2):
         with torch.cuda.device(d), tms.region(tag=f"e.dev{d}", enable_cpu_backup=True):
             x = torch.full((MiB,), d + 1, dtype=torch.uint8, device=f"cuda:{d}")

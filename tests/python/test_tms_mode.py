@@ -52,9 +52,7 @@ def torch(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
     monkeypatch.setattr(torch_pools, "_state", torch_pools._State())
     monkeypatch.setattr(fake_torch.Tensor, "dtype", "float32", raising=False)
-    monkeypatch.setattr(
-        fake_torch.Tensor, "is_contiguous", lambda self: True, raising=False
-    )
+    monkeypatch.setattr(fake_torch.Tensor, "is_contiguous", lambda self: True, raising=False)
     monkeypatch.setattr(
         fake_torch.cuda.memory,
         "MemPool",
@@ -110,14 +108,10 @@ def test_pause_and_resume_one_tag(torch):
         torch.empty(MiB)
     data = write(w, 4)
     saver.pause("kv_cache")
-    assert (
-        torch_pools.tag_states()["kv_cache"] and not torch_pools.tag_states()["weights"]
-    )
+    assert torch_pools.tag_states()["kv_cache"] and not torch_pools.tag_states()["weights"]
     saver.pause("weights")
     saver.resume("weights")
-    assert (
-        not torch_pools.tag_states()["weights"] and torch_pools.tag_states()["kv_cache"]
-    )
+    assert not torch_pools.tag_states()["weights"] and torch_pools.tag_states()["kv_cache"]
     assert read(w) == data
     saver.resume("kv_cache")
 
@@ -168,19 +162,13 @@ def test_get_cpu_backup_follows_torch_memory_savers_rules(torch):
     with pytest.raises(torpor.InvalidState, match="without enable_cpu_backup"):
         saver.get_cpu_backup(y)
     saver.resume()
-    assert (
-        saver.get_cpu_backup(x) is None
-    ), "without retain_cpu_backup, no backup after resume"
+    assert saver.get_cpu_backup(x) is None, "without retain_cpu_backup, no backup after resume"
     saver.retain_cpu_backup = True
     assert saver.retain_cpu_backup is True
-    assert (
-        saver.get_cpu_backup(x) is None
-    ), "the copy went at the last resume: retaining now cannot bring it back"
+    assert saver.get_cpu_backup(x) is None, "the copy went at the last resume: retaining now cannot bring it back"
     saver.pause("tms.backup")
     saver.resume("tms.backup")
-    assert (
-        saver.get_cpu_backup(x).tobytes() == data
-    ), "retained: the copy of the last pause"
+    assert saver.get_cpu_backup(x).tobytes() == data, "retained: the copy of the last pause"
     write(x, 8)
     assert saver.get_cpu_backup(x).tobytes() == data, "still the last pause's bytes"
     saver.pause("tms.backup")
@@ -207,9 +195,7 @@ def test_memory_margin_refuses_segments_that_would_eat_it(torch):
     torch, saver = torch
     saver.memory_margin_bytes = 64 << 40  # more than the emulated device has
     assert saver.memory_margin_bytes == 64 << 40
-    with pytest.raises(
-        torpor.OutOfMemory, match="refused by the memory margin"
-    ) as info:
+    with pytest.raises(torpor.OutOfMemory, match="refused by the memory margin") as info:
         with saver.region(tag="tms.margin"):
             torch.empty(4 * MiB)
     assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
@@ -236,9 +222,7 @@ def test_settings_and_what_is_not_here(torch):
     with pytest.raises(torpor.Unavailable, match="disk tier"):
         with saver.region(enable_disk_backup=True):
             pass
-    with pytest.raises(
-        ValueError, match="cpu_backup_backend requires enable_cpu_backup"
-    ):
+    with pytest.raises(ValueError, match="cpu_backup_backend requires enable_cpu_backup"):
         with saver.region(cpu_backup_backend="mmap"):
             pass
     with pytest.raises(ValueError, match="mutually exclusive"):
@@ -281,9 +265,7 @@ print("resumed")
         timeout=120,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "raised: torpor_wake_up:" in out.stdout and out.stdout.rstrip().endswith(
-        "resumed"
-    )
+    assert "raised: torpor_wake_up:" in out.stdout and out.stdout.rstrip().endswith("resumed")
 
 
 def test_import_torch_memory_saver_resolves_to_torpor_only_when_asked():
@@ -303,9 +285,7 @@ def test_import_torch_memory_saver_resolves_to_torpor_only_when_asked():
     )
 
     def run(env, *argv):
-        out = subprocess.run(
-            [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=60
-        )
+        out = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         return out.stdout.strip()
 
@@ -321,9 +301,7 @@ def test_import_torch_memory_saver_resolves_to_torpor_only_when_asked():
         )
         == "torpor"
     )
-    assert (
-        run(env, "-c", "import torpor.tms\ntorpor.tms.install()\n" + code) == "torpor"
-    )
+    assert run(env, "-c", "import torpor.tms\ntorpor.tms.install()\n" + code) == "torpor"
     # configure_subprocess: children started inside resolve it too.
     parent = (
         "import subprocess, sys, torpor.tms\n"
@@ -334,13 +312,9 @@ def test_import_torch_memory_saver_resolves_to_torpor_only_when_asked():
     assert run(env, "-c", parent).split() == ["torpor", "absent"]
 
 
-def test_cuda_graph_memory_pauses_with_its_tag_and_the_graph_replays_after_resume(
-    torch, monkeypatch
-):
+def test_cuda_graph_memory_pauses_with_its_tag_and_the_graph_replays_after_resume(torch, monkeypatch):
     torch, saver = torch
-    monkeypatch.setattr(
-        graphs, "_registry", graphs._Registry(graphs.threading.RLock(), {}, {}, [])
-    )
+    monkeypatch.setattr(graphs, "_registry", graphs._Registry(graphs.threading.RLock(), {}, {}, []))
     monkeypatch.setattr(fake_torch.graph, "default_capture_stream", None)
     with saver.region(tag="weights", enable_cpu_backup=True):
         w = torch.empty(MiB)
@@ -351,30 +325,20 @@ def test_cuda_graph_memory_pauses_with_its_tag_and_the_graph_replays_after_resum
     with saver.cuda_graph(g, tag="cuda_graph"):
         out = torch.empty(MiB)
         pool = torpor.Pool.torch(0)
-        torch.launch(
-            lambda: pool.write(
-                out.data_ptr(), bytes(a ^ b for a, b in zip(read(x), read(w)))
-            )
-        )
+        torch.launch(lambda: pool.write(out.data_ptr(), bytes(a ^ b for a, b in zip(read(x), read(w)))))
 
     def replay_and_check(seed):
         x_data = write(x, seed)
         g.replay()
-        assert read(out) == bytes(
-            a ^ b for a, b in zip(x_data, w_data)
-        ), f"replay with input {seed}"
+        assert read(out) == bytes(a ^ b for a, b in zip(x_data, w_data)), f"replay with input {seed}"
 
     replay_and_check(6)
     graph_tag = tms.graph_tag("cuda_graph")
     assert torpor.Pool.torch(0).stats()["tags"][graph_tag]["mapped_bytes"] >= MiB
     saver.pause("cuda_graph")
     states = torch_pools.tag_states()
-    assert (
-        states[graph_tag] and not states["weights"] and not states["kv_cache"]
-    ), "only the graph's tag paused"
-    assert (
-        torpor.Pool.torch(0).stats()["tags"][graph_tag]["mapped_bytes"] == 0
-    ), "the graph's memory went back"
+    assert states[graph_tag] and not states["weights"] and not states["kv_cache"], "only the graph's tag paused"
+    assert torpor.Pool.torch(0).stats()["tags"][graph_tag]["mapped_bytes"] == 0, "the graph's memory went back"
     saver.pause()
     saver.resume()
     assert not any(torch_pools.tag_states().values())
