@@ -43,6 +43,26 @@ _ENUM_NAME_FUNCTIONS = {
 _ENUM_LIMIT = 256  # no enumeration of torpor.h comes near; guards against a library that never says NULL
 
 
+class Closing:
+    """What owners of a C handle share: close() on leaving a with-block and when collected (never
+    raising from the finaliser: the interpreter may be shutting down). Subclasses define close()."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finaliser
+            pass
+
+
 class PoolOptions(ctypes.Structure):
     """torpor_pool_options. The trailing reserve keeps torpor_pool_options_init inside this
     buffer should a later library append fields (it writes the whole C struct)."""

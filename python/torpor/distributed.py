@@ -55,7 +55,7 @@ class _Callbacks(ctypes.Structure):
     ]
 
 
-class Group:
+class Group(_lib.Closing):
     """A torpor group over an embedder's collectives (kind "torch" in libtorpor).
 
     ``all_gather(data: bytes) -> list[bytes]`` must return every rank's bytes, indexed by
@@ -151,18 +151,6 @@ class Group:
         if self._handle is not None:
             handle, self._handle = self._handle, None
             _lib.check(_lib.lib().torpor_group_destroy(handle))
-
-    def __enter__(self) -> "Group":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - never raise from a finaliser
-            pass
 
     def __repr__(self) -> str:
         return f"torpor.distributed.Group(rank={self.rank}, size={self.size})"

@@ -160,7 +160,7 @@ def _json(fn, handle) -> dict:
         capacity = needed.value
 
 
-class Pool:
+class Pool(_lib.Closing):
     """One device's torpor pool (see the module note)."""
 
     def __init__(
@@ -205,18 +205,6 @@ class Pool:
         if self._handle is not None and self._owned:
             handle, self._handle = self._handle, None
             _lib.check(_lib.lib().torpor_pool_destroy(handle))
-
-    def __enter__(self) -> "Pool":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # never raise from a finalizer (the interpreter may be shutting down)
-            pass
 
     def __repr__(self) -> str:
         state = "closed" if self._handle is None else self.backend

@@ -140,3 +140,11 @@ def test_closed_pool_and_stale_handle(pool):
     stale._handle, stale._owned, stale.device = handle, False, 0
     with pytest.raises(torpor.InvalidHandle, match="not a live pool"):
         stale.sleep(1)
+
+
+def test_a_with_block_closes_the_pool_and_close_is_idempotent():
+    with torpor.Pool(0, backend="host", va_bytes=1 << 30) as p:
+        p.alloc(1 << 20, "weights", "state")
+    with pytest.raises(torpor.InvalidArgument, match="was closed"):
+        p.handle
+    p.close()  # again: nothing to do
