@@ -206,6 +206,36 @@ TEST(HostileInput, MediumSlabSlackStaysWithinTheStatedBound) {
   for (void* p : ptrs) pool.deallocate(p);
 }
 
+// A model's run of same-size tensors (issue 3's sleep scenario: 2048 parameters of 16 MiB, a few
+// with a buffer behind them, granularity 2 MiB; here scaled to 64 KiB granules) must make slabs
+// that grow as the slack bound allows: the handle count is what each sleep and wake pays for. With
+// growth by allocated / 8 from medium_slab_min to medium_slab_max, 1 GiB takes about
+// ln(256) / ln(1.125) + 768 / 32 = 71 slabs; slabs that shrink because earlier slabs' tails (too
+// short for one more tensor) count as slack make about ten times as many.
+TEST(SlabPolicy, ARunOfSameSizeAllocationsMakesFewGrowingSlabs) {
+  auto d = std::make_shared<HostDriver>(host(2048 * MiB));
+  PoolOptions o;
+  o.va_bytes = 4096 * MiB;
+  const std::size_t g = 64 * KiB;
+  o.medium_slab_min = 16 * g;
+  o.medium_slab_max = 512 * g;
+  o.medium_limit = 128 * g;
+  Pool pool(*d, o);
+  ASSERT_EQ(pool.stats().granularity, g);
+  std::vector<void*> ptrs;
+  std::size_t allocated = 0;
+  for (int i = 0; i < 2048; ++i) {
+    const std::size_t bytes = i % 32 == 31 ? 8 * g + 20 * KiB : 8 * g;  // some segments carry a buffer
+    ptrs.push_back(pool.allocate(bytes));
+    allocated += (bytes + 255) / 256 * 256;
+    const std::size_t bound = std::clamp(allocated / 8, o.medium_slab_min, o.medium_slab_max) + g;
+    ASSERT_LE(pool.stats().mapped_bytes - allocated, bound) << "after " << i + 1 << " allocations";
+  }
+  EXPECT_LE(pool.stats().chunks, 100u) << "slabs must grow with the allocations, not shrink";
+  for (void* p : ptrs) pool.deallocate(p);
+  EXPECT_EQ(pool.stats().mapped_bytes, 0u);
+}
+
 // Item 14: the host backend imports only torpor's size-sealed memfds, of the announced size.
 TEST(HostileInput, ImportTakesOnlyTorporsMemoryOfTheAnnouncedSize) {
   HostDriver d(host(16 * MiB));

@@ -336,13 +336,18 @@ std::optional<Placement> carve_from_slab(Pool::State& s, ChunkKind kind, std::si
 // A new medium slab for `footprint` bytes: as large as the slack budget allows (PoolOptions: the
 // pair's mapped-but-unallocated bytes stay within clamp(allocated / 8, medium_slab_min,
 // medium_slab_max)), at most medium_slab_max, at least the allocation itself.
+// The slab holds a whole number of footprints: a model allocates runs of same-size tensors, and
+// a slab tail too short for the next one would count as slack for good, so every later slab
+// would be made smaller, leaving another tail: the slabs (and the VMM calls of each sleep) would
+// multiply instead of growing.
 std::size_t medium_slab_bytes(const PoolOptions& o, std::size_t gran, const PairSpace& pair, std::size_t footprint) {
   const std::size_t need = align_up(footprint, gran);
   const std::size_t allocated = pair.mapped - pair.free + footprint;
   const std::size_t budget = std::clamp(allocated / medium_slack_divisor, o.medium_slab_min, o.medium_slab_max);
   if (budget + footprint <= pair.free) return need;  // frees left more than the budget: no slack added
-  const std::size_t fits = (budget + footprint - pair.free) / gran * gran;
-  return std::max(need, std::min(fits, o.medium_slab_max));
+  const std::size_t limit = std::min((budget + footprint - pair.free) / gran * gran, o.medium_slab_max);
+  const std::size_t whole = limit / footprint * footprint;  // both granule multiples: align_up stays <= limit
+  return std::max(need, align_up(whole, gran));
 }
 
 bool out_of_memory_error(const std::exception& e) {
