@@ -104,9 +104,7 @@ def install_probes(torch, torpor) -> Probes:
         "_pools_of",
         "_own_segments",
         "_holds_parameters",
-        "_plan_fingerprint",
-        "_device_fingerprint",
-        "_cached_plan",
+        "_block_counters",
     ):
         p.wrap(torch_pools, name, f"torch_pools.{name}")
     p.wrap(graphs, "state_spans", "graphs.state_spans")
