@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -201,8 +202,10 @@ def summary(result: dict) -> dict:
     steady = cycles[1:] or cycles
 
     def med(key, field="wall_seconds"):
-        v = sorted(c[key][field] for c in steady if field in c[key])
-        return v[len(v) // 2] if v else None
+        # The median (statistics.median): with the default 3 cycles there are 2 steady ones, and
+        # the upper middle element alone was the larger of the two.
+        v = [c[key][field] for c in steady if field in c[key]]
+        return statistics.median(v) if v else None
 
     out = {
         "first_sleep_seconds": cycles[0]["sleep_changed"]["wall_seconds"],

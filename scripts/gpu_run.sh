@@ -3,7 +3,8 @@
 # device tool (`run`), whose $OUT folder comes back; elsewhere OUT defaults to ./gpu-out.
 #
 #   scripts/gpu_run.sh [stage ...]     stages: probe tests readme bench-sleep bench-sleep-threads python
-#                                      bench-first-sleep bench-torch-sleep host-store engines graphs
+#                                      bench-first-sleep bench-torch-sleep torch-sleep-profile host-store
+#                                      engines graphs
 #                                      distributed symmetric symmetric-nccl tail tail-bench stress
 #                                      stress-tail
 #                                      (default: probe tests)
@@ -45,7 +46,10 @@
 # with the host store prepared during load, then with a pinned limit and the disk tier beyond it
 # (spill file under $OUT's disk, removed after). bench-torch-sleep runs the same scenario through
 # torpor.sleep/wake_up and through torch_memory_saver (built from .anchors/torch_memory_saver, so
-# run it with .anchors carried) and plots both. host-store runs the host-store and spill tests on
+# run it with .anchors carried) and plots both. torch-sleep-profile (1 GPU) runs that scenario through
+# torpor only, with the Python path's time split by step (bench/torch_sleep_profile.py: each step of
+# sleep and wake_up, garbage collections, the primitives a cheaper path could use, a cProfile top 30;
+# torch-sleep-profile.txt, .json, -cprofile.txt). host-store runs the host-store and spill tests on
 # the GPU (registration, O_DIRECT detection: the log says which path ran).
 #
 # distributed (2 GPUs; nvidia-h200-x2) runs torpor.distributed over a real torch.distributed group,
@@ -196,6 +200,12 @@ for stage in "${stages[@]}"; do
         python3 bench/plot_torch_sleep.py "$OUT/bench-torch-sleep-$variant.json" -o "$OUT/bench-torch-sleep-$variant.png" ||
           echo "(plot skipped)"
       done
+      ;;
+    torch-sleep-profile)
+      pyenv=(env TORPOR_LIBRARY="$PWD/$build/allocator/libtorpor.so" PYTHONPATH="$PWD/python" PYTHONDONTWRITEBYTECODE=1)
+      timeout 400 "${pyenv[@]}" python3 bench/torch_sleep_profile.py --cycles 4 --json "$OUT/torch-sleep-profile.json" \
+        --cprofile "$OUT/torch-sleep-profile-cprofile.txt" > "$OUT/torch-sleep-profile.txt" 2>&1 || status=1
+      cat "$OUT/torch-sleep-profile.txt"
       ;;
     host-store)
       TORPOR_LOG=info timeout 300 $build/tests/torpor_tests --gtest_filter='*HostStore*:*Spill*' > "$OUT/host-store-tests.log" 2>&1 ||

@@ -21,21 +21,21 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 from .pool import MemoryClass
 
 
-@dataclass(frozen=True)
-class Mark:
+# Tuples rather than dataclasses: a sleep makes one per block and per parameter (thousands), and
+# compares the spans with the last sleep's as a whole (torch_pools.py keeps the last plan).
+class Mark(NamedTuple):
     address: int
     nbytes: int
     memory_class: MemoryClass
     name: str | None = None
 
 
-@dataclass(frozen=True)
-class Span:
+class Span(NamedTuple):
     """A named byte range (a parameter's storage span)."""
 
     name: str

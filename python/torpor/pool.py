@@ -160,6 +160,21 @@ def _json(fn, handle) -> dict:
         capacity = needed.value
 
 
+_marks_made = 0
+
+
+def marks_generation() -> int:
+    """How many times Pool.mark or Pool.mark_ranges changed classes in this process: the PyTorch
+    embedding keeps its last re-mark of a pool only while this number stays what it was after
+    it (a class set by anyone else makes the next sleep compute the classes again)."""
+    return _marks_made
+
+
+def _marked() -> None:
+    global _marks_made
+    _marks_made += 1
+
+
 class Pool(_lib.Closing):
     """One device's torpor pool (see the module note)."""
 
@@ -246,6 +261,7 @@ class Pool(_lib.Closing):
         size = _whole(nbytes, "mark: nbytes", 0, _SIZE_MAX)
         name_bytes = _text(name, "name", allow_empty=True) if name else None
         cls = to_memory_class(memory_class)
+        _marked()  # before the call: a failed mark may have changed nothing, never too few counted
         _lib.check(_lib.lib().torpor_mark(self.handle, address, size, int(cls), name_bytes))
 
     def mark_ranges(self, ranges: Iterable[tuple]) -> None:
@@ -257,21 +273,28 @@ class Pool(_lib.Closing):
         n = len(ranges)
         if n == 0:
             return
-        ptrs = (ctypes.c_void_p * n)()
-        sizes = (ctypes.c_size_t * n)()
-        classes = (ctypes.c_int * n)()
-        names = (ctypes.c_char_p * n)()
+        # Plain lists first, each C array built in one go: a sleep marks thousands of ranges.
+        codes = {c: int(c) for c in MemoryClass}
+        ptrs, sizes, classes, names = [], [], [], [None] * n
         any_name = False
         for i, r in enumerate(ranges):
             if len(r) not in (3, 4):
                 raise InvalidArgument(f"mark_ranges: range {i} {r!r} is not (ptr, nbytes, class[, name])")
             if r[1] < 0:
                 raise InvalidArgument(f"mark_ranges: range {i} has a negative size {r[1]}")
-            ptrs[i], sizes[i], classes[i] = r[0], r[1], int(to_memory_class(r[2]))
+            ptrs.append(r[0])
+            sizes.append(r[1])
+            code = codes.get(r[2]) if isinstance(r[2], MemoryClass) else None
+            classes.append(int(to_memory_class(r[2])) if code is None else code)
             if len(r) == 4 and r[3]:
                 names[i] = r[3].encode()
                 any_name = True
-        _lib.check(_lib.lib().torpor_mark_ranges(self.handle, n, ptrs, sizes, classes, names if any_name else None))
+        c_ptrs = (ctypes.c_void_p * n)(*ptrs)
+        c_sizes = (ctypes.c_size_t * n)(*sizes)
+        c_classes = (ctypes.c_int * n)(*classes)
+        c_names = (ctypes.c_char_p * n)(*names) if any_name else None
+        _marked()
+        _lib.check(_lib.lib().torpor_mark_ranges(self.handle, n, c_ptrs, c_sizes, c_classes, c_names))
 
     def set_preserve(self, globs: Iterable[str]) -> None:
         """Parameters whose name matches one of these fnmatch globs survive level 2 (offloaded).

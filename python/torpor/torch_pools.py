@@ -50,6 +50,19 @@ PyTorch's known pitfalls with pluggable allocators and pools, and what is done a
   use and back on after; sleep() warns about any segment of a torpor MemPool that is not
   torpor's.
 
+The last re-mark: computing the classes reads PyTorch's snapshot of every segment and every
+registered parameter, which at thousands of tensors costs more than the engine's own unchanged
+sleep. So each device keeps what its last re-mark was computed from (the tags, the policy, the
+MemPools and the segments given back, the parameter and state spans, each MemPool's raw snapshot)
+and how many marks the process had made once it was in place (torpor.pool.marks_generation()).
+A sleep whose inputs and mark count are the same skips the snapshot too while PyTorch's block
+counters of the device (allocations and frees, torch.cuda.memory_stats) have not moved, else
+takes the snapshots and skips the plan and its marks when they equal the last ones. A tensor
+freed or allocated anywhere moves the counters; a parameter reassigned (p.data = ...) changes
+the spans; a new segment or MemPool changes the snapshots or the MemPools; a mark by anyone
+changes the count. Counters reset by torch.cuda.reset_accumulated_memory_stats() are not
+trusted (allocated - freed no longer equals current), and the snapshots are compared instead.
+
 Sleep and wake act on every device that has torpor pools. The CUDA current device is
 restored after each call (the driver calls make the pool's device current).
 """
@@ -59,6 +72,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import ctypes
+import functools
 import gc
 import os
 import threading
@@ -69,7 +83,7 @@ from typing import Callable
 
 from . import _lib, _marks
 from .errors import InvalidArgument, InvalidState, OutOfMemory, TorchUnavailable, error_for
-from .pool import ClassLike, MemoryClass, Pool, Tags, pool_options, tag_list, to_memory_class
+from .pool import ClassLike, MemoryClass, Pool, Tags, marks_generation, pool_options, tag_list, to_memory_class
 from .tags import KV_CACHE
 
 
@@ -94,6 +108,17 @@ class _TorchPool:
 
 
 @dataclass
+class _Remark:
+    """The last re-mark of one device (see 'The last re-mark' in the module note)."""
+
+    inputs: tuple  # tags, policy, MemPools (identity, segments given back), parameter and state spans
+    snapshots: list  # each MemPool's snapshot as PyTorch returned it, in the order of inputs' MemPools
+    marks: int  # marks_generation() once the marks were made
+    counters: tuple | None  # PyTorch's block counters of the device before the snapshots (None: unusable)
+    foreign: list  # (tag, segments PyTorch mapped itself): warned about at every sleep
+
+
+@dataclass
 class _State:
     lock: threading.RLock = field(default_factory=threading.RLock)
     allocator: object = None  # torch.cuda.memory.CUDAPluggableAllocator
@@ -102,6 +127,7 @@ class _State:
     preserve: list = field(default_factory=list)  # globs
     graph_tags: set = field(default_factory=set)  # tags of graph pools (graphs.py): never use_pool's
     expandable_off_depth: int = 0
+    remarks: dict = field(default_factory=dict)  # device -> _Remark
 
 
 _state = _State()
@@ -257,15 +283,16 @@ def _pools_of(tag: str, device: int) -> list[_TorchPool]:
         return [p for (t, _, d), ps in _state.mempools.items() if t == tag and d == device for p in ps]
 
 
-def _own_segments(pool: _TorchPool, device: int) -> list[dict]:
+def _own_segments(pool: _TorchPool, device: int, snapshot: list[dict] | None = None) -> list[dict]:
     """The snapshot segments of one MemPool on one device that torpor still holds (filtered
-    again by pool id in case a PyTorch version lists every pool's)."""
+    again by pool id in case a PyTorch version lists every pool's); from `snapshot` if given."""
     mempool = pool.mempool
+    pool_id = tuple(mempool.id)
     return [
         s
-        for s in mempool.snapshot()
+        for s in (mempool.snapshot() if snapshot is None else snapshot)
         if s.get("device", device) == device
-        and tuple(s.get("segment_pool_id", mempool.id)) == tuple(mempool.id)
+        and tuple(s.get("segment_pool_id", pool_id)) == pool_id
         and s["address"] not in pool.released
     ]
 
@@ -379,6 +406,8 @@ def pools() -> dict[int, Pool]:
 
 def _span_bytes(t) -> int:
     """Bytes from a tensor's first element to past its last (exact for any strided view)."""
+    if t.is_contiguous():
+        return t.nbytes  # the same extent, without walking shape and strides in Python
     if t.numel() == 0:
         return 0
     extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
@@ -389,10 +418,14 @@ def _parameter_spans(modules) -> dict[int, list[_marks.Span]]:
     """device -> named spans of the CUDA parameters of (module, prefix) pairs; the rest under
     device -1."""
     out: dict[int, list[_marks.Span]] = {}
+    span = _marks.Span
     for module, prefix in modules:
         for name, p in module.named_parameters(prefix=prefix):
-            device = p.device.index if p.is_cuda else -1
-            out.setdefault(device, []).append(_marks.Span(name, p.data_ptr(), _span_bytes(p)))
+            device = p.get_device() if p.is_cuda else -1
+            spans = out.get(device)
+            if spans is None:
+                spans = out[device] = []
+            spans.append(span(name, p.data_ptr(), _span_bytes(p)))
     return out
 
 
@@ -463,31 +496,86 @@ def _holds_parameters(segments: list[dict], spans: list[_marks.Span]) -> bool:
     return False
 
 
+def _stat(stats: dict, name: str, kind: str) -> int:
+    """One counter of torch._C._cuda_memoryStats's nested dict (name.all.kind)."""
+    return stats[name]["all"][kind]
+
+
+def _block_counters(torch, device: int) -> tuple | None:
+    """PyTorch's cumulative block counters of `device`: allocations and frees, of allocated and
+    of active blocks (a block freed while a stream still used it turns inactive later). None
+    when they cannot be read, or were reset since the allocator started (allocated - freed no
+    longer equals current), so that equal counters mean nothing was allocated or freed."""
+    try:
+        raw = getattr(torch._C, "_cuda_memoryStats", None)
+        if raw is not None:
+            stats = raw(device)
+            get = functools.partial(_stat, stats)
+        else:
+            flat = torch.cuda.memory_stats(device)
+            get = lambda name, kind: flat[f"{name}.all.{kind}"]  # noqa: E731
+        counters = []
+        for name in ("allocation", "active"):
+            allocated, freed, current = get(name, "allocated"), get(name, "freed"), get(name, "current")
+            if allocated - freed != current:
+                return None
+            counters += [allocated, freed]
+        return tuple(counters)
+    except (AttributeError, KeyError, TypeError, RuntimeError):
+        return None
+
+
+def _warn_foreign(tag: str, device: int, count: int) -> None:
+    warnings.warn(
+        f"torpor: {count} segment(s) of torpor pool '{tag}' on device {device} were mapped "
+        f"by PyTorch itself (expandable segments), not by torpor: sleep cannot release them. Set "
+        f"expandable_segments:False in PYTORCH_CUDA_ALLOC_CONF, or allocate only inside torpor.use_pool",
+        RuntimeWarning,
+        stacklevel=5,
+    )
+
+
 def _refresh_classes(
     device: int,
     tags: list[str],
     spans: list[_marks.Span],
     states: list[_marks.Span],
     policy: ClassPolicy = _pool_class,
-) -> None:
-    """Re-mark the segments of `tags` on `device` (see torpor/_marks.py)."""
+    counters: tuple | None = None,
+) -> bool:
+    """Re-mark the segments of `tags` on `device` (see torpor/_marks.py), unless nothing changed
+    since the last re-mark ('The last re-mark' in the module note); `counters`: _block_counters
+    of the device, read before this call. Returns whether marks were made."""
+    with _state.lock:
+        pools = [(tag, p) for tag in tags for p in _pools_of(tag, device)]
+    inputs = (tuple(tags), policy, tuple((id(p), len(p.released)) for _, p in pools), spans, states)
+    last = _state.remarks.get(device)
+    same = last is not None and last.marks == marks_generation() and last.inputs == inputs
+    if same and counters is not None and last.counters == counters:
+        for tag, count in last.foreign:
+            _warn_foreign(tag, device, count)
+        return False
+    snapshots = [p.mempool.snapshot() for _, p in pools]
+    if same and last.snapshots == snapshots:
+        last.counters = counters
+        for tag, count in last.foreign:
+            _warn_foreign(tag, device, count)
+        return False
     pool = Pool.torch(device)
+    foreign = []
     for tag in tags:
-        pools = [(p, _own_segments(p, device)) for p in _pools_of(tag, device)]
-        if not pools:
+        mine = [(p, _own_segments(p, device, snap)) for (t, p), snap in zip(pools, snapshots) if t == tag]
+        if not mine:
             continue  # a tag allocated through the C API directly, not by PyTorch
-        has_parameters = policy is not _pool_class and _holds_parameters([s for _, ss in pools for s in ss], spans)
-        for p, segments in pools:
+        has_parameters = policy is not _pool_class and _holds_parameters([s for _, ss in mine for s in ss], spans)
+        for p, segments in mine:
             plan = _marks.plan(segments, policy(tag, p.memory_class, has_parameters), spans, states)
             if plan.foreign:
-                warnings.warn(
-                    f"torpor: {len(plan.foreign)} segment(s) of torpor pool '{tag}' on device {device} were mapped "
-                    f"by PyTorch itself (expandable segments), not by torpor: sleep cannot release them. Set "
-                    f"expandable_segments:False in PYTORCH_CUDA_ALLOC_CONF, or allocate only inside torpor.use_pool",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
+                foreign.append((tag, len(plan.foreign)))
+                _warn_foreign(tag, device, len(plan.foreign))
             _marks.apply(pool, plan)
+    _state.remarks[device] = _Remark(inputs, snapshots, marks_generation(), counters, foreign)
+    return True
 
 
 # -- sleep ----------------------------------------------------------------------------------
@@ -549,7 +637,8 @@ def _sleep(level: int, tags: Tags, policy: ClassPolicy = _pool_class, collect: i
 
             states = state_spans()
             for device, device_tags in selected.items():
-                _refresh_classes(device, device_tags, spans.get(device, []), states.get(device, []), policy)
+                counters = _block_counters(torch, device)
+                _refresh_classes(device, device_tags, spans.get(device, []), states.get(device, []), policy, counters)
         for device, device_tags in selected.items():
             if device_tags:
                 reports[device] = Pool.torch(device).sleep(level, device_tags)

@@ -61,6 +61,16 @@ class Tensor:
     def data_ptr(self):
         return self._address
 
+    def get_device(self):
+        return self.device.index if self.is_cuda else -1
+
+    def is_contiguous(self):
+        return True  # stride() is always the contiguous one
+
+    @property
+    def nbytes(self):
+        return self.numel() * self._element_size
+
     def numel(self):
         n = 1
         for s in self.shape:
@@ -82,6 +92,32 @@ class Tensor:
         if self._block is not None:
             self._block["state"] = "inactive"
             self._block = None
+            _count("allocation", "freed")
+            _count("active", "freed")
+
+
+# PyTorch's cumulative block counters (torch._C._cuda_memoryStats(device)[name]["all"]), for the
+# whole fake (one device is enough for the tests): every block allocation and free moves them.
+_counters = {name: {"allocated": 0, "freed": 0} for name in ("allocation", "active")}
+
+
+def _count(name, kind):
+    _counters[name][kind] += 1
+
+
+def _memory_stats(device):
+    out = {}
+    for name, c in _counters.items():
+        current = c["allocated"] - c["freed"] + c.get("base", 0)
+        out[name] = {"all": {"allocated": c["allocated"], "freed": c["freed"], "current": current, "peak": 0}}
+    return out
+
+
+def reset_accumulated_memory_stats(device=None):
+    """As PyTorch: allocated and freed go back to 0, current stays."""
+    for name, c in _counters.items():
+        c["base"] = c["allocated"] - c["freed"] + c.get("base", 0)
+        c["allocated"] = c["freed"] = 0
 
 
 class CPUTensor(Tensor):
@@ -130,6 +166,8 @@ class MemPool:
                     b.update(size=size, state="active_allocated")
                     if rest:
                         seg["blocks"].insert(i + 1, {"address": at + size, "size": rest, "state": "inactive"})
+                    _count("allocation", "allocated")
+                    _count("active", "allocated")
                     return b["address"], b
                 at += b["size"]
         seg_bytes = max(SEGMENT, -(-size // SEGMENT) * SEGMENT)
@@ -144,6 +182,8 @@ class MemPool:
         blocks = [block] + (
             [{"address": ptr + size, "size": seg_bytes - size, "state": "inactive"}] if seg_bytes > size else []
         )
+        _count("allocation", "allocated")
+        _count("active", "allocated")
         self.segments.append(
             {
                 "device": dev,
@@ -182,6 +222,8 @@ def empty(nbytes, shape=None, element_size=4):
     capture = _stream_state["current"].capture
     pool = capture.pool if capture is not None else _active.get(dev)
     if pool is None:
+        _count("allocation", "allocated")  # PyTorch's counters are the device's, every pool's
+        _count("active", "allocated")
         return Tensor(0x7000_0000_0000 + next(_ids) * SEGMENT, nbytes, dev, shape, element_size)
     address, block = pool.allocate(nbytes, dev)
     return Tensor(address, nbytes, dev, shape, element_size, block)
@@ -315,4 +357,4 @@ cuda = types.SimpleNamespace(
     ),
 )
 nn = types.SimpleNamespace(Module=Module)
-_C = types.SimpleNamespace()
+_C = types.SimpleNamespace(_cuda_memoryStats=_memory_stats)

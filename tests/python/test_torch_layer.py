@@ -233,3 +233,130 @@ def test_sleep_marks_in_one_call_per_tag_and_collects_only_young_objects(torch, 
     assert generations == [1, 2]
     with pytest.raises(torpor.InvalidArgument, match="collect 3"):
         torpor.sleep(1, "tl.many", collect=3)
+
+
+# -- the last re-mark: kept while nothing changed, redone when anything did ------------------
+
+
+@pytest.fixture
+def counted(torch, monkeypatch):
+    """{"snapshot": n, "mark_ranges": n}: calls made by the sleeps that follow."""
+    calls = {"snapshot": 0, "mark_ranges": 0}
+    real_snapshot = torch.MemPool.snapshot
+    monkeypatch.setattr(
+        torch.MemPool,
+        "snapshot",
+        lambda self: calls.__setitem__("snapshot", calls["snapshot"] + 1) or real_snapshot(self),
+    )
+    lib = torpor._lib.lib()
+    real_mark_ranges = lib.torpor_mark_ranges
+
+    def mark_ranges(*args):
+        calls["mark_ranges"] += 1
+        return real_mark_ranges(*args)
+
+    monkeypatch.setattr(lib, "torpor_mark_ranges", mark_ranges)
+    return calls
+
+
+def classes(tag):
+    return {c: v["allocated_bytes"] for c, v in torpor.stats(0)["tags"][tag]["classes"].items() if v["allocated_bytes"]}
+
+
+def test_an_unchanged_sleep_reuses_the_last_remark_without_a_snapshot(torch, counted):
+    with torpor.use_pool("tl.same"):
+        w = torch.empty(64 << 10)
+        torch.empty(16 << 10)  # state
+    module = torch.nn.Module(w=w)
+    torpor.register_parameters(module)
+    counted.update(snapshot=0, mark_ranges=0)  # what use_pool's exit and register_parameters did
+    first = torpor.sleep(1, "tl.same")[0]
+    torpor.wake_up("tl.same")
+    assert counted == {"snapshot": 1, "mark_ranges": 1}
+    again = torpor.sleep(1, "tl.same")[0]
+    torpor.wake_up("tl.same")
+    assert counted == {"snapshot": 1, "mark_ranges": 1}, "nothing allocated, freed or marked: nothing redone"
+    assert again["bytes_offloaded"] + again["bytes_skipped"] == first["bytes_offloaded"] + first["bytes_skipped"]
+    torch.empty(MiB)  # PyTorch's default pool: the counters move, the snapshots are taken and equal
+    torpor.sleep(1, "tl.same")
+    torpor.wake_up("tl.same")
+    assert counted == {"snapshot": 2, "mark_ranges": 1}
+    assert classes("tl.same") == {"parameter": 64 << 10, "state": 16 << 10, "cache": 2 * MiB - (80 << 10)}
+
+
+def test_a_tensor_freed_after_a_sleep_is_free_space_at_the_next(torch, counted):
+    with torpor.use_pool("tl.freed"):
+        torch.empty(64 << 10)  # kept
+        temp = torch.empty(128 << 10)
+    torpor.sleep(1, "tl.freed")
+    torpor.wake_up("tl.freed")
+    assert classes("tl.freed")["state"] == 192 << 10
+    temp.free()
+    report = torpor.sleep(1, "tl.freed")[0]
+    assert classes("tl.freed")["state"] == 64 << 10, "the freed block is cache"
+    assert report["bytes_offloaded"] + report["bytes_skipped"] == 64 << 10
+    torpor.wake_up("tl.freed")
+
+
+def test_a_block_allocated_in_cached_free_space_after_a_sleep_survives_the_next(torch, counted):
+    pool = torpor.Pool.torch(0)
+    with torpor.use_pool("tl.grow"):
+        torch.empty(64 << 10)
+    torpor.sleep(1, "tl.grow")
+    torpor.wake_up("tl.grow")
+    with torpor.use_pool("tl.grow"):
+        late = torch.empty(32 << 10)  # in the segment's free tail, which the last sleep classed cache
+    pool.write(late.data_ptr(), pattern(32 << 10, 5))
+    torpor.sleep(1, "tl.grow")
+    torpor.wake_up("tl.grow")
+    assert pool.read(late.data_ptr(), 32 << 10) == pattern(32 << 10, 5)
+
+
+def test_a_parameter_reassigned_after_a_sleep_is_followed_by_the_next(torch, counted):
+    pool = torpor.Pool.torch(0)
+    with torpor.use_pool("tl.swap"):
+        a, b = torch.empty(32 << 10), torch.empty(32 << 10)
+    module = torch.nn.Module(w=a)
+    torpor.register_parameters(module)
+    torpor.sleep(1, "tl.swap")
+    torpor.wake_up("tl.swap")
+    module._params["w"] = b  # p.data = b: no allocation, no free, only the span moves
+    pool.write(a.data_ptr(), pattern(32 << 10, 1))
+    torpor.sleep(2, "tl.swap")
+    torpor.wake_up("tl.swap")
+    assert pool.read(a.data_ptr(), 32 << 10) == pattern(32 << 10, 1), "a is state now"
+    assert pool.read(b.data_ptr(), 32 << 10) == POISON * (32 << 10), "b is the parameter"
+
+
+def test_a_mark_made_by_anyone_after_a_sleep_is_recomputed_by_the_next(torch, counted):
+    pool = torpor.Pool.torch(0)
+    with torpor.use_pool("tl.marked"):
+        s = torch.empty(32 << 10)
+    torpor.sleep(1, "tl.marked")
+    torpor.wake_up("tl.marked")
+    pool.mark(s.data_ptr(), 32 << 10, "parameter")  # not a registered parameter: the next sleep says state
+    pool.write(s.data_ptr(), pattern(32 << 10, 2))
+    torpor.sleep(2, "tl.marked")
+    torpor.wake_up("tl.marked")
+    assert pool.read(s.data_ptr(), 32 << 10) == pattern(32 << 10, 2)
+
+
+def test_a_new_mempool_of_a_tag_after_a_sleep_is_marked_by_the_next(torch, counted):
+    with torpor.use_pool("tl.two"):
+        torch.empty(32 << 10)
+    torpor.sleep(1, "tl.two")
+    torpor.wake_up("tl.two")
+    with torpor.use_pool("tl.two", memory_class="cache"):
+        scratch = torch.empty(32 << 10)
+    torpor.sleep(1, "tl.two")
+    torpor.wake_up("tl.two")
+    assert classes("tl.two")["state"] == 32 << 10, "the cache MemPool's block is cache"
+    assert torpor.Pool.torch(0).contains(scratch.data_ptr())
+
+
+def test_counters_reset_by_pytorch_are_not_trusted(torch):
+    assert torch_pools._block_counters(torch, 0) is not None
+    with torpor.use_pool("tl.reset"):
+        torch.empty(4096)  # a live block: after the reset, allocated - freed is not current
+    torch.reset_accumulated_memory_stats(0)
+    assert torch_pools._block_counters(torch, 0) is None
