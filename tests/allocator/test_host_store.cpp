@@ -191,6 +191,35 @@ TEST(HostStorePool, NoCopyLandsInHostMemoryWhosePinningIsNotDone) {
     EXPECT_EQ(std::memcmp(items.ptrs[i], items.bytes[i].data(), MiB), 0) << "allocation " << i;
 }
 
+// The store maps the blocks it adds at once in one mapping (pinning then overlaps the copies):
+// each block still goes back on its own, while its neighbours hold backups.
+TEST(HostStorePool, BlocksMappedTogetherAreReleasedOneByOne) {
+  HostDriver d(HostBackend::options());
+  PoolOptions o;
+  o.va_bytes = 256 * MiB;
+  o.medium_limit = 0;
+  o.host_pin_block_bytes = 2 * MiB;
+  Pool pool(d, o);
+  auto items = fill_direct(pool, 6, MiB, MemoryClass::state, 3);
+  EXPECT_EQ(pool.prepare_host_store(8 * MiB), 8 * MiB);
+  pool.wait_host_store();
+  EXPECT_EQ(d.counters().registered_bytes, 8 * MiB);
+  pool.sleep(1);
+  EXPECT_EQ(pool.stats().host_store_used_bytes, 6 * MiB);
+  EXPECT_EQ(pool.release_host_store(), 2 * MiB) << "the one block no backup uses";
+  EXPECT_EQ(pool.stats().host_store_bytes, 6 * MiB);
+  EXPECT_EQ(d.counters().registered_bytes, 6 * MiB) << "the released block was unregistered";
+  pool.wake_up();
+  for (std::size_t i = 0; i < items.ptrs.size(); ++i)
+    EXPECT_EQ(std::memcmp(items.ptrs[i], items.bytes[i].data(), MiB), 0) << "allocation " << i;
+  EXPECT_EQ(pool.release_host_store(), 6 * MiB) << "after wake, the retained copies and their blocks";
+  EXPECT_EQ(d.counters().registered_bytes, 0u);
+  pool.sleep(1);  // the store grows again
+  pool.wake_up();
+  for (std::size_t i = 0; i < items.ptrs.size(); ++i)
+    EXPECT_EQ(std::memcmp(items.ptrs[i], items.bytes[i].data(), MiB), 0) << "allocation " << i;
+}
+
 TEST(HostStorePool, TheStoreOptionPinsWhileTheModelLoadsAndTheSleepUsesIt) {
   HostDriverOptions ho = HostBackend::options();
   ho.host_register_delay = std::chrono::milliseconds(30);

@@ -97,7 +97,7 @@ void HostStore::free_block(Block& b) noexcept {
     switch (b.source) {
       case Source::registered:
         HostPinner::cancel(*b.job);
-        if (pinner_.wait(*b.job) == PinJob::Status::ready) driver_.host_unregister(b.base, options_.device);
+        unregister_if_ready(b);
         ::munmap(b.base, b.map_bytes);
         break;
       case Source::allocated: driver_.host_free(b.base); break;
@@ -134,46 +134,95 @@ void HostStore::note_refusal(const Block& b) {
 }
 
 HostStore::Block& HostStore::add_block(std::size_t bytes, HostTier tier) {
-  Block& b = tier == HostTier::pinned ? add_pinned_block(bytes) : add_beyond_limit_block(bytes);
+  if (tier == HostTier::pinned) return add_pinned_blocks(bytes, bytes);
+  return keep(add_beyond_limit_block(bytes));
+}
+
+HostStore::Block& HostStore::keep(std::unique_ptr<Block> block) {
+  Block& b = *block;
+  blocks_.push_back(std::move(block));
   by_base_[b.base] = &b;
   ++growths_;
-  log::debug("HostStore: new {} block of {} bytes ({} blocks, {} bytes of host memory)", to_string(tier), b.map_bytes,
-             blocks_.size(), capacity());
+  log::debug("HostStore: new {} block of {} bytes ({} blocks, {} bytes of host memory)", to_string(b.tier()),
+             b.map_bytes, blocks_.size(), capacity());
   return b;
 }
 
-HostStore::Block& HostStore::add_pinned_block(std::size_t bytes) {
+HostStore::Block& HostStore::add_pinned_blocks(std::size_t bytes, std::size_t first_block) {
   bytes = align_up(bytes, block_rounding);
+  first_block = std::min(align_up(first_block, block_rounding), bytes);
   for (auto& b : blocks_) note_refusal(*b);
+  if (!registration_refused_) return add_registered_blocks(bytes, first_block);
+  Block* first = nullptr;
+  for (std::size_t added = 0; added < bytes;) {
+    const std::size_t n = std::min(first == nullptr ? first_block : options_.pin_block_bytes, bytes - added);
+    Block& b = keep(allocated_block(n));
+    if (first == nullptr) first = &b;
+    added += n;
+  }
+  return *first;
+}
+
+// One mapping for all the blocks: mapping, trimming and advising take the process's mmap lock for
+// writing, which waits behind every page fault and registration in flight. A mapping per block,
+// made while the blocks before it are being pinned, would hold the sleep up until nearly all the
+// pinning is done, and the copies would no longer overlap it. Each block is unmapped on its own
+// later (munmap of part of a mapping).
+HostStore::Block& HostStore::add_registered_blocks(std::size_t bytes, std::size_t first_block) {
+  std::byte* base = map_for_pinning(bytes);
+  if (base == nullptr)
+    throw out_of_memory(
+        fmt::format("host backing store could not map {} bytes to page-lock ({} held)", bytes, capacity()));
+  std::vector<std::unique_ptr<Block>> fresh;
+  try {
+    for (std::size_t offset = 0; offset < bytes;) {
+      const std::size_t n = std::min(fresh.empty() ? first_block : options_.pin_block_bytes, bytes - offset);
+      auto block = std::make_unique<Block>();
+      block->base = base + offset;
+      block->map_bytes = n;
+      block->space = RangeAllocator(n);
+      block->source = Source::registered;
+      block->job = pinner_.submit(block->base, n);
+      fresh.push_back(std::move(block));
+      offset += n;
+    }
+  } catch (...) {
+    for (auto& b : fresh) HostPinner::cancel(*b->job);
+    bool unmap = true;
+    for (auto& b : fresh) try {
+        unregister_if_ready(*b);
+      } catch (const std::exception& e) {
+        log::error("HostStore: unregistering a {}-byte block failed, leaving it mapped: {}", b->map_bytes, e.what());
+        unmap = false;
+      }
+    if (unmap) ::munmap(base, bytes);
+    throw;
+  }
+  Block* first = fresh.front().get();
+  for (auto& b : fresh) keep(std::move(b));
+  return *first;
+}
+
+std::unique_ptr<HostStore::Block> HostStore::allocated_block(std::size_t bytes) {
   auto block = std::make_unique<Block>();
   block->map_bytes = bytes;
   block->space = RangeAllocator(bytes);
-  if (registration_refused_) {
-    try {
-      block->base = static_cast<std::byte*>(driver_.host_alloc(bytes));
-    } catch (const driver_error& e) {
-      throw out_of_memory(fmt::format("host backing store could not grow by {} pinned bytes ({} held): {}", bytes,
-                                      capacity(), e.what()));
-    }
-    block->source = Source::allocated;
-  } else {
-    block->base = map_for_pinning(bytes);
-    if (block->base == nullptr)
-      throw out_of_memory(
-          fmt::format("host backing store could not map {} bytes to page-lock ({} held)", bytes, capacity()));
-    block->source = Source::registered;
-    try {
-      block->job = pinner_.submit(block->base, bytes);
-    } catch (...) {
-      ::munmap(block->base, bytes);
-      throw;
-    }
+  try {
+    block->base = static_cast<std::byte*>(driver_.host_alloc(bytes));
+  } catch (const driver_error& e) {
+    throw out_of_memory(
+        fmt::format("host backing store could not grow by {} pinned bytes ({} held): {}", bytes, capacity(), e.what()));
   }
-  blocks_.push_back(std::move(block));
-  return *blocks_.back();
+  block->source = Source::allocated;
+  return block;
 }
 
-HostStore::Block& HostStore::add_beyond_limit_block(std::size_t bytes) {
+// After its job settled (cancelled first): unregisters a block whose registration went through.
+void HostStore::unregister_if_ready(Block& b) {
+  if (pinner_.wait(*b.job) == PinJob::Status::ready) driver_.host_unregister(b.base, options_.device);
+}
+
+std::unique_ptr<HostStore::Block> HostStore::add_beyond_limit_block(std::size_t bytes) {
   bytes = align_up(bytes, block_rounding);
   auto block = std::make_unique<Block>();
   block->map_bytes = bytes;
@@ -195,8 +244,7 @@ HostStore::Block& HostStore::add_beyond_limit_block(std::size_t bytes) {
     block->base = static_cast<std::byte*>(p);
     block->source = Source::pageable;
   }
-  blocks_.push_back(std::move(block));
-  return *blocks_.back();
+  return block;
 }
 
 void HostStore::reserve(std::size_t bytes) {
@@ -209,25 +257,19 @@ void HostStore::reserve(std::size_t bytes) {
   // one pageable or disk block.
   std::size_t room = pinned_room();
   std::size_t pinned = room >= align_up(need, block_rounding) ? need : (room / block_rounding) * block_rounding;
-  for (std::size_t added = 0; added < pinned;) {
-    std::size_t n = std::min(options_.pin_block_bytes, pinned - added);
-    added += add_block(n, HostTier::pinned).map_bytes;
-  }
+  if (pinned > 0) add_pinned_blocks(pinned, options_.pin_block_bytes);
   if (need > pinned) add_block(need - pinned, spill_ ? HostTier::disk : HostTier::pageable);
 }
 
 std::size_t HostStore::prepare(std::size_t bytes) {
   std::size_t target = options_.pinned_limit == 0 ? bytes : std::min(bytes, options_.pinned_limit);
-  std::size_t added = 0;
-  for (std::size_t have = pinned_held(); have < target;) {
-    std::size_t n = std::min(options_.pin_block_bytes, align_up(target - have, block_rounding));
-    if (options_.pinned_limit != 0) n = std::min(n, pinned_room() / block_rounding * block_rounding);
-    if (n == 0) break;
-    std::size_t got = add_block(n, HostTier::pinned).map_bytes;
-    have += got;
-    added += got;
-  }
-  return added;
+  const std::size_t have = pinned_held();
+  if (have >= target) return 0;
+  std::size_t n = align_up(target - have, block_rounding);
+  if (options_.pinned_limit != 0) n = std::min(n, pinned_room() / block_rounding * block_rounding);
+  if (n == 0) return 0;
+  add_pinned_blocks(n, options_.pin_block_bytes);
+  return n;
 }
 
 HostSpan HostStore::allocate(std::size_t bytes, std::size_t remaining, std::size_t remaining_spans) {
@@ -245,20 +287,24 @@ HostSpan HostStore::allocate(std::size_t bytes, std::size_t remaining, std::size
     for (auto& b : blocks_)
       if (b->tier() == want)
         if (auto span = take(*b, want)) return *span;
-  // Grow by a block sized for what this sleep still needs, within pin_block_bytes.
+  // Grow by what this sleep still needs: pinned blocks for all of it (as the room allows) at once,
+  // so that they are pinned in the order the copies use them; beyond the limit one block within
+  // pin_block_bytes.
   std::size_t grow = std::max(rounded, std::min(options_.pin_block_bytes, remaining));
-  std::size_t room = pinned_room();
-  HostTier tier = spill_ ? HostTier::disk : HostTier::pageable;
+  const std::size_t room = pinned_room() / block_rounding * block_rounding;
+  Block* b = nullptr;
   if (room >= align_up(rounded, block_rounding)) {
-    tier = HostTier::pinned;
-    grow = std::max(rounded, std::min(grow, room / block_rounding * block_rounding));
-  } else if (tier == HostTier::disk) {
+    grow = std::max(rounded, std::min(grow, room));
+    b = &add_pinned_blocks(std::max(grow, std::min(remaining, room)), grow);
+  } else if (spill_) {
     // Disk spans are rounded up to SpillStore::alignment each.
     grow = std::max(on_disk, std::min(options_.pin_block_bytes, remaining + remaining_spans * SpillStore::alignment));
+    b = &add_block(grow, HostTier::disk);
+  } else {
+    b = &add_block(grow, HostTier::pageable);
   }
-  Block& b = add_block(grow, tier);
-  auto span = take(b, b.tier());
-  if (!span) throw error(fmt::format("internal: a new {}-byte host block cannot hold {} bytes", b.map_bytes, bytes));
+  auto span = take(*b, b->tier());
+  if (!span) throw error(fmt::format("internal: a new {}-byte host block cannot hold {} bytes", b->map_bytes, bytes));
   return *span;
 }
 
@@ -278,6 +324,12 @@ HostTier HostStore::wait_ready(const HostSpan& span) {
     note_refusal(*b);
   }
   return b->tier();
+}
+
+bool HostStore::being_pinned(const HostSpan& span) const {
+  if (span.tier != HostTier::pinned) return false;
+  const Block* b = block_of(span.ptr);
+  return b != nullptr && b->source == Source::registered && !b->job->settled();
 }
 
 void HostStore::wait_pinning() {

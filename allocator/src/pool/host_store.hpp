@@ -94,6 +94,8 @@ class HostStore {
   // The span's tier once its bytes can be copied: for a span in a block still being pinned,
   // waits for the pinning (pageable when registration was refused).
   HostTier wait_ready(const HostSpan& span);
+  // Whether the span's block is still being pinned (wait_ready would block).
+  bool being_pinned(const HostSpan& span) const;
   // Blocks until no block is being pinned.
   void wait_pinning();
   // Any allocated sub-range, exactly.
@@ -131,8 +133,14 @@ class HostStore {
   };
 
   Block& add_block(std::size_t bytes, HostTier tier);
-  Block& add_pinned_block(std::size_t bytes);
-  Block& add_beyond_limit_block(std::size_t bytes);
+  Block& keep(std::unique_ptr<Block> block);
+  // `bytes` of pinned blocks: the first of `first_block` bytes, the rest of pin_block_bytes at
+  // most; registered blocks come from one mapping. Returns the first.
+  Block& add_pinned_blocks(std::size_t bytes, std::size_t first_block);
+  Block& add_registered_blocks(std::size_t bytes, std::size_t first_block);
+  std::unique_ptr<Block> allocated_block(std::size_t bytes);
+  std::unique_ptr<Block> add_beyond_limit_block(std::size_t bytes);
+  void unregister_if_ready(Block& b);
   std::size_t pinned_room() const noexcept;
   std::size_t pinned_held() const noexcept;  // toward the limit
   Block* block_of(const std::byte* p) const;

@@ -95,6 +95,9 @@ std::size_t reuse_retained_copies(Pool::State& s, ChunkPlan& plan) {
 // Step 4: a span for every piece still without one; `needed` (what is left to place) sizes the
 // blocks the store grows by.
 void take_host_spans(Pool::State& s, SleepPlan& plan, std::size_t needed) {
+  // Events first: creating one waits for the driver behind any registration of host memory in
+  // flight, and the spans below start the pinning of new host store blocks.
+  for (std::size_t k = 0; k < plan.chunks.size(); ++k) s.event(k);
   std::size_t spans = 0;
   for (auto& cp : plan.chunks)
     for (auto& p : cp.pieces) spans += p.span.ptr == nullptr ? 1 : 0;
@@ -104,7 +107,6 @@ void take_host_spans(Pool::State& s, SleepPlan& plan, std::size_t needed) {
         p.span = s.host.allocate(p.bytes, needed, spans--);
         needed -= std::min(needed, HostStore::reserved_size(p.bytes));
       }
-  for (std::size_t k = 0; k < plan.chunks.size(); ++k) s.event(k);  // create events before the pipeline
 }
 
 }  // namespace
