@@ -178,9 +178,16 @@ for stage in "${stages[@]}"; do
       spill=$(mktemp -d "$PWD/spill.XXXXXX")
       TORPOR_LOG=info timeout 300 $build/bench/torpor_bench_sleep --no-baseline --cycles 2 --host-store-limit 16G \
         --spill-dir "$spill" --json "$OUT/bench-first-sleep-spill.json" > "$OUT/bench-first-sleep-spill.txt" 2>&1 || status=1
+      # The disk's own bandwidth, for the spill figures: 8 GiB written and read back with O_DIRECT
+      # in 64 MiB requests, in the same directory (dd, independent of torpor).
+      { timeout 120 dd if=/dev/zero of="$spill/baseline" bs=64M count=128 oflag=direct conv=fsync 2>&1 | tail -1 |
+          sed 's/^/disk baseline write (dd O_DIRECT): /'
+        timeout 120 dd if="$spill/baseline" of=/dev/null bs=64M iflag=direct 2>&1 | tail -1 |
+          sed 's/^/disk baseline read (dd O_DIRECT): /'; } > "$OUT/disk-baseline.txt" 2>&1 || status=1
       rm -rf "$spill"
       echo "== 16 GiB pinned, the rest on disk:"
       grep -E "spill|^host store|^cycle|first_l1_sleep|torpor L1" "$OUT/bench-first-sleep-spill.txt"
+      cat "$OUT/disk-baseline.txt"
       ;;
     bench-torch-sleep)
       tms_dir=$PWD/$build/tms
