@@ -33,9 +33,9 @@ float weight_uniform(std::uint64_t seed, std::uint64_t name_hash, std::uint64_t 
 
 float weight_value(const WeightVersion& v, std::uint64_t name_hash, std::uint64_t index) noexcept {
   float x = weight_uniform(v.seed, name_hash, index);
-  for (int s = 1; s <= v.updates; ++s)
+  if (v.updates > 0)
     x += v.update_scale *
-         weight_uniform(mix(v.update_seed + 0x5bd1e995ull * static_cast<std::uint64_t>(s)), name_hash, index);
+         weight_uniform(mix(v.update_seed + 0x5bd1e995ull * static_cast<std::uint64_t>(v.updates)), name_hash, index);
   return x;
 }
 

@@ -4,8 +4,10 @@
 // (version, name, i), so a rank generates exactly its shard without generating the rest, every
 // rank count sees the same logical model, and a reload after a level-2 sleep writes the same
 // bits as the first load. An RL update is modelled as a seeded perturbation: version `updates`
-// adds update_scale * noise(update_seed, s, name, i) for s = 1 .. updates to the base value, so a
-// freshly built model loading the same version gets the same bits.
+// (> 0) adds update_scale * noise(update_seed, updates, name, i) to the base value, so a freshly
+// built model loading the same version gets the same bits, consecutive versions differ by at most
+// twice update_scale, and a version costs the same to generate however many came before (a soak
+// loads hundreds).
 #pragma once
 
 #include <cstddef>
@@ -26,7 +28,7 @@ struct WeightVersion {
 std::uint64_t weight_name_hash(std::string_view name) noexcept;
 // Uniform in [-1, 1), from (seed, name hash, index).
 float weight_uniform(std::uint64_t seed, std::uint64_t name_hash, std::uint64_t index) noexcept;
-// The element's value before scaling: base uniform plus the version's updates.
+// The element's value before scaling: base uniform plus the version's perturbation.
 float weight_value(const WeightVersion& v, std::uint64_t name_hash, std::uint64_t index) noexcept;
 
 // Deterministic prompts: batch x prompt_len tokens in [0, vocab), row-major.
