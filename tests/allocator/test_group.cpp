@@ -725,7 +725,9 @@ TEST(UnixGroupProcessesAdmission, AProcessWithoutTheSecretIsRefusedAndTheGroupSt
 
 // The scenario: a process of the same user without the secret announces a large hello
 // and sends a frame now and then, and holds a pile of idle connections, for longer than the
-// group timeout. Every barrier of the group meanwhile completes within 100 ms.
+// group timeout. Every barrier of the group meanwhile completes within 250 ms: a hub that waited
+// on the stranger would hold a barrier for its frame pacing (300 ms) or the group timeout (2 s);
+// a loaded CI machine (2 cores, ctest -j) can hold a healthy one for 100 ms.
 TEST(UnixGroupProcessesHostile, AStrangerHoldingConnectionsDoesNotDelayABarrier) {
   Rendezvous rv = Rendezvous::create();
   constexpr auto timeout = 2000ms;
@@ -765,7 +767,7 @@ TEST(UnixGroupProcessesHostile, AStrangerHoldingConnectionsDoesNotDelayABarrier)
     }
     report("rank " + std::to_string(who) + ": " + std::to_string(barriers) + " barriers, worst " +
            std::to_string(worst * 1000) + " ms");
-    check(worst < 0.100, "a barrier took " + std::to_string(worst * 1000) + " ms while a stranger held connections");
+    check(worst < 0.250, "a barrier took " + std::to_string(worst * 1000) + " ms while a stranger held connections");
     if (who == 0) check(g.refused_connections() >= 36, "the strangers beyond the cap were refused");
   });
   EXPECT_EQ(failures(outcomes), "");
