@@ -112,14 +112,16 @@ struct PoolOptions {
   // on disk. Empty: no disk tier.
   std::string spill_dir;
   std::size_t spill_limit = 0;
-  // Page-locking: the pinned store grows in blocks of at most host_pin_block_bytes, each mapped,
-  // first touched by host_pin_threads threads (0 = min(16, cores)) and registered in the
-  // background while the sleep copies into the blocks already done. host_store_prepare starts
-  // pinning that many bytes when the pool is created (as prepare_host_store() does), so that the
-  // first sleep, after the engine loaded its model, runs at steady-state speed.
+  // Page-locking: the pinned store grows in blocks of at most host_pin_block_bytes (one mapping
+  // for all the blocks a sleep or a prepare adds), first touched by host_pin_threads threads
+  // (0 = min(16, cores)) and registered block by block as the touching finishes. A sleep that grows
+  // the store waits for that pinning before it copies: registering host memory stalls the
+  // device's copies meanwhile. host_store_prepare starts pinning that many bytes in the background
+  // when the pool is created (as prepare_host_store() does), so that the first sleep, after the
+  // engine loaded its model, runs at steady-state speed.
   std::size_t host_store_prepare = 0;
   int host_pin_threads = 0;
-  std::size_t host_pin_block_bytes = std::size_t{256} << 20;
+  std::size_t host_pin_block_bytes = std::size_t{1} << 30;
 };
 
 inline constexpr std::string_view default_tag = "default";

@@ -2,12 +2,14 @@
 // sleeps (and, with skip-unchanged, after it wakes, as retained copies).
 //
 // Three tiers, in the order spans are given out:
-//   pinned    page-locked memory, copied to and from at link speed. It is mapped anonymous,
-//             advised for huge pages, first-touched by several threads and registered
-//             (HostPinner), in blocks of at most pin_block_bytes, in the background: allocate()
-//             hands out spans in a block at once, and the sleep waits (wait_ready) for that block
-//             only when it copies into it, so copies into block k overlap the pinning of block
-//             k + 1. prepare() does the same ahead of a sleep (while an engine loads its model).
+//   pinned    page-locked memory, copied to and from at link speed. It is mapped anonymous (one
+//             mapping for all the blocks one growth adds), advised for huge pages, first-touched
+//             by several threads and registered (HostPinner) block by block, in blocks of at
+//             most pin_block_bytes, in the background: allocate() hands out spans in a block at
+//             once, and whoever copies waits (wait_ready) for the pinning to finish. Registration
+//             stalls the device's copies while it runs, so a sleep that grew the store waits for
+//             all of it before its first copy (sleep_plan.hpp); prepare() pins ahead of a sleep
+//             (while an engine loads its model).
 //             Where registration is refused (one log line), that block's spans are pageable and
 //             the store grows with Driver::host_alloc from then on;
 //   pageable  beyond `pinned_limit`: ordinary memory, moved through the pinned staging ring;
@@ -52,7 +54,7 @@ struct HostSpan {
 struct HostStoreOptions {
   int device = 0;                                        // registration's context
   std::size_t pinned_limit = 0;                          // page-locked bytes at most; 0 = no limit
-  std::size_t pin_block_bytes = std::size_t{256} << 20;  // pinned growth in blocks of at most this
+  std::size_t pin_block_bytes = std::size_t{1} << 30;    // pinned growth in blocks of at most this
   int pin_threads = 0;                                   // first-touch threads; 0 = min(16, cores)
   std::string spill_dir;                                 // beyond the limit: files here (empty: pageable)
   std::size_t spill_limit = 0;                           // disk bytes at most; 0 = no limit

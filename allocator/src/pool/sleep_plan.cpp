@@ -109,6 +109,16 @@ void take_host_spans(Pool::State& s, SleepPlan& plan, std::size_t needed) {
       }
 }
 
+// Step 5: when the store grew, the pinning of the new blocks finishes before any copy starts.
+// Registering host memory stalls the device's copies while it runs, and copies interleaved with
+// registrations take far longer than the two one after the other.
+void finish_pinning(Pool::State& s, std::size_t growths_before, TransitionReport& r) {
+  if (s.host.growths() == growths_before) return;
+  auto t = clock_type::now();
+  s.host.wait_pinning();
+  r.phases.push_back({"host_pinning_wait", std::chrono::duration<double>(clock_type::now() - t).count()});
+}
+
 }  // namespace
 
 void SleepPlan::free_spans(Pool::State& s) noexcept {
@@ -155,7 +165,9 @@ void plan_offload(Pool::State& s, SleepPlan& plan, TransitionReport& r) {
   if (s.options.skip_unchanged) hash_pieces(s, plan, r);
   std::size_t needed = 0;
   for (auto& cp : plan.chunks) needed += reuse_retained_copies(s, cp);
+  const std::size_t growths = s.host.growths();
   take_host_spans(s, plan, needed);
+  finish_pinning(s, growths, r);
 }
 
 }  // namespace torpor

@@ -11,10 +11,13 @@
 //      skipped when both hashes match and the copy's sample still reads the same (HostCopy;
 //      disk-tier copies are not sampled); retained copies that match no piece are stale and go
 //      back to the store first;
-//   4. take a host span for each of the other pieces (the store grows by blocks sized for what
-//      the sleep still needs; a steady cycle allocates no host memory), create one event per
-//      chunk for the pipeline. A span may lie in a block still being page-locked in the
-//      background: the pipeline waits for that block before copying into it.
+//   4. create one event per chunk for the pipeline, then take a host span for each of the other
+//      pieces (the store grows by blocks sized for what the sleep still needs; a steady cycle
+//      allocates no host memory);
+//   5. when the store grew, wait for its new blocks to be page-locked: registration stalls the
+//      device's copies while it runs, so pinning first and copying after beats interleaving them
+//      ("host_pinning_wait" phase). A span in a block that prepare() is still pinning is waited
+//      for by the pipeline, before the copy into it.
 //
 // Invariants once planned: every piece owns a host span; the planned chunks hold no retained
 // copies; the plan owns its spans until apply moves them into the chunks' backups, and
@@ -57,7 +60,7 @@ struct SleepPlan {
 
 // The chunks of `tags` a sleep at `level` changes, in VA order.
 SleepPlan select_chunks(const Pool::State& s, const std::vector<std::string>& tags, SleepLevel level);
-// Steps 1-4 above; records r.pieces, r.bytes_hashed and the "hash" phase. On failure the
+// Steps 1-5 above; records r.pieces, r.bytes_hashed and the "hash" and "host_pinning_wait" phases. On failure the
 // caller gives back the spans already taken (free_spans).
 void plan_offload(Pool::State& s, SleepPlan& plan, TransitionReport& r);
 // The host store bytes (reserved sizes) a level-1 sleep of every chunk would hold: the pieces of
