@@ -40,7 +40,7 @@ if [ "${TORPOR_SKIP_SANITIZERS:-0}" != 1 ]; then
 
   cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DTORPOR_CUDA=OFF -DTORPOR_BUILD_BENCH=OFF \
         -DTORPOR_BUILD_TOOLS=OFF -DTORPOR_SANITIZE=thread
-  cmake --build build-tsan -j "$jobs"
+  cmake --build build-tsan -j "$jobs" --target torpor_tests torpor_fusion_tests  # where the Threads tests live
   TSAN_OPTIONS=halt_on_error=1 ctest --test-dir build-tsan -j "$jobs" --output-on-failure -R 'Threads'
 
   if command -v clang++ > /dev/null; then
