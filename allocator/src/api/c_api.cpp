@@ -121,6 +121,12 @@ torpor_status guarded(const char* fn, F&& f) {
 
 struct bad_handle {};
 
+// A destroy given a handle that is not live (`what`: pool or group).
+torpor_status not_live_to_destroy(const char* fn, const char* what, const void* handle) {
+  return fail(TORPOR_ERROR_INVALID_HANDLE,
+              fmt::format("{}: {} handle {} is not a live {} (destroyed twice?)", fn, what, handle, what));
+}
+
 std::shared_ptr<CPool> lookup(torpor_pool_t handle) {
   Registry& r = registry();
   std::shared_ptr<CPool> p = r.find(r.pools, handle);
@@ -246,10 +252,7 @@ torpor_status torpor_pool_create(const torpor_pool_options* options, torpor_pool
 torpor_status torpor_pool_destroy(torpor_pool_t pool) {
   Registry& r = registry();
   std::shared_ptr<CPool> p = r.take(r.pools, pool);
-  if (!p)
-    return fail(TORPOR_ERROR_INVALID_HANDLE,
-                fmt::format("torpor_pool_destroy: pool handle {} is not a live pool (destroyed twice?)",
-                            static_cast<void*>(pool)));
+  if (!p) return not_live_to_destroy("torpor_pool_destroy", "pool", pool);
   // The pool is destroyed when the last in-flight call on it returns.
   return TORPOR_OK;
 }
@@ -497,10 +500,7 @@ torpor_status torpor_group_create_callbacks(int rank, int size, const torpor_gro
 torpor_status torpor_group_destroy(torpor_group_t group) {
   Registry& r = registry();
   std::shared_ptr<CallbackGroup> g = r.take(r.groups, group);
-  if (!g)
-    return fail(TORPOR_ERROR_INVALID_HANDLE,
-                fmt::format("torpor_group_destroy: group handle {} is not a live group (destroyed twice?)",
-                            static_cast<void*>(group)));
+  if (!g) return not_live_to_destroy("torpor_group_destroy", "group", group);
   return guarded("torpor_group_destroy", [&] { g.reset(); });
 }
 
