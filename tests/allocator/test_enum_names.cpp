@@ -26,14 +26,20 @@ std::string refusal(Parse parse, const std::string& name) {
   return "(accepted)";
 }
 
-TEST(EnumNames, MemoryClassNamesRoundTrip) {
-  const std::vector<std::pair<MemoryClass, std::string>> names = {{MemoryClass::parameter, "parameter"},
-                                                                  {MemoryClass::state, "state"},
-                                                                  {MemoryClass::cache, "cache"}};
-  for (const auto& [c, name] : names) {
-    EXPECT_EQ(to_string(c), name);
-    EXPECT_EQ(parse_memory_class(name), c);
+// Every value prints as its name and parses back from it.
+template <class E, class Parse>
+void expect_round_trip(const std::vector<std::pair<E, std::string>>& names, Parse parse) {
+  for (const auto& [value, name] : names) {
+    EXPECT_EQ(to_string(value), name);
+    EXPECT_EQ(parse(name), value) << name;
   }
+}
+
+TEST(EnumNames, MemoryClassNamesRoundTrip) {
+  expect_round_trip<MemoryClass>({{MemoryClass::parameter, "parameter"},
+                                  {MemoryClass::state, "state"},
+                                  {MemoryClass::cache, "cache"}},
+                                 parse_memory_class);
   EXPECT_EQ(to_string(static_cast<MemoryClass>(9)), "?");
   EXPECT_EQ(refusal(parse_memory_class, "weights"),
             "unknown memory class 'weights' (expected parameter, state or cache)");
@@ -42,13 +48,10 @@ TEST(EnumNames, MemoryClassNamesRoundTrip) {
 }
 
 TEST(EnumNames, FillOnWakeNamesRoundTrip) {
-  const std::vector<std::pair<FillOnWake, std::string>> names = {{FillOnWake::none, "none"},
-                                                                 {FillOnWake::zero, "zero"},
-                                                                 {FillOnWake::poison, "poison"}};
-  for (const auto& [f, name] : names) {
-    EXPECT_EQ(to_string(f), name);
-    EXPECT_EQ(parse_fill_on_wake(name), f);
-  }
+  expect_round_trip<FillOnWake>({{FillOnWake::none, "none"},
+                                 {FillOnWake::zero, "zero"},
+                                 {FillOnWake::poison, "poison"}},
+                                parse_fill_on_wake);
   EXPECT_EQ(refusal(parse_fill_on_wake, "nan"), "unknown fill_on_wake 'nan' (expected none, zero or poison)");
 }
 
@@ -60,13 +63,8 @@ TEST(EnumNames, SleepLevelRefusalListsNamesAndNumbers) {
 }
 
 TEST(EnumNames, BackendNamesRoundTripAndEmptyMeansAuto) {
-  const std::vector<std::pair<Backend, std::string>> names = {{Backend::automatic, "auto"},
-                                                              {Backend::host, "host"},
-                                                              {Backend::cuda, "cuda"}};
-  for (const auto& [b, name] : names) {
-    EXPECT_EQ(to_string(b), name);
-    EXPECT_EQ(parse_backend(name), b);
-  }
+  expect_round_trip<Backend>({{Backend::automatic, "auto"}, {Backend::host, "host"}, {Backend::cuda, "cuda"}},
+                             parse_backend);
   EXPECT_EQ(parse_backend(""), Backend::automatic);
   EXPECT_EQ(refusal(parse_backend, "tpu"), "unknown backend 'tpu' (expected auto, host or cuda)");
 }

@@ -56,17 +56,23 @@ class StandInGroup final : public HubClientGroup {
   SilentHub& hub_;
 };
 
+// `f` throws group_timeout naming the ranks `missing` and saying `text`.
+template <class F>
+void expect_timeout(F f, const std::vector<int>& missing, const std::string& text) {
+  try {
+    f();
+    ADD_FAILURE() << "expected group_timeout";
+  } catch (const group_timeout& e) {
+    EXPECT_EQ(e.missing(), missing) << e.what();
+    EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+  }
+}
+
 TEST(GroupGiveUp, ASilentHubIsReportedAfterOneGiveUp) {
   SilentHub hub;
   StandInGroup g(hub);
-  try {
-    g.barrier();
-    ADD_FAILURE() << "expected group_timeout";
-  } catch (const group_timeout& e) {
-    EXPECT_EQ(e.missing(), std::vector<int>{0}) << "the hub's host is the rank that did not answer";
-    EXPECT_NE(std::string(e.what()).find("the rendezvous (hosted by rank 0) did not answer"), std::string::npos)
-        << e.what();
-  }
+  // The missing rank is 0: the hub's host, which did not answer.
+  expect_timeout([&] { g.barrier(); }, {0}, "the rendezvous (hosted by rank 0) did not answer");
   EXPECT_EQ(hub.contributions, 1);
   EXPECT_EQ(hub.give_ups, 1) << "the rank tells the hub once that it stops waiting";
   EXPECT_THROW(g.barrier(), invalid_state) << "the group is unusable until recover()";
@@ -76,26 +82,14 @@ TEST(GroupGiveUp, TheHubsAnswerToAGiveUpNamesTheMissingRank) {
   SilentHub hub;
   hub.answer_give_up = true;
   StandInGroup g(hub);
-  try {
-    g.barrier();
-    ADD_FAILURE() << "expected group_timeout";
-  } catch (const group_timeout& e) {
-    EXPECT_EQ(e.missing(), std::vector<int>{1});
-    EXPECT_NE(std::string(e.what()).find("rank 1 did not arrive"), std::string::npos) << e.what();
-  }
+  expect_timeout([&] { g.barrier(); }, {1}, "rank 1 did not arrive");
   EXPECT_EQ(hub.give_ups, 1);
 }
 
 TEST(GroupGiveUp, RecoveryFromASilentHubTimesOutAfterOneGiveUp) {
   SilentHub hub;
   StandInGroup g(hub);
-  try {
-    g.recover();
-    ADD_FAILURE() << "expected group_timeout";
-  } catch (const group_timeout& e) {
-    EXPECT_EQ(e.missing(), std::vector<int>{0});
-    EXPECT_NE(std::string(e.what()).find("recover() got no answer from the rendezvous"), std::string::npos) << e.what();
-  }
+  expect_timeout([&] { g.recover(); }, {0}, "recover() got no answer from the rendezvous");
   EXPECT_EQ(hub.recoveries, 1);
   EXPECT_EQ(hub.recovery_give_ups, 1);
 }
