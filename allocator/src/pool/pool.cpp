@@ -22,6 +22,7 @@
 #include <limits>
 #include <optional>
 #include <span>
+#include <type_traits>
 
 #include "common/enum_names.hpp"
 #include "common/text.hpp"
@@ -570,29 +571,32 @@ void apply_mark(Allocation& a, device_ptr p, std::size_t bytes, MemoryClass memo
   }
 }
 
+// `read(allocation, offset of ptr in it)` of the live allocation holding `ptr`, under the pool's
+// lock; nothing when no live allocation holds it.
+template <class F>
+auto read_containing(Pool::State& s, const void* ptr, F read)
+    -> std::optional<std::invoke_result_t<F, const Allocation&, std::size_t>> {
+  auto p = reinterpret_cast<device_ptr>(ptr);
+  std::lock_guard lock(s.mu);
+  const Allocation* a = s.containing(p);
+  if (a == nullptr) return std::nullopt;
+  return read(*a, p - a->base);
+}
+
 }  // namespace
 
 std::optional<AllocationInfo> Pool::find(const void* ptr) const {
-  State& s = *state_;
-  auto p = reinterpret_cast<device_ptr>(ptr);
-  std::lock_guard lock(s.mu);
-  const Allocation* found = s.containing(p);
-  if (found == nullptr) return std::nullopt;
-  const Allocation& a = *found;
-  std::size_t off = p - a.base;
-  const Segment& seg = std::prev(a.segments.upper_bound(off))->second;
-  return AllocationInfo{a.base, a.bytes, off, a.chunk->tag, seg.cls, seg.name, !a.chunk->awake};
+  return read_containing(*state_, ptr, [](const Allocation& a, std::size_t off) {
+    const Segment& seg = std::prev(a.segments.upper_bound(off))->second;
+    return AllocationInfo{a.base, a.bytes, off, a.chunk->tag, seg.cls, seg.name, !a.chunk->awake};
+  });
 }
 
 std::optional<ChunkInfo> Pool::chunk_info(const void* ptr) const {
-  State& s = *state_;
-  auto p = reinterpret_cast<device_ptr>(ptr);
-  std::lock_guard lock(s.mu);
-  const Allocation* found = s.containing(p);
-  if (found == nullptr) return std::nullopt;
-  const Allocation& a = *found;
-  const Chunk& c = *a.chunk;
-  return ChunkInfo{c.va, c.bytes, a.offset, c.awake, c.kind == ChunkKind::dedicated, c.handle};
+  return read_containing(*state_, ptr, [](const Allocation& a, std::size_t) {
+    const Chunk& c = *a.chunk;
+    return ChunkInfo{c.va, c.bytes, a.offset, c.awake, c.kind == ChunkKind::dedicated, c.handle};
+  });
 }
 
 namespace {
