@@ -8,23 +8,14 @@ per-allocation baseline's sleep and wake, against the pinned-copy ceiling measur
 same run (D2H for sleeps, H2D for wakes). Latency-bound phases (unchanged level-1 sleep,
 level-2 sleep and wake) are annotated in seconds. Needs matplotlib.
 """
-import argparse
-import json
 import statistics
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import plotting  # before pyplot: selects the file-only backend
+import matplotlib.pyplot as plt
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("json")
-    ap.add_argument("-o", "--output", help="PNG path (default: the JSON path with .png)")
-    a = ap.parse_args()
-    with open(a.json) as f:
-        j = json.load(f)
+    a, j = plotting.read_results(__doc__)
     moved = j["moved_bytes"]
     ceil = j["ceiling"]
     d2h = ceil["bytes"] / ceil["d2h_seconds"] / 1e9
@@ -54,10 +45,7 @@ def main():
         fontsize=9,
     )
     ax.set_ylim(0, max(max(b[1] for b in bars), d2h, h2d) * 1.25)
-    fig.tight_layout()
-    out = a.output or a.json.rsplit(".", 1)[0] + ".png"
-    fig.savefig(out, dpi=120)
-    print(f"wrote {out}")
+    plotting.save(fig, a)
 
 
 if __name__ == "__main__":

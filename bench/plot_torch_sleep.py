@@ -8,13 +8,8 @@ byte changed, and the sleep with nothing changed, in seconds (log scale); torpor
 overhead (wall time minus the engine's own time) is annotated. Needs matplotlib.
 """
 
-import argparse
-import json
-
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import plotting  # before pyplot: selects the file-only backend
+import matplotlib.pyplot as plt
 
 PHASES = [
     ("first_sleep_seconds", "first sleep"),
@@ -25,12 +20,7 @@ PHASES = [
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("json")
-    ap.add_argument("-o", "--output", help="PNG path (default: the JSON path with .png)")
-    a = ap.parse_args()
-    with open(a.json) as f:
-        j = json.load(f)
+    a, j = plotting.read_results(__doc__)
     engines = [(name, e["summary"]) for name, e in j["engines"].items() if e.get("summary")]
     if not engines:
         raise SystemExit(f"{a.json}: no engine has results")
@@ -62,10 +52,7 @@ def main():
         title += f"\ntorpor Python overhead per sleep: {t['python_overhead_sleep_seconds'] * 1e3:.2f} ms"
     ax.set_title(title, fontsize=10)
     ax.legend()
-    fig.tight_layout()
-    out = a.output or a.json.rsplit(".", 1)[0] + ".png"
-    fig.savefig(out, dpi=120)
-    print(f"wrote {out}")
+    plotting.save(fig, a)
 
 
 if __name__ == "__main__":

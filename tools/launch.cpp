@@ -315,6 +315,21 @@ LaunchResult collect_processes(const LaunchOptions& o, int& received) {
 
 }  // namespace
 
+int default_ranks(Backend backend) {
+  DriverSelection sel = open_driver(backend);
+  return sel.backend == Backend::cuda ? sel.driver->device_count() : 2;
+}
+
+LaunchOptions model_launch(Backend backend, int ranks, bool processes, int group_timeout_s, int tail_wait_timeout_ms) {
+  LaunchOptions lo;
+  lo.ranks = ranks;
+  lo.processes = processes;
+  lo.backend = backend;
+  lo.group.timeout = std::chrono::seconds(group_timeout_s);
+  lo.failure_grace = std::chrono::milliseconds(tail_wait_timeout_ms) + lo.group.timeout + std::chrono::seconds(5);
+  return lo;
+}
+
 DriverSelection open_rank_driver(Backend backend, int ranks) {
   HostDriverOptions host = host_driver_options_from_env();
   host.devices = std::max(host.devices, ranks);

@@ -54,6 +54,15 @@ struct LaunchResult {
   bool host_memory = false;     // the ranks' pool memory was host RAM (their capability)
 };
 
+// The rank count when none is asked for: one per GPU on the cuda backend, else 2.
+int default_ranks(Backend backend);
+
+// The launch of a command that runs the tiny model on every rank (stress, rl-loop): `ranks` of
+// `backend`, as processes or threads, every group wait bounded by `group_timeout_s`; after a
+// failure the others get the tail's wait bound (`tail_wait_timeout_ms`) plus the group's to
+// notice. The caller adds the worker command line.
+LaunchOptions model_launch(Backend backend, int ranks, bool processes, int group_timeout_s, int tail_wait_timeout_ms);
+
 // The driver a launch uses: `backend`, with the host backend's emulated machine big enough for
 // `ranks` devices (TORPOR_HOST_DEVICES and TORPOR_HOST_DEVICE_MEMORY otherwise apply).
 DriverSelection open_rank_driver(Backend backend, int ranks);

@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include "launch.hpp"
 #include "torpor/error.hpp"
 
 namespace torpor::cli {
@@ -65,6 +66,16 @@ void add_model_flags(CLI::App* cmd, ModelFlags& f) {
          "--unfused", f.unfused,
          "Take the tail's default (unfused) path even where the fused one can be built; the tokens must be the same")
       ->group(g);
+}
+
+void add_rank_run_flags(CLI::App* cmd, int& group_timeout_s, bool& progress, ModelFlags& model, bool& worker) {
+  cmd->add_option("--timeout", group_timeout_s, "Bound on every group wait, in seconds")
+      ->check(CLI::Range(1, max_timeout_s))
+      ->capture_default_str();
+  cmd->add_flag(
+      "--no-progress", [&progress](std::int64_t) { progress = false; }, "No progress line on the terminal");
+  add_model_flags(cmd, model);
+  cmd->add_flag("--worker", worker, "Internal: run as one rank (group from the environment)")->group("");
 }
 
 RankEngine::RankEngine(Driver& driver, Group& group, int device, const ModelFlags& flags, FillOnWake fill,

@@ -34,6 +34,11 @@ struct ModelFlags {
 
 void add_model_flags(CLI::App* cmd, ModelFlags& flags);
 
+// What every command that runs the model over ranks ends its flags with: --timeout (every group
+// wait, in seconds), --no-progress, the model's flags, and the hidden --worker (one rank of a
+// process launch).
+void add_rank_run_flags(CLI::App* cmd, int& group_timeout_s, bool& progress, ModelFlags& model, bool& worker);
+
 // One rank's engine. Members are destroyed model first, pool last.
 struct RankEngine {
   RankEngine(Driver& driver, Group& group, int device, const ModelFlags& flags, FillOnWake fill,

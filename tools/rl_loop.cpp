@@ -160,23 +160,13 @@ nlohmann::json rl_rank(const RlOptions& o, Driver& driver, Group& group, int dev
 
 int rl_main(RlOptions o) {
   const Backend backend = parse_backend(o.backend);
-  if (o.ranks == 0) {
-    DriverSelection sel = open_driver(backend);
-    o.ranks = sel.backend == Backend::cuda ? sel.driver->device_count() : 2;
-  }
+  if (o.ranks == 0) o.ranks = default_ranks(backend);
   (void)parse_size(o.train_cap);  // refused here, naming the flag's text, rather than in every rank
   if (!(o.update_scale > 0 && o.update_scale <= 1000))  // written so that NaN fails too
     throw invalid_argument(fmt::format("--update-scale {}: use a number in (0, 1000]", o.update_scale));
   if (!(o.train_fraction >= 0.9 && o.train_fraction <= 1.0))
     throw invalid_argument(fmt::format("--train-fraction {}: must be in [0.9, 1]", o.train_fraction));
-  GroupOptions go;
-  go.timeout = std::chrono::seconds(o.group_timeout_s);
-  LaunchOptions lo;
-  lo.ranks = o.ranks;
-  lo.processes = o.processes;
-  lo.backend = backend;
-  lo.group = go;
-  lo.failure_grace = std::chrono::milliseconds(o.model.wait_timeout_ms) + go.timeout + std::chrono::seconds(5);
+  LaunchOptions lo = model_launch(backend, o.ranks, o.processes, o.group_timeout_s, o.model.wait_timeout_ms);
   lo.worker_args = {"rl-loop",          "--worker",
                     "--backend",        o.backend,
                     "--ranks",          std::to_string(o.ranks),
@@ -283,13 +273,7 @@ void add_rl_loop(CLI::App& app, int& exit_code) {
                   "Host backend only: at most this much host memory for the training phase")
       ->capture_default_str();
   cmd->add_option("--json", o->json, "Also write the results as JSON to this file");
-  cmd->add_option("--timeout", o->group_timeout_s, "Bound on every group wait, in seconds")
-      ->check(CLI::Range(1, max_timeout_s))
-      ->capture_default_str();
-  cmd->add_flag(
-      "--no-progress", [o](std::int64_t) { o->progress = false; }, "No progress line on the terminal");
-  add_model_flags(cmd, o->model);
-  cmd->add_flag("--worker", o->worker, "Internal: run as one rank (group from the environment)")->group("");
+  add_rank_run_flags(cmd, o->group_timeout_s, o->progress, o->model, o->worker);
   cmd->callback([o, &exit_code] {
     if (o->worker) {
       GroupOptions go;

@@ -41,11 +41,6 @@ std::vector<std::string> worker_args(const StressOptions& o, int ranks) {
   return a;
 }
 
-int default_ranks(Backend backend) {
-  DriverSelection sel = open_driver(backend);
-  return sel.backend == Backend::cuda ? sel.driver->device_count() : 2;
-}
-
 int stress_main(StressOptions o) {
   const Backend backend = parse_backend(o.backend);
   if (o.ranks == 0) o.ranks = default_ranks(backend);
@@ -54,15 +49,7 @@ int stress_main(StressOptions o) {
   if (o.negative_rank < 0 || o.negative_rank >= o.ranks)
     throw invalid_argument(fmt::format("--negative-control-rank {}: use a rank in [0, {}] ({} ranks)", o.negative_rank,
                                        o.ranks - 1, o.ranks));
-  GroupOptions go;
-  go.timeout = std::chrono::seconds(o.group_timeout_s);
-  LaunchOptions lo;
-  lo.ranks = o.ranks;
-  lo.processes = o.processes;
-  lo.backend = backend;
-  lo.group = go;
-  // After a failure the others get the tail's wait bound plus the group's to notice.
-  lo.failure_grace = std::chrono::milliseconds(o.model.wait_timeout_ms) + go.timeout + std::chrono::seconds(5);
+  LaunchOptions lo = model_launch(backend, o.ranks, o.processes, o.group_timeout_s, o.model.wait_timeout_ms);
   lo.worker_args = worker_args(o, o.ranks);
   LaunchResult r =
       launch(lo, [&o](Driver& driver, Group& group, int device) { return stress_rank(o, driver, group, device); });
@@ -136,13 +123,7 @@ void add_stress(CLI::App& app, int& exit_code) {
                   "The rank whose tail state is zeroed (default: the last)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--json", o->json, "Also write the results as JSON to this file ('-': JSON on stdout, no table)");
-  cmd->add_option("--timeout", o->group_timeout_s, "Bound on every group wait, in seconds")
-      ->check(CLI::Range(1, max_timeout_s))
-      ->capture_default_str();
-  cmd->add_flag(
-      "--no-progress", [o](std::int64_t) { o->progress = false; }, "No progress line on the terminal");
-  add_model_flags(cmd, o->model);
-  cmd->add_flag("--worker", o->worker, "Internal: run as one rank (group from the environment)")->group("");
+  add_rank_run_flags(cmd, o->group_timeout_s, o->progress, o->model, o->worker);
   cmd->callback([o, cmd, &exit_code] {
     if (!o->negative_control.empty()) {
       // A short wait bound, so the failure comes quickly; the group's bound just above it.

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 
+#include "expert_sharding.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 
@@ -32,11 +33,8 @@ void validate(const LatentMoEConfig& c, const LatentMoEWeights& w, int ranks) {
           fmt::format("top_k = {} must be in [1, {}]", c.top_k, kernels::max_top_k));
   require(c.experts >= c.top_k && c.experts <= kernels::max_experts,
           fmt::format("experts = {} must be in [top_k = {}, {}]", c.experts, c.top_k, kernels::max_experts));
-  require(c.inter > 0 && c.inter % ranks == 0,
-          fmt::format("inter = {} must be a positive multiple of the rank count {} (it is sharded over the ranks)",
-                      c.inter, ranks));
-  require(c.shared_inter >= 0 && c.shared_inter % ranks == 0,
-          fmt::format("shared_inter = {} must be 0 or a multiple of the rank count {}", c.shared_inter, ranks));
+  const std::string sharding = expert_sharding_problem(c.inter, c.shared_inter, ranks);
+  require(sharding.empty(), sharding);
   require(c.max_tokens >= 1, fmt::format("max_tokens = {} must be at least 1", c.max_tokens));
   require(w.router && w.down && w.experts_gate_up && w.experts_down && w.up,
           "a weight pointer is null (router, down, experts_gate_up, experts_down and up are required)");

@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cmath>
 
+#include "expert_sharding.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 
@@ -49,11 +50,8 @@ void require(bool ok, const std::string& what) {
 }
 
 void validate(const TinyMoeConfig& c, int ranks) {
-  require(c.inter > 0 && c.inter % ranks == 0,
-          fmt::format("inter = {} must be a positive multiple of the rank count {} (it is sharded over the ranks)",
-                      c.inter, ranks));
-  require(c.shared_inter >= 0 && c.shared_inter % ranks == 0,
-          fmt::format("shared_inter = {} must be 0 or a multiple of the rank count {}", c.shared_inter, ranks));
+  const std::string sharding = expert_sharding_problem(c.inter, c.shared_inter, ranks);
+  require(sharding.empty(), sharding);
   require(c.vocab >= 2, fmt::format("vocab = {} must be at least 2", c.vocab));
   require(c.hidden > 0 && c.hidden % 64 == 0,
           fmt::format("hidden = {} must be a positive multiple of 64 (the tail's requirement)", c.hidden));

@@ -154,6 +154,9 @@ TEST(BadInputCApi, UseOfADestroyedPool) {
   EXPECT_EQ(torpor_free(pool, p), TORPOR_ERROR_INVALID_HANDLE);
   EXPECT_EQ(torpor_sleep(pool, 1, nullptr, 0), TORPOR_ERROR_INVALID_HANDLE);
   EXPECT_EQ(torpor_pool_destroy(pool), TORPOR_ERROR_INVALID_HANDLE);
+  EXPECT_NE(std::string(torpor_last_error()).find("torpor_pool_destroy: pool handle "), std::string::npos);
+  EXPECT_NE(std::string(torpor_last_error()).find(" is not a live pool (destroyed twice?)"), std::string::npos)
+      << torpor_last_error();
   EXPECT_EQ(torpor_pool_backend(pool), nullptr);
 }
 

@@ -413,6 +413,9 @@ TEST(CollectiveSleepThreads, TheCApiSleepsAndWakesEveryRankAndRejectsAMismatch) 
     EXPECT_EQ(torpor_collective_wake_up(pools[r], groups[r], nullptr, 0), TORPOR_ERROR_INVALID_HANDLE);
     EXPECT_EQ(torpor_pool_destroy(pools[r]), TORPOR_OK);
   }
+  EXPECT_EQ(torpor_group_destroy(groups[0]), TORPOR_ERROR_INVALID_HANDLE);
+  EXPECT_TRUE(contains(torpor_last_error(), "torpor_group_destroy: group handle ")) << torpor_last_error();
+  EXPECT_TRUE(contains(torpor_last_error(), " is not a live group (destroyed twice?)")) << torpor_last_error();
 }
 
 UniqueFd memfd_with(const std::string& text) {

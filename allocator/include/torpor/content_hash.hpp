@@ -16,11 +16,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__CUDACC__)
-#define TORPOR_HD __host__ __device__ __forceinline__
-#else
-#define TORPOR_HD inline
-#endif
+#include "torpor/host_device.hpp"
 
 namespace torpor {
 

@@ -48,6 +48,35 @@ struct Registry {
   std::uintptr_t next = 1;
   std::map<std::uintptr_t, std::shared_ptr<CPool>> pools;
   std::map<std::uintptr_t, std::shared_ptr<CallbackGroup>> groups;  // ids shared with pools
+
+  // `object` under a fresh id, which is its handle.
+  template <class T>
+  std::uintptr_t add(std::map<std::uintptr_t, std::shared_ptr<T>>& live, std::shared_ptr<T> object) {
+    std::lock_guard lock(mu);
+    std::uintptr_t id = next++;
+    live.emplace(id, std::move(object));
+    return id;
+  }
+
+  // The live object behind `handle`, or null.
+  template <class T>
+  std::shared_ptr<T> find(std::map<std::uintptr_t, std::shared_ptr<T>>& live, const void* handle) {
+    std::lock_guard lock(mu);
+    auto it = live.find(reinterpret_cast<std::uintptr_t>(handle));
+    return it == live.end() ? nullptr : it->second;
+  }
+
+  // Unregisters the object behind `handle` and hands it back (null when `handle` is not live): it
+  // is destroyed outside the lock, when the caller and every in-flight call have let go of it.
+  template <class T>
+  std::shared_ptr<T> take(std::map<std::uintptr_t, std::shared_ptr<T>>& live, const void* handle) {
+    std::lock_guard lock(mu);
+    auto it = live.find(reinterpret_cast<std::uintptr_t>(handle));
+    if (it == live.end()) return nullptr;
+    std::shared_ptr<T> object = std::move(it->second);
+    live.erase(it);
+    return object;
+  }
 };
 
 // Never destroyed: pools may be used from other static destructors at exit.
@@ -92,12 +121,17 @@ torpor_status guarded(const char* fn, F&& f) {
 
 struct bad_handle {};
 
+// A destroy given a handle that is not live (`what`: pool or group).
+torpor_status not_live_to_destroy(const char* fn, const char* what, const void* handle) {
+  return fail(TORPOR_ERROR_INVALID_HANDLE,
+              fmt::format("{}: {} handle {} is not a live {} (destroyed twice?)", fn, what, handle, what));
+}
+
 std::shared_ptr<CPool> lookup(torpor_pool_t handle) {
   Registry& r = registry();
-  std::lock_guard lock(r.mu);
-  auto it = r.pools.find(reinterpret_cast<std::uintptr_t>(handle));
-  if (it == r.pools.end()) throw bad_handle{};
-  return it->second;
+  std::shared_ptr<CPool> p = r.find(r.pools, handle);
+  if (!p) throw bad_handle{};
+  return p;
 }
 
 template <typename F>
@@ -211,26 +245,14 @@ torpor_status torpor_pool_create(const torpor_pool_options* options, torpor_pool
     po.spill_limit = o.spill_limit;
     cp->pool = std::make_unique<Pool>(*cp->driver.driver, po);
     Registry& r = registry();
-    std::lock_guard lock(r.mu);
-    std::uintptr_t id = r.next++;
-    r.pools[id] = std::move(cp);
-    *out = reinterpret_cast<torpor_pool_t>(id);
+    *out = reinterpret_cast<torpor_pool_t>(r.add(r.pools, std::move(cp)));
   });
 }
 
 torpor_status torpor_pool_destroy(torpor_pool_t pool) {
-  std::shared_ptr<CPool> p;
-  {
-    Registry& r = registry();
-    std::lock_guard lock(r.mu);
-    auto it = r.pools.find(reinterpret_cast<std::uintptr_t>(pool));
-    if (it == r.pools.end())
-      return fail(TORPOR_ERROR_INVALID_HANDLE,
-                  fmt::format("torpor_pool_destroy: pool handle {} is not a live pool (destroyed twice?)",
-                              static_cast<void*>(pool)));
-    p = std::move(it->second);
-    r.pools.erase(it);
-  }
+  Registry& r = registry();
+  std::shared_ptr<CPool> p = r.take(r.pools, pool);
+  if (!p) return not_live_to_destroy("torpor_pool_destroy", "pool", pool);
   // The pool is destroyed when the last in-flight call on it returns.
   return TORPOR_OK;
 }
@@ -443,13 +465,8 @@ GroupCallbacks callbacks_of(const torpor_group_callbacks& c, int size) {
 
 template <typename F>
 torpor_status with_pool_and_group(const char* fn, torpor_pool_t pool, torpor_group_t group, F&& f) {
-  std::shared_ptr<CallbackGroup> g;
-  {
-    Registry& r = registry();
-    std::lock_guard lock(r.mu);
-    auto it = r.groups.find(reinterpret_cast<std::uintptr_t>(group));
-    if (it != r.groups.end()) g = it->second;
-  }
+  Registry& r = registry();
+  std::shared_ptr<CallbackGroup> g = r.find(r.groups, group);
   if (!g)
     return fail(TORPOR_ERROR_INVALID_HANDLE, fmt::format("{}: group handle {} is not a live group (destroyed, or "
                                                          "never created)",
@@ -476,26 +493,14 @@ torpor_status torpor_group_create_callbacks(int rank, int size, const torpor_gro
     o.timeout = std::chrono::milliseconds(timeout_ms);
     auto g = std::make_shared<CallbackGroup>(rank, size, callbacks_of(*callbacks, size), o);
     Registry& r = registry();
-    std::lock_guard lock(r.mu);
-    std::uintptr_t id = r.next++;
-    r.groups.emplace(id, std::move(g));
-    *out = reinterpret_cast<torpor_group_t>(id);
+    *out = reinterpret_cast<torpor_group_t>(r.add(r.groups, std::move(g)));
   });
 }
 
 torpor_status torpor_group_destroy(torpor_group_t group) {
-  std::shared_ptr<CallbackGroup> g;
-  {
-    Registry& r = registry();
-    std::lock_guard lock(r.mu);
-    auto it = r.groups.find(reinterpret_cast<std::uintptr_t>(group));
-    if (it == r.groups.end())
-      return fail(TORPOR_ERROR_INVALID_HANDLE,
-                  fmt::format("torpor_group_destroy: group handle {} is not a live group (destroyed twice?)",
-                              static_cast<void*>(group)));
-    g = std::move(it->second);
-    r.groups.erase(it);
-  }
+  Registry& r = registry();
+  std::shared_ptr<CallbackGroup> g = r.take(r.groups, group);
+  if (!g) return not_live_to_destroy("torpor_group_destroy", "group", group);
   return guarded("torpor_group_destroy", [&] { g.reset(); });
 }
 

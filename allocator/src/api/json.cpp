@@ -1,76 +1,44 @@
 // JSON forms of stats and reports, for `--json` in the CLI and for the C API (which the
-// Python package reads). Field names match the C++ members.
+// Python package reads). Field names are the C++ members' own: each struct lists its scalar
+// members once (nlohmann's NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE writes `"name": value` for each),
+// and only what is not a plain member (tags keyed by name, classes by class name, phases by
+// phase name) is written by hand. Objects keep their keys sorted, so the order of a list does
+// not show in the document.
 #include <nlohmann/json.hpp>
 
 #include "torpor/pool.hpp"
 
 namespace torpor {
 
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ClassStats, allocated_bytes, offloaded_bytes, discarded_bytes)
+
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(TagStats, asleep, level, chunks, allocations, allocated_bytes, reserved_bytes,
+                                   mapped_bytes, offloaded_bytes, discarded_bytes)
+
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(PoolStats, device, backend, va_bytes, va_used_bytes, granularity, mapped_bytes,
+                                   cached_bytes, chunks, allocations, host_store_bytes, host_store_pinned_bytes,
+                                   host_store_pinning_bytes, host_store_pageable_bytes, host_store_used_bytes,
+                                   retained_bytes, spill_bytes, spill_used_bytes, spill_path, spill_direct_io,
+                                   host_registration_refused, pending_releases, address_ranges_bytes)
+
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(TransitionReport, operation, level, tags, chunks, bytes_offloaded, bytes_skipped,
+                                   bytes_hashed, bytes_staged, bytes_spilled, pieces, bytes_discarded, bytes_released,
+                                   bytes_mapped, bytes_restored, bytes_filled, seconds)
+
 std::string to_json(const PoolStats& st, int indent) {
-  nlohmann::json j;
-  j["device"] = st.device;
-  j["backend"] = st.backend;
-  j["va_bytes"] = st.va_bytes;
-  j["va_used_bytes"] = st.va_used_bytes;
-  j["granularity"] = st.granularity;
-  j["mapped_bytes"] = st.mapped_bytes;
-  j["cached_bytes"] = st.cached_bytes;
-  j["chunks"] = st.chunks;
-  j["allocations"] = st.allocations;
-  j["host_store_bytes"] = st.host_store_bytes;
-  j["host_store_pinned_bytes"] = st.host_store_pinned_bytes;
-  j["host_store_pinning_bytes"] = st.host_store_pinning_bytes;
-  j["host_store_pageable_bytes"] = st.host_store_pageable_bytes;
-  j["host_store_used_bytes"] = st.host_store_used_bytes;
-  j["retained_bytes"] = st.retained_bytes;
-  j["spill_bytes"] = st.spill_bytes;
-  j["spill_used_bytes"] = st.spill_used_bytes;
-  j["spill_path"] = st.spill_path;
-  j["spill_direct_io"] = st.spill_direct_io;
-  j["host_registration_refused"] = st.host_registration_refused;
-  j["pending_releases"] = st.pending_releases;
-  j["address_ranges_bytes"] = st.address_ranges_bytes;
+  nlohmann::json j = st;
   j["tags"] = nlohmann::json::object();
   for (const auto& t : st.tags) {
-    nlohmann::json x;
-    x["asleep"] = t.asleep;
-    x["level"] = t.level;
-    x["chunks"] = t.chunks;
-    x["allocations"] = t.allocations;
-    x["allocated_bytes"] = t.allocated_bytes;
-    x["reserved_bytes"] = t.reserved_bytes;
-    x["mapped_bytes"] = t.mapped_bytes;
-    x["offloaded_bytes"] = t.offloaded_bytes;
-    x["discarded_bytes"] = t.discarded_bytes;
-    for (std::size_t c = 0; c < memory_class_count; ++c) {
-      const ClassStats& cs = t.classes[c];
-      x["classes"][std::string(to_string(static_cast<MemoryClass>(c)))] = {{"allocated_bytes", cs.allocated_bytes},
-                                                                           {"offloaded_bytes", cs.offloaded_bytes},
-                                                                           {"discarded_bytes", cs.discarded_bytes}};
-    }
+    nlohmann::json x = t;
+    for (std::size_t c = 0; c < memory_class_count; ++c)
+      x["classes"][std::string(to_string(static_cast<MemoryClass>(c)))] = t.classes[c];
     j["tags"][t.tag] = x;
   }
   return j.dump(indent);
 }
 
 std::string to_json(const TransitionReport& r, int indent) {
-  nlohmann::json j;
-  j["operation"] = r.operation;
-  j["level"] = r.level;
-  j["tags"] = r.tags;
-  j["chunks"] = r.chunks;
-  j["bytes_offloaded"] = r.bytes_offloaded;
-  j["bytes_skipped"] = r.bytes_skipped;
-  j["bytes_hashed"] = r.bytes_hashed;
-  j["bytes_staged"] = r.bytes_staged;
-  j["bytes_spilled"] = r.bytes_spilled;
-  j["pieces"] = r.pieces;
-  j["bytes_discarded"] = r.bytes_discarded;
-  j["bytes_released"] = r.bytes_released;
-  j["bytes_mapped"] = r.bytes_mapped;
-  j["bytes_restored"] = r.bytes_restored;
-  j["bytes_filled"] = r.bytes_filled;
-  j["seconds"] = r.seconds;
+  nlohmann::json j = r;
   j["phases"] = nlohmann::json::object();
   for (const auto& p : r.phases) j["phases"][p.name] = p.seconds;
   return j.dump(indent);

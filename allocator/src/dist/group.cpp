@@ -78,6 +78,16 @@ void HubClientGroup::raise(const Received& r) {
   throw invalid_state(text);
 }
 
+std::optional<Received> HubClientGroup::reply_or_give_up(Wait& wait, const std::function<void()>& give_up) {
+  for (;;) {
+    if (std::optional<Received> r = next_reply(wait.deadline)) return r;
+    if (wait.gave_up) return std::nullopt;
+    wait.gave_up = true;
+    give_up();
+    wait.deadline = clock::now() + give_up_grace();
+  }
+}
+
 std::vector<Part> HubClientGroup::exchange(CollectiveKind kind, Part part) {
   if (broken_)
     throw invalid_state(fmt::format("{}: the group is unusable after a failed collective ({}); call recover() on "
@@ -86,17 +96,12 @@ std::vector<Part> HubClientGroup::exchange(CollectiveKind kind, Part part) {
   const std::uint64_t seq = ++seq_;
   const auto start = clock::now();
   post_contribution(gen_, seq, kind, std::move(part));
-  auto deadline = start + timeout_;
-  bool gave_up = false;
+  Wait wait{start + timeout_};
   for (;;) {
-    std::optional<Received> r = next_reply(deadline);
+    std::optional<Received> r = reply_or_give_up(wait, [&] {
+      post_give_up(gen_, seq, std::chrono::duration<double>(clock::now() - start).count());
+    });
     if (!r) {
-      if (!gave_up) {
-        gave_up = true;
-        post_give_up(gen_, seq, std::chrono::duration<double>(clock::now() - start).count());
-        deadline = clock::now() + give_up_grace();
-        continue;
-      }
       broken_ = "the rendezvous did not answer";
       throw group_timeout(fmt::format("{}: collective #{} ({}) timed out and the rendezvous (hosted by rank 0) did not "
                                       "answer within {} ms",
@@ -143,17 +148,10 @@ void HubClientGroup::barrier() { exchange(CollectiveKind::barrier, Part{}); }
 
 void HubClientGroup::recover() {
   post_recover(gen_);
-  auto deadline = clock::now() + timeout_;
-  bool gave_up = false;
+  Wait wait{clock::now() + timeout_};
   for (;;) {
-    std::optional<Received> r = next_reply(deadline);
+    std::optional<Received> r = reply_or_give_up(wait, [&] { post_give_up_recovery(gen_); });
     if (!r) {
-      if (!gave_up) {
-        gave_up = true;
-        post_give_up_recovery(gen_);
-        deadline = clock::now() + give_up_grace();
-        continue;
-      }
       throw group_timeout(fmt::format("{}: recover() got no answer from the rendezvous (hosted by rank 0) within {} ms",
                                       who(), (timeout_ + give_up_grace()).count()),
                           {0});

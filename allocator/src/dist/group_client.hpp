@@ -9,6 +9,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <optional>
 #include <string>
 
@@ -57,6 +58,15 @@ class HubClientGroup : public Group {
   std::string who() const;
 
  private:
+  // One wait for the hub: until `deadline`, then (having given up) for the hub's answer to that.
+  struct Wait {
+    clock::time_point deadline;
+    bool gave_up = false;
+  };
+  // The next reply before wait.deadline. At the first silence `give_up` tells the hub this rank
+  // stops waiting, and the wait goes on give_up_grace() for its answer; nothing when that passes
+  // too (the hub is gone).
+  std::optional<Received> reply_or_give_up(Wait& wait, const std::function<void()>& give_up);
   [[noreturn]] void raise(const Received& r);
 
   int rank_;

@@ -2,9 +2,11 @@
 
 #include <fmt/format.h>
 
+#include <array>
 #include <map>
 #include <mutex>
 
+#include "common/enum_names.hpp"
 #include "common/options.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
@@ -14,20 +16,18 @@
 
 namespace torpor {
 
-std::string_view to_string(Backend b) noexcept {
-  switch (b) {
-    case Backend::automatic: return "auto";
-    case Backend::host: return "host";
-    case Backend::cuda: return "cuda";
-  }
-  return "?";
-}
+namespace {
+
+constexpr auto backend_names =
+    std::to_array<EnumName<Backend>>({{Backend::automatic, "auto"}, {Backend::host, "host"}, {Backend::cuda, "cuda"}});
+
+}  // namespace
+
+std::string_view to_string(Backend b) noexcept { return name_of(backend_names, b); }
 
 Backend parse_backend(std::string_view name) {
-  if (name == "auto" || name.empty()) return Backend::automatic;
-  if (name == "host") return Backend::host;
-  if (name == "cuda") return Backend::cuda;
-  throw invalid_argument(fmt::format("unknown backend '{}' (expected auto, host or cuda)", name));
+  if (name.empty()) return Backend::automatic;
+  return parse_named(backend_names, name, "backend");
 }
 
 Backend backend_from_env() { return parse_backend(options::backend()); }

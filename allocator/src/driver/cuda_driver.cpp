@@ -107,6 +107,12 @@ struct HashJob {  // matches the kernel's layout
 
 constexpr unsigned long long hash_slice_bytes = 1ull << 20;
 
+// The seam's opaque values as the driver's types.
+CUstream cu(Stream s) { return reinterpret_cast<CUstream>(s.value); }
+CUevent cu(Event e) { return reinterpret_cast<CUevent>(e.value); }
+CUmemGenericAllocationHandle cu(PhysicalHandle h) { return static_cast<CUmemGenericAllocationHandle>(h.value); }
+CUmemGenericAllocationHandle cu(MulticastHandle h) { return static_cast<CUmemGenericAllocationHandle>(h.value); }
+
 }  // namespace
 
 struct CudaDriver::Impl {
@@ -200,6 +206,49 @@ struct CudaDriver::Impl {
     CUcontext cur = nullptr;
     if (cuCtxGetCurrent_(&cur) == CUDA_SUCCESS && cur != nullptr) return ContextGuard(this, cur, false);
     return bind(device, call);
+  }
+
+  // One driver call in `device`'s primary context, its result checked: `call` names the entry
+  // point in errors, `args` what it was given.
+  template <class Fn, class... Args>
+  void call_on(int device, const char* call, const std::string& args, Fn fn, Args... a) {
+    auto context = bind(device, call);
+    check(fn(a...), call, args);
+  }
+
+  // The same in the caller's context if it has one (VA and handle calls need only some context).
+  template <class Fn, class... Args>
+  void call_in_context(const char* call, const std::string& args, Fn fn, Args... a) {
+    auto context = ensure_context(call);
+    check(fn(a...), call, args);
+  }
+
+  // A stream or an event of `device` (`Handle` its seam type, `Cu` the driver's), made with `flags`.
+  template <class Handle, class Cu, class Fn>
+  Handle create_on(int device, const char* call, Fn fn, unsigned flags) {
+    Cu h = nullptr;
+    call_on(device, call, fmt::format("device {}", device), fn, &h, flags);
+    return Handle{reinterpret_cast<std::uint64_t>(h), device};
+  }
+
+  // The POSIX descriptor of a memory or multicast handle; `call` names the export in errors.
+  int export_handle(CUmemGenericAllocationHandle h, const char* call) {
+    auto context = ensure_context("cuMemExportToShareableHandle");
+    int fd = -1;
+    check(cuMemExportToShareableHandle_(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), call,
+          fmt::format("handle {:#x}", h));
+    return fd;
+  }
+
+  // The handle a descriptor from export_handle stands for (in this process).
+  CUmemGenericAllocationHandle import_handle(int fd, const char* call) {
+    auto context = ensure_context("cuMemImportFromShareableHandle");
+    CUmemGenericAllocationHandle h = 0;
+    // The POSIX fd is passed by value, cast through a pointer-sized integer as the API requires.
+    check(cuMemImportFromShareableHandle_(&h, reinterpret_cast<void*>(static_cast<std::uintptr_t>(fd)),
+                                          CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+          call, fmt::format("fd {}", fd));
+    return h;
   }
 
   CUmemAllocationProp prop(int device, bool exportable) const {
@@ -342,10 +391,8 @@ device_ptr CudaDriver::reserve(std::size_t bytes, std::size_t alignment) {
 }
 
 void CudaDriver::free_reservation(device_ptr va, std::size_t bytes) {
-  Impl& d = *impl_;
-  auto context = d.ensure_context("cuMemAddressFree");
-  d.check(d.cuMemAddressFree_(static_cast<CUdeviceptr>(va), bytes), "cuMemAddressFree",
-          fmt::format("va {:#x} size {:#x}", va, bytes));
+  impl_->call_in_context("cuMemAddressFree", fmt::format("va {:#x} size {:#x}", va, bytes), impl_->cuMemAddressFree_,
+                         static_cast<CUdeviceptr>(va), bytes);
 }
 
 PhysicalHandle CudaDriver::create(int device, std::size_t bytes, bool exportable) {
@@ -359,26 +406,19 @@ PhysicalHandle CudaDriver::create(int device, std::size_t bytes, bool exportable
 }
 
 void CudaDriver::release(PhysicalHandle handle) {
-  Impl& d = *impl_;
-  auto context = d.ensure_context("cuMemRelease");
-  d.check(d.cuMemRelease_(static_cast<CUmemGenericAllocationHandle>(handle.value)), "cuMemRelease",
-          fmt::format("handle {:#x}", handle.value));
+  impl_->call_in_context("cuMemRelease", fmt::format("handle {:#x}", handle.value), impl_->cuMemRelease_, cu(handle));
 }
 
 void CudaDriver::map(device_ptr va, std::size_t bytes, PhysicalHandle handle, std::size_t handle_offset) {
-  Impl& d = *impl_;
-  auto context = d.ensure_context("cuMemMap");
-  d.check(d.cuMemMap_(static_cast<CUdeviceptr>(va), bytes, handle_offset,
-                      static_cast<CUmemGenericAllocationHandle>(handle.value), 0),
-          "cuMemMap",
-          fmt::format("va {:#x} size {:#x} handle {:#x} offset {:#x}", va, bytes, handle.value, handle_offset));
+  impl_->call_in_context("cuMemMap",
+                         fmt::format("va {:#x} size {:#x} handle {:#x} offset {:#x}", va, bytes, handle.value,
+                                     handle_offset),
+                         impl_->cuMemMap_, static_cast<CUdeviceptr>(va), bytes, handle_offset, cu(handle), 0);
 }
 
 void CudaDriver::unmap(device_ptr va, std::size_t bytes) {
-  Impl& d = *impl_;
-  auto context = d.ensure_context("cuMemUnmap");
-  d.check(d.cuMemUnmap_(static_cast<CUdeviceptr>(va), bytes), "cuMemUnmap",
-          fmt::format("va {:#x} size {:#x}", va, bytes));
+  impl_->call_in_context("cuMemUnmap", fmt::format("va {:#x} size {:#x}", va, bytes), impl_->cuMemUnmap_,
+                         static_cast<CUdeviceptr>(va), bytes);
 }
 
 void CudaDriver::set_access(device_ptr va, std::size_t bytes, std::span<const int> devices) {
@@ -398,32 +438,29 @@ void CudaDriver::set_access(device_ptr va, std::size_t bytes, std::span<const in
 }
 
 int CudaDriver::export_fd(PhysicalHandle handle) {
-  Impl& d = *impl_;
-  auto context = d.ensure_context("cuMemExportToShareableHandle");
-  int fd = -1;
-  d.check(d.cuMemExportToShareableHandle_(&fd, static_cast<CUmemGenericAllocationHandle>(handle.value),
-                                          CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-          "cuMemExportToShareableHandle", fmt::format("handle {:#x}", handle.value));
-  return fd;
+  return impl_->export_handle(cu(handle), "cuMemExportToShareableHandle");
 }
 
 PhysicalHandle CudaDriver::import_fd(int fd) {
-  Impl& d = *impl_;
-  auto context = d.ensure_context("cuMemImportFromShareableHandle");
-  CUmemGenericAllocationHandle h = 0;
-  // The POSIX fd is passed by value, cast through a pointer-sized integer as the API requires.
-  d.check(d.cuMemImportFromShareableHandle_(&h, reinterpret_cast<void*>(static_cast<std::uintptr_t>(fd)),
-                                            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
-          "cuMemImportFromShareableHandle", fmt::format("fd {}", fd));
-  return PhysicalHandle{static_cast<std::uint64_t>(h)};
+  return PhysicalHandle{impl_->import_handle(fd, "cuMemImportFromShareableHandle")};
 }
 
 namespace {
+
 void refuse_if_killed(const char* call) {
   if (auto k = multicast_kill_switch())
     throw_driver_error(CUDA_ERROR_NOT_PERMITTED, call,
                        fmt::format("refused: multicast is disabled by {}; torpor never calls it then", *k));
 }
+
+CUmulticastObjectProp multicast_prop(std::span<const int> devices, std::size_t bytes) {
+  CUmulticastObjectProp prop{};
+  prop.numDevices = static_cast<unsigned>(devices.size());
+  prop.size = bytes;
+  prop.handleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  return prop;
+}
+
 }  // namespace
 
 std::size_t CudaDriver::multicast_granularity(std::span<const int> devices, std::size_t bytes) {
@@ -431,10 +468,7 @@ std::size_t CudaDriver::multicast_granularity(std::span<const int> devices, std:
   refuse_if_killed("cuMulticastGetGranularity");
   if (!d.has_multicast())
     throw_driver_error(CUDA_ERROR_NOT_SUPPORTED, "cuMulticastGetGranularity", "not in this driver");
-  CUmulticastObjectProp prop{};
-  prop.numDevices = static_cast<unsigned>(devices.size());
-  prop.size = bytes;
-  prop.handleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  CUmulticastObjectProp prop = multicast_prop(devices, bytes);
   std::size_t g = 0;
   auto context = d.ensure_context("cuMulticastGetGranularity");
   d.check(d.cuMulticastGetGranularity_(&g, &prop, CU_MULTICAST_GRANULARITY_RECOMMENDED), "cuMulticastGetGranularity",
@@ -448,10 +482,7 @@ MulticastHandle CudaDriver::multicast_create(std::span<const int> devices, std::
   // seam itself never creates a multicast object while a kill switch is set.
   refuse_if_killed("cuMulticastCreate");
   if (!d.has_multicast()) throw_driver_error(CUDA_ERROR_NOT_SUPPORTED, "cuMulticastCreate", "not in this driver");
-  CUmulticastObjectProp prop{};
-  prop.numDevices = static_cast<unsigned>(devices.size());
-  prop.size = bytes;
-  prop.handleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  CUmulticastObjectProp prop = multicast_prop(devices, bytes);
   CUmemGenericAllocationHandle h = 0;
   auto context = d.ensure_context("cuMulticastCreate");
   d.check(d.cuMulticastCreate_(&h, &prop), "cuMulticastCreate",
@@ -460,25 +491,13 @@ MulticastHandle CudaDriver::multicast_create(std::span<const int> devices, std::
 }
 
 int CudaDriver::multicast_export_fd(MulticastHandle mc) {
-  Impl& d = *impl_;
   refuse_if_killed("cuMemExportToShareableHandle(multicast)");
-  auto context = d.ensure_context("cuMemExportToShareableHandle");
-  int fd = -1;
-  d.check(d.cuMemExportToShareableHandle_(&fd, static_cast<CUmemGenericAllocationHandle>(mc.value),
-                                          CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-          "cuMemExportToShareableHandle(multicast)", fmt::format("handle {:#x}", mc.value));
-  return fd;
+  return impl_->export_handle(cu(mc), "cuMemExportToShareableHandle(multicast)");
 }
 
 MulticastHandle CudaDriver::multicast_import_fd(int fd) {
-  Impl& d = *impl_;
   refuse_if_killed("cuMemImportFromShareableHandle(multicast)");
-  auto context = d.ensure_context("cuMemImportFromShareableHandle");
-  CUmemGenericAllocationHandle h = 0;
-  d.check(d.cuMemImportFromShareableHandle_(&h, reinterpret_cast<void*>(static_cast<std::uintptr_t>(fd)),
-                                            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
-          "cuMemImportFromShareableHandle(multicast)", fmt::format("fd {}", fd));
-  return MulticastHandle{static_cast<std::uint64_t>(h)};
+  return MulticastHandle{impl_->import_handle(fd, "cuMemImportFromShareableHandle(multicast)")};
 }
 
 void CudaDriver::make_current(int device) {
@@ -493,9 +512,8 @@ void CudaDriver::multicast_add_device(MulticastHandle mc, int device) {
   refuse_if_killed("cuMulticastAddDevice");
   d.check_device(device, "cuMulticastAddDevice");
   auto context = d.ensure_context("cuMulticastAddDevice");
-  d.check(d.cuMulticastAddDevice_(static_cast<CUmemGenericAllocationHandle>(mc.value),
-                                  d.devices[static_cast<std::size_t>(device)]),
-          "cuMulticastAddDevice", fmt::format("device {}", device));
+  d.check(d.cuMulticastAddDevice_(cu(mc), d.devices[static_cast<std::size_t>(device)]), "cuMulticastAddDevice",
+          fmt::format("device {}", device));
 }
 
 void CudaDriver::multicast_bind(MulticastHandle mc, std::size_t mc_offset, PhysicalHandle memory,
@@ -503,9 +521,8 @@ void CudaDriver::multicast_bind(MulticastHandle mc, std::size_t mc_offset, Physi
   Impl& d = *impl_;
   refuse_if_killed("cuMulticastBindMem");
   auto context = d.ensure_context("cuMulticastBindMem");
-  d.check(d.cuMulticastBindMem_(static_cast<CUmemGenericAllocationHandle>(mc.value), mc_offset,
-                                static_cast<CUmemGenericAllocationHandle>(memory.value), memory_offset, bytes, 0),
-          "cuMulticastBindMem", fmt::format("mc offset {:#x} size {:#x}", mc_offset, bytes));
+  d.check(d.cuMulticastBindMem_(cu(mc), mc_offset, cu(memory), memory_offset, bytes, 0), "cuMulticastBindMem",
+          fmt::format("mc offset {:#x} size {:#x}", mc_offset, bytes));
 }
 
 void CudaDriver::multicast_unbind(MulticastHandle mc, int device, std::size_t mc_offset, std::size_t bytes) {
@@ -513,16 +530,14 @@ void CudaDriver::multicast_unbind(MulticastHandle mc, int device, std::size_t mc
   if (!d.has_multicast()) throw_driver_error(CUDA_ERROR_NOT_SUPPORTED, "cuMulticastUnbind", "not in this driver");
   d.check_device(device, "cuMulticastUnbind");
   auto context = d.ensure_context("cuMulticastUnbind");
-  d.check(d.cuMulticastUnbind_(static_cast<CUmemGenericAllocationHandle>(mc.value),
-                               d.devices[static_cast<std::size_t>(device)], mc_offset, bytes),
+  d.check(d.cuMulticastUnbind_(cu(mc), d.devices[static_cast<std::size_t>(device)], mc_offset, bytes),
           "cuMulticastUnbind", fmt::format("device {} mc offset {:#x} size {:#x}", device, mc_offset, bytes));
 }
 
 void CudaDriver::multicast_release(MulticastHandle mc) {
   Impl& d = *impl_;
   auto context = d.ensure_context("cuMemRelease");
-  d.check(d.cuMemRelease_(static_cast<CUmemGenericAllocationHandle>(mc.value)), "cuMemRelease(multicast)",
-          fmt::format("handle {:#x}", mc.value));
+  d.check(d.cuMemRelease_(cu(mc)), "cuMemRelease(multicast)", fmt::format("handle {:#x}", mc.value));
 }
 
 void* CudaDriver::host_alloc(std::size_t bytes) {
@@ -534,9 +549,7 @@ void* CudaDriver::host_alloc(std::size_t bytes) {
 }
 
 void CudaDriver::host_free(void* p) {
-  Impl& d = *impl_;
-  auto context = d.ensure_context("cuMemFreeHost");
-  d.check(d.cuMemFreeHost_(p), "cuMemFreeHost", fmt::format("{}", p));
+  impl_->call_in_context("cuMemFreeHost", fmt::format("{}", p), impl_->cuMemFreeHost_, p);
 }
 
 void CudaDriver::host_register(void* p, std::size_t bytes, int device) {
@@ -553,78 +566,50 @@ void CudaDriver::host_unregister(void* p, int device) {
 }
 
 Stream CudaDriver::stream_create(int device) {
-  Impl& d = *impl_;
-  auto context = d.bind(device, "cuStreamCreate");
-  CUstream s = nullptr;
-  d.check(d.cuStreamCreate_(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate", fmt::format("device {}", device));
-  return Stream{reinterpret_cast<std::uint64_t>(s), device};
+  return impl_->create_on<Stream, CUstream>(device, "cuStreamCreate", impl_->cuStreamCreate_, CU_STREAM_NON_BLOCKING);
 }
 
 void CudaDriver::stream_destroy(Stream s) {
-  Impl& d = *impl_;
-  auto context = d.bind(s.device, "cuStreamDestroy");
-  d.check(d.cuStreamDestroy_(reinterpret_cast<CUstream>(s.value)), "cuStreamDestroy", "");
+  impl_->call_on(s.device, "cuStreamDestroy", "", impl_->cuStreamDestroy_, cu(s));
 }
 
 void CudaDriver::copy_async(void* dst, const void* src, std::size_t bytes, Stream s) {
-  Impl& d = *impl_;
-  auto context = d.bind(s.device, "cuMemcpyAsync");
-  d.check(d.cuMemcpyAsync_(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(src), bytes,
-                           reinterpret_cast<CUstream>(s.value)),
-          "cuMemcpyAsync", fmt::format("dst {} src {} size {}", dst, src, bytes));
+  impl_->call_on(s.device, "cuMemcpyAsync", fmt::format("dst {} src {} size {}", dst, src, bytes),
+                 impl_->cuMemcpyAsync_, reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(src), bytes,
+                 cu(s));
 }
 
 void CudaDriver::fill_async(device_ptr dst, std::uint8_t value, std::size_t bytes, Stream s) {
-  Impl& d = *impl_;
-  auto context = d.bind(s.device, "cuMemsetD8Async");
-  d.check(d.cuMemsetD8Async_(static_cast<CUdeviceptr>(dst), value, bytes, reinterpret_cast<CUstream>(s.value)),
-          "cuMemsetD8Async", fmt::format("dst {:#x} size {}", dst, bytes));
+  impl_->call_on(s.device, "cuMemsetD8Async", fmt::format("dst {:#x} size {}", dst, bytes), impl_->cuMemsetD8Async_,
+                 static_cast<CUdeviceptr>(dst), value, bytes, cu(s));
 }
 
 void CudaDriver::stream_synchronize(Stream s) {
-  Impl& d = *impl_;
-  auto context = d.bind(s.device, "cuStreamSynchronize");
-  d.check(d.cuStreamSynchronize_(reinterpret_cast<CUstream>(s.value)), "cuStreamSynchronize", "");
+  impl_->call_on(s.device, "cuStreamSynchronize", "", impl_->cuStreamSynchronize_, cu(s));
 }
 
 void CudaDriver::device_synchronize(int device) {
-  Impl& d = *impl_;
-  auto context = d.bind(device, "cuCtxSynchronize");
-  d.check(d.cuCtxSynchronize_(), "cuCtxSynchronize", fmt::format("device {}", device));
+  impl_->call_on(device, "cuCtxSynchronize", fmt::format("device {}", device), impl_->cuCtxSynchronize_);
 }
 
 Event CudaDriver::event_create(int device) {
-  Impl& d = *impl_;
-  auto context = d.bind(device, "cuEventCreate");
-  CUevent e = nullptr;
-  d.check(d.cuEventCreate_(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate", fmt::format("device {}", device));
-  return Event{reinterpret_cast<std::uint64_t>(e), device};
+  return impl_->create_on<Event, CUevent>(device, "cuEventCreate", impl_->cuEventCreate_, CU_EVENT_DISABLE_TIMING);
 }
 
 void CudaDriver::event_destroy(Event e) {
-  Impl& d = *impl_;
-  auto context = d.bind(e.device, "cuEventDestroy");
-  d.check(d.cuEventDestroy_(reinterpret_cast<CUevent>(e.value)), "cuEventDestroy", "");
+  impl_->call_on(e.device, "cuEventDestroy", "", impl_->cuEventDestroy_, cu(e));
 }
 
 void CudaDriver::event_record(Event e, Stream s) {
-  Impl& d = *impl_;
-  auto context = d.bind(s.device, "cuEventRecord");
-  d.check(d.cuEventRecord_(reinterpret_cast<CUevent>(e.value), reinterpret_cast<CUstream>(s.value)), "cuEventRecord",
-          "");
+  impl_->call_on(s.device, "cuEventRecord", "", impl_->cuEventRecord_, cu(e), cu(s));
 }
 
 void CudaDriver::stream_wait_event(Stream s, Event e) {
-  Impl& d = *impl_;
-  auto context = d.bind(s.device, "cuStreamWaitEvent");
-  d.check(d.cuStreamWaitEvent_(reinterpret_cast<CUstream>(s.value), reinterpret_cast<CUevent>(e.value), 0),
-          "cuStreamWaitEvent", "");
+  impl_->call_on(s.device, "cuStreamWaitEvent", "", impl_->cuStreamWaitEvent_, cu(s), cu(e), 0);
 }
 
 void CudaDriver::event_synchronize(Event e) {
-  Impl& d = *impl_;
-  auto context = d.bind(e.device, "cuEventSynchronize");
-  d.check(d.cuEventSynchronize_(reinterpret_cast<CUevent>(e.value)), "cuEventSynchronize", "");
+  impl_->call_on(e.device, "cuEventSynchronize", "", impl_->cuEventSynchronize_, cu(e));
 }
 
 void CudaDriver::hash(std::span<const HashRange> ranges, Hash128* out, Stream s) {
@@ -642,7 +627,7 @@ void CudaDriver::hash(std::span<const HashRange> ranges, Hash128* out, Stream s)
     d.check(d.cuModuleGetFunction_(&h.finalize, h.module, "torpor_hash_finalize"), "cuModuleGetFunction",
             "torpor_hash_finalize");
   }
-  auto stream = reinterpret_cast<CUstream>(s.value);
+  CUstream stream = cu(s);
   constexpr std::size_t per_job_device = sizeof(HashJob) + 2 * sizeof(unsigned long long) + sizeof(Hash128);
   constexpr std::size_t per_job_host = sizeof(HashJob) + sizeof(Hash128);
   for (std::size_t base = 0; base < ranges.size();) {

@@ -5,10 +5,12 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <array>
 #include <fstream>
 #include <limits>
 #include <mutex>
 
+#include "common/enum_names.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 
@@ -48,16 +50,12 @@ std::byte* map_for_pinning(std::size_t bytes) {
   return p;
 }
 
+constexpr auto host_tier_names = std::to_array<EnumName<HostTier>>(
+    {{HostTier::pinned, "pinned"}, {HostTier::pageable, "pageable"}, {HostTier::disk, "disk"}});
+
 }  // namespace
 
-std::string_view to_string(HostTier t) noexcept {
-  switch (t) {
-    case HostTier::pinned: return "pinned";
-    case HostTier::pageable: return "pageable";
-    case HostTier::disk: return "disk";
-  }
-  return "?";
-}
+std::string_view to_string(HostTier t) noexcept { return name_of(host_tier_names, t); }
 
 HostTier HostStore::Block::tier() const noexcept {
   switch (source) {

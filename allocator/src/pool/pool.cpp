@@ -17,11 +17,14 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <limits>
 #include <optional>
 #include <span>
+#include <type_traits>
 
+#include "common/enum_names.hpp"
 #include "common/text.hpp"
 #include "pool/pool_state.hpp"
 #include "pool/sleep_plan.hpp"
@@ -40,55 +43,38 @@ constexpr std::size_t medium_slack_divisor = 8;
 // PoolOptions::va_bytes: far beyond any device's (twice its memory) and any rounding overflow.
 constexpr std::size_t max_va_bytes = std::size_t{1} << 52;
 
+constexpr auto memory_class_names = std::to_array<EnumName<MemoryClass>>(
+    {{MemoryClass::parameter, "parameter"}, {MemoryClass::state, "state"}, {MemoryClass::cache, "cache"}});
+static_assert(memory_class_names.size() == memory_class_count);
+
+constexpr auto fill_on_wake_names = std::to_array<EnumName<FillOnWake>>(
+    {{FillOnWake::none, "none"}, {FillOnWake::zero, "zero"}, {FillOnWake::poison, "poison"}});
+
+constexpr auto sleep_level_names =
+    std::to_array<EnumName<SleepLevel>>({{SleepLevel::none, "none"},
+                                         {SleepLevel::offload, "offload"},
+                                         {SleepLevel::discard_parameters, "discard_parameters"}});
+// The levels' numbers, as vLLM's sleep(level=...) and the C API write them.
+constexpr auto sleep_level_numbers = std::to_array<EnumName<SleepLevel>>(
+    {{SleepLevel::none, "0"}, {SleepLevel::offload, "1"}, {SleepLevel::discard_parameters, "2"}});
+
 }  // namespace
 
-std::string_view to_string(MemoryClass c) noexcept {
-  switch (c) {
-    case MemoryClass::parameter: return "parameter";
-    case MemoryClass::state: return "state";
-    case MemoryClass::cache: return "cache";
-  }
-  return "?";
-}
+std::string_view to_string(MemoryClass c) noexcept { return name_of(memory_class_names, c); }
 
-MemoryClass parse_memory_class(std::string_view name) {
-  if (name == "parameter") return MemoryClass::parameter;
-  if (name == "state") return MemoryClass::state;
-  if (name == "cache") return MemoryClass::cache;
-  throw invalid_argument(fmt::format("unknown memory class '{}' (expected parameter, state or cache)", name));
-}
+MemoryClass parse_memory_class(std::string_view name) { return parse_named(memory_class_names, name, "memory class"); }
 
-std::string_view to_string(FillOnWake f) noexcept {
-  switch (f) {
-    case FillOnWake::none: return "none";
-    case FillOnWake::zero: return "zero";
-    case FillOnWake::poison: return "poison";
-  }
-  return "?";
-}
+std::string_view to_string(FillOnWake f) noexcept { return name_of(fill_on_wake_names, f); }
 
-FillOnWake parse_fill_on_wake(std::string_view name) {
-  if (name == "none") return FillOnWake::none;
-  if (name == "zero") return FillOnWake::zero;
-  if (name == "poison") return FillOnWake::poison;
-  throw invalid_argument(fmt::format("unknown fill_on_wake '{}' (expected none, zero or poison)", name));
-}
+FillOnWake parse_fill_on_wake(std::string_view name) { return parse_named(fill_on_wake_names, name, "fill_on_wake"); }
 
-std::string_view to_string(SleepLevel l) noexcept {
-  switch (l) {
-    case SleepLevel::none: return "none";
-    case SleepLevel::offload: return "offload";
-    case SleepLevel::discard_parameters: return "discard_parameters";
-  }
-  return "?";
-}
+std::string_view to_string(SleepLevel l) noexcept { return name_of(sleep_level_names, l); }
 
 SleepLevel parse_sleep_level(std::string_view name) {
-  if (name == "none" || name == "0") return SleepLevel::none;
-  if (name == "offload" || name == "1") return SleepLevel::offload;
-  if (name == "discard_parameters" || name == "2") return SleepLevel::discard_parameters;
-  throw invalid_argument(
-      fmt::format("unknown sleep level '{}' (expected none, offload or discard_parameters, or 0, 1 or 2)", name));
+  if (std::optional<SleepLevel> l = value_named(sleep_level_names, name)) return *l;
+  if (std::optional<SleepLevel> l = value_named(sleep_level_numbers, name)) return *l;
+  throw invalid_argument(fmt::format("unknown sleep level '{}' (expected {}, or {})", name,
+                                     spoken_list(sleep_level_names), spoken_list(sleep_level_numbers)));
 }
 
 namespace {
@@ -590,29 +576,32 @@ void apply_mark(Allocation& a, device_ptr p, std::size_t bytes, MemoryClass memo
   }
 }
 
+// `read(allocation, offset of ptr in it)` of the live allocation holding `ptr`, under the pool's
+// lock; nothing when no live allocation holds it.
+template <class F>
+auto read_containing(Pool::State& s, const void* ptr, F read)
+    -> std::optional<std::invoke_result_t<F, const Allocation&, std::size_t>> {
+  auto p = reinterpret_cast<device_ptr>(ptr);
+  std::lock_guard lock(s.mu);
+  const Allocation* a = s.containing(p);
+  if (a == nullptr) return std::nullopt;
+  return read(*a, p - a->base);
+}
+
 }  // namespace
 
 std::optional<AllocationInfo> Pool::find(const void* ptr) const {
-  State& s = *state_;
-  auto p = reinterpret_cast<device_ptr>(ptr);
-  std::lock_guard lock(s.mu);
-  const Allocation* found = s.containing(p);
-  if (found == nullptr) return std::nullopt;
-  const Allocation& a = *found;
-  std::size_t off = p - a.base;
-  const Segment& seg = std::prev(a.segments.upper_bound(off))->second;
-  return AllocationInfo{a.base, a.bytes, off, a.chunk->tag, seg.cls, seg.name, !a.chunk->awake};
+  return read_containing(*state_, ptr, [](const Allocation& a, std::size_t off) {
+    const Segment& seg = std::prev(a.segments.upper_bound(off))->second;
+    return AllocationInfo{a.base, a.bytes, off, a.chunk->tag, seg.cls, seg.name, !a.chunk->awake};
+  });
 }
 
 std::optional<ChunkInfo> Pool::chunk_info(const void* ptr) const {
-  State& s = *state_;
-  auto p = reinterpret_cast<device_ptr>(ptr);
-  std::lock_guard lock(s.mu);
-  const Allocation* found = s.containing(p);
-  if (found == nullptr) return std::nullopt;
-  const Allocation& a = *found;
-  const Chunk& c = *a.chunk;
-  return ChunkInfo{c.va, c.bytes, a.offset, c.awake, c.kind == ChunkKind::dedicated, c.handle};
+  return read_containing(*state_, ptr, [](const Allocation& a, std::size_t) {
+    const Chunk& c = *a.chunk;
+    return ChunkInfo{c.va, c.bytes, a.offset, c.awake, c.kind == ChunkKind::dedicated, c.handle};
+  });
 }
 
 namespace {

@@ -60,13 +60,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "torpor/host_device.hpp"
 #include "torpor/kernels/bf16.hpp"
-
-#if defined(__CUDACC__)
-#define TORPOR_HD __host__ __device__ __forceinline__
-#else
-#define TORPOR_HD inline
-#endif
 
 namespace torpor::kernels {
 
