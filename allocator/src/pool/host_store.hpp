@@ -52,12 +52,12 @@ struct HostSpan {
 };
 
 struct HostStoreOptions {
-  int device = 0;                                        // registration's context
-  std::size_t pinned_limit = 0;                          // page-locked bytes at most; 0 = no limit
-  std::size_t pin_block_bytes = std::size_t{1} << 30;    // pinned growth in blocks of at most this
-  int pin_threads = 0;                                   // first-touch threads; 0 = min(16, cores)
-  std::string spill_dir;                                 // beyond the limit: files here (empty: pageable)
-  std::size_t spill_limit = 0;                           // disk bytes at most; 0 = no limit
+  int device = 0;                                      // registration's context
+  std::size_t pinned_limit = 0;                        // page-locked bytes at most; 0 = no limit
+  std::size_t pin_block_bytes = std::size_t{1} << 30;  // pinned growth in blocks of at most this
+  int pin_threads = 0;                                 // first-touch threads; 0 = min(16, cores)
+  std::string spill_dir;                               // beyond the limit: files here (empty: pageable)
+  std::size_t spill_limit = 0;                         // disk bytes at most; 0 = no limit
 };
 
 struct HostStoreStats {
