@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 
 #include "torpor/backend.hpp"
 
@@ -22,16 +23,29 @@ double sec(const nlohmann::json& j, const char* key) {
   return it != j.end() && it->is_number() ? it->get<double>() : 0.0;
 }
 
-// Growth of one metric over the soak rows of one rank, after the warm-up; "" when none.
+// A row's number under `key`, if it has one. Rows are read through find, never a const
+// operator[]: a step that failed half-way (a rank's partial result) lacks the keys written after
+// the failure, and nlohmann's const operator[] on a missing key is undefined behaviour.
+std::optional<std::size_t> number_at(const nlohmann::json& row, const char* key) {
+  auto it = row.find(key);
+  if (it == row.end() || !it->is_number()) return std::nullopt;
+  return it->get<std::size_t>();
+}
+
+// Growth of one metric over the soak rows of one rank, after the warm-up; "" when none. A row
+// without the metric (a failed step) ends the series: the failure is reported on its own.
 std::string growth(const std::vector<nlohmann::json>& soak, std::size_t warmup, const char* key, const char* what,
                    int rank, nlohmann::json& out) {
   if (soak.size() <= warmup) return "";
   std::size_t base = 0, worst = 0, lo = SIZE_MAX, hi = 0;
   int worst_cycle = 0;
   for (std::size_t i = 0; i < soak.size(); ++i) {
-    const auto& v = soak[i][key];
-    if (!v.is_number()) return "";
-    std::size_t x = v.get<std::size_t>();
+    const std::optional<std::size_t> v = number_at(soak[i], key);
+    if (!v) {
+      if (i <= warmup) return "";
+      break;
+    }
+    const std::size_t x = *v;
     lo = std::min(lo, x);
     hi = std::max(hi, x);
     if (i < warmup) {
@@ -194,14 +208,13 @@ StressSummary summarize(const LaunchResult& launch, const StressExpectations& ex
       if (std::string p = growth(soak, warmup, key, what, r.rank, g); !p.empty()) s.problems.push_back(p);
     // Device memory in use after each cycle (cuMemGetInfo): reported, not judged, since on a GPU it
     // includes every other user of the device; live physical bytes and mapped bytes are judged.
-    if (!soak.empty() && soak.front()["device_used"].is_number()) {
-      std::size_t lo = SIZE_MAX, hi = 0;
-      for (const auto& row : soak) {
-        lo = std::min(lo, row["device_used"].get<std::size_t>());
-        hi = std::max(hi, row["device_used"].get<std::size_t>());
+    std::size_t lo = SIZE_MAX, hi = 0;
+    for (const auto& row : soak)
+      if (const std::optional<std::size_t> used = number_at(row, "device_used")) {
+        lo = std::min(lo, *used);
+        hi = std::max(hi, *used);
       }
-      g["device_used"] = {{"min", lo}, {"max", hi}};
-    }
+    if (lo <= hi) g["device_used"] = {{"min", lo}, {"max", hi}};
     if (!g.empty()) pr["soak_growth"] = g;
     j["per_rank"].push_back(pr);
   }

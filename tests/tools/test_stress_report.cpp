@@ -135,6 +135,39 @@ TEST(StressReport, SoakGrowthAfterWarmupFailsButWarmupGrowthDoesNot) {
   EXPECT_NE(b.problems[0].find("cycle 4"), std::string::npos) << b.problems[0];
 }
 
+// A rank that failed in the middle of a soak step (a tail that timed out) returns its rows so far;
+// the failed row lacks what the step would have measured after the failure. The verdict names the
+// failure and the table renders: nothing reads a row past the keys it has (a const operator[] on
+// a missing key is undefined behaviour; in a 1000-cycle soak under load it surfaced as "type must
+// be number, but is number" instead of the rank's error).
+TEST(StressReport, ARankThatFailedMidSoakIsReportedFromItsPartialRows) {
+  auto rows = plan_rows();
+  for (int c = 1; c <= 4; ++c) rows.push_back(row("soak", 1, 16, 100, 10, "soak", c));
+  nlohmann::json failed = {{"step", "soak 5: L1 all"},
+                           {"kind", "soak"},
+                           {"level", 1},
+                           {"cycle", 5},
+                           {"pattern", "L1 all"},
+                           {"sleep_s", 0.5},
+                           {"error", "rank 1: tail timed out"}};
+  rows.push_back(failed);
+  LaunchResult l;
+  l.ranks = {rank(0, rows), rank(1, rows)};
+  for (auto& r : l.ranks) {
+    r.ok = false;
+    r.error = "step 'soak 5: L1 all': rank 1: tail timed out";
+  }
+  StressSummary s;
+  ASSERT_NO_THROW(s = summarize(l, expect(2, 5)));
+  EXPECT_FALSE(s.pass);
+  ASSERT_FALSE(s.problems.empty());
+  EXPECT_EQ(s.problems[0], "ranks 0,1: step 'soak 5: L1 all': rank 1: tail timed out");
+  EXPECT_EQ(s.json["per_rank"][0]["soak_growth"]["host_store"]["max"], 10) << "the cycles before the failure";
+  std::string table;
+  ASSERT_NO_THROW(table = render(s));
+  EXPECT_NE(table.find("ERROR"), std::string::npos) << table;
+}
+
 TEST(StressReport, OnCudaExactlyOneGraphPerRank) {
   LaunchResult l;
   l.ranks = {rank(0, plan_rows()), rank(1, plan_rows())};
