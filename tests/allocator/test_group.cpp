@@ -726,8 +726,9 @@ TEST(UnixGroupProcessesAdmission, AProcessWithoutTheSecretIsRefusedAndTheGroupSt
 // The scenario: a process of the same user without the secret announces a large hello
 // and sends a frame now and then, and holds a pile of idle connections, for longer than the
 // group timeout. Every barrier of the group meanwhile completes within 250 ms: a hub that waited
-// on the stranger would hold a barrier for its frame pacing (300 ms) or the group timeout (2 s);
-// a loaded CI machine (2 cores, ctest -j) can hold a healthy one for 100 ms.
+// on the stranger would hold a barrier for the stranger's frame pacing (300 ms below) or the group
+// timeout, while the bound leaves room for a loaded CI machine (2 cores, ctest -j), which the
+// earlier 100 ms bound did not (the commit that raised it says what failed).
 TEST(UnixGroupProcessesHostile, AStrangerHoldingConnectionsDoesNotDelayABarrier) {
   Rendezvous rv = Rendezvous::create();
   constexpr auto timeout = 2000ms;
