@@ -725,10 +725,10 @@ TEST(UnixGroupProcessesAdmission, AProcessWithoutTheSecretIsRefusedAndTheGroupSt
 
 // The scenario: a process of the same user without the secret announces a large hello
 // and sends a frame now and then, and holds a pile of idle connections, for longer than the
-// group timeout. Every barrier of the group meanwhile completes within 250 ms: a hub that waited
-// on the stranger would hold a barrier for the stranger's frame pacing (300 ms below) or the group
-// timeout, while the bound leaves room for a loaded CI machine (2 cores, ctest -j), which the
-// earlier 100 ms bound did not (the commit that raised it says what failed).
+// group timeout. Every barrier of the group meanwhile completes within the bound checked below,
+// set under the stranger's frame pacing (a hub that waited on the stranger would hold a barrier
+// that long, or the group timeout) and above what a loaded 2-core CI machine running ctest -j
+// takes for a healthy barrier (the commit that raised the bound says what failed).
 TEST(UnixGroupProcessesHostile, AStrangerHoldingConnectionsDoesNotDelayABarrier) {
   Rendezvous rv = Rendezvous::create();
   constexpr auto timeout = 2000ms;

@@ -163,9 +163,9 @@ HostStore::Block& HostStore::add_pinned_blocks(std::size_t bytes, std::size_t fi
 
 // One mapping for all the blocks: mapping, trimming and advising take the process's mmap lock for
 // writing, which waits behind every page fault and registration in flight. A mapping per block,
-// made while the blocks before it are being pinned, would hold the sleep up until nearly all the
-// pinning is done, and the copies would no longer overlap it. Each block is unmapped on its own
-// later (munmap of part of a mapping).
+// made while the blocks before it are being pinned, would make the pinning wait on the mapping and
+// the mapping on the pinning, block after block. Each block is unmapped on its own later (munmap
+// of part of a mapping).
 HostStore::Block& HostStore::add_registered_blocks(std::size_t bytes, std::size_t first_block) {
   std::byte* base = map_for_pinning(bytes);
   if (base == nullptr)
