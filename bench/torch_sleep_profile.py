@@ -105,6 +105,8 @@ def install_probes(torch, torpor) -> Probes:
         "_own_segments",
         "_holds_parameters",
         "_block_counters",
+        "_nothing_allocated_or_freed",
+        "_live_blocks",
     ):
         p.wrap(torch_pools, name, f"torch_pools.{name}")
     p.wrap(graphs, "state_spans", "graphs.state_spans")

@@ -3,7 +3,8 @@
 # device tool (`run`), whose $OUT folder comes back; elsewhere OUT defaults to ./gpu-out.
 #
 #   scripts/gpu_run.sh [stage ...]     stages: probe tests readme bench-sleep bench-sleep-threads python
-#                                      bench-first-sleep bench-torch-sleep torch-sleep-profile host-store
+#                                      bench-first-sleep first-sleep-variance bench-torch-sleep
+#                                      torch-sleep-profile host-store
 #                                      engines graphs
 #                                      distributed symmetric symmetric-nccl tail tail-bench stress
 #                                      stress-tail
@@ -44,7 +45,9 @@
 #
 # bench-first-sleep runs the sleep bench's first cycle against issue 15's targets, unprepared and
 # with the host store prepared during load, then with a pinned limit and the disk tier beyond it
-# (spill file under $OUT's disk, removed after). bench-torch-sleep runs the same scenario through
+# (spill file under $OUT's disk, removed after). first-sleep-variance runs the unprepared first
+# sleep three times in a row with the kernel's huge-page and compaction counters around each
+# (vmstat-*.txt, meminfo-*.txt). bench-torch-sleep runs the same scenario through
 # torpor.sleep/wake_up and through torch_memory_saver (built from .anchors/torch_memory_saver, so
 # run it with .anchors carried) and plots both. torch-sleep-profile (1 GPU) runs that scenario through
 # torpor only, with the Python path's time split by step (bench/torch_sleep_profile.py: each step of
@@ -188,6 +191,24 @@ for stage in "${stages[@]}"; do
       echo "== 16 GiB pinned, the rest on disk:"
       grep -E "spill|^host store|^cycle|first_l1_sleep|torpor L1" "$OUT/bench-first-sleep-spill.txt"
       cat "$OUT/disk-baseline.txt"
+      ;;
+    first-sleep-variance)
+      # The unprepared first sleep, three times in a row, each with the kernel's huge-page and
+      # compaction counters before and after (/proc/vmstat) and the free memory: what makes the
+      # pinning of the host store faster in one process than in the next.
+      for i in 1 2 3; do
+        grep -E '^(thp_fault_alloc|thp_fault_fallback|thp_fault_fallback_charge|compact_stall|compact_fail|compact_success|pgmajfault|allocstall_normal|allocstall_movable) ' \
+          /proc/vmstat > "$OUT/vmstat-before-$i.txt"
+        grep -E '^(MemFree|MemAvailable|AnonHugePages|Cached|Buffers):' /proc/meminfo > "$OUT/meminfo-before-$i.txt"
+        TORPOR_LOG=info timeout 200 $build/bench/torpor_bench_sleep --no-baseline --cycles 1 \
+          --json "$OUT/first-sleep-variance-$i.json" > "$OUT/first-sleep-variance-$i.txt" 2>&1 || status=1
+        grep -E '^(thp_fault_alloc|thp_fault_fallback|thp_fault_fallback_charge|compact_stall|compact_fail|compact_success|pgmajfault|allocstall_normal|allocstall_movable) ' \
+          /proc/vmstat > "$OUT/vmstat-after-$i.txt"
+        echo "== unprepared first sleep, run $i:"
+        grep -E "^cycle|first_l1_sleep" "$OUT/first-sleep-variance-$i.txt"
+        cat "$OUT/meminfo-before-$i.txt" | tr '\n' ' '; echo
+        join "$OUT/vmstat-before-$i.txt" "$OUT/vmstat-after-$i.txt" | awk '{printf "%s +%d  ", $1, $3 - $2} END {print ""}'
+      done
       ;;
     bench-torch-sleep)
       tms_dir=$PWD/$build/tms

@@ -189,7 +189,7 @@ def _capture_scope(torch, entry: GraphPool):
     _lib.check(lib.torpor_set_current_tag(entry.tag.encode()))
     _lib.check(lib.torpor_set_current_class(int(entry.memory_class)))
     try:
-        with torch_pools._expandable_segments_off(torch):
+        with torch_pools._routing(), torch_pools._expandable_segments_off(torch):
             yield
     finally:
         lib.torpor_set_current_tag(previous_tag)

@@ -52,16 +52,26 @@ PyTorch's known pitfalls with pluggable allocators and pools, and what is done a
 
 The last re-mark: computing the classes reads PyTorch's snapshot of every segment and every
 registered parameter, which at thousands of tensors costs more than the engine's own unchanged
-sleep. So each device keeps what its last re-mark was computed from (the tags, the policy, the
-MemPools and the segments given back, the parameter and state spans, each MemPool's raw snapshot)
-and how many marks the process had made once it was in place (torpor.pool.marks_generation()).
-A sleep whose inputs and mark count are the same skips the snapshot too while PyTorch's block
-counters of the device (allocations and frees, torch.cuda.memory_stats) have not moved, else
-takes the snapshots and skips the plan and its marks when they equal the last ones. A tensor
-freed or allocated anywhere moves the counters; a parameter reassigned (p.data = ...) changes
-the spans; a new segment or MemPool changes the snapshots or the MemPools; a mark by anyone
-changes the count. Counters reset by torch.cuda.reset_accumulated_memory_stats() are not
-trusted (allocated - freed no longer equals current), and the snapshots are compared instead.
+sleep. So each (device, tags, policy) keeps what its last re-mark was computed from (the MemPools
+and the segments given back, the parameter and state spans, each MemPool's raw snapshot and its
+live blocks) and how many marks others had made (torpor.pool.marks_generation() less the
+re-marks' own). vLLM's sleep re-marks its offloaded and its discarded tags apart, so each keeps
+its own. A sleep whose inputs and outside marks are the same skips the snapshots when nothing
+can have been allocated or freed in its MemPools since:
+- PyTorch's block counters of the device (allocations and frees, torch.cuda.memory_stats) have
+  not moved, or
+- no allocation was routed to a torpor MemPool since (use_pool blocks and graph captures into
+  torpor's pools count their entries and exits) and each MemPool's live blocks are still the
+  ones of its last snapshot (PyTorch's checkPoolLiveAllocations, one C call per MemPool): then
+  nothing was freed either. The engine's own work between sleeps (a forward pass, a checksum)
+  allocates in PyTorch's default pool, which moves the counters but not this.
+Otherwise it takes the snapshots, and skips the plan and its marks when they equal the last
+ones. A parameter reassigned (p.data = ...) changes the spans; a new segment or MemPool changes
+the snapshots or the MemPools; a mark by anyone else changes the count. Counters reset by
+torch.cuda.reset_accumulated_memory_stats() are not trusted (allocated - freed no longer equals
+current). A MemPool that use_pool yields is for allocating inside that block: routing to it
+later by hand (torch.cuda.use_mem_pool) bypasses the count, and the next sleep may then miss
+a tensor allocated where a freed one was.
 
 Sleep and wake act on every device that has torpor pools. The CUDA current device is
 restored after each call (the driver calls make the pool's device current).
@@ -109,11 +119,13 @@ class _TorchPool:
 
 @dataclass
 class _Remark:
-    """The last re-mark of one device (see 'The last re-mark' in the module note)."""
+    """The last re-mark of one (device, tags, policy) (see 'The last re-mark' in the module note)."""
 
-    inputs: tuple  # tags, policy, MemPools (identity, segments given back), parameter and state spans
+    inputs: tuple  # MemPools (identity, segments given back), parameter and state spans
     snapshots: list  # each MemPool's snapshot as PyTorch returned it, in the order of inputs' MemPools
-    marks: int  # marks_generation() once the marks were made
+    live: list  # per MemPool, the addresses of its allocated blocks in that snapshot
+    outside_marks: int  # marks made by others than the re-marks, once this one was in place
+    routings: int  # _state.routings before the snapshots
     counters: tuple | None  # PyTorch's block counters of the device before the snapshots (None: unusable)
     foreign: list  # (tag, segments PyTorch mapped itself): warned about at every sleep
 
@@ -127,7 +139,10 @@ class _State:
     preserve: list = field(default_factory=list)  # globs
     graph_tags: set = field(default_factory=set)  # tags of graph pools (graphs.py): never use_pool's
     expandable_off_depth: int = 0
-    remarks: dict = field(default_factory=dict)  # device -> _Remark
+    remarks: dict = field(default_factory=dict)  # (device, tags, policy) -> _Remark
+    remark_marks: int = 0  # marks the re-marks made (marks_generation() counts everyone's)
+    routings: int = 0  # entries and exits of blocks that route allocations to torpor's MemPools
+    routing_now: int = 0  # such blocks open now
 
 
 _state = _State()
@@ -213,6 +228,22 @@ def _expandable_segments_off(torch):
             _state.expandable_off_depth -= 1
             if _state.expandable_off_depth == 0:
                 _set_allocator_settings(torch, "expandable_segments:True")
+
+
+@contextlib.contextmanager
+def _routing():
+    """Around a block that routes allocations to torpor's MemPools (use_pool, a graph capture):
+    counted, so that a sleep knows whether anything may have been allocated in them since its
+    last re-mark (see 'The last re-mark' in the module note)."""
+    with _state.lock:
+        _state.routings += 1
+        _state.routing_now += 1
+    try:
+        yield
+    finally:
+        with _state.lock:
+            _state.routings += 1
+            _state.routing_now -= 1
 
 
 # -- pools ---------------------------------------------------------------------------------
@@ -375,7 +406,7 @@ def use_pool(tag: str = "default", memory_class: ClassLike | None = None, device
         failures = lib.torpor_torch_failures(None)
         oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
         try:
-            with _expandable_segments_off(torch), torch.cuda.memory.use_mem_pool(pool.mempool, dev):
+            with _routing(), _expandable_segments_off(torch), torch.cuda.memory.use_mem_pool(pool.mempool, dev):
                 yield pool.mempool
         except oom as e:
             status = ctypes.c_int(0)
@@ -414,18 +445,35 @@ def _span_bytes(t) -> int:
     return extent * t.element_size()
 
 
+def _named_parameters(module, prefix: str):
+    """(name, parameter) as module.named_parameters(prefix=prefix) lists them (each parameter
+    once, under its first name), read from each submodule's parameter dict: every sleep walks
+    every parameter, and named_parameters' generators and tensor hashing cost several times
+    more per parameter at thousands of them."""
+    seen = set()
+    for module_prefix, m in module.named_modules(prefix=prefix):
+        dot = module_prefix + "." if module_prefix else ""
+        for name, p in m._parameters.items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            yield dot + name, p
+
+
 def _parameter_spans(modules) -> dict[int, list[_marks.Span]]:
     """device -> named spans of the CUDA parameters of (module, prefix) pairs; the rest under
     device -1."""
     out: dict[int, list[_marks.Span]] = {}
+    new_span = tuple.__new__  # Span's own __new__ is Python code; the tuple is the same
     span = _marks.Span
     for module, prefix in modules:
-        for name, p in module.named_parameters(prefix=prefix):
+        for name, p in _named_parameters(module, prefix):
             device = p.get_device() if p.is_cuda else -1
             spans = out.get(device)
             if spans is None:
                 spans = out[device] = []
-            spans.append(span(name, p.data_ptr(), _span_bytes(p)))
+            nbytes = p.nbytes if p.is_contiguous() else _span_bytes(p)
+            spans.append(new_span(span, (name, p.data_ptr(), nbytes)))
     return out
 
 
@@ -535,6 +583,30 @@ def _warn_foreign(tag: str, device: int, count: int) -> None:
     )
 
 
+def _live_blocks(segments: list[dict]) -> set[int]:
+    """Addresses of the allocated blocks of snapshot segments (what checkPoolLiveAllocations
+    compares: a block freed while a stream still uses it is no longer allocated)."""
+    return {
+        address for seg in segments for address, _, state in _marks.segment_blocks(seg) if state == "active_allocated"
+    }
+
+
+def _nothing_allocated_or_freed(torch, device: int, pools: list, last: _Remark) -> bool:
+    """Whether the MemPools of `pools` (tag, _TorchPool) can have had no block allocated or
+    freed since `last` was taken: nothing routed allocations to torpor's MemPools since, and
+    each MemPool's live blocks are those of its last snapshot (one C call each)."""
+    with _state.lock:
+        if _state.routing_now or _state.routings != last.routings:
+            return False
+    check = getattr(torch._C, "_cuda_checkPoolLiveAllocations", None)
+    if check is None:
+        return False
+    try:
+        return all(check(device, tuple(p.mempool.id), live) for (_, p), live in zip(pools, last.live))
+    except (RuntimeError, TypeError, ValueError):
+        return False  # an allocator without the check: the snapshots tell
+
+
 def _refresh_classes(
     device: int,
     tags: list[str],
@@ -546,35 +618,51 @@ def _refresh_classes(
     """Re-mark the segments of `tags` on `device` (see torpor/_marks.py), unless nothing changed
     since the last re-mark ('The last re-mark' in the module note); `counters`: _block_counters
     of the device, read before this call. Returns whether marks were made."""
+    torch = _torch()
     with _state.lock:
         pools = [(tag, p) for tag in tags for p in _pools_of(tag, device)]
-    inputs = (tuple(tags), policy, tuple((id(p), len(p.released)) for _, p in pools), spans, states)
-    last = _state.remarks.get(device)
-    same = last is not None and last.marks == marks_generation() and last.inputs == inputs
-    if same and counters is not None and last.counters == counters:
+        routings = _state.routings
+        key = (device, tuple(tags), policy)
+        last = _state.remarks.get(key)
+        outside_marks = marks_generation() - _state.remark_marks
+    inputs = (tuple((id(p), len(p.released)) for _, p in pools), spans, states)
+    same = last is not None and last.outside_marks == outside_marks and last.inputs == inputs
+    if same and (
+        (counters is not None and last.counters == counters) or _nothing_allocated_or_freed(torch, device, pools, last)
+    ):
+        last.counters = counters
         for tag, count in last.foreign:
             _warn_foreign(tag, device, count)
         return False
     snapshots = [p.mempool.snapshot() for _, p in pools]
+    own = [_own_segments(p, device, snap) for (_, p), snap in zip(pools, snapshots)]
+    live = [_live_blocks(segments) for segments in own]
     if same and last.snapshots == snapshots:
-        last.counters = counters
+        last.counters, last.live, last.routings = counters, live, routings
         for tag, count in last.foreign:
             _warn_foreign(tag, device, count)
         return False
     pool = Pool.torch(device)
     foreign = []
-    for tag in tags:
-        mine = [(p, _own_segments(p, device, snap)) for (t, p), snap in zip(pools, snapshots) if t == tag]
-        if not mine:
-            continue  # a tag allocated through the C API directly, not by PyTorch
-        has_parameters = policy is not _pool_class and _holds_parameters([s for _, ss in mine for s in ss], spans)
-        for p, segments in mine:
-            plan = _marks.plan(segments, policy(tag, p.memory_class, has_parameters), spans, states)
-            if plan.foreign:
-                foreign.append((tag, len(plan.foreign)))
-                _warn_foreign(tag, device, len(plan.foreign))
-            _marks.apply(pool, plan)
-    _state.remarks[device] = _Remark(inputs, snapshots, marks_generation(), counters, foreign)
+    with _state.lock:
+        before = marks_generation()
+        for tag in tags:
+            mine = [(p, segments) for (t, p), segments in zip(pools, own) if t == tag]
+            if not mine:
+                continue  # a tag allocated through the C API directly, not by PyTorch
+            has_parameters = policy is not _pool_class and _holds_parameters([s for _, ss in mine for s in ss], spans)
+            for p, segments in mine:
+                plan = _marks.plan(segments, policy(tag, p.memory_class, has_parameters), spans, states)
+                if plan.foreign:
+                    foreign.append((tag, len(plan.foreign)))
+                    _warn_foreign(tag, device, len(plan.foreign))
+                _marks.apply(pool, plan)
+        _state.remark_marks += marks_generation() - before
+        # These marks changed the classes of these tags' segments: another key's re-mark that
+        # shares a tag is stale now (keys of other tags keep theirs).
+        for other in [k for k in _state.remarks if k[0] == device and k != key and set(k[1]) & set(tags)]:
+            del _state.remarks[other]
+        _state.remarks[key] = _Remark(inputs, snapshots, live, outside_marks, routings, counters, foreign)
     return True
 
 

@@ -230,12 +230,29 @@ def empty(nbytes, shape=None, element_size=4):
 
 
 class Module:
-    def __init__(self, **params):
-        self._params = params
+    """Parameters and submodules by name (a Module among the keyword arguments is a submodule),
+    in the two dicts nn.Module keeps them in; a parameter may be None, as in PyTorch."""
+
+    def __init__(self, **members):
+        self._parameters = {k: v for k, v in members.items() if not isinstance(v, Module)}
+        self._modules = {k: v for k, v in members.items() if isinstance(v, Module)}
+
+    def named_modules(self, memo=None, prefix=""):
+        memo = set() if memo is None else memo
+        if id(self) in memo:
+            return
+        memo.add(id(self))
+        yield prefix, self
+        for name, m in self._modules.items():
+            yield from m.named_modules(memo, f"{prefix}.{name}" if prefix else name)
 
     def named_parameters(self, prefix=""):
-        for name, p in self._params.items():
-            yield (f"{prefix}.{name}" if prefix else name), p
+        seen = set()
+        for module_prefix, m in self.named_modules(prefix=prefix):
+            for name, p in m._parameters.items():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    yield (f"{module_prefix}.{name}" if module_prefix else name), p
 
 
 def _set_device(i):
@@ -356,5 +373,23 @@ cuda = types.SimpleNamespace(
         _set_allocator_settings=settings_calls.append,
     ),
 )
+live_checks = []  # (device, pool id) of every _cuda_checkPoolLiveAllocations call, for tests
+
+
+def _check_pool_live_allocations(device, pool_id, expected):
+    """Whether the allocated blocks of a private pool are exactly `expected` (addresses), as
+    PyTorch's CUDACachingAllocator::checkPoolLiveAllocations answers."""
+    live_checks.append((device, tuple(pool_id)))
+    pool = _pools_by_id[tuple(pool_id)]
+    live = {
+        b["address"]
+        for seg in pool.segments
+        if seg["device"] == device
+        for b in seg["blocks"]
+        if b["state"] == "active_allocated"
+    }
+    return live == set(expected)
+
+
 nn = types.SimpleNamespace(Module=Module)
-_C = types.SimpleNamespace(_cuda_memoryStats=_memory_stats)
+_C = types.SimpleNamespace(_cuda_memoryStats=_memory_stats, _cuda_checkPoolLiveAllocations=_check_pool_live_allocations)

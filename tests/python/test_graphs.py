@@ -144,6 +144,26 @@ def test_a_state_graph_pool_keeps_its_allocated_blocks_and_drops_free_ones(torch
         torpor.graph_pool("tg.stateful")
 
 
+def test_a_capture_after_a_sleep_is_seen_by_the_next_even_at_a_freed_blocks_address(torch):
+    """A capture allocates in torpor's MemPool without use_pool: it counts as routing too, so the
+    next sleep does not trust its last re-mark (the live addresses alone would look the same)."""
+    w, x, w_bytes = model(torch)
+    g = torch.cuda.CUDAGraph()
+    with torpor.graph(g, tag="tg.again", memory_class="state"):
+        out, tmp = capture_step(torch, x, w, keep_tmp=True)
+    torpor.sleep(2, "tg.again")
+    assert pool().stats()["tags"]["tg.again"]["offloaded_bytes"] == 2 * N
+    torpor.wake_up("tg.again")
+    tmp.free()
+    again = torch.cuda.CUDAGraph()
+    with torpor.graph(again, tag="tg.again", memory_class="state"):
+        half = torch.empty(N // 2)  # first fit: where tmp was
+    assert half.data_ptr() == tmp.data_ptr()
+    torpor.sleep(2, "tg.again")
+    assert pool().stats()["tags"]["tg.again"]["offloaded_bytes"] == N + N // 2, "tmp's other half is free space"
+    torpor.wake_up("tg.again")
+
+
 def test_torch_cuda_graph_with_a_torpor_graph_pool_allocates_in_torpor(torch, monkeypatch):
     w, x, w_bytes = model(torch)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

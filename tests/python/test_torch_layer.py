@@ -74,7 +74,7 @@ def test_sleep_2_follows_what_pytorch_did_with_the_blocks(torch):
     torpor.register_parameters(module)
     with torpor.use_pool("tl.model"):
         new = torch.empty(32 << 10)  # the loader's new storage for w2 ...
-        module._params["w2"] = new
+        module._parameters["w2"] = new
         old.free()
         flags = torch.empty(32 << 10)  # ... and state that reuses the old parameter's block
     temp.free()
@@ -277,11 +277,70 @@ def test_an_unchanged_sleep_reuses_the_last_remark_without_a_snapshot(torch, cou
     torpor.wake_up("tl.same")
     assert counted == {"snapshot": 1, "mark_ranges": 1}, "nothing allocated, freed or marked: nothing redone"
     assert again["bytes_offloaded"] + again["bytes_skipped"] == first["bytes_offloaded"] + first["bytes_skipped"]
-    torch.empty(MiB)  # PyTorch's default pool: the counters move, the snapshots are taken and equal
+    torch.live_checks.clear()
+    torch.empty(MiB)  # PyTorch's default pool: the counters move, torpor's MemPools hold the same blocks
     torpor.sleep(1, "tl.same")
     torpor.wake_up("tl.same")
-    assert counted == {"snapshot": 2, "mark_ranges": 1}
+    assert counted == {"snapshot": 1, "mark_ranges": 1}, "an allocation elsewhere needs no snapshot"
+    assert len(torch.live_checks) == 1, "one check of the MemPool's live blocks instead"
     assert classes("tl.same") == {"parameter": 64 << 10, "state": 16 << 10, "cache": 2 * MiB - (80 << 10)}
+    counted.update(snapshot=0)  # classes() read torpor.stats(), which reads the snapshots
+    torch._C._cuda_checkPoolLiveAllocations = None  # a PyTorch without the check: the snapshots tell
+    try:
+        torch.empty(MiB)
+        torpor.sleep(1, "tl.same")
+        torpor.wake_up("tl.same")
+    finally:
+        torch._C._cuda_checkPoolLiveAllocations = torch._check_pool_live_allocations
+    assert counted == {"snapshot": 1, "mark_ranges": 1}, "the snapshots were taken, equal: no marks"
+
+
+def test_a_block_allocated_where_a_freed_one_was_is_seen_by_the_next_sleep(torch, counted):
+    """The same live addresses, another block: only the count of use_pool blocks tells."""
+    with torpor.use_pool("tl.reuse"):
+        first = torch.empty(64 << 10)
+    torpor.sleep(1, "tl.reuse")
+    torpor.wake_up("tl.reuse")
+    assert classes("tl.reuse")["state"] == 64 << 10
+    first.free()
+    with torpor.use_pool("tl.reuse"):
+        smaller = torch.empty(16 << 10)  # PyTorch's first fit: the freed block's address
+    assert smaller.data_ptr() == first.data_ptr()
+    counted.update(snapshot=0, mark_ranges=0)
+    torpor.sleep(1, "tl.reuse")
+    torpor.wake_up("tl.reuse")
+    assert counted == {"snapshot": 1, "mark_ranges": 1}
+    assert classes("tl.reuse")["state"] == 16 << 10, "the rest of the freed block is free space"
+
+
+def test_a_re_mark_of_a_tag_under_another_policy_makes_the_others_of_that_tag_stale(torch, counted):
+    """Each (tags, policy) keeps its own last re-mark; one that re-marks a tag's segments
+    (here: everything cache) must not leave another's stale view of that tag in place."""
+    pool = torpor.Pool.torch(0)
+    with torpor.use_pool("tl.policy"):
+        s = torch.empty(32 << 10)
+    torpor.sleep(1, "tl.policy")
+    torpor.wake_up("tl.policy")
+    torch_pools._sleep(1, ["tl.policy"], lambda tag, cls, has_parameters: torpor.MemoryClass.CACHE)
+    torpor.wake_up("tl.policy")
+    pool.write(s.data_ptr(), pattern(32 << 10, 3))
+    torpor.sleep(1, "tl.policy")
+    torpor.wake_up("tl.policy")
+    assert pool.read(s.data_ptr(), 32 << 10) == pattern(32 << 10, 3), "state again, kept"
+
+
+def test_parameters_are_named_as_named_parameters_names_them(torch):
+    with torpor.use_pool("tl.names"):
+        a, b, c = torch.empty(4096), torch.empty(4096), torch.empty(4096)
+    inner = torch.nn.Module(b=b, shared=a, missing=None)
+    module = torch.nn.Module(a=a, inner=inner, again=inner, deeper=torch.nn.Module(c=c))
+    spans = torch_pools._parameter_spans([(module, "m")])
+    assert [(s.name, s.address, s.nbytes) for s in spans[0]] == [
+        ("m.a", a.data_ptr(), 4096),
+        ("m.inner.b", b.data_ptr(), 4096),
+        ("m.deeper.c", c.data_ptr(), 4096),
+    ], "each parameter once, under its first name; a module listed twice is walked once"
+    assert [n for n, _ in module.named_parameters(prefix="m")] == ["m.a", "m.inner.b", "m.deeper.c"]
 
 
 def test_a_tensor_freed_after_a_sleep_is_free_space_at_the_next(torch, counted):
@@ -320,7 +379,7 @@ def test_a_parameter_reassigned_after_a_sleep_is_followed_by_the_next(torch, cou
     torpor.register_parameters(module)
     torpor.sleep(1, "tl.swap")
     torpor.wake_up("tl.swap")
-    module._params["w"] = b  # p.data = b: no allocation, no free, only the span moves
+    module._parameters["w"] = b  # p.data = b: no allocation, no free, only the span moves
     pool.write(a.data_ptr(), pattern(32 << 10, 1))
     torpor.sleep(2, "tl.swap")
     torpor.wake_up("tl.swap")

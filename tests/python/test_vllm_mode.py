@@ -99,6 +99,29 @@ def test_offloaded_tags_keep_every_byte_and_the_others_lose_theirs(torch):
     assert e.lost("w") and e.kept("rope"), "weights not offloaded: registered parameters lost, the rest kept"
 
 
+def test_a_repeated_sleep_reuses_the_re_marks_of_both_its_steps(torch, monkeypatch):
+    """vLLM's sleep re-marks the offloaded tags and the discarded ones apart; an unchanged second
+    sleep reuses both (work in PyTorch's default pool in between, as an engine's forward does)."""
+    allocator = CuMemAllocator.get_instance()
+    e = Engine(torch, allocator)
+    torpor.register_parameters(e.model)
+    snapshots = []
+    real = torch.MemPool.snapshot
+    monkeypatch.setattr(torch.MemPool, "snapshot", lambda self: snapshots.append(self) or real(self))
+    allocator.sleep(offload_tags=("weights",))
+    allocator.wake_up()
+    first = len(snapshots)
+    assert first > 0
+    for seed in (11, 12):
+        e.data = {n: fill(t, seed + i) for i, (n, t) in enumerate(e.tensors.items())}
+        torch.empty(MiB)  # the engine's own work, outside torpor
+        allocator.sleep(offload_tags=("weights",))
+        allocator.wake_up()
+        assert len(snapshots) == first, "no snapshot: both steps' re-marks still hold"
+        assert e.kept("w") and e.kept("b") and e.kept("rope")
+        assert e.lost("kv") and e.lost("other")
+
+
 def test_none_offloads_the_default_tag(torch):
     allocator = CuMemAllocator.get_instance()
     e = Engine(torch, allocator)
