@@ -164,6 +164,7 @@ def _prototypes(lib: ctypes.CDLL) -> None:
         "torpor_wake_up": (I, [P, CC, S]),
         "torpor_stats_json": (I, [P, ctypes.c_char_p, S, PS]),
         "torpor_last_report_json": (I, [P, ctypes.c_char_p, S, PS]),
+        "torpor_tags_json": (I, [P, ctypes.c_char_p, S, PS]),
         "torpor_pool_backend": (C, [P]),
         "torpor_find": (I, [P, P, PP, PS]),
         "torpor_copy": (I, [P, P, P, S]),

@@ -148,14 +148,21 @@ def tag_list(tags: Tags) -> list[str] | None:
     return out
 
 
-def _json(fn, handle) -> dict:
-    """Call a (pool, buffer, capacity, needed) JSON function of the C API."""
+_json_capacity: dict = {}  # C function's name -> the size its last document needed
+
+
+def _json(fn, handle):
+    """Call a (pool, buffer, capacity, needed) JSON function of the C API. The buffer starts at
+    the size the function's last document needed, since a document that does not fit is
+    computed again."""
     needed = ctypes.c_size_t(0)
-    capacity = 4096
+    name = getattr(fn, "__name__", None)
+    capacity = _json_capacity.get(name, 4096)
     while True:
         buf = ctypes.create_string_buffer(capacity)
         _lib.check(fn(handle, buf, capacity, ctypes.byref(needed)))
         if needed.value <= capacity:
+            _json_capacity[name] = max(needed.value, 4096)
             return json.loads(buf.value.decode())
         capacity = needed.value
 
@@ -390,4 +397,5 @@ class Pool(_lib.Closing):
         return _json(_lib.lib().torpor_last_report_json, self.handle)
 
     def tags(self) -> list[str]:
-        return sorted(self.stats()["tags"])
+        """The pool's tags, sorted (the stats' tag names, without computing the statistics)."""
+        return _json(_lib.lib().torpor_tags_json, self.handle)

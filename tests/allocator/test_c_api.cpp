@@ -33,6 +33,30 @@ struct CPoolFixture : ::testing::Test {
   torpor_pool_t pool = nullptr;
 };
 
+TEST_F(CPoolFixture, TagsJsonListsEveryTagSortedAndSaysTheSizeItNeeds) {
+  auto tags_json = [&] {
+    size_t needed = 0;
+    EXPECT_EQ(torpor_tags_json(pool, nullptr, 0, &needed), TORPOR_OK);
+    std::string s(needed, '\0');
+    EXPECT_EQ(torpor_tags_json(pool, s.data(), s.size(), &needed), TORPOR_OK);
+    EXPECT_EQ(needed, s.size());
+    s.resize(needed - 1);
+    return s;
+  };
+  EXPECT_EQ(tags_json(), "[]");
+  void *a = nullptr, *b = nullptr, *c = nullptr;
+  ASSERT_EQ(torpor_alloc(pool, 4096, "zeta", TORPOR_CLASS_STATE, nullptr, &a), TORPOR_OK);
+  ASSERT_EQ(torpor_alloc(pool, 4096, "alpha \"quoted\"", TORPOR_CLASS_CACHE, nullptr, &b), TORPOR_OK);
+  ASSERT_EQ(torpor_alloc(pool, 4096, "zeta", TORPOR_CLASS_PARAMETER, nullptr, &c), TORPOR_OK);
+  EXPECT_EQ(tags_json(), R"(["alpha \"quoted\"","zeta"])");
+  char small[4] = {'x', 'x', 'x', 'x'};
+  size_t needed = 0;
+  EXPECT_EQ(torpor_tags_json(pool, small, sizeof small, &needed), TORPOR_OK);
+  EXPECT_EQ(needed, std::string(R"(["alpha \"quoted\"","zeta"])").size() + 1) << "the size a full copy needs";
+  EXPECT_EQ(torpor_tags_json(nullptr, nullptr, 0, &needed), TORPOR_ERROR_INVALID_HANDLE);
+  for (void* p : {a, b, c}) EXPECT_EQ(torpor_free(pool, p), TORPOR_OK);
+}
+
 TEST_F(CPoolFixture, SleepWakeKeepsStateAndReportsJson) {
   EXPECT_STREQ(torpor_pool_backend(pool), "host");
   void *w = nullptr, *s = nullptr;

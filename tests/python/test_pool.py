@@ -21,6 +21,20 @@ def test_allocations_are_counted_per_tag_and_class(pool):
     assert st["mapped_bytes"] >= 5 * MiB
 
 
+def test_documents_that_outgrow_the_last_ones_size_are_read_whole(pool):
+    """The JSON buffer starts at the size the last document needed: a larger one is still read
+    whole (tags with long names make the stats and the tag list grow past it)."""
+    pool.alloc(4096, "t.first", "state")
+    assert pool.tags() == ["t.first"]
+    assert list(pool.stats()["tags"]) == ["t.first"]
+    names = [f"t.{i:03d}." + "x" * 200 for i in range(60)]
+    for name in names:
+        pool.alloc(4096, name, "state")
+    assert pool.tags() == sorted(["t.first", *names])
+    assert sorted(pool.stats()["tags"]) == sorted(["t.first", *names])
+    assert pool.tags() == sorted(["t.first", *names]), "and again, at the remembered size"
+
+
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_keeps_bytes_by_class_and_level(pool, level):
     param = pool.alloc(MiB, "weights", "parameter", "layers.0.w")

@@ -111,6 +111,9 @@ torpor_status torpor_prepare_host_store(torpor_pool_t pool, size_t bytes, int wa
 torpor_status torpor_stats_json(torpor_pool_t pool, char* buffer, size_t capacity, size_t* needed);
 /* The report of the pool's last sleep or wake_up. */
 torpor_status torpor_last_report_json(torpor_pool_t pool, char* buffer, size_t capacity, size_t* needed);
+/* The pool's tags, sorted, as a JSON array of strings: the stats document's tag names, without
+ * computing the statistics (an embedding asks for them at every sleep and wake). */
+torpor_status torpor_tags_json(torpor_pool_t pool, char* buffer, size_t capacity, size_t* needed);
 /* "cuda" or "host". */
 const char* torpor_pool_backend(torpor_pool_t pool);
 

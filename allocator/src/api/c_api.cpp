@@ -3,9 +3,11 @@
 // A call holds a shared_ptr to its pool, so destroy racing another call is safe.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -341,6 +343,14 @@ torpor_status torpor_wake_up(torpor_pool_t pool, const char* const* tags, size_t
 torpor_status torpor_stats_json(torpor_pool_t pool, char* buffer, size_t capacity, size_t* needed) {
   return with_pool("torpor_stats_json", pool,
                    [&](CPool& p) { write_out(to_json(p.pool->stats()), buffer, capacity, needed); });
+}
+
+torpor_status torpor_tags_json(torpor_pool_t pool, char* buffer, size_t capacity, size_t* needed) {
+  return with_pool("torpor_tags_json", pool, [&](CPool& p) {
+    std::vector<std::string> tags = p.pool->tags();
+    std::sort(tags.begin(), tags.end());
+    write_out(nlohmann::json(tags).dump(), buffer, capacity, needed);
+  });
 }
 
 torpor_status torpor_last_report_json(torpor_pool_t pool, char* buffer, size_t capacity, size_t* needed) {
