@@ -17,31 +17,47 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
 jobs=$(nproc)
+# Each stage's wall time, printed as it ends and again at the end: CI's time budget is spent here.
+timings=()
+stage_started=$SECONDS
+stage_done() {
+  timings+=("$1: $((SECONDS - stage_started)) s")
+  echo "torpor: stage $1 took $((SECONDS - stage_started)) s"
+  stage_started=$SECONDS
+}
 
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_EXPORT_COMPILE_COMMANDS=ON
 cmake --build build -j "$jobs"
+stage_done "release build"
 ctest --test-dir build -j "$jobs" --output-on-failure
+stage_done "release tests"
 # The installed package works for a project outside the tree (find_package(torpor)).
 cmake --install build --prefix build/_install > /dev/null
 cmake -S tests/consumer -B build/_consumer -G Ninja -DCMAKE_PREFIX_PATH="$PWD/build/_install" > /dev/null
 cmake --build build/_consumer > /dev/null
 LD_LIBRARY_PATH="$PWD/build/_install/lib:${LD_LIBRARY_PATH:-}" build/_consumer/consumer
+stage_done "install and consumer"
 scripts/lint.sh
+stage_done lint
 
 if [ "${TORPOR_SKIP_SANITIZERS:-0}" != 1 ]; then
   cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DTORPOR_CUDA=OFF -DTORPOR_BUILD_BENCH=OFF \
         -DTORPOR_SANITIZE=address,undefined
   cmake --build build-asan -j "$jobs"
+  stage_done "asan build"
   # Every test but the 200-cycle soak, which the first build runs (under ASan it alone would
   # take longer than the rest of the suite; the sanitizers see the same cycles in the shorter
   # stress runs).
   ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
     ctest --test-dir build-asan -j "$jobs" --output-on-failure -E '^cli\.stress_host_soak_200$'
+  stage_done "asan tests"
 
   cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DTORPOR_CUDA=OFF -DTORPOR_BUILD_BENCH=OFF \
         -DTORPOR_BUILD_TOOLS=OFF -DTORPOR_SANITIZE=thread
   cmake --build build-tsan -j "$jobs" --target torpor_tests torpor_fusion_tests  # where the Threads tests live
+  stage_done "tsan build"
   TSAN_OPTIONS=halt_on_error=1 ctest --test-dir build-tsan -j "$jobs" --output-on-failure -R 'Threads'
+  stage_done "tsan tests"
 
   if command -v clang++ > /dev/null; then
     CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=Debug -DTORPOR_CUDA=OFF \
@@ -50,8 +66,10 @@ if [ "${TORPOR_SKIP_SANITIZERS:-0}" != 1 ]; then
     cmake --build build-fuzz -j "$jobs" --target torpor_fuzz_c_api torpor_fuzz_hub_protocol
     ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
       ctest --test-dir build-fuzz -j 2 --output-on-failure -R '^fuzz\.'
+    stage_done fuzz
   else
     echo "torpor: clang not installed (scripts/install-deps.sh): fuzz targets ran with the random driver only"
   fi
 fi
+printf 'torpor: stage times: %s\n' "${timings[@]}"
 echo "torpor: all tests passed"
