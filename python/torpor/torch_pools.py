@@ -140,6 +140,7 @@ class _State:
     graph_tags: set = field(default_factory=set)  # tags of graph pools (graphs.py): never use_pool's
     expandable_off_depth: int = 0
     remarks: dict = field(default_factory=dict)  # (device, tags, policy) -> _Remark
+    spans: dict = field(default_factory=dict)  # (id(module), prefix) -> _ModuleSpans of a registered module
     remark_marks: int = 0  # marks the re-marks made (marks_generation() counts everyone's)
     routings: int = 0  # entries and exits of blocks that route allocations to torpor's MemPools
     routing_now: int = 0  # such blocks open now
@@ -445,43 +446,98 @@ def _span_bytes(t) -> int:
     return extent * t.element_size()
 
 
-def _named_parameters(module, prefix: str):
-    """(name, parameter) as module.named_parameters(prefix=prefix) lists them (each parameter
-    once, under its first name), read from each submodule's parameter dict: every sleep walks
-    every parameter, and named_parameters' generators and tensor hashing cost several times
-    more per parameter at thousands of them."""
-    seen = set()
+@dataclass
+class _ModuleSpans:
+    """One registered module's parameter spans as the last sleep computed them, and what they
+    were computed from (see _module_spans)."""
+
+    signature: tuple  # per submodule: (name, its parameters' names, their identities)
+    first: list | None  # positions of each parameter's first occurrence among every listed one (None: all)
+    pointers: list  # data_ptr() of each parameter
+    sizes: list  # nbytes of each parameter
+    spans: dict  # device -> [Span]
+
+
+def _submodule_parameters(module, prefix: str) -> tuple[tuple, list]:
+    """(signature, every value of every submodule's parameter dict, in named_modules order)."""
+    signature, values = [], []
     for module_prefix, m in module.named_modules(prefix=prefix):
+        d = m._parameters
+        signature.append((module_prefix, tuple(d), tuple(map(id, d.values()))))
+        values.extend(d.values())
+    return tuple(signature), values
+
+
+def _computed_spans(signature: tuple, values: list) -> _ModuleSpans:
+    """The spans of the parameters in `values`, named as named_parameters names them (each
+    parameter once, under its first name)."""
+    seen, first, names = set(), [], []
+    at = 0
+    for module_prefix, keys, _ in signature:
         dot = module_prefix + "." if module_prefix else ""
-        for name, p in m._parameters.items():
-            if p is None or id(p) in seen:
-                continue
-            seen.add(id(p))
-            yield dot + name, p
+        for name in keys:
+            p = values[at]
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                first.append(at)
+                names.append(dot + name)
+            at += 1
+    params = [values[i] for i in first]
+    out: dict[int, list[_marks.Span]] = {}
+    pointers, sizes = [], []
+    for name, p in zip(names, params):
+        device = p.get_device() if p.is_cuda else -1
+        address, nbytes = p.data_ptr(), p.nbytes
+        pointers.append(address)
+        sizes.append(nbytes)
+        extent = nbytes if p.is_contiguous() else _span_bytes(p)
+        out.setdefault(device, []).append(_marks.Span(name, address, extent))
+    return _ModuleSpans(signature, None if len(first) == len(values) else first, pointers, sizes, out)
+
+
+def _module_spans(module, prefix: str) -> dict[int, list[_marks.Span]]:
+    """device -> spans of the parameters of one registered module. Every sleep asks for them,
+    and at thousands of parameters computing them costs more than everything else a sleep does
+    in Python; so the last result is kept and used again when every submodule lists the same
+    parameter objects under the same names, and each of them still has the data pointer and
+    byte size it had (a weight loader's p.data = t, a module's .to(), a parameter replaced or
+    deleted all change one of these). A parameter that changes its strides in place without
+    changing its address or size keeps its last extent."""
+    signature, values = _submodule_parameters(module, prefix)
+    key = (id(module), prefix)
+    last = _state.spans.get(key)
+    if last is not None and last.signature == signature:
+        params = values if last.first is None else [values[i] for i in last.first]
+        if [p.data_ptr() for p in params] == last.pointers and [p.nbytes for p in params] == last.sizes:
+            return last.spans
+    computed = _computed_spans(signature, values)
+    _state.spans[key] = computed
+    return computed.spans
 
 
 def _parameter_spans(modules) -> dict[int, list[_marks.Span]]:
     """device -> named spans of the CUDA parameters of (module, prefix) pairs; the rest under
-    device -1."""
+    device -1. The lists may be the ones a module's last result holds: not to be changed."""
+    results = [_module_spans(module, prefix) for module, prefix in modules]
+    if len(results) == 1:
+        return results[0]
     out: dict[int, list[_marks.Span]] = {}
-    new_span = tuple.__new__  # Span's own __new__ is Python code; the tuple is the same
-    span = _marks.Span
-    for module, prefix in modules:
-        for name, p in _named_parameters(module, prefix):
-            device = p.get_device() if p.is_cuda else -1
-            spans = out.get(device)
-            if spans is None:
-                spans = out[device] = []
-            nbytes = p.nbytes if p.is_contiguous() else _span_bytes(p)
-            spans.append(new_span(span, (name, p.data_ptr(), nbytes)))
+    for spans in results:
+        for device, device_spans in spans.items():
+            out.setdefault(device, []).extend(device_spans)
     return out
 
 
 def _live_modules() -> list:
+    """(module, prefix) of every registered module still alive; the others' kept spans go."""
     with _state.lock:
         alive = [(ref(), prefix) for ref, prefix in _state.modules]
         _state.modules = [(ref, prefix) for ref, prefix in _state.modules if ref() is not None]
-    return [(m, prefix) for m, prefix in alive if m is not None]
+        live = [(m, prefix) for m, prefix in alive if m is not None]
+        keys = {(id(m), prefix) for m, prefix in live}
+        for key in [k for k in _state.spans if k not in keys]:
+            del _state.spans[key]
+    return live
 
 
 def register_parameters(module, preserve=None, prefix: str = "") -> Registration:

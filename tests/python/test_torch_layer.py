@@ -329,6 +329,45 @@ def test_a_re_mark_of_a_tag_under_another_policy_makes_the_others_of_that_tag_st
     assert pool.read(s.data_ptr(), 32 << 10) == pattern(32 << 10, 3), "state again, kept"
 
 
+def test_parameter_spans_are_computed_again_only_when_a_parameter_changed(torch, monkeypatch):
+    """The spans of a registered module are kept between sleeps; anything a weight loader or a
+    module method can change about a parameter makes them computed again, and right."""
+    with torpor.use_pool("tl.spans"):
+        a, b, c = torch.empty(8192), torch.empty(8192), torch.empty(16384)
+    module = torch.nn.Module(a=a, inner=torch.nn.Module(b=b))
+    computed = []
+    real = torch_pools._computed_spans
+    monkeypatch.setattr(torch_pools, "_computed_spans", lambda *args: computed.append(1) or real(*args))
+
+    def spans():
+        return [(s.name, s.address, s.nbytes) for s in torch_pools._parameter_spans([(module, "m")])[0]]
+
+    want = [("m.a", a.data_ptr(), 8192), ("m.inner.b", b.data_ptr(), 8192)]
+    assert spans() == want and len(computed) == 1
+    assert spans() == want and len(computed) == 1, "nothing changed: the kept spans"
+    a._address = c.data_ptr()  # p.data = t: the same object, its storage elsewhere
+    assert spans() == [("m.a", c.data_ptr(), 8192), ("m.inner.b", b.data_ptr(), 8192)] and len(computed) == 2
+    a.shape = (1024,)  # p.data = p.data[:1024]: the same address, fewer bytes
+    assert spans() == [("m.a", c.data_ptr(), 4096), ("m.inner.b", b.data_ptr(), 8192)] and len(computed) == 3
+    module._modules["inner"]._parameters["b"] = c  # replaced in the dict, no hook
+    assert spans()[1] == ("m.inner.b", c.data_ptr(), 16384) and len(computed) == 4
+    del module._modules["inner"]._parameters["b"]
+    assert spans() == [("m.a", c.data_ptr(), 4096)] and len(computed) == 5
+    module._parameters["renamed"] = module._parameters.pop("a")
+    assert spans() == [("m.renamed", c.data_ptr(), 4096)] and len(computed) == 6
+
+
+def test_a_dead_modules_kept_spans_go_with_it(torch):
+    with torpor.use_pool("tl.dead"):
+        w = torch.empty(4096)
+    module = torch.nn.Module(w=w)
+    torpor.register_parameters(module)
+    assert (id(module), "") in torch_pools._state.spans
+    del module
+    torch_pools._live_modules()
+    assert torch_pools._state.spans == {}
+
+
 def test_parameters_are_named_as_named_parameters_names_them(torch):
     with torpor.use_pool("tl.names"):
         a, b, c = torch.empty(4096), torch.empty(4096), torch.empty(4096)
