@@ -639,6 +639,12 @@ def _warn_foreign(tag: str, device: int, count: int) -> None:
     )
 
 
+# Re-marks kept at once: one per (device, tags, policy) a program sleeps with (vLLM's sleep uses
+# two per device); each holds its MemPools' snapshots, so an unusual program that sleeps with
+# ever new tag lists does not keep them all.
+_REMARKS_KEPT = 16
+
+
 def _live_blocks(segments: list[dict]) -> set[int]:
     """Addresses of the allocated blocks of snapshot segments (what checkPoolLiveAllocations
     compares: a block freed while a stream still uses it is no longer allocated)."""
@@ -718,7 +724,10 @@ def _refresh_classes(
         # shares a tag is stale now (keys of other tags keep theirs).
         for other in [k for k in _state.remarks if k[0] == device and k != key and set(k[1]) & set(tags)]:
             del _state.remarks[other]
+        _state.remarks.pop(key, None)
         _state.remarks[key] = _Remark(inputs, snapshots, live, outside_marks, routings, counters, foreign)
+        while len(_state.remarks) > _REMARKS_KEPT:  # the least recently re-marked go first
+            del _state.remarks[next(iter(_state.remarks))]
     return True
 
 

@@ -368,6 +368,18 @@ def test_a_dead_modules_kept_spans_go_with_it(torch):
     assert torch_pools._state.spans == {}
 
 
+def test_sleeps_with_ever_new_tag_lists_keep_a_bounded_number_of_re_marks(torch):
+    tags = [f"tl.many{i}" for i in range(torch_pools._REMARKS_KEPT + 4)]
+    for tag in tags:
+        with torpor.use_pool(tag):
+            torch.empty(4096)
+    for tag in tags:
+        torpor.sleep(1, tag)
+        torpor.wake_up(tag)
+    kept = [key[1] for key in torch_pools._state.remarks]
+    assert kept == [(t,) for t in tags[-torch_pools._REMARKS_KEPT :]], "the most recent ones, oldest first"
+
+
 def test_parameters_are_named_as_named_parameters_names_them(torch):
     with torpor.use_pool("tl.names"):
         a, b, c = torch.empty(4096), torch.empty(4096), torch.empty(4096)
