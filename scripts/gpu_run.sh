@@ -359,4 +359,19 @@ for stage in "${stages[@]}"; do
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done
+# A record names the code it measured: every JSON object written under $OUT without a top-level
+# "commit" (torpor stress, rl-loop, symmetric-check write none) gets TORPOR_COMMIT's.
+if [ -n "${TORPOR_COMMIT:-}" ]; then
+  python3 - "$OUT" "$TORPOR_COMMIT" <<'EOF2' || status=1
+import json, pathlib, sys
+out, commit = pathlib.Path(sys.argv[1]), sys.argv[2]
+for path in sorted(out.rglob("*.json")):
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        continue  # not a whole JSON document (a run cut short): left as it is
+    if isinstance(doc, dict) and "commit" not in doc:
+        path.write_text(json.dumps({"commit": commit, **doc}, indent=1) + "\n")
+EOF2
+fi
 exit $status
