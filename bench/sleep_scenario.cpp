@@ -26,7 +26,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
-#include "pool/range_allocator.hpp"
+#include "common/range_allocator.hpp"
 #include "torpor/backend.hpp"
 #include "torpor/error.hpp"
 #include "torpor/pool.hpp"

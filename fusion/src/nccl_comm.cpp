@@ -17,7 +17,7 @@
 #include <cstring>
 
 #include "cuda_runtime.hpp"
-#include "dist/nccl_library.hpp"
+#include "ranks/nccl_library.hpp"
 #endif
 
 namespace torpor::fusion::detail {

@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "pool/host_store.hpp"
+#include "pool/store/host_store.hpp"
 #include "torpor/backend.hpp"
 #include "torpor/error.hpp"
 #include "torpor/pool.hpp"

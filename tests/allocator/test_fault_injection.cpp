@@ -5,7 +5,7 @@
 // mapped), and calling again once the fault is gone must succeed with every byte that had to survive intact.
 #include <gtest/gtest.h>
 
-#include "pool/host_store.hpp"
+#include "pool/store/host_store.hpp"
 #include "support/backends.hpp"
 #include "torpor/error.hpp"
 #include "torpor/fault_injecting_driver.hpp"

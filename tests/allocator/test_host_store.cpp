@@ -8,7 +8,7 @@
 #include <cstring>
 #include <string>
 
-#include "pool/host_store.hpp"
+#include "pool/store/host_store.hpp"
 #include "support/backends.hpp"
 #include "torpor/error.hpp"
 #include "torpor/host_driver.hpp"

@@ -6,7 +6,7 @@
 #include <optional>
 #include <string>
 
-#include "dist/nccl_library.hpp"
+#include "ranks/nccl_library.hpp"
 #include "support/processes.hpp"
 #include "torpor/nccl_group.hpp"
 

@@ -1,6 +1,6 @@
 #include <gtest/gtest.h>
 
-#include "pool/range_allocator.hpp"
+#include "common/range_allocator.hpp"
 #include "torpor/error.hpp"
 
 namespace torpor {

@@ -3,7 +3,7 @@
 
 #include <cstdio>
 
-#include "pool/host_store.hpp"
+#include "pool/store/host_store.hpp"
 #include "support/backends.hpp"
 #include "torpor/error.hpp"
 

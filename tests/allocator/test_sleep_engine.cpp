@@ -2,7 +2,7 @@
 // skip-unchanged optimisation, the handle-size policy and the device content hash.
 #include <gtest/gtest.h>
 
-#include "pool/host_store.hpp"
+#include "pool/store/host_store.hpp"
 #include "support/backends.hpp"
 #include "torpor/content_hash.hpp"
 #include "torpor/error.hpp"

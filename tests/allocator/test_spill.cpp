@@ -14,8 +14,8 @@
 #include <set>
 #include <string>
 
-#include "pool/host_store.hpp"
-#include "pool/spill_store.hpp"
+#include "pool/store/host_store.hpp"
+#include "pool/store/spill_store.hpp"
 #include "support/backends.hpp"
 #include "torpor/error.hpp"
 #include "torpor/host_driver.hpp"

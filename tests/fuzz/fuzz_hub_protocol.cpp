@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "dist/hub_protocol.hpp"
+#include "ranks/hub_protocol.hpp"
 
 namespace {
 

@@ -30,9 +30,9 @@
 #include <vector>
 
 #include "pool/chunk.hpp"
-#include "pool/host_store.hpp"
-#include "pool/range_allocator.hpp"
-#include "pool/staging_ring.hpp"
+#include "pool/store/host_store.hpp"
+#include "common/range_allocator.hpp"
+#include "pool/store/staging_ring.hpp"
 #include "torpor/driver.hpp"
 #include "torpor/pool.hpp"
 

@@ -1,5 +1,5 @@
 // Hub: see group_hub.hpp for the invariants.
-#include "dist/group_hub.hpp"
+#include "ranks/group_hub.hpp"
 
 #include <fmt/format.h>
 

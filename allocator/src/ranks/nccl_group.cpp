@@ -21,8 +21,8 @@
 #include <optional>
 #include <thread>
 
-#include "dist/nccl_library.hpp"
-#include "pool/range_allocator.hpp"
+#include "ranks/nccl_library.hpp"
+#include "common/range_allocator.hpp"
 #endif
 
 namespace torpor {

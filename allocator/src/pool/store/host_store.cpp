@@ -1,5 +1,5 @@
 // HostStore; the design note and invariants are in host_store.hpp.
-#include "pool/host_store.hpp"
+#include "pool/store/host_store.hpp"
 
 #include <fmt/format.h>
 #include <sys/mman.h>

@@ -1,5 +1,5 @@
 // HostPinner; the design note and invariants are in host_pinner.hpp.
-#include "pool/host_pinner.hpp"
+#include "pool/store/host_pinner.hpp"
 
 #include <sys/mman.h>
 #include <unistd.h>

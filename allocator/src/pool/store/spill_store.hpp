@@ -26,7 +26,7 @@
 #include <map>
 #include <string>
 
-#include "pool/range_allocator.hpp"
+#include "common/range_allocator.hpp"
 
 namespace torpor {
 

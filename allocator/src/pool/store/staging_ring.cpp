@@ -1,12 +1,12 @@
 // StagingRing; the design note and invariants are in staging_ring.hpp.
-#include "pool/staging_ring.hpp"
+#include "pool/store/staging_ring.hpp"
 
 #include <algorithm>
 #include <cstring>
 #include <deque>
 #include <exception>
 
-#include "pool/range_allocator.hpp"
+#include "common/range_allocator.hpp"
 #include "torpor/log.hpp"
 
 namespace torpor {

@@ -1,5 +1,5 @@
 // The NCCL loader and the NVLS policy. See nccl_library.hpp.
-#include "dist/nccl_library.hpp"
+#include "ranks/nccl_library.hpp"
 
 #include <fmt/format.h>
 

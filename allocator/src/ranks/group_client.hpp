@@ -13,7 +13,7 @@
 #include <optional>
 #include <string>
 
-#include "dist/group_hub.hpp"
+#include "ranks/group_hub.hpp"
 #include "torpor/group.hpp"
 
 namespace torpor::detail {

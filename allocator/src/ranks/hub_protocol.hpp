@@ -19,9 +19,9 @@
 #include <string>
 #include <vector>
 
-#include "dist/group_client.hpp"
-#include "dist/group_hub.hpp"
-#include "dist/group_wire.hpp"
+#include "ranks/group_client.hpp"
+#include "ranks/group_hub.hpp"
+#include "ranks/group_wire.hpp"
 
 namespace torpor::detail {
 

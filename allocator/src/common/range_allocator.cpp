@@ -1,4 +1,4 @@
-#include "pool/range_allocator.hpp"
+#include "common/range_allocator.hpp"
 
 #include <fmt/format.h>
 

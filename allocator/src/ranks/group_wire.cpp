@@ -1,5 +1,5 @@
 // Framing of the Unix socket group's messages; see group_wire.hpp.
-#include "dist/group_wire.hpp"
+#include "ranks/group_wire.hpp"
 
 #include <fmt/format.h>
 #include <poll.h>

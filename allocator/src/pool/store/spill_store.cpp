@@ -1,5 +1,5 @@
 // SpillStore; the design note and invariants are in spill_store.hpp.
-#include "pool/spill_store.hpp"
+#include "pool/store/spill_store.hpp"
 
 #include <dirent.h>
 #include <fcntl.h>

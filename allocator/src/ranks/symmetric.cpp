@@ -23,7 +23,7 @@
 #include <numeric>
 #include <set>
 
-#include "pool/range_allocator.hpp"
+#include "common/range_allocator.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 

@@ -1,5 +1,5 @@
 // HubProtocol: see hub_protocol.hpp for the invariants.
-#include "dist/hub_protocol.hpp"
+#include "ranks/hub_protocol.hpp"
 
 #include <fmt/format.h>
 

@@ -35,9 +35,9 @@
 #include <string_view>
 #include <vector>
 
-#include "pool/host_pinner.hpp"
-#include "pool/range_allocator.hpp"
-#include "pool/spill_store.hpp"
+#include "pool/store/host_pinner.hpp"
+#include "common/range_allocator.hpp"
+#include "pool/store/spill_store.hpp"
 #include "torpor/driver.hpp"
 
 namespace torpor {
