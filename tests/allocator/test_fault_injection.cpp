@@ -8,7 +8,7 @@
 #include "pool/store/host_store.hpp"
 #include "support/backends.hpp"
 #include "torpor/error.hpp"
-#include "torpor/fault_injecting_driver.hpp"
+#include "torpor/testing/fault_injecting_driver.hpp"
 
 namespace torpor::test {
 namespace {
