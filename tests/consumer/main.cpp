@@ -4,6 +4,8 @@
 
 #include <cstdio>
 #include <torpor/backend.hpp>
+#include <torpor/callback_group.hpp>
+#include <torpor/collective_sleep.hpp>
 #include <torpor/driver.hpp>
 #include <torpor/error.hpp>
 #include <torpor/group.hpp>
