@@ -16,7 +16,7 @@
 
 #include "commands.hpp"
 #include "common/options.hpp"
-#include "driver/multicast_policy.hpp"
+#include "ranks/multicast.hpp"
 #include "torpor/backend.hpp"
 
 namespace torpor::cli {

@@ -26,10 +26,10 @@
 
 #include "commands.hpp"
 #include "launch.hpp"
+#include "ranks/multicast.hpp"
 #include "torpor/backend.hpp"
 #include "torpor/error.hpp"
 #include "torpor/group.hpp"
-#include "torpor/multicast_decision.hpp"
 #include "torpor/nccl_group.hpp"
 #include "torpor/pool.hpp"
 #include "torpor/symmetric.hpp"

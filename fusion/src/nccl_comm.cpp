@@ -1,28 +1,22 @@
 // NcclComm: see nccl_comm.hpp. Invariant: comm is a live communicator from construction to
-// destruction; every NCCL result is checked and named.
+// destruction; every NCCL result is checked and named. Compiled where CMake found NCCL
+// (TORPOR_NCCL); nccl_comm_unavailable.cpp stands in elsewhere.
 #include "nccl_comm.hpp"
 
 #include <fmt/format.h>
+#include <nccl.h>
 
+#include <cstring>
 #include <span>
 
+#include "cuda_runtime.hpp"
+#include "ranks/multicast.hpp"
+#include "ranks/nccl/nccl_library.hpp"
 #include "torpor/error.hpp"
 #include "torpor/group.hpp"
 #include "torpor/log.hpp"
 
-#if defined(TORPOR_KERNELS_CUDA) && __has_include(<nccl.h>)
-#define TORPOR_FUSION_NCCL 1
-#include <nccl.h>
-
-#include <cstring>
-
-#include "cuda_runtime.hpp"
-#include "ranks/nccl_library.hpp"
-#endif
-
 namespace torpor::fusion::detail {
-
-#ifdef TORPOR_FUSION_NCCL
 
 namespace {
 
@@ -108,24 +102,5 @@ void NcclComm::check() {
   impl_->check(api().get_async_error(impl_->comm, &async), "ncclCommGetAsyncError");
   impl_->check(async, "an earlier ncclAllReduce (asynchronous error)");
 }
-
-#else  // no NCCL in this build
-
-struct NcclComm::Impl {};
-
-bool NcclComm::available(std::string* why_not) {
-  if (why_not != nullptr) *why_not = "this build has no NCCL support (TORPOR_CUDA=OFF or nccl.h not found)";
-  return false;
-}
-NcclComm::NcclComm(Group&, int) {
-  throw unavailable("the unfused tail's all-reduce needs NCCL: this build has no NCCL support (TORPOR_CUDA=OFF or "
-                    "nccl.h not found)");
-}
-NcclComm::~NcclComm() = default;
-void NcclComm::all_reduce_sum_f32(void*, std::size_t, void*) {}
-void NcclComm::all_reduce_sum_bf16(void*, std::size_t, void*) {}
-void NcclComm::check() {}
-
-#endif
 
 }  // namespace torpor::fusion::detail

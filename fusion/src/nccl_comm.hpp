@@ -3,11 +3,11 @@
 // graph). NcclGroup (allocator/) moves host bytes for the symmetric layer; this one reduces
 // device memory in place and owns nothing else.
 //
-// NCCL comes from the loader NcclGroup uses (allocator's ranks/nccl_library.hpp: opened at run
+// NCCL comes from the loader NcclGroup uses (allocator's ranks/nccl/nccl_library.hpp: opened at run
 // time, TORPOR_NCCL_LIBRARY overrides the name), so binaries start without it; available() says
-// why it cannot be used. The unique id travels over the Group. The loader's NVLS policy is
-// applied before the first NCCL call, so a multicast kill switch keeps NCCL from creating a
-// multicast object.
+// why it cannot be used. The unique id travels over the Group. The NVLS policy
+// (ranks/multicast.hpp) is applied before the first NCCL call, so a multicast kill switch keeps
+// NCCL from creating a multicast object.
 //
 // The communicator is created blocking (ncclCommInitRank), unlike NcclGroup's bounded
 // non-blocking init: a non-blocking communicator would make every later ncclAllReduce able to

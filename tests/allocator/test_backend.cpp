@@ -3,7 +3,7 @@
 
 #include <cstdlib>
 
-#include "driver/multicast_policy.hpp"
+#include "ranks/multicast.hpp"
 #include "torpor/backend.hpp"
 #include "torpor/error.hpp"
 

@@ -14,8 +14,8 @@
 
 #include "torpor/callback_group.hpp"
 #include "torpor/collective_sleep.hpp"
-#include "torpor/fault_injecting_driver.hpp"
 #include "torpor/host_driver.hpp"
+#include "torpor/testing/fault_injecting_driver.hpp"
 #include "torpor/torpor.h"
 
 namespace torpor::test {

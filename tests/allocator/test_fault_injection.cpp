@@ -8,7 +8,7 @@
 #include "pool/store/host_store.hpp"
 #include "support/backends.hpp"
 #include "torpor/error.hpp"
-#include "torpor/fault_injecting_driver.hpp"
+#include "torpor/testing/fault_injecting_driver.hpp"
 
 namespace torpor::test {
 namespace {
@@ -545,6 +545,25 @@ TEST(FaultInjectingDriverCapabilities, ForwardsWhatTheInnerDriverCanDoAndWithhol
   faulty.release(m1);
   for (device_ptr va : {mva, a, b}) faulty.free_reservation(va, g);
   check_clean(&host);
+}
+
+// native_stream() is the seam's way to the backend's own stream handle (NCCL takes one). A driver
+// without one (the host driver) refuses it as not supported, naming itself, also through the
+// decorator; nothing stream-like is made up.
+TEST(FaultInjectingDriverCapabilities, NativeStreamIsRefusedWhereTheBackendHasNone) {
+  HostDriver host(HostBackend::options());
+  FaultInjectingDriver faulty(host);
+  const Stream s = host.stream_create(0);
+  for (Driver* d : {static_cast<Driver*>(&host), static_cast<Driver*>(&faulty)}) {
+    try {
+      (void)d->native_stream(s);
+      ADD_FAILURE() << "native_stream succeeded on the " << d->backend_name() << " driver";
+    } catch (const driver_error& e) {
+      EXPECT_EQ(e.code(), static_cast<int>(driver_status::not_supported));
+      EXPECT_NE(std::string(e.what()).find("host driver"), std::string::npos) << e.what();
+    }
+  }
+  host.stream_destroy(s);
 }
 
 }  // namespace

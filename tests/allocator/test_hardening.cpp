@@ -16,7 +16,7 @@
 
 #include "support/backends.hpp"
 #include "torpor/error.hpp"
-#include "torpor/fault_injecting_driver.hpp"
+#include "torpor/testing/fault_injecting_driver.hpp"
 
 namespace torpor::test {
 namespace {

@@ -4,7 +4,7 @@
 
 #include "support/backends.hpp"
 #include "torpor/error.hpp"
-#include "torpor/fault_injecting_driver.hpp"
+#include "torpor/testing/fault_injecting_driver.hpp"
 
 namespace torpor::test {
 namespace {
@@ -69,6 +69,25 @@ TYPED_TEST(PoolTest, EmptySlabIsCachedOnceAndTrimReleasesIt) {
   EXPECT_EQ(s.cached_bytes, this->granularity());
   EXPECT_EQ(pool.trim(), this->granularity());
   EXPECT_EQ(pool.stats().mapped_bytes, 0u);
+}
+
+// The slab policy keeps one empty small slab per (tag, class) for the fast path; a second slab
+// of the same pair that empties meanwhile is released at once (placement.hpp).
+TYPED_TEST(PoolTest, OnlyOneEmptySmallSlabIsKeptPerTagAndClass) {
+  Pool pool(this->driver(), this->small_pool());
+  const std::size_t half = pool.options().small_limit;
+  ASSERT_EQ(half * 2, pool.options().slab_bytes) << "two allocations of small_limit fill one slab";
+  const AllocationOptions o{"t", MemoryClass::state, ""};
+  void* a = pool.allocate(half, o);
+  void* b = pool.allocate(half, o);
+  void* c = pool.allocate(half, o);  // the first slab is full: a second one
+  ASSERT_EQ(pool.stats().mapped_bytes, 2 * pool.options().slab_bytes);
+  pool.deallocate(c);  // the second slab empties: kept, it is the only empty one
+  EXPECT_EQ(pool.stats().cached_bytes, pool.options().slab_bytes);
+  pool.deallocate(a);
+  pool.deallocate(b);  // the first empties too: released, one empty slab is already kept
+  EXPECT_EQ(pool.stats().cached_bytes, pool.options().slab_bytes);
+  EXPECT_EQ(pool.stats().mapped_bytes, pool.options().slab_bytes);
 }
 
 TYPED_TEST(PoolTest, FindReportsBaseTagClassAndNameForInteriorPointers) {

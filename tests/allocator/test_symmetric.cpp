@@ -9,9 +9,9 @@
 
 #include "support/processes.hpp"
 #include "torpor/error.hpp"
-#include "torpor/fault_injecting_driver.hpp"
 #include "torpor/host_driver.hpp"
 #include "torpor/symmetric.hpp"
+#include "torpor/testing/fault_injecting_driver.hpp"
 
 namespace torpor::test {
 namespace {

@@ -4,14 +4,14 @@
 
 #include <cstdio>
 #include <torpor/backend.hpp>
-#include <torpor/content_hash.hpp>
+#include <torpor/callback_group.hpp>
+#include <torpor/collective_sleep.hpp>
 #include <torpor/driver.hpp>
 #include <torpor/error.hpp>
-#include <torpor/fault_injecting_driver.hpp>
 #include <torpor/group.hpp>
+#include <torpor/hash128.hpp>
 #include <torpor/host_driver.hpp>
 #include <torpor/log.hpp>
-#include <torpor/multicast_decision.hpp>
 #include <torpor/nccl_group.hpp>
 #include <torpor/pool.hpp>
 #include <torpor/stream.hpp>

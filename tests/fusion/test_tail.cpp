@@ -12,10 +12,10 @@
 #include "tail_oracle.hpp"
 #include "tail_support.hpp"
 #include "torpor/error.hpp"
-#include "torpor/fault_injecting_driver.hpp"
 #include "torpor/fusion/tail_state.hpp"
 #include "torpor/group.hpp"
 #include "torpor/symmetric.hpp"
+#include "torpor/testing/fault_injecting_driver.hpp"
 
 namespace torpor::test {
 namespace {

@@ -1,4 +1,4 @@
-// Fuzz target: the Unix socket group's hub protocol (dist/hub_protocol.hpp) without sockets. The
+// Fuzz target: the Unix socket group's hub protocol (ranks/hub_protocol.hpp) without sockets. The
 // input is read as datagrams from four connections of a 3-rank group: hellos (right or wrong
 // secret, any rank, size, version), raw bytes, well-formed frames of any type with fuzzed bodies
 // (contributions of every collective kind, give-ups, recoveries), datagrams carrying

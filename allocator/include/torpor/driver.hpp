@@ -29,7 +29,7 @@
 #include <string_view>
 #include <vector>
 
-#include "torpor/content_hash.hpp"
+#include "torpor/hash128.hpp"
 #include "torpor/stream.hpp"
 
 namespace torpor {
@@ -90,7 +90,7 @@ struct DriverCapabilities {
   // How a store through a mapped multicast address reaches every bound buffer: the device's
   // multimem instructions (hardware; the multicast entry points resolved), the driver's software
   // fan-out multicast_store() within this one driver instance (emulated), or not at all. Whether
-  // multicast is used is still the group's collective decision (multicast_decision.hpp).
+  // multicast is used is still the group's collective decision (ranks/multicast.hpp).
   enum class Multicast { none, hardware, emulated };
   Multicast multicast = Multicast::none;
   // make_current() works: the driver can make a device current on the calling thread for the
@@ -217,6 +217,10 @@ class Driver {
   // Makes `device` current on the calling thread, persistently, for the CUDA runtime and the
   // libraries built on it (NCCL). The default says "not supported".
   virtual void make_current(int device);
+  // The backend's own handle of a stream this driver created, for the libraries on the CUDA
+  // runtime that take one (NCCL): on the cuda backend the CUstream, the same object as the
+  // runtime's cudaStream_t. The default says "not supported".
+  virtual void* native_stream(Stream s);
 
   // --- exact accounting (capabilities().physical_accounting) ---------------------------------
   // Bytes of physical memory created on `device` and still alive (a handle or a mapping refers to
@@ -252,7 +256,7 @@ class Driver {
   virtual void event_synchronize(Event e) = 0;
 
   // --- content hashes -------------------------------------------------------------------
-  // content_hash (content_hash.hpp) of each range, computed where the bytes live (on the GPU
+  // content hash (the library's content_hash.hpp) of each range, computed where the bytes live (on the GPU
   // at HBM speed), ordered after earlier work on `s`. Blocks until `out` holds the results.
   virtual void hash(std::span<const HashRange> ranges, Hash128* out, Stream s) = 0;
 };

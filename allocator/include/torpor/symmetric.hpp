@@ -30,7 +30,7 @@
 // none, so calling the operation again on every rank, once the cause is gone, completes it.
 //
 // Multicast: a buffer asks for it with SymmetricBufferOptions::multicast; the first such buffer
-// makes the group decide (decide_multicast: per-rank probe, collective AND). When the group says
+// makes the group decide (per-rank probe, collective AND; the library's ranks/multicast.hpp). When the group says
 // no, the buffer is unicast, no multicast call is made, and rank 0 logs one warning naming the
 // cause and the rank.
 //
@@ -50,10 +50,20 @@
 
 #include "torpor/driver.hpp"
 #include "torpor/group.hpp"
-#include "torpor/multicast_decision.hpp"
 #include "torpor/pool.hpp"
 
 namespace torpor {
+
+// The group's multicast decision (the first multicast buffer makes it; see Multicast above).
+struct MulticastDecision {
+  bool use = false;
+  // Why not ("" when used), naming the rank: "rank 1: disabled by TORPOR_DISABLE_MULTICAST=1".
+  std::string reason;
+  // The warning rank 0 logged ("" on the other ranks, when used, and for a single rank).
+  std::string warning;
+  // Each rank's own verdict, by rank ("" = usable).
+  std::vector<std::string> rank_reasons;
+};
 
 struct SymmetricHeapOptions {
   std::string table_tag = tags::weights;  // where peer tables live (class state)
@@ -147,6 +157,9 @@ class SymmetricHeap final : private SleepObserver {
   template <typename F>
   void step(const std::string& what, F&& fn);
 
+  // This rank's share of a new buffer, local only: its part (a chunk of its own), its peer table,
+  // the VA range for the peers' parts, and, with multicast, the range the object maps at.
+  void place_local(SymmetricBuffer& b, const SymmetricBufferOptions& o, bool use_multicast, std::size_t alignment);
   // Imports and maps every peer part not mapped yet; fd_by_rank[r] is rank r's exported part.
   void import_peers(SymmetricBuffer& b, const std::vector<int>& fd_by_rank);
   void drop_imports(SymmetricBuffer& b);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "api/c_api_internal.hpp"
+#include "api/c_enums.hpp"
 #include "torpor/backend.hpp"
 #include "torpor/callback_group.hpp"
 #include "torpor/collective_sleep.hpp"
@@ -149,19 +150,9 @@ torpor_status with_pool(const char* fn, torpor_pool_t handle, F&& f) {
   return guarded(fn, [&] { f(*p); });
 }
 
-// The highest torpor_status (they run from TORPOR_OK up without gaps); tests/python/test_constants.py
-// checks every status of torpor.h against torpor_status_value.
-constexpr int status_last = TORPOR_ERROR_UNAVAILABLE;
-
-// torpor_backend -> Backend; nullopt for a value out of range.
-std::optional<Backend> backend_of(int b) {
-  switch (b) {
-    case TORPOR_BACKEND_AUTO: return Backend::automatic;
-    case TORPOR_BACKEND_HOST: return Backend::host;
-    case TORPOR_BACKEND_CUDA: return Backend::cuda;
-    default: return std::nullopt;
-  }
-}
+// The C enums' tables, shared with the PyTorch entry points (api/c_enums.hpp).
+using detail::backend_of;
+using detail::status_last;
 
 MemoryClass to_class(int c) {
   if (c < 0 || c >= static_cast<int>(memory_class_count))
@@ -406,18 +397,8 @@ torpor_status torpor_read_host_copy(torpor_pool_t pool, const void* ptr, size_t 
 const char* torpor_last_error(void) { return last_error.c_str(); }
 
 const char* torpor_status_name(torpor_status s) {
-  switch (s) {
-    case TORPOR_OK: return "TORPOR_OK";
-    case TORPOR_ERROR_INVALID_ARGUMENT: return "TORPOR_ERROR_INVALID_ARGUMENT";
-    case TORPOR_ERROR_INVALID_STATE: return "TORPOR_ERROR_INVALID_STATE";
-    case TORPOR_ERROR_OUT_OF_MEMORY: return "TORPOR_ERROR_OUT_OF_MEMORY";
-    case TORPOR_ERROR_DRIVER: return "TORPOR_ERROR_DRIVER";
-    case TORPOR_ERROR_TIMEOUT: return "TORPOR_ERROR_TIMEOUT";
-    case TORPOR_ERROR_INVALID_HANDLE: return "TORPOR_ERROR_INVALID_HANDLE";
-    case TORPOR_ERROR_INTERNAL: return "TORPOR_ERROR_INTERNAL";
-    case TORPOR_ERROR_UNAVAILABLE: return "TORPOR_ERROR_UNAVAILABLE";
-  }
-  return "TORPOR_ERROR_UNKNOWN";
+  const char* name = detail::status_name_of(s);
+  return name != nullptr ? name : "TORPOR_ERROR_UNKNOWN";
 }
 
 int torpor_status_value(const char* name) {

@@ -21,6 +21,7 @@
 #include <string>
 
 #include "api/c_api_internal.hpp"
+#include "api/c_enums.hpp"
 #include "torpor/backend.hpp"
 #include "torpor/log.hpp"
 
@@ -63,22 +64,13 @@ void failed(torpor_status s) {
   last_failure = s;
 }
 
+// The C enums as the C API reads and names them (api/c_enums.hpp).
 const char* class_name(int c) {
-  switch (c) {
-    case TORPOR_CLASS_PARAMETER: return "parameter";
-    case TORPOR_CLASS_STATE: return "state";
-    case TORPOR_CLASS_CACHE: return "cache";
-  }
-  return "?";
+  const char* name = torpor::detail::class_name_of(c);
+  return name != nullptr ? name : "?";
 }
 
-torpor::Backend to_backend(int b) {
-  switch (b) {
-    case TORPOR_BACKEND_HOST: return torpor::Backend::host;
-    case TORPOR_BACKEND_CUDA: return torpor::Backend::cuda;
-    default: return torpor::Backend::automatic;
-  }
-}
+torpor::Backend to_backend(int b) { return torpor::detail::backend_of(b).value_or(torpor::Backend::automatic); }
 
 // The status and message for the exception being handled. Only std::bad_alloc is expected
 // here (the C API calls do not throw); anything else is reported as internal.

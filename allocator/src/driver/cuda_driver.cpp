@@ -16,7 +16,7 @@
 #include <mutex>
 #include <vector>
 
-#include "driver/multicast_policy.hpp"
+#include "common/options.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 
@@ -448,7 +448,7 @@ PhysicalHandle CudaDriver::import_fd(int fd) {
 namespace {
 
 void refuse_if_killed(const char* call) {
-  if (auto k = multicast_kill_switch())
+  if (auto k = options::multicast_kill_switch())  // the same switches as ranks/multicast.hpp
     throw_driver_error(CUDA_ERROR_NOT_PERMITTED, call,
                        fmt::format("refused: multicast is disabled by {}; torpor never calls it then", *k));
 }
@@ -499,6 +499,9 @@ MulticastHandle CudaDriver::multicast_import_fd(int fd) {
   refuse_if_killed("cuMemImportFromShareableHandle(multicast)");
   return MulticastHandle{impl_->import_handle(fd, "cuMemImportFromShareableHandle(multicast)")};
 }
+
+// A Stream's value is the CUstream this driver created (stream_create).
+void* CudaDriver::native_stream(Stream s) { return reinterpret_cast<void*>(static_cast<std::uintptr_t>(s.value)); }
 
 void CudaDriver::make_current(int device) {
   // Deliberately persistent (no guard): the caller wants this device current from now on.

@@ -56,6 +56,7 @@ class CudaDriver final : public Driver {
   // Makes `device`'s primary context current on the calling thread: what the CUDA runtime, and
   // libraries built on it such as NCCL, read as the current device.
   void make_current(int device) override;
+  void* native_stream(Stream s) override;
 
   void* host_alloc(std::size_t bytes) override;
   void host_free(void* p) override;

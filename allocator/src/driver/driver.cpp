@@ -55,6 +55,10 @@ void Driver::make_current(int) {
   not_supported(*this, "cuCtxSetCurrent", "cannot make a device current for the CUDA runtime");
 }
 
+void* Driver::native_stream(Stream) {
+  not_supported(*this, "native_stream", "has no native stream for the CUDA runtime's libraries");
+}
+
 std::size_t Driver::live_physical_bytes(int) const {
   not_supported(*this, "live_physical_bytes", "keeps no exact account of live physical memory");
 }

@@ -1,4 +1,4 @@
-#include "torpor/fault_injecting_driver.hpp"
+#include "torpor/testing/fault_injecting_driver.hpp"
 
 #include <fmt/format.h>
 
@@ -45,6 +45,11 @@ void FaultInjectingDriver::multicast_store(device_ptr mc_va, const void* src, st
 void FaultInjectingDriver::make_current(int d) {
   if (!capabilities().make_current) Driver::make_current(d);
   inner_.make_current(d);
+}
+
+void* FaultInjectingDriver::native_stream(Stream s) {
+  if (!capabilities().make_current) Driver::native_stream(s);
+  return inner_.native_stream(s);
 }
 
 std::size_t FaultInjectingDriver::live_physical_bytes(int d) const {

@@ -28,6 +28,7 @@
 #include <thread>
 
 #include "driver/host_driver_async.hpp"
+#include "torpor/content_hash.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 

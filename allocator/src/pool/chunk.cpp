@@ -7,6 +7,7 @@
 #include <cstring>
 #include <exception>
 
+#include "torpor/content_hash.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 

@@ -47,48 +47,53 @@ void Hub::fail(Deliveries& out, std::uint64_t sequence, FailReason reason, const
   pending_.erase(it);
 }
 
-Deliveries Hub::contribute(int rank, std::uint64_t generation, std::uint64_t sequence, CollectiveKind kind, Part part) {
-  Deliveries out;
-  std::vector<int> gone(gone_.begin(), gone_.end());
+// Why `rank`'s contribution to collective `sequence` of `generation` cannot be taken: the group
+// lost a rank, was recovered without it, already failed that collective, is recovering, or
+// holds another contribution of this rank. Nothing when it can be taken.
+std::optional<Reply> Hub::refusal(int rank, std::uint64_t generation, std::uint64_t sequence) const {
   if (!gone_.empty()) {
-    out.emplace_back(rank,
-                     failure(FailReason::left, sequence,
-                             fmt::format("rank(s) {} left the group; build a new group", format_ranks(gone)), gone));
-    return out;
+    std::vector<int> gone(gone_.begin(), gone_.end());
+    return failure(FailReason::left, sequence,
+                   fmt::format("rank(s) {} left the group; build a new group", format_ranks(gone)), gone);
   }
   if (generation != generation_) {
-    out.emplace_back(rank, failure(FailReason::stale, sequence,
-                                   fmt::format("collective #{} belongs to generation {} but the group is at generation "
-                                               "{} (it was recovered without this rank's knowledge); call recover()",
-                                               sequence, generation, generation_),
-                                   {}));
-    return out;
+    return failure(FailReason::stale, sequence,
+                   fmt::format("collective #{} belongs to generation {} but the group is at generation "
+                               "{} (it was recovered without this rank's knowledge); call recover()",
+                               sequence, generation, generation_),
+                   {});
   }
   // A late rank hears what happened to the collective it came for, even while others recover.
   if (auto f = failed_.find(sequence); f != failed_.end()) {
-    out.emplace_back(rank, failure(f->second.first, sequence, f->second.second, {}));
-    return out;
+    return failure(f->second.first, sequence, f->second.second, {});
   }
   if (!recovering_.empty()) {
     std::vector<int> rec(recovering_.begin(), recovering_.end());
-    out.emplace_back(rank, failure(FailReason::recovery, sequence,
-                                   fmt::format("rank(s) {} are recovering the group after a failed collective; call "
-                                               "recover() on this rank too",
-                                               format_ranks(rec)),
-                                   {}));
-    return out;
+    return failure(FailReason::recovery, sequence,
+                   fmt::format("rank(s) {} are recovering the group after a failed collective; call "
+                               "recover() on this rank too",
+                               format_ranks(rec)),
+                   {});
   }
   // A rank waits for each collective before its next, so it has at most one contribution
   // pending: the hub never holds more than one message per rank.
   for (auto& [seq, p] : pending_)
     if (seq != sequence && p.parts[static_cast<std::size_t>(rank)]) {
-      out.emplace_back(rank, failure(FailReason::mismatch, sequence,
-                                     fmt::format("rank {} contributed to collective #{} while its contribution to #{} "
-                                                 "is pending",
-                                                 rank, sequence, seq),
-                                     {}));
-      return out;
+      return failure(FailReason::mismatch, sequence,
+                     fmt::format("rank {} contributed to collective #{} while its contribution to #{} "
+                                 "is pending",
+                                 rank, sequence, seq),
+                     {});
     }
+  return std::nullopt;
+}
+
+Deliveries Hub::contribute(int rank, std::uint64_t generation, std::uint64_t sequence, CollectiveKind kind, Part part) {
+  Deliveries out;
+  if (std::optional<Reply> refused = refusal(rank, generation, sequence)) {
+    out.emplace_back(rank, std::move(*refused));
+    return out;
+  }
   auto [it, fresh] = pending_.try_emplace(sequence);
   Pending& p = it->second;
   if (fresh) {

@@ -95,6 +95,7 @@ class Hub {
   void fail(Deliveries& out, std::uint64_t sequence, FailReason reason, const std::string& message,
             const std::string& late_message);
   std::vector<int> missing_from(const Pending& p) const;
+  std::optional<Reply> refusal(int rank, std::uint64_t generation, std::uint64_t sequence) const;
   Reply failure(FailReason reason, std::uint64_t sequence, std::string message, std::vector<int> missing) const;
 
   int size_;

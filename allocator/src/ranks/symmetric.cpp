@@ -24,6 +24,7 @@
 #include <set>
 
 #include "common/range_allocator.hpp"
+#include "ranks/multicast.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 
@@ -371,6 +372,34 @@ void SymmetricHeap::release_local(SymmetricBuffer& b) noexcept {
 // ---------------------------------------------------------------------------------------------
 // allocate / free
 
+void SymmetricHeap::place_local(SymmetricBuffer& b, const SymmetricBufferOptions& o, bool use_multicast,
+                                std::size_t alignment) {
+  const int n = group_.size();
+  const int me = group_.rank();
+  const std::size_t granularity = pool_.granularity();
+  b.local_ = pool_.allocate(b.part_bytes_, {o.tag, MemoryClass::state, o.name, /*dedicated=*/true});
+  auto ci = pool_.chunk_info(b.local_);
+  if (!ci || !ci->dedicated || ci->offset != 0 || ci->bytes != b.part_bytes_)
+    throw error(fmt::format("{}: the pool placed symmetric buffer part ({} bytes) inside a shared chunk; it must "
+                            "have a chunk of its own",
+                            who(), b.part_bytes_));
+  std::string table_name = (o.name.empty() ? fmt::format("symmetric.{}", next_id_) : o.name) + ".peers";
+  b.table_ = pool_.allocate((static_cast<std::size_t>(n) + 1) * sizeof(std::uint64_t),
+                            {options_.table_tag, MemoryClass::state, table_name});
+  b.peer_range_ = pool_.reserve_address_range(static_cast<std::size_t>(n) * b.part_bytes_);
+  for (int r = 0; r < n; ++r)
+    b.peer_va_[static_cast<std::size_t>(r)] =
+        r == me ? reinterpret_cast<device_ptr>(b.local_) : b.peer_range_ + static_cast<std::size_t>(r) * b.part_bytes_;
+  if (use_multicast) {
+    SymmetricBuffer::Multicast m;
+    m.bytes = b.part_bytes_;
+    std::size_t slack = alignment > granularity ? alignment : 0;
+    m.range = pool_.reserve_address_range(m.bytes + slack);
+    m.va = align_up(m.range, alignment);
+    b.mc_ = m;
+  }
+}
+
 SymmetricBuffer& SymmetricHeap::allocate(std::size_t bytes, const SymmetricBufferOptions& o) {
   std::lock_guard lock(mu_);
   const int n = group_.size();
@@ -409,30 +438,7 @@ SymmetricBuffer& SymmetricHeap::allocate(std::size_t bytes, const SymmetricBuffe
     // Large enough for a chunk of its own: exporting it must share nothing else.
     b->part_bytes_ = align_up(std::max(bytes, pool_.options().small_limit + 1), alignment);
 
-    step("allocating this rank's part", [&] {
-      b->local_ = pool_.allocate(b->part_bytes_, {o.tag, MemoryClass::state, o.name, /*dedicated=*/true});
-      auto ci = pool_.chunk_info(b->local_);
-      if (!ci || !ci->dedicated || ci->offset != 0 || ci->bytes != b->part_bytes_)
-        throw error(fmt::format("{}: the pool placed symmetric buffer part ({} bytes) inside a shared chunk; it must "
-                                "have a chunk of its own",
-                                who(), b->part_bytes_));
-      std::string table_name = (o.name.empty() ? fmt::format("symmetric.{}", next_id_) : o.name) + ".peers";
-      b->table_ = pool_.allocate((static_cast<std::size_t>(n) + 1) * sizeof(std::uint64_t),
-                                 {options_.table_tag, MemoryClass::state, table_name});
-      b->peer_range_ = pool_.reserve_address_range(static_cast<std::size_t>(n) * b->part_bytes_);
-      for (int r = 0; r < n; ++r)
-        b->peer_va_[static_cast<std::size_t>(r)] = r == me
-                                                       ? reinterpret_cast<device_ptr>(b->local_)
-                                                       : b->peer_range_ + static_cast<std::size_t>(r) * b->part_bytes_;
-      if (use_multicast) {
-        SymmetricBuffer::Multicast m;
-        m.bytes = b->part_bytes_;
-        std::size_t slack = alignment > granularity ? alignment : 0;
-        m.range = pool_.reserve_address_range(m.bytes + slack);
-        m.va = align_up(m.range, alignment);
-        b->mc_ = m;
-      }
-    });
+    step("allocating this rank's part", [&] { place_local(*b, o, use_multicast, alignment); });
 
     UniqueFd fd;
     step("exporting this rank's part", [&] { fd.reset(driver_.export_fd(own_handle(*b))); });

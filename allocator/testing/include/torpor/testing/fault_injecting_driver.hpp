@@ -9,8 +9,11 @@
 // driver, so the inner driver's state is exactly what it would be after a real failure that
 // changed nothing. calls(kind) counts calls made (failed ones included).
 //
+// A test double: its header lives in allocator/testing/include (torpor::internal), never
+// installed; the implementation is in the library so that every test links the same one.
+//
 // It reports its inner driver's capabilities and forwards the optional calls (make_current,
-// multicast_store, live_physical_bytes), so code above the seam works the same through it.
+// native_stream, multicast_store, live_physical_bytes), so code above the seam works the same through it.
 // report_capabilities() makes it stand in for a driver that lacks one: it then reports the given
 // capabilities, and a call that a withheld capability names fails as on such a driver.
 #pragma once
@@ -69,6 +72,7 @@ class FaultInjectingDriver final : public Driver {
   bool multicast_shares_across_processes() override { return inner_.multicast_shares_across_processes(); }
   void multicast_store(device_ptr mc_va, const void* src, std::size_t b) override;
   void make_current(int d) override;
+  void* native_stream(Stream s) override;
   std::size_t live_physical_bytes(int d) const override;
   void* host_alloc(std::size_t b) override;
   void host_free(void* p) override;

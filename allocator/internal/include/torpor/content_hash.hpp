@@ -10,22 +10,19 @@
 // bijection for a fixed index); reordering words changes it too (the index is keyed in).
 // This guards against accidental change (the skip-unchanged-bytes optimisation), not
 // against an adversary.
+//
+// Internal (allocator/internal/include: in-tree targets see it, the install does not); the
+// public type is Hash128 (hash128.hpp).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 
+#include "torpor/hash128.hpp"
 #include "torpor/host_device.hpp"
 
 namespace torpor {
-
-struct Hash128 {
-  std::uint64_t lo = 0;
-  std::uint64_t hi = 0;
-  TORPOR_HD bool operator==(const Hash128& o) const { return lo == o.lo && hi == o.hi; }
-  TORPOR_HD bool operator!=(const Hash128& o) const { return !(*this == o); }
-};
 
 namespace content_hash {
 

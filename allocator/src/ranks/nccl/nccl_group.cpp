@@ -1,4 +1,5 @@
 // NcclGroup: bytes over NCCL, everything else over the bootstrap group. See nccl_group.hpp.
+// Compiled where CMake found NCCL (TORPOR_NCCL); nccl_group_unavailable.cpp stands in elsewhere.
 //
 // Invariants: comm_ is a live communicator or null; broken_ is set by a timeout or an NCCL error
 // and cleared only by recover(); the staging memory (device region and pinned host buffer) is
@@ -7,12 +8,6 @@
 #include "torpor/nccl_group.hpp"
 
 #include <fmt/format.h>
-
-#include "torpor/error.hpp"
-#include "torpor/log.hpp"
-
-#if defined(TORPOR_HAVE_CUDA) && __has_include(<nccl.h>)
-#define TORPOR_HAVE_NCCL 1
 #include <nccl.h>
 
 #include <algorithm>
@@ -21,13 +16,13 @@
 #include <optional>
 #include <thread>
 
-#include "ranks/nccl_library.hpp"
 #include "common/range_allocator.hpp"
-#endif
+#include "ranks/multicast.hpp"
+#include "ranks/nccl/nccl_library.hpp"
+#include "torpor/error.hpp"
+#include "torpor/log.hpp"
 
 namespace torpor {
-
-#ifdef TORPOR_HAVE_NCCL
 
 namespace {
 
@@ -228,7 +223,7 @@ struct NcclGroup::Impl {
       if (n > 0) driver.copy_async(reinterpret_cast<void*>(dev), host, n, stream);
       driver.make_current(device);
       ncclResult_t r = api.all_gather(reinterpret_cast<const void*>(dev), reinterpret_cast<void*>(dev + recv_off), n,
-                                      ncclUint8, comm, reinterpret_cast<cudaStream_t>(stream.value));
+                                      ncclUint8, comm, static_cast<cudaStream_t>(driver.native_stream(stream)));
       check(r, "ncclAllGather");
       if (r == ncclInProgress && !settle(deadline)) timed_out(op, seq);
       if (n > 0) driver.copy_async(host + recv_off, reinterpret_cast<void*>(dev + recv_off), ranks * n, stream);
@@ -324,33 +319,5 @@ void NcclGroup::recover() {
   impl_->sequence = 0;
   impl_->broken.reset();
 }
-
-#else  // no CUDA backend or no nccl.h in this build
-
-struct NcclGroup::Impl {};
-
-namespace {
-constexpr const char* not_built =
-    "this torpor was built without NCCL support (it needs the CUDA backend, TORPOR_CUDA=ON, and nccl.h)";
-}
-
-bool NcclGroup::available(std::string* why_not) {
-  if (why_not != nullptr) *why_not = not_built;
-  return false;
-}
-
-NcclGroup::NcclGroup(Group&, Driver&, int, const GroupOptions& options) : Group(options) {
-  throw error(fmt::format("NcclGroup: {}", not_built));
-}
-
-NcclGroup::~NcclGroup() = default;
-int NcclGroup::rank() const noexcept { return 0; }
-int NcclGroup::size() const noexcept { return 0; }
-std::vector<std::vector<std::byte>> NcclGroup::all_gather(std::span<const std::byte>) { throw error(not_built); }
-std::vector<std::vector<UniqueFd>> NcclGroup::all_gather_fds(std::span<const int>) { throw error(not_built); }
-void NcclGroup::barrier() { throw error(not_built); }
-void NcclGroup::recover() { throw error(not_built); }
-
-#endif
 
 }  // namespace torpor

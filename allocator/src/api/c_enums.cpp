@@ -1,0 +1,52 @@
+// The C enumerations' tables. See c_enums.hpp.
+#include "api/c_enums.hpp"
+
+#include <array>
+
+#include "common/enum_names.hpp"
+
+namespace torpor::detail {
+
+namespace {
+
+constexpr auto status_names =
+    std::to_array<EnumName<int>>({{TORPOR_OK, "TORPOR_OK"},
+                                  {TORPOR_ERROR_INVALID_ARGUMENT, "TORPOR_ERROR_INVALID_ARGUMENT"},
+                                  {TORPOR_ERROR_INVALID_STATE, "TORPOR_ERROR_INVALID_STATE"},
+                                  {TORPOR_ERROR_OUT_OF_MEMORY, "TORPOR_ERROR_OUT_OF_MEMORY"},
+                                  {TORPOR_ERROR_DRIVER, "TORPOR_ERROR_DRIVER"},
+                                  {TORPOR_ERROR_TIMEOUT, "TORPOR_ERROR_TIMEOUT"},
+                                  {TORPOR_ERROR_INVALID_HANDLE, "TORPOR_ERROR_INVALID_HANDLE"},
+                                  {TORPOR_ERROR_INTERNAL, "TORPOR_ERROR_INTERNAL"},
+                                  {TORPOR_ERROR_UNAVAILABLE, "TORPOR_ERROR_UNAVAILABLE"}});
+// Every status from TORPOR_OK to status_last has its name (tests/python/test_constants.py checks
+// torpor.h's list against torpor_status_value).
+static_assert(status_names.size() == status_last + 1);
+
+}  // namespace
+
+std::optional<Backend> backend_of(int backend) noexcept {
+  switch (backend) {
+    case TORPOR_BACKEND_AUTO: return Backend::automatic;
+    case TORPOR_BACKEND_HOST: return Backend::host;
+    case TORPOR_BACKEND_CUDA: return Backend::cuda;
+    default: return std::nullopt;
+  }
+}
+
+std::optional<MemoryClass> memory_class_of(int memory_class) noexcept {
+  if (memory_class < 0 || memory_class >= static_cast<int>(memory_class_count)) return std::nullopt;
+  return static_cast<MemoryClass>(memory_class);
+}
+
+const char* class_name_of(int memory_class) noexcept {
+  const std::optional<MemoryClass> c = memory_class_of(memory_class);
+  return c ? to_string(*c).data() : nullptr;  // the names are literals, so NUL-terminated
+}
+
+const char* status_name_of(int status) noexcept {
+  const std::string_view name = name_of(status_names, status);
+  return name == "?" ? nullptr : name.data();
+}
+
+}  // namespace torpor::detail

@@ -1,0 +1,31 @@
+// The C enumerations of torpor.h, read and named once for both C entry points: the C API
+// (c_api.cpp) and the PyTorch allocator entry points (torch_allocator.cpp). Each enum has one
+// table (common/enum_names.hpp's EnumNames), so the two cannot disagree on what a value means or
+// how it prints. The C values of classes and fills are the C++ ones (c_api.cpp asserts it), so
+// they convert by a checked cast.
+#pragma once
+
+#include <optional>
+
+#include "torpor/backend.hpp"
+#include "torpor/pool.hpp"
+#include "torpor/torpor.h"
+
+namespace torpor::detail {
+
+// torpor_backend -> Backend; nothing for a value out of range.
+std::optional<Backend> backend_of(int backend) noexcept;
+
+// torpor_memory_class -> MemoryClass; nothing for a value out of range.
+std::optional<MemoryClass> memory_class_of(int memory_class) noexcept;
+
+// "parameter", "state" or "cache" for a torpor_memory_class; nullptr for a value out of range.
+const char* class_name_of(int memory_class) noexcept;
+
+// "TORPOR_OK", "TORPOR_ERROR_INVALID_ARGUMENT", ...; nullptr for a value out of range.
+const char* status_name_of(int status) noexcept;
+
+// The highest torpor_status (they run from TORPOR_OK up without gaps).
+inline constexpr int status_last = TORPOR_ERROR_UNAVAILABLE;
+
+}  // namespace torpor::detail
