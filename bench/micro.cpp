@@ -5,15 +5,16 @@
 #include <random>
 #include <vector>
 
+#include "torpor/backend.hpp"
 #include "torpor/content_hash.hpp"
-#include "torpor/host_driver.hpp"
 #include "torpor/pool.hpp"
 
 namespace {
 
 void BM_SmallAllocateFree(benchmark::State& state) {
-  torpor::HostDriver driver;
-  torpor::Pool pool(driver);
+  // The host backend: the fast path is the pool's own bookkeeping, the same on every backend.
+  torpor::DriverSelection driver = torpor::open_driver(torpor::Backend::host, torpor::HostDriverOptions{});
+  torpor::Pool pool(*driver.driver);
   void* keep = pool.allocate(4096, {torpor::tags::weights, torpor::MemoryClass::state, ""});  // slab stays mapped
   auto n = static_cast<std::size_t>(state.range(0));
   for (auto _ : state) {

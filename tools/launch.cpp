@@ -27,6 +27,7 @@
 #include <optional>
 #include <thread>
 
+#include "common/options.hpp"
 #include "torpor/error.hpp"
 
 namespace torpor::cli {
@@ -175,13 +176,38 @@ LaunchResult launch_processes(const LaunchOptions& o) {
   return result;
 }
 
-LaunchResult collect_processes(const LaunchOptions& o, int& received) {
-  Rendezvous rv = Rendezvous::create();
-  const std::size_t n = static_cast<std::size_t>(o.ranks);
+// The ranks' processes and the read ends of their stdout pipes.
+struct Spawned {
   std::vector<pid_t> pids;
   std::vector<int> outs;
+};
+
+// The launcher's environment without the group variables, then this rank's group variables.
+std::vector<std::string> rank_environment(const Rendezvous& rv, int rank, int ranks) {
+  const std::string_view rendezvous = options::option(options::id::group_rendezvous).name;
+  const std::string_view rank_name = options::option(options::id::rank).name;
+  const std::string_view size_name = options::option(options::id::world_size).name;
+  auto assigns = [](std::string_view entry, std::string_view name) {
+    return entry.starts_with(name) && entry.size() > name.size() && entry[name.size()] == '=';
+  };
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    std::string_view s(*e);
+    if (assigns(s, rendezvous) || assigns(s, rank_name) || assigns(s, size_name)) continue;
+    env.emplace_back(s);
+  }
+  env.push_back(fmt::format("{}={}", rendezvous, rv.to_string()));
+  env.push_back(fmt::format("{}={}", rank_name, rank));
+  env.push_back(fmt::format("{}={}", size_name, ranks));
+  return env;
+}
+
+// Starts one process per rank with its stdout on a pipe. On a failure the ranks already started
+// are killed and reaped, the pipes closed, the rendezvous removed, and error names the rank.
+Spawned spawn_ranks(const LaunchOptions& o, const Rendezvous& rv) {
+  Spawned sp;
   auto cleanup = [&] {
-    for (int fd : outs) ::close(fd);
+    for (int fd : sp.outs) ::close(fd);
     rv.remove();
   };
   for (int r = 0; r < o.ranks; ++r) {
@@ -192,17 +218,7 @@ LaunchResult collect_processes(const LaunchOptions& o, int& received) {
     }
     std::vector<std::string> args = {"torpor"};
     args.insert(args.end(), o.worker_args.begin(), o.worker_args.end());
-    std::vector<std::string> env;
-    for (char** e = environ; *e != nullptr; ++e) {
-      std::string_view s(*e);
-      if (s.starts_with("TORPOR_GROUP_RENDEZVOUS=") || s.starts_with("TORPOR_RANK=") ||
-          s.starts_with("TORPOR_WORLD_SIZE="))
-        continue;
-      env.emplace_back(s);
-    }
-    env.push_back("TORPOR_GROUP_RENDEZVOUS=" + rv.to_string());
-    env.push_back("TORPOR_RANK=" + std::to_string(r));
-    env.push_back("TORPOR_WORLD_SIZE=" + std::to_string(o.ranks));
+    std::vector<std::string> env = rank_environment(rv, r, o.ranks);
     std::vector<char*> argv, envp;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -217,107 +233,142 @@ LaunchResult collect_processes(const LaunchOptions& o, int& received) {
     ::close(p[1]);
     if (rc != 0) {
       ::close(p[0]);
-      for (pid_t q : pids) ::kill(q, SIGKILL);
-      for (pid_t q : pids) ::waitpid(q, nullptr, 0);
+      for (pid_t q : sp.pids) ::kill(q, SIGKILL);
+      for (pid_t q : sp.pids) ::waitpid(q, nullptr, 0);
       cleanup();
       throw error(fmt::format("starting rank {} failed: {}", r, std::strerror(rc)));
     }
-    pids.push_back(pid);
-    outs.push_back(p[0]);
+    sp.pids.push_back(pid);
+    sp.outs.push_back(p[0]);
   }
+  return sp;
+}
 
-  std::vector<std::string> text(n);
-  std::vector<int> codes(n, -1);
-  std::vector<bool> killed(n, false);
+// What the ranks left behind: their stdout, exit codes, which were killed, and when.
+struct Reaped {
+  std::vector<std::string> text;
+  std::vector<int> codes;
+  std::vector<bool> killed;
   std::optional<clock_type::time_point> first_failure, signalled;
-  const auto deadline = clock_type::now() + o.deadline;
-  for (int fd : outs) ::fcntl(fd, F_SETFL, O_NONBLOCK);
+};
+
+void drain(int fd, std::string& text) {
+  char buf[4096];
+  ssize_t k;
+  while ((k = ::read(fd, buf, sizeof buf)) > 0) text.append(buf, static_cast<std::size_t>(k));
+}
+
+// Reads every rank's output until every rank has exited, forwarding signals and killing the ranks
+// still running past the deadline, the failure grace or the signal grace.
+Reaped reap_ranks(const LaunchOptions& o, const Spawned& sp, clock_type::time_point deadline, int& received) {
+  const std::size_t n = sp.pids.size();
+  Reaped rp{std::vector<std::string>(n), std::vector<int>(n, -1), std::vector<bool>(n, false), {}, {}};
+  for (int fd : sp.outs) ::fcntl(fd, F_SETFL, O_NONBLOCK);
   std::size_t left = n;
   while (left > 0) {
     for (std::size_t r = 0; r < n; ++r) {
-      char buf[4096];
-      ssize_t k;
-      while ((k = ::read(outs[r], buf, sizeof buf)) > 0) text[r].append(buf, static_cast<std::size_t>(k));
-      if (codes[r] >= 0) continue;
+      drain(sp.outs[r], rp.text[r]);
+      if (rp.codes[r] >= 0) continue;
       int status = 0;
-      if (::waitpid(pids[r], &status, WNOHANG) == pids[r]) {
-        codes[r] = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-        if (codes[r] != 0 && !first_failure) first_failure = clock_type::now();
+      if (::waitpid(sp.pids[r], &status, WNOHANG) == sp.pids[r]) {
+        rp.codes[r] = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        if (rp.codes[r] != 0 && !rp.first_failure) rp.first_failure = clock_type::now();
         --left;
       }
     }
     const auto now = clock_type::now();
     if (int sig = SignalForwarding::take(); sig != 0) {
       received = sig;
-      signalled = now;
+      rp.signalled = now;
       for (std::size_t r = 0; r < n; ++r)
-        if (codes[r] < 0) ::kill(pids[r], sig);
+        if (rp.codes[r] < 0) ::kill(sp.pids[r], sig);
     }
-    if (left > 0 && (now > deadline || (first_failure && now > *first_failure + o.failure_grace) ||
-                     (signalled && now > *signalled + signal_grace)))
+    if (left > 0 && (now > deadline || (rp.first_failure && now > *rp.first_failure + o.failure_grace) ||
+                     (rp.signalled && now > *rp.signalled + signal_grace)))
       for (std::size_t r = 0; r < n; ++r)
-        if (codes[r] < 0 && !killed[r]) {
-          ::kill(pids[r], SIGKILL);
-          killed[r] = true;
+        if (rp.codes[r] < 0 && !rp.killed[r]) {
+          ::kill(sp.pids[r], SIGKILL);
+          rp.killed[r] = true;
         }
     if (left > 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  for (std::size_t r = 0; r < n; ++r) {
-    char buf[4096];
-    ssize_t k;
-    while ((k = ::read(outs[r], buf, sizeof buf)) > 0) text[r].append(buf, static_cast<std::size_t>(k));
-  }
-  cleanup();
+  for (std::size_t r = 0; r < n; ++r) drain(sp.outs[r], rp.text[r]);
+  return rp;
+}
 
+// The last line of a rank's output that parses as JSON: the worker's report.
+std::optional<nlohmann::json> last_report(const std::string& text) {
+  std::optional<nlohmann::json> report;
+  std::size_t start = 0;
+  while (start < text.size()) {
+    std::size_t nl = text.find('\n', start);
+    std::string line = text.substr(start, nl == std::string::npos ? std::string::npos : nl - start);
+    start = nl == std::string::npos ? text.size() : nl + 1;
+    if (line.empty() || line[0] != '{') continue;
+    try {
+      report = nlohmann::json::parse(line);
+    } catch (const std::exception&) {
+    }
+  }
+  return report;
+}
+
+// Why rank r failed when its report does not say (killed, no report, an exit status), or its
+// report's error.
+std::string rank_error(const LaunchOptions& o, const Reaped& rp, std::size_t r, bool has_report,
+                       const std::string& reported, int received, clock_type::time_point deadline) {
+  const int code = rp.codes[r];
+  if (rp.killed[r] && rp.signalled)
+    return fmt::format("killed: still running {:.0f} s after the launcher forwarded signal {}",
+                       std::chrono::duration<double>(signal_grace).count(), received);
+  if (rp.killed[r])
+    return rp.first_failure && clock_type::now() < deadline
+               ? fmt::format("killed: still running {:.0f} s after the first failure",
+                             std::chrono::duration<double>(o.failure_grace).count())
+               : "killed at the deadline";
+  if (!has_report) return fmt::format("exited with status {} without a report", code);
+  if (rp.signalled && code != 0 && reported.empty())
+    return fmt::format("exited with status {} after the launcher forwarded signal {}", code, received);
+  if (code != 0 && reported.empty()) return fmt::format("exited with status {}", code);
+  return reported;
+}
+
+LaunchResult results_of(const LaunchOptions& o, const Reaped& rp, int received, clock_type::time_point deadline) {
   LaunchResult result;
-  for (std::size_t r = 0; r < n; ++r) {
+  for (std::size_t r = 0; r < rp.text.size(); ++r) {
     RankOutcome out;
     out.rank = static_cast<int>(r);
-    // The last line that parses as JSON is the worker's report.
-    std::optional<nlohmann::json> report;
-    std::size_t start = 0;
-    while (start < text[r].size()) {
-      std::size_t nl = text[r].find('\n', start);
-      std::string line = text[r].substr(start, nl == std::string::npos ? std::string::npos : nl - start);
-      start = nl == std::string::npos ? text[r].size() : nl + 1;
-      if (line.empty() || line[0] != '{') continue;
-      try {
-        report = nlohmann::json::parse(line);
-      } catch (const std::exception&) {
-      }
-    }
+    std::optional<nlohmann::json> report = last_report(rp.text[r]);
     if (report) {
-      out.ok = report->value("ok", false) && codes[r] == 0;
+      out.ok = report->value("ok", false) && rp.codes[r] == 0;
       if (report->contains("result")) out.result = (*report)["result"];
       out.error = report->value("error", std::string());
       if (report->contains("backend")) result.backend = (*report)["backend"].get<std::string>();
       result.device_kernels = report->value("device_kernels", false);
       result.host_memory = report->value("host_memory", false);
     }
-    if (killed[r] && signalled)
-      out.error = fmt::format("killed: still running {:.0f} s after the launcher forwarded signal {}",
-                              std::chrono::duration<double>(signal_grace).count(), received);
-    else if (killed[r])
-      out.error = first_failure && clock_type::now() < deadline
-                      ? fmt::format("killed: still running {:.0f} s after the first failure",
-                                    std::chrono::duration<double>(o.failure_grace).count())
-                      : "killed at the deadline";
-    else if (!report)
-      out.error = fmt::format("exited with status {} without a report", codes[r]);
-    else if (signalled && codes[r] != 0 && out.error.empty())
-      out.error = fmt::format("exited with status {} after the launcher forwarded signal {}", codes[r], received);
-    else if (codes[r] != 0 && out.error.empty())
-      out.error = fmt::format("exited with status {}", codes[r]);
+    out.error = rank_error(o, rp, r, report.has_value(), out.error, received, deadline);
     result.ranks.push_back(std::move(out));
   }
   return result;
+}
+
+LaunchResult collect_processes(const LaunchOptions& o, int& received) {
+  Rendezvous rv = Rendezvous::create();
+  Spawned sp = spawn_ranks(o, rv);
+  const auto deadline = clock_type::now() + o.deadline;
+  Reaped rp = reap_ranks(o, sp, deadline, received);
+  for (int fd : sp.outs) ::close(fd);
+  rv.remove();
+  return results_of(o, rp, received, deadline);
 }
 
 }  // namespace
 
 int default_ranks(Backend backend) {
   DriverSelection sel = open_driver(backend);
-  return sel.backend == Backend::cuda ? sel.driver->device_count() : 2;
+  // An emulated machine has as many devices as asked for: two ranks show every collective.
+  return sel.driver->capabilities().host_memory ? 2 : sel.driver->device_count();
 }
 
 LaunchOptions model_launch(Backend backend, int ranks, bool processes, int group_timeout_s, int tail_wait_timeout_ms) {
@@ -338,7 +389,7 @@ DriverSelection open_rank_driver(Backend backend, int ranks) {
     throw invalid_argument(
         fmt::format("{} ranks need {} devices (one per rank); the {} backend has {}{}", ranks, ranks,
                     sel.driver->backend_name(), count,
-                    sel.backend == Backend::cuda ? " GPUs: pass --ranks N with N <= the GPU count" : ""));
+                    sel.driver->capabilities().host_memory ? "" : " GPUs: pass --ranks N with N <= the GPU count"));
   return sel;
 }
 

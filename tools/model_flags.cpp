@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include "launch.hpp"
+#include "torpor/consensus.hpp"
 #include "torpor/error.hpp"
 
 namespace torpor::cli {
@@ -121,12 +122,11 @@ std::string digest(const std::vector<std::int32_t>& tokens) {
 }
 
 void agree_on_failures(Group& group, const std::string& step, const std::string& mine) {
-  auto b = std::as_bytes(std::span(mine.data(), mine.size()));
-  auto all = group.all_gather(b);
+  auto all = consensus::gather_outcomes(group, mine.empty() ? consensus::Outcome{} : consensus::Outcome::failed(mine));
   std::string text;
   for (std::size_t r = 0; r < all.size(); ++r) {
-    if (all[r].empty()) continue;
-    std::string s(reinterpret_cast<const char*>(all[r].data()), all[r].size());
+    if (all[r].ok()) continue;
+    const std::string& s = all[r].message;
     const std::string who = fmt::format("rank {}: ", r);
     text += (text.empty() ? "" : "; ") + (s.starts_with(who) ? s : who + s);
   }

@@ -167,7 +167,9 @@ void add_probe(CLI::App& app, int& exit_code) {
     bool config = false;
   };
   auto opts = std::make_shared<Options>();
-  cmd->add_option("--backend", opts->backend, "auto (TORPOR_BACKEND, else cuda if usable, else host), host or cuda")
+  cmd->add_option("--backend", opts->backend,
+                  fmt::format("auto ({}, else cuda if usable, else host), host or cuda",
+                              options::option(options::id::backend).name))
       ->check(CLI::IsMember({"auto", "host", "cuda"}));
   cmd->add_flag("--json", opts->json, "Print one JSON document instead of the human-readable report");
   cmd->add_flag("--config", opts->config,

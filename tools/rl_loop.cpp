@@ -43,6 +43,63 @@ struct RlOptions {
   bool worker = false;
 };
 
+// The training phase: takes its share of what sleep returned, outside the pool, and writes all
+// of it; records what it took in `row`.
+void train_outside_the_pool(const RlOptions& o, RankEngine& e, std::size_t returned, std::size_t cap, int it,
+                            nlohmann::json& row) {
+  std::size_t want = static_cast<std::size_t>(static_cast<double>(returned) * o.train_fraction) / 8 * 8;
+  std::size_t bytes = cap > 0 ? std::min(want, cap) : want;
+  auto t = clock_type::now();
+  void* p = e.compute->outside_allocate(bytes);
+  std::uint64_t checksum = 0;
+  try {
+    checksum = e.compute->touch(p, bytes, o.model.seed ^ static_cast<std::uint64_t>(it));
+  } catch (...) {
+    e.compute->outside_free(p, bytes);
+    throw;
+  }
+  e.compute->outside_free(p, bytes);
+  row["train_s"] = since(t);
+  row["train_bytes"] = bytes;
+  row["train_fraction"] = static_cast<double>(bytes) / static_cast<double>(returned);
+  row["train_capped"] = bytes < want;
+  row["train_checksum"] = fmt::format("{:016x}", checksum);
+}
+
+// One iteration on this rank: sleep(2), train, wake weights, load the next version, wake the KV
+// cache, generate. Returns the outputs; the timings go to `row`.
+template <typename Generate>
+std::vector<std::int32_t> rl_iteration(const RlOptions& o, RankEngine& e, Driver& driver, int device, int rank, int it,
+                                       std::size_t cap, fusion::WeightVersion& version, const Generate& generate,
+                                       nlohmann::json& row) {
+  const std::size_t free0 = driver.memory_info(device).free_bytes;
+  auto t = clock_type::now();
+  TransitionReport sr = e.pool.sleep(2);
+  row["sleep_s"] = since(t);
+  const std::size_t free1 = driver.memory_info(device).free_bytes;
+  const std::size_t returned = free1 > free0 ? free1 - free0 : 0;
+  row["returned"] = returned;
+  row["released"] = sr.bytes_released;
+  if (returned == 0) throw error(fmt::format("rank {}: sleep(2) returned no device memory", rank));
+
+  train_outside_the_pool(o, e, returned, cap, it, row);
+
+  t = clock_type::now();
+  e.pool.wake_up({tags::weights});
+  row["wake_weights_s"] = since(t);
+  version.updates = it;
+  fusion::LoadReport lr = e.model->load_weights(version);
+  row["load_s"] = lr.seconds;
+  row["loaded_bytes"] = lr.bytes_loaded;
+  t = clock_type::now();
+  e.pool.wake_up({tags::kv_cache});
+  row["wake_kv_s"] = since(t);
+  t = clock_type::now();
+  auto out = generate(*e.model);
+  row["generate_s"] = since(t);
+  return out;
+}
+
 nlohmann::json rl_rank(const RlOptions& o, Driver& driver, Group& group, int device) {
   const int rank = group.rank();
   Progress progress(rank == 0 && o.progress);
@@ -62,88 +119,38 @@ nlohmann::json rl_rank(const RlOptions& o, Driver& driver, Group& group, int dev
                            {"backend", std::string(driver.backend_name())},
                            {"parameter_bytes", e.model->parameter_bytes()},
                            {"iterations", nlohmann::json::array()}};
-  auto fail = [&](const std::string& step, const std::string& mine) {
+  // Runs step on this rank, then every rank learns every rank's failure (and all throw together).
+  auto agreed = [&](const std::string& name, const auto& step) {
+    std::string err;
     try {
-      agree_on_failures(group, step, mine);
+      step();
+    } catch (const std::exception& ex) {
+      err = ex.what();
+    }
+    try {
+      agree_on_failures(group, name, err);
     } catch (const std::exception& ex) {
       progress.done();
       throw rank_failure(ex.what(), result);
     }
   };
   std::vector<std::int32_t> previous;
-  {
-    std::string err;
-    try {
-      previous = generate(*e.model);
-    } catch (const std::exception& ex) {
-      err = ex.what();
-    }
-    fail("first generate", err);
-  }
+  agreed("first generate", [&] { previous = generate(*e.model); });
   for (int it = 1; it <= o.iterations; ++it) {
     progress.update(fmt::format("[rl-loop] iteration {}/{}", it, o.iterations));
     nlohmann::json row = {{"iteration", it}};
-    std::string err;
     std::vector<std::int32_t> out, ref;
-    try {
-      const std::size_t free0 = driver.memory_info(device).free_bytes;
-      auto t = clock_type::now();
-      TransitionReport sr = e.pool.sleep(2);
-      row["sleep_s"] = since(t);
-      const std::size_t free1 = driver.memory_info(device).free_bytes;
-      const std::size_t returned = free1 > free0 ? free1 - free0 : 0;
-      row["returned"] = returned;
-      row["released"] = sr.bytes_released;
-      if (returned == 0) throw error(fmt::format("rank {}: sleep(2) returned no device memory", rank));
-
-      // The trainer: takes its share of what came back, outside the pool, and writes all of it.
-      std::size_t want = static_cast<std::size_t>(static_cast<double>(returned) * o.train_fraction) / 8 * 8;
-      std::size_t bytes = cap > 0 ? std::min(want, cap) : want;
-      t = clock_type::now();
-      void* p = e.compute->outside_allocate(bytes);
-      std::uint64_t checksum = 0;
-      try {
-        checksum = e.compute->touch(p, bytes, o.model.seed ^ static_cast<std::uint64_t>(it));
-      } catch (...) {
-        e.compute->outside_free(p, bytes);
-        throw;
-      }
-      e.compute->outside_free(p, bytes);
-      row["train_s"] = since(t);
-      row["train_bytes"] = bytes;
-      row["train_fraction"] = static_cast<double>(bytes) / static_cast<double>(returned);
-      row["train_capped"] = bytes < want;
-      row["train_checksum"] = fmt::format("{:016x}", checksum);
-
-      t = clock_type::now();
-      e.pool.wake_up({tags::weights});
-      row["wake_weights_s"] = since(t);
-      version.updates = it;
-      fusion::LoadReport lr = e.model->load_weights(version);
-      row["load_s"] = lr.seconds;
-      row["loaded_bytes"] = lr.bytes_loaded;
-      t = clock_type::now();
-      e.pool.wake_up({tags::kv_cache});
-      row["wake_kv_s"] = since(t);
-      t = clock_type::now();
-      out = generate(*e.model);
-      row["generate_s"] = since(t);
-    } catch (const std::exception& ex) {
-      err = ex.what();
-    }
-    fail(fmt::format("iteration {}", it), err);
+    agreed(fmt::format("iteration {}", it),
+           [&] { out = rl_iteration(o, e, driver, device, rank, it, cap, version, generate, row); });
 
     // The oracle: a model built from nothing with the same weight version.
-    try {
+    agreed(fmt::format("iteration {}: the freshly built model", it), [&] {
       auto t = clock_type::now();
       auto compute = fusion::make_compute(driver, device);
       fusion::TinyMoeLM fresh(e.heap, *compute, o.model.model_config(), version, o.model.model_options());
       ref = generate(fresh);
       row["fresh_model_s"] = since(t);
-    } catch (const std::exception& ex) {
-      err = ex.what();
-    }
-    fail(fmt::format("iteration {}: the freshly built model", it), err);
+    });
     Comparison c = compare_outputs(ref, out, o.model.prompts);
     Comparison changed = compare_outputs(previous, out, o.model.prompts);
     row["matching"] = c.matching_prompts;
@@ -158,10 +165,12 @@ nlohmann::json rl_rank(const RlOptions& o, Driver& driver, Group& group, int dev
   return result;
 }
 
-int rl_main(RlOptions o) {
+// The flags checked once here, naming the flag's text, rather than in every rank; then the
+// launch of the ranks with the worker's flags.
+LaunchOptions rl_launch_options(RlOptions& o) {
   const Backend backend = parse_backend(o.backend);
   if (o.ranks == 0) o.ranks = default_ranks(backend);
-  (void)parse_size(o.train_cap);  // refused here, naming the flag's text, rather than in every rank
+  (void)parse_size(o.train_cap);
   if (!(o.update_scale > 0 && o.update_scale <= 1000))  // written so that NaN fails too
     throw invalid_argument(fmt::format("--update-scale {}: use a number in (0, 1000]", o.update_scale));
   if (!(o.train_fraction >= 0.9 && o.train_fraction <= 1.0))
@@ -179,9 +188,37 @@ int rl_main(RlOptions o) {
   if (!o.progress) lo.worker_args.emplace_back("--no-progress");
   auto m = o.model.args();
   lo.worker_args.insert(lo.worker_args.end(), m.begin(), m.end());
-  LaunchResult r = launch(lo, [&o](Driver& d, Group& g, int dev) { return rl_rank(o, d, g, dev); });
+  return lo;
+}
 
-  std::vector<std::string> problems;
+// Prints one rank's iteration rows and adds what fails in them to `problems`.
+void print_rank_rows(const RankOutcome& out, const nlohmann::json& pr, std::vector<std::string>& problems) {
+  if (!pr.contains("iterations")) return;
+  for (const auto& row : pr["iterations"]) {
+    const int matching = row.value("matching", 0), prompts = row.value("prompts", 0);
+    const double share = row.value("train_fraction", 0.0);
+    fmt::print("{:>4} {:>4} {:>8.3f} {:>10} {:>10} {:>5.1f}% {:>8.3f} {:>8.3f} {:>8.3f} {:>8.3f} {:>8.3f} {:>8.3f} "
+               "{:>7} {:>8}\n",
+               out.rank, row.value("iteration", 0), row.value("sleep_s", 0.0),
+               format_bytes(row.value("returned", std::size_t{0})),
+               format_bytes(row.value("train_bytes", std::size_t{0})), share * 100, row.value("train_s", 0.0),
+               row.value("wake_weights_s", 0.0), row.value("load_s", 0.0), row.value("wake_kv_s", 0.0),
+               row.value("generate_s", 0.0), row.value("fresh_model_s", 0.0), fmt::format("{}/{}", matching, prompts),
+               row.value("tokens_changed_by_update", std::size_t{0}));
+    if (matching != prompts)
+      problems.push_back(fmt::format("rank {} iteration {}: {}/{} prompts match the freshly built model ({} tokens "
+                                     "differ)",
+                                     out.rank, row.value("iteration", 0), matching, prompts,
+                                     row.value("mismatched_tokens", std::size_t{0})));
+    if (share < 0.9 && !row.value("train_capped", false))
+      problems.push_back(fmt::format("rank {} iteration {}: the training phase took {:.1f}% of the returned memory "
+                                     "(at least 90% required)",
+                                     out.rank, row.value("iteration", 0), share * 100));
+  }
+}
+
+// Prints the table of every rank's iterations; returns every rank's JSON row.
+nlohmann::json print_ranks(const LaunchResult& r, std::vector<std::string>& problems) {
   nlohmann::json all = nlohmann::json::array();
   fmt::print("{:>4} {:>4} {:>8} {:>10} {:>10} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7} {:>8}\n", "rank", "iter",
              "sleep s", "returned", "trained", "share", "train s", "wake w s", "load s", "wake kv", "gen s", "fresh s",
@@ -194,30 +231,18 @@ int rl_main(RlOptions o) {
       pr["error"] = out.error;
       problems.push_back(fmt::format("rank {}: {}", out.rank, out.error));
     }
-    if (pr.contains("iterations"))
-      for (const auto& row : pr["iterations"]) {
-        const int matching = row.value("matching", 0), prompts = row.value("prompts", 0);
-        const double share = row.value("train_fraction", 0.0);
-        fmt::print("{:>4} {:>4} {:>8.3f} {:>10} {:>10} {:>5.1f}% {:>8.3f} {:>8.3f} {:>8.3f} {:>8.3f} {:>8.3f} {:>8.3f} "
-                   "{:>7} {:>8}\n",
-                   out.rank, row.value("iteration", 0), row.value("sleep_s", 0.0),
-                   format_bytes(row.value("returned", std::size_t{0})),
-                   format_bytes(row.value("train_bytes", std::size_t{0})), share * 100, row.value("train_s", 0.0),
-                   row.value("wake_weights_s", 0.0), row.value("load_s", 0.0), row.value("wake_kv_s", 0.0),
-                   row.value("generate_s", 0.0), row.value("fresh_model_s", 0.0),
-                   fmt::format("{}/{}", matching, prompts), row.value("tokens_changed_by_update", std::size_t{0}));
-        if (matching != prompts)
-          problems.push_back(fmt::format("rank {} iteration {}: {}/{} prompts match the freshly built model ({} tokens "
-                                         "differ)",
-                                         out.rank, row.value("iteration", 0), matching, prompts,
-                                         row.value("mismatched_tokens", std::size_t{0})));
-        if (share < 0.9 && !row.value("train_capped", false))
-          problems.push_back(fmt::format("rank {} iteration {}: the training phase took {:.1f}% of the returned memory "
-                                         "(at least 90% required)",
-                                         out.rank, row.value("iteration", 0), share * 100));
-      }
+    print_rank_rows(out, pr, problems);
     all.push_back(pr);
   }
+  return all;
+}
+
+int rl_main(RlOptions o) {
+  LaunchOptions lo = rl_launch_options(o);
+  LaunchResult r = launch(lo, [&o](Driver& d, Group& g, int dev) { return rl_rank(o, d, g, dev); });
+
+  std::vector<std::string> problems;
+  nlohmann::json all = print_ranks(r, problems);
   if (static_cast<int>(r.ranks.size()) != o.ranks) problems.emplace_back("not every rank reported");
   fmt::print("(returned: device memory given back by sleep(2), by cuMemGetInfo; trained: taken outside the pool by the "
              "training phase{}; changed: tokens that differ from the previous iteration's output)\n",

@@ -110,6 +110,135 @@ nlohmann::json rank_memory(const nlohmann::json& pr, const std::vector<nlohmann:
   return m;
 }
 
+// A step's aggregate over the ranks before any rank's row is added.
+nlohmann::json empty_step(const nlohmann::json& row) {
+  return {{"step", row.value("step", "")},
+          {"level", 0},
+          {"ranks", 0},
+          {"offloaded", 0},
+          {"skipped", 0},
+          {"discarded", 0},
+          {"released", 0},
+          {"returned", 0},
+          {"outside_torpor", 0},
+          {"restored", 0},
+          {"sleep_s", 0.0},
+          {"wake_s", 0.0},
+          {"reload_s", 0.0},
+          {"generate_s", 0.0},
+          {"matching", -1},
+          {"prompts", 0},
+          {"mismatched_tokens", 0},
+          {"kind", row.value("kind", "plan")}};
+}
+
+// Adds one rank's row to its step's aggregate (bytes summed, seconds max, matching min); an
+// output that differs from the reference is a problem.
+void add_step_row(nlohmann::json& a, const nlohmann::json& row, int rank, std::vector<std::string>& problems) {
+  a["ranks"] = a["ranks"].get<int>() + 1;
+  a["level"] = std::max(a["level"].get<int>(), row.value("level", 0));
+  for (const char* k : {"offloaded", "skipped", "discarded", "released", "returned", "restored", "mismatched_tokens"})
+    a[k] = a[k].get<std::size_t>() + num(row, k);
+  for (const char* k : {"sleep_s", "wake_s", "reload_s", "generate_s"})
+    a[k] = std::max(a[k].get<double>(), sec(row, k));
+  if (row.contains("matching")) {
+    int m = row["matching"].get<int>();
+    a["matching"] = a["matching"].get<int>() < 0 ? m : std::min(a["matching"].get<int>(), m);
+    a["prompts"] = row.value("prompts", 0);
+    if (m < row.value("prompts", 0))
+      problems.push_back(
+          fmt::format("step '{}': rank {}: {}/{} prompts match a freshly built model of the weight version "
+                      "and that version's first output ({} tokens differ)",
+                      row.value("step", ""), rank, m, row.value("prompts", 0), num(row, "mismatched_tokens")));
+  }
+  if (row.contains("outside_torpor"))
+    a["outside_torpor"] = a["outside_torpor"].get<long long>() + signed_num(row, "outside_torpor");
+  if (row.contains("error")) a["error"] = row["error"];
+}
+
+// One rank's rows: what summarize() gathers from them besides the step aggregates.
+struct RankRows {
+  std::vector<nlohmann::json> soak, transitions;
+};
+
+struct SoakTotals {
+  std::size_t rows = 0, mismatched_tokens = 0;
+};
+
+RankRows add_rank_steps(const nlohmann::json& pr, int rank, std::vector<nlohmann::json>& steps, SoakTotals& totals,
+                        std::vector<std::string>& problems) {
+  RankRows rows;
+  if (!pr.contains("steps")) return rows;
+  for (std::size_t i = 0; i < pr["steps"].size(); ++i) {
+    const auto& row = pr["steps"][i];
+    if (steps.size() <= i) steps.push_back(empty_step(row));
+    add_step_row(steps[i], row, rank, problems);
+    if (row.contains("outside_torpor")) rows.transitions.push_back(row);
+    if (row.value("kind", "") == "soak") {
+      rows.soak.push_back(row);
+      ++totals.rows;
+      totals.mismatched_tokens += num(row, "mismatched_tokens");
+    }
+  }
+  return rows;
+}
+
+// The rank's graphs, its memory while asleep and the growth over the soak: problems, and the
+// reported figures in `pr`.
+void judge_rank_resources(nlohmann::json& pr, const RankOutcome& r, const RankRows& rows,
+                          const StressExpectations& expect, std::vector<std::string>& problems) {
+  if (expect.graphs && r.ok && pr.contains("graphs")) {
+    const std::size_t captured = pr["graphs"].value("captured", std::size_t{0});
+    if (captured != 1)
+      problems.push_back(fmt::format("rank {}: {} CUDA graphs captured for one batch size (expected exactly one, "
+                                     "replayed before and after every sleep)",
+                                     r.rank, captured));
+  }
+  if (nlohmann::json mem = rank_memory(pr, rows.transitions); !mem.is_null()) {
+    // The runner's graphs keep their memory in the pool (capture refuses memory nodes), so
+    // CUDA's graph allocator holds nothing: anything there is graph memory outside torpor.
+    const std::size_t ga = mem["graph_allocator_asleep_max"].get<std::size_t>();
+    if (ga > 0)
+      problems.push_back(fmt::format("rank {}: CUDA's graph allocator held {} while asleep: graph memory outside "
+                                     "the pool, never released by sleep",
+                                     r.rank, format_bytes(ga)));
+    pr["memory"] = mem;
+  }
+  nlohmann::json g;
+  const std::size_t warmup = std::min<std::size_t>(static_cast<std::size_t>(expect.cycles), expect.soak_patterns);
+  for (auto [key, what] : {std::pair{"live_physical", "live physical bytes"}, std::pair{"host_store", "the host store"},
+                           std::pair{"mapped", "mapped bytes"}})
+    if (std::string p = growth(rows.soak, warmup, key, what, r.rank, g); !p.empty()) problems.push_back(p);
+  // Device memory in use after each cycle (cuMemGetInfo): reported, not judged, since on a GPU it
+  // includes every other user of the device; live physical bytes and mapped bytes are judged.
+  std::size_t lo = SIZE_MAX, hi = 0;
+  for (const auto& row : rows.soak)
+    if (const std::optional<std::size_t> used = number_at(row, "device_used")) {
+      lo = std::min(lo, *used);
+      hi = std::max(hi, *used);
+    }
+  if (lo <= hi) g["device_used"] = {{"min", lo}, {"max", hi}};
+  if (!g.empty()) pr["soak_growth"] = g;
+}
+
+// The problems of the run as a whole: failed ranks first (the same text from several ranks said
+// once), ranks that decoded different tokens, ranks that did not report.
+void add_run_problems(const std::map<std::string, std::vector<int>>& errors,
+                      const std::map<std::string, std::vector<int>>& digests, std::size_t reported, int expected,
+                      std::vector<std::string>& problems) {
+  for (const auto& [text, ranks] : errors)
+    problems.insert(problems.begin(),
+                    fmt::format("{} {}: {}", ranks.size() == 1 ? "rank" : "ranks", fmt::join(ranks, ","), text));
+  if (digests.size() > 1) {
+    std::string text;
+    for (const auto& [d, ranks] : digests)
+      text += fmt::format("{}{} on ranks {}", text.empty() ? "" : ", ", d, fmt::join(ranks, ","));
+    problems.push_back("the ranks decoded different tokens (reference digests: " + text + ")");
+  }
+  if (static_cast<int>(reported) != expected)
+    problems.push_back(fmt::format("{} ranks reported, {} expected", reported, expected));
+}
+
 }  // namespace
 
 StressSummary summarize(const LaunchResult& launch, const StressExpectations& expect) {
@@ -121,7 +250,7 @@ StressSummary summarize(const LaunchResult& launch, const StressExpectations& ex
   j["per_rank"] = nlohmann::json::array();
   std::vector<nlohmann::json> steps;
   std::map<std::string, std::vector<int>> digests;
-  std::size_t soak_mismatched_tokens = 0, soak_rows = 0;
+  SoakTotals soak;
   std::map<std::string, std::vector<int>> errors;  // the same text from several ranks is said once
 
   for (const RankOutcome& r : launch.ranks) {
@@ -133,104 +262,13 @@ StressSummary summarize(const LaunchResult& launch, const StressExpectations& ex
       errors[r.error].push_back(r.rank);
     }
     if (pr.contains("reference_digest")) digests[pr["reference_digest"].get<std::string>()].push_back(r.rank);
-    std::vector<nlohmann::json> soak, transitions;
-    if (pr.contains("steps"))
-      for (std::size_t i = 0; i < pr["steps"].size(); ++i) {
-        const auto& row = pr["steps"][i];
-        if (steps.size() <= i)
-          steps.push_back({{"step", row.value("step", "")},
-                           {"level", 0},
-                           {"ranks", 0},
-                           {"offloaded", 0},
-                           {"skipped", 0},
-                           {"discarded", 0},
-                           {"released", 0},
-                           {"returned", 0},
-                           {"outside_torpor", 0},
-                           {"restored", 0},
-                           {"sleep_s", 0.0},
-                           {"wake_s", 0.0},
-                           {"reload_s", 0.0},
-                           {"generate_s", 0.0},
-                           {"matching", -1},
-                           {"prompts", 0},
-                           {"mismatched_tokens", 0},
-                           {"kind", row.value("kind", "plan")}});
-        auto& a = steps[i];
-        a["ranks"] = a["ranks"].get<int>() + 1;
-        a["level"] = std::max(a["level"].get<int>(), row.value("level", 0));
-        for (const char* k :
-             {"offloaded", "skipped", "discarded", "released", "returned", "restored", "mismatched_tokens"})
-          a[k] = a[k].get<std::size_t>() + num(row, k);
-        for (const char* k : {"sleep_s", "wake_s", "reload_s", "generate_s"})
-          a[k] = std::max(a[k].get<double>(), sec(row, k));
-        if (row.contains("matching")) {
-          int m = row["matching"].get<int>();
-          a["matching"] = a["matching"].get<int>() < 0 ? m : std::min(a["matching"].get<int>(), m);
-          a["prompts"] = row.value("prompts", 0);
-          if (m < row.value("prompts", 0))
-            s.problems.push_back(
-                fmt::format("step '{}': rank {}: {}/{} prompts match a freshly built model of the weight version "
-                            "and that version's first output ({} tokens differ)",
-                            row.value("step", ""), r.rank, m, row.value("prompts", 0), num(row, "mismatched_tokens")));
-        }
-        if (row.contains("outside_torpor"))
-          a["outside_torpor"] = a["outside_torpor"].get<long long>() + signed_num(row, "outside_torpor");
-        if (row.contains("error")) a["error"] = row["error"];
-        if (row.contains("outside_torpor")) transitions.push_back(row);
-        if (row.value("kind", "") == "soak") {
-          soak.push_back(row);
-          ++soak_rows;
-          soak_mismatched_tokens += num(row, "mismatched_tokens");
-        }
-      }
-    if (expect.graphs && r.ok && pr.contains("graphs")) {
-      const std::size_t captured = pr["graphs"].value("captured", std::size_t{0});
-      if (captured != 1)
-        s.problems.push_back(fmt::format("rank {}: {} CUDA graphs captured for one batch size (expected exactly one, "
-                                         "replayed before and after every sleep)",
-                                         r.rank, captured));
-    }
-    if (nlohmann::json mem = rank_memory(pr, transitions); !mem.is_null()) {
-      // The runner's graphs keep their memory in the pool (capture refuses memory nodes), so
-      // CUDA's graph allocator holds nothing: anything there is graph memory outside torpor.
-      const std::size_t ga = mem["graph_allocator_asleep_max"].get<std::size_t>();
-      if (ga > 0)
-        s.problems.push_back(fmt::format("rank {}: CUDA's graph allocator held {} while asleep: graph memory outside "
-                                         "the pool, never released by sleep",
-                                         r.rank, format_bytes(ga)));
-      pr["memory"] = mem;
-    }
-    nlohmann::json g;
-    const std::size_t warmup = std::min<std::size_t>(static_cast<std::size_t>(expect.cycles), expect.soak_patterns);
-    for (auto [key, what] : {std::pair{"live_physical", "live physical bytes"},
-                             std::pair{"host_store", "the host store"}, std::pair{"mapped", "mapped bytes"}})
-      if (std::string p = growth(soak, warmup, key, what, r.rank, g); !p.empty()) s.problems.push_back(p);
-    // Device memory in use after each cycle (cuMemGetInfo): reported, not judged, since on a GPU it
-    // includes every other user of the device; live physical bytes and mapped bytes are judged.
-    std::size_t lo = SIZE_MAX, hi = 0;
-    for (const auto& row : soak)
-      if (const std::optional<std::size_t> used = number_at(row, "device_used")) {
-        lo = std::min(lo, *used);
-        hi = std::max(hi, *used);
-      }
-    if (lo <= hi) g["device_used"] = {{"min", lo}, {"max", hi}};
-    if (!g.empty()) pr["soak_growth"] = g;
+    const RankRows rows = add_rank_steps(pr, r.rank, steps, soak, s.problems);
+    judge_rank_resources(pr, r, rows, expect, s.problems);
     j["per_rank"].push_back(pr);
   }
-  for (const auto& [text, ranks] : errors)
-    s.problems.insert(s.problems.begin(),
-                      fmt::format("{} {}: {}", ranks.size() == 1 ? "rank" : "ranks", fmt::join(ranks, ","), text));
-  if (digests.size() > 1) {
-    std::string text;
-    for (const auto& [d, ranks] : digests)
-      text += fmt::format("{}{} on ranks {}", text.empty() ? "" : ", ", d, fmt::join(ranks, ","));
-    s.problems.push_back("the ranks decoded different tokens (reference digests: " + text + ")");
-  }
-  if (static_cast<int>(launch.ranks.size()) != expect.ranks)
-    s.problems.push_back(fmt::format("{} ranks reported, {} expected", launch.ranks.size(), expect.ranks));
+  add_run_problems(errors, digests, launch.ranks.size(), expect.ranks, s.problems);
   if (expect.cycles > 0) {
-    j["soak"] = {{"cycles", expect.cycles}, {"rows", soak_rows}, {"mismatched_tokens", soak_mismatched_tokens}};
+    j["soak"] = {{"cycles", expect.cycles}, {"rows", soak.rows}, {"mismatched_tokens", soak.mismatched_tokens}};
   }
   j["steps"] = steps;
   if (expect.negative_control) {

@@ -84,6 +84,106 @@ GroupOptions group_options(const Options& o) {
   return go;
 }
 
+// A host staging buffer and the pattern scratch that check a rank's bytes.
+struct Staging {
+  std::uint64_t* stage = nullptr;
+  std::size_t bytes = 0;
+  std::vector<std::uint64_t> expect;
+};
+
+// Peer writes: fill the scratch slice (on this device) for each owner, then copy it into the
+// owner's part through the peer mapping: a device-to-device copy over the link. Returns the
+// seconds the peer copies took.
+double write_peer_slices(Pool& pool, SymmetricBuffer& buf, void* scratch, std::size_t slice, int rank, int n,
+                         Staging& st) {
+  double copy_seconds = 0;
+  for (int p = 0; p < n; ++p) {
+    for (std::size_t off = 0; off < slice; off += st.bytes) {
+      std::size_t k = std::min(st.bytes, slice - off);
+      fill_pattern(st.stage, k / 8, off / 8, rank, p);
+      pool.copy(static_cast<std::byte*>(scratch) + off, st.stage, k);
+    }
+    auto t = clock_type::now();
+    pool.copy(static_cast<std::byte*>(buf.peer(p)) + static_cast<std::size_t>(rank) * slice, scratch, slice);
+    if (p != rank) copy_seconds += since(t);
+  }
+  return copy_seconds;
+}
+
+// Every address of the buffer: own part, peer table, each rank's part.
+struct Addresses {
+  void* local = nullptr;
+  void* table = nullptr;
+  std::vector<void*> peers;
+  bool operator==(const Addresses&) const = default;
+};
+
+Addresses addresses_of(const SymmetricBuffer& buf, int n) {
+  Addresses a{buf.local(), buf.peer_table(), {}};
+  a.peers.reserve(static_cast<std::size_t>(n));
+  for (int p = 0; p < n; ++p) a.peers.push_back(buf.peer(p));
+  return a;
+}
+
+// The peer table in device memory holds every rank's address.
+bool table_matches(Pool& pool, const SymmetricBuffer& buf, int n) {
+  std::vector<std::uint64_t> table(static_cast<std::size_t>(n) + 1);
+  pool.copy(table.data(), buf.peer_table(), table.size() * 8);
+  for (int p = 0; p < n; ++p)
+    if (table[static_cast<std::size_t>(p)] != reinterpret_cast<std::uint64_t>(buf.peer(p))) return false;
+  return true;
+}
+
+// What the level-2 sleep and the wake returned and took.
+struct SleepMeasure {
+  std::size_t free_before = 0, free_asleep = 0;
+  std::size_t released_by_pool = 0;
+  double sleep_seconds = 0, wake_seconds = 0;
+};
+
+SleepMeasure sleep_and_wake(Pool& pool, Group& group, Driver& driver, int device) {
+  SleepMeasure m;
+  m.free_before = driver.memory_info(device).free_bytes;
+  auto t_sleep = clock_type::now();
+  TransitionReport sr = pool.sleep(2);
+  m.sleep_seconds = since(t_sleep);
+  m.released_by_pool = sr.bytes_released;
+  group.barrier();  // every rank asleep, every import gone
+  m.free_asleep = driver.memory_info(device).free_bytes;
+  group.barrier();
+  auto t_wake = clock_type::now();
+  pool.wake_up();
+  m.wake_seconds = since(t_wake);
+  return m;
+}
+
+// Optional: the last rank stays away from one barrier; the others must time out naming it,
+// then every rank recovers the group and it works again.
+std::string timeout_phase(const Options& o, Group& group) {
+  const int rank = group.rank(), n = group.size();
+  std::string result = "not run";
+  if (!o.timeout_check || n <= 1) return result;
+  const auto t = std::chrono::seconds(o.timeout_s);
+  if (rank == n - 1) {
+    // Long enough for the others to give up (NCCL: its timeout, then the bootstrap's).
+    std::this_thread::sleep_for(o.group == "nccl" ? t * 5 / 2 : t * 3 / 2);
+    result = "absent on purpose";
+  } else {
+    try {
+      group.barrier();
+      result = "FAIL: the barrier returned without the last rank";
+    } catch (const group_timeout& e) {
+      result = e.missing() == std::vector<int>{n - 1}
+                   ? fmt::format("ok: rank {} named", n - 1)
+                   : fmt::format("FAIL: named {}: {}", format_ranks(e.missing()), e.what());
+    }
+  }
+  group.recover();
+  group.barrier();
+  if (result.rfind("FAIL", 0) != 0) result += ", recovered";
+  return result;
+}
+
 // One rank's check (a RankBody for tools/launch.hpp): the result row the parent prints.
 nlohmann::json check_rank(const Options& o, Driver& driver, Group& bootstrap, int device) {
   std::unique_ptr<Group> nccl;
@@ -103,85 +203,30 @@ nlohmann::json check_rank(const Options& o, Driver& driver, Group& bootstrap, in
   MulticastDecision decision = decide_multicast(*group, driver, device);
   SymmetricBuffer& buf = heap.allocate(bytes, {tags::weights, "symmetric-check", false});
   const std::size_t slice = buf.part_bytes() / static_cast<std::size_t>(n) / 8 * 8;
-  const std::size_t stage_bytes = std::min<std::size_t>(slice, std::size_t{64} << 20);
-  auto* stage = static_cast<std::uint64_t*>(driver.host_alloc(stage_bytes));
-  std::vector<std::uint64_t> expect;
+  Staging st;
+  st.bytes = std::min<std::size_t>(slice, std::size_t{64} << 20);
+  st.stage = static_cast<std::uint64_t*>(driver.host_alloc(st.bytes));
   void* scratch = pool.allocate(slice, {"scratch", MemoryClass::cache, "source"});
 
-  // Peer writes: fill the scratch slice (on this device) for each owner, then copy it into the
-  // owner's part through the peer mapping: a device-to-device copy over the link.
-  double copy_seconds = 0;
-  for (int p = 0; p < n; ++p) {
-    for (std::size_t off = 0; off < slice; off += stage_bytes) {
-      std::size_t k = std::min(stage_bytes, slice - off);
-      fill_pattern(stage, k / 8, off / 8, rank, p);
-      pool.copy(static_cast<std::byte*>(scratch) + off, stage, k);
-    }
-    auto t = clock_type::now();
-    pool.copy(static_cast<std::byte*>(buf.peer(p)) + static_cast<std::size_t>(rank) * slice, scratch, slice);
-    if (p != rank) copy_seconds += since(t);
-  }
+  const double copy_seconds = write_peer_slices(pool, buf, scratch, slice, rank, n, st);
   group->barrier();
-  std::vector<void*> peers_before;
-  peers_before.reserve(static_cast<std::size_t>(n));
-  for (int p = 0; p < n; ++p) peers_before.push_back(buf.peer(p));
-  void* local_before = buf.local();
-  void* table_before = buf.peer_table();
-
-  std::size_t free_before = driver.memory_info(device).free_bytes;
-  auto t_sleep = clock_type::now();
-  TransitionReport sr = pool.sleep(2);
-  double sleep_seconds = since(t_sleep);
-  group->barrier();  // every rank asleep, every import gone
-  std::size_t free_asleep = driver.memory_info(device).free_bytes;
-  group->barrier();
-  auto t_wake = clock_type::now();
-  pool.wake_up();
-  double wake_seconds = since(t_wake);
-
-  bool addresses = buf.local() == local_before && buf.peer_table() == table_before;
-  for (int p = 0; p < n; ++p) addresses = addresses && buf.peer(p) == peers_before[static_cast<std::size_t>(p)];
-  std::vector<std::uint64_t> table(static_cast<std::size_t>(n) + 1);
-  pool.copy(table.data(), buf.peer_table(), table.size() * 8);
-  for (int p = 0; p < n; ++p)
-    addresses = addresses && table[static_cast<std::size_t>(p)] == reinterpret_cast<std::uint64_t>(buf.peer(p));
+  const Addresses before = addresses_of(buf, n);
+  const SleepMeasure m = sleep_and_wake(pool, *group, driver, device);
+  const bool addresses = addresses_of(buf, n) == before && table_matches(pool, buf, n);
 
   bool own_ok = true, peers_ok = true;
   for (int w = 0; w < n; ++w)
     own_ok = own_ok && matches(pool, static_cast<std::byte*>(buf.local()) + static_cast<std::size_t>(w) * slice, slice,
-                               w, rank, stage, stage_bytes, expect);
+                               w, rank, st.stage, st.bytes, st.expect);
   for (int p = 0; p < n; ++p)
     peers_ok = peers_ok && matches(pool, static_cast<std::byte*>(buf.peer(p)) + static_cast<std::size_t>(rank) * slice,
-                                   slice, rank, p, stage, stage_bytes, expect);
+                                   slice, rank, p, st.stage, st.bytes, st.expect);
   group->barrier();
-  driver.host_free(stage);
+  driver.host_free(st.stage);
   pool.deallocate(scratch);
 
-  // Optional: the last rank stays away from one barrier; the others must time out naming it,
-  // then every rank recovers the group and it works again.
-  std::string timeout_result = "not run";
-  if (o.timeout_check && n > 1) {
-    const auto t = std::chrono::seconds(o.timeout_s);
-    if (rank == n - 1) {
-      // Long enough for the others to give up (NCCL: its timeout, then the bootstrap's).
-      std::this_thread::sleep_for(o.group == "nccl" ? t * 5 / 2 : t * 3 / 2);
-      timeout_result = "absent on purpose";
-    } else {
-      try {
-        group->barrier();
-        timeout_result = "FAIL: the barrier returned without the last rank";
-      } catch (const group_timeout& e) {
-        timeout_result = e.missing() == std::vector<int>{n - 1}
-                             ? fmt::format("ok: rank {} named", n - 1)
-                             : fmt::format("FAIL: named {}: {}", format_ranks(e.missing()), e.what());
-      }
-    }
-    group->recover();
-    group->barrier();
-    if (timeout_result.rfind("FAIL", 0) != 0) timeout_result += ", recovered";
-  }
-
-  std::size_t returned = free_asleep > free_before ? free_asleep - free_before : 0;
+  const std::string timeout_result = timeout_phase(o, *group);
+  std::size_t returned = m.free_asleep > m.free_before ? m.free_asleep - m.free_before : 0;
   bool memory_ok = returned >= buf.part_bytes();
   nlohmann::json j = {{"rank", rank},
                       {"device", device},
@@ -190,12 +235,12 @@ nlohmann::json check_rank(const Options& o, Driver& driver, Group& bootstrap, in
                       {"part_bytes", buf.part_bytes()},
                       {"peer_copy_bytes", slice * static_cast<std::size_t>(n - 1)},
                       {"peer_copy_seconds", copy_seconds},
-                      {"free_before", free_before},
-                      {"free_asleep", free_asleep},
+                      {"free_before", m.free_before},
+                      {"free_asleep", m.free_asleep},
                       {"returned", returned},
-                      {"released_by_pool", sr.bytes_released},
-                      {"sleep_seconds", sleep_seconds},
-                      {"wake_seconds", wake_seconds},
+                      {"released_by_pool", m.released_by_pool},
+                      {"sleep_seconds", m.sleep_seconds},
+                      {"wake_seconds", m.wake_seconds},
                       {"memory_returned", memory_ok},
                       {"addresses_unchanged", addresses},
                       {"own_bytes_intact", own_ok},
@@ -214,21 +259,26 @@ bool row_passes(const nlohmann::json& j) {
          j.value("timeout_check", std::string("FAIL")).rfind("FAIL", 0) != 0;
 }
 
-// Why this machine cannot run the check on `backend`, or "".
+// Why this machine cannot run the check on `backend`, or "". The emulated (host-memory) backend
+// runs it anywhere but cannot carry NCCL; a device backend needs a device per rank, peer access
+// and POSIX fd handles.
 std::string skip_reason(const Options& o) {
-  Backend b = parse_backend(o.backend);
-  if (o.group == "nccl") {
-    if (b == Backend::host) return "the nccl group needs the cuda backend";
-    if (std::string why; !NcclGroup::available(&why)) return why;
-  }
-  if (b == Backend::host) return "";
+  const Backend requested = parse_backend(o.backend);
   DriverSelection sel;
   try {
-    sel = open_driver(b);
+    sel = open_driver(requested);
   } catch (const std::exception& e) {
     return e.what();
   }
-  if (sel.backend == Backend::host) return o.group == "nccl" ? "no usable GPU for the nccl group: " + sel.reason : "";
+  const DriverCapabilities caps = sel.driver->capabilities();
+  if (o.group == "nccl") {
+    // NCCL runs on the CUDA runtime: the driver must make a device current for it.
+    if (!caps.make_current)
+      return sel.reason.starts_with("requested") ? "the nccl group needs the cuda backend"
+                                                 : "no usable GPU for the nccl group: " + sel.reason;
+    if (std::string why; !NcclGroup::available(&why)) return why;
+  }
+  if (caps.host_memory) return "";
   Driver& d = *sel.driver;
   int count = d.device_count();
   if (count < o.ranks) return fmt::format("needs {} GPUs (one per rank), this machine has {}", o.ranks, count);

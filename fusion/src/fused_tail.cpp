@@ -20,6 +20,7 @@
 #include <mutex>
 
 #include "tail_impl.hpp"
+#include "torpor/consensus.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 
@@ -85,29 +86,22 @@ FusedTail::FusedTail(SymmetricHeap& heap, const TailShape& shape, const TailOpti
   }
 
   // Local setup; its outcome is agreed on before anyone waits in reset()'s barrier.
-  std::string failure;
   std::string launch_note;
-  try {
+  auto set_up = [&] {
     control_ = pool_.allocate(sizeof(TailControl), {tags::weights, MemoryClass::state, "tail.control"});
     abort_ = abort_word_of(heap_);
     launch_note = ops_->prepare_fused(multicast_);
-  } catch (const std::exception& e) {
-    failure = e.what();
-  }
-  std::vector<std::vector<std::byte>> outcomes;
+  };
+  consensus::Outcomes outcomes;
   try {
-    outcomes = group_.all_gather(
-        std::span<const std::byte>(reinterpret_cast<const std::byte*>(failure.data()), failure.size()));
+    outcomes = consensus::run_all_or_none(group_, set_up, [this] { release(); });
   } catch (...) {
     release();
     throw;
   }
-  for (std::size_t r = 0; r < outcomes.size(); ++r) {
-    if (outcomes[r].empty()) continue;
-    release();
-    throw setup_failed(fmt::format("the fused tail's state could not be set up on rank {}: {}", r,
-                                   std::string(reinterpret_cast<const char*>(outcomes[r].data()), outcomes[r].size())));
-  }
+  if (!outcomes.ok())
+    throw setup_failed(fmt::format("the fused tail's state could not be set up on rank {}: {}", outcomes.first_failed(),
+                                   outcomes.first().message));
   try {
     reset();
   } catch (...) {

@@ -12,6 +12,7 @@
 #include "cuda_runtime.hpp"
 #include "ranks/multicast.hpp"
 #include "ranks/nccl/nccl_library.hpp"
+#include "torpor/consensus.hpp"
 #include "torpor/error.hpp"
 #include "torpor/group.hpp"
 #include "torpor/log.hpp"
@@ -51,16 +52,13 @@ NcclComm::NcclComm(Group& group, int device) : impl_(std::make_unique<Impl>()) {
   d.size = group.size();
   d.device = device;
   // Every rank learns whether every rank can load NCCL before anyone blocks in init.
-  std::string why;
-  const bool ok = available(&why);
-  std::string mine = ok ? std::string() : why;
-  auto verdicts =
-      group.all_gather(std::span<const std::byte>(reinterpret_cast<const std::byte*>(mine.data()), mine.size()));
-  for (std::size_t r = 0; r < verdicts.size(); ++r)
-    if (!verdicts[r].empty())
-      throw unavailable(
-          fmt::format("{}: rank {} cannot use NCCL: {}", d.who(), r,
-                      std::string(reinterpret_cast<const char*>(verdicts[r].data()), verdicts[r].size())));
+  consensus::Outcomes loadable = consensus::run_all_or_none(group, [] {
+    std::string why;
+    if (!available(&why)) throw unavailable(why);
+  });
+  if (!loadable.ok())
+    throw unavailable(
+        fmt::format("{}: rank {} cannot use NCCL: {}", d.who(), loadable.first_failed(), loadable.first().message));
 
   apply_nccl_nvls_policy();  // before the first NCCL call: the kill switches apply to NCCL too
   ncclUniqueId id{};

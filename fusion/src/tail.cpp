@@ -16,6 +16,7 @@
 #include <cmath>
 
 #include "tail_impl.hpp"
+#include "torpor/consensus.hpp"
 #include "torpor/error.hpp"
 #include "torpor/fusion/tail_state.hpp"
 #include "torpor/log.hpp"
@@ -125,9 +126,8 @@ kernels::TailParams TailBase::params(const TailArgs& a, Stream stream) const {
 
 namespace {
 
-constexpr char sep = '\x1f';
-
-// What one rank states in make_tail's all-gather.
+// What one rank states in make_tail's all-gather: the shape is the request every rank must share;
+// the rest travels alongside it.
 struct Verdict {
   std::string shape;          // shape and options, which every rank must share
   std::string shape_problem;  // "" = fine
@@ -135,22 +135,17 @@ struct Verdict {
   std::string multicast_why_not;
 };
 
-std::string encode(const Verdict& v) {
-  return v.shape + sep + v.shape_problem + sep + v.fused_why_not + sep + v.multicast_why_not;
-}
-
-Verdict decode(const std::vector<std::byte>& bytes, std::size_t rank) {
-  std::string s(reinterpret_cast<const char*>(bytes.data()), bytes.size());
-  std::vector<std::string> f;
-  std::size_t at = 0;
-  for (;;) {
-    auto next = s.find(sep, at);
-    f.push_back(s.substr(at, next == std::string::npos ? std::string::npos : next - at));
-    if (next == std::string::npos) break;
-    at = next + 1;
+// Every rank's verdict, indexed by rank (one all-gather).
+std::vector<Verdict> gather_verdicts(Group& group, const Verdict& mine) {
+  consensus::Agreement a = consensus::compare_requests(group, mine.shape,
+                                                       consensus::encode_fields({mine.shape_problem, mine.fused_why_not,
+                                                                                 mine.multicast_why_not}));
+  std::vector<Verdict> all;
+  for (std::size_t r = 0; r < a.requests.size(); ++r) {
+    auto f = consensus::decode_fields(a.extras[r], 3, fmt::format("make_tail: the verdict of rank {}", r));
+    all.push_back({std::move(a.requests[r]), std::move(f[0]), std::move(f[1]), std::move(f[2])});
   }
-  if (f.size() != 4) throw error(fmt::format("make_tail: malformed verdict from rank {}", rank));
-  return {f[0], f[1], f[2], f[3]};
+  return all;
 }
 
 std::string shape_key(const TailShape& s, const TailOptions& o) {
@@ -228,11 +223,7 @@ std::unique_ptr<Tail> make_tail(SymmetricHeap& heap, const TailShape& shape, con
   mine.shape = shape_key(shape, options);
   mine.shape_problem = shape_problem(shape, options);
   if (mine.shape_problem.empty()) probe_fused(heap, shape, options, mine);
-  const std::string bytes = encode(mine);
-  auto gathered =
-      group.all_gather(std::span<const std::byte>(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size()));
-  std::vector<Verdict> all;
-  for (std::size_t r = 0; r < gathered.size(); ++r) all.push_back(decode(gathered[r], r));
+  const std::vector<Verdict> all = gather_verdicts(group, mine);
 
   for (std::size_t r = 0; r < all.size(); ++r) {
     if (!all[r].shape_problem.empty())

@@ -19,27 +19,19 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdio>
+#include <charconv>
 #include <numeric>
 #include <set>
 
 #include "common/range_allocator.hpp"
 #include "ranks/multicast.hpp"
+#include "torpor/consensus.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 
 namespace torpor {
 
 namespace {
-
-std::vector<std::byte> to_bytes(std::string_view s) {
-  auto b = std::as_bytes(std::span(s.data(), s.size()));
-  return {b.begin(), b.end()};
-}
-
-std::string from_bytes(const std::vector<std::byte>& v) {
-  return std::string(reinterpret_cast<const char*>(v.data()), v.size());
-}
 
 std::string one_line(std::string s) {
   std::replace(s.begin(), s.end(), '\n', ' ');
@@ -51,6 +43,12 @@ std::string ids_of(const std::vector<SymmetricBuffer*>& bs) {
   ids.reserve(bs.size());
   for (auto* b : bs) ids.push_back(b->id());
   return fmt::format("[{}]", fmt::join(ids, ", "));
+}
+
+template <typename T>
+bool parse_whole(const std::string& text, T& value) {
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  return ec == std::errc() && end == text.data() + text.size();
 }
 
 // Runs fn and keeps the first exception, so a cleanup can try every piece.
@@ -86,26 +84,26 @@ SymmetricHeap::SymmetricHeap(Pool& pool, Group& group, SymmetricHeapOptions opti
     problem = "its pool is not exportable (create it with PoolOptions::exportable = true)";
   else if (options_.table_tag.empty())
     problem = "SymmetricHeapOptions::table_tag is empty";
-  std::string mine = fmt::format("{} {} {}", pool_.device(), ::getpid(), one_line(problem));
-  std::vector<std::vector<std::byte>> all;
+  // Every rank announces its device, its process and any problem with its arguments.
+  const std::string mine =
+      consensus::encode_fields({std::to_string(pool_.device()), std::to_string(::getpid()), problem});
+  std::vector<std::string> all;
   try {
-    all = group_.all_gather(to_bytes(mine));
+    all = consensus::gather_text(group_, mine);
   } catch (const group_timeout& e) {
     throw group_timeout(fmt::format("{}: creating the symmetric heap (collective): {}", who(), e.what()), e.missing());
   }
   std::set<long> pids;
   std::string problems;
   for (std::size_t r = 0; r < all.size(); ++r) {
-    std::string s = from_bytes(all[r]);
+    const std::string what = fmt::format("{}: malformed heap announcement from rank {}", who(), r);
+    auto f = consensus::decode_fields(all[r], 3, what);
     int device = 0;
     long pid = 0;
-    int used = 0;
-    if (std::sscanf(s.c_str(), "%d %ld %n", &device, &pid, &used) < 2)
-      throw error(fmt::format("{}: malformed heap announcement from rank {}", who(), r));
+    if (!parse_whole(f[0], device) || !parse_whole(f[1], pid)) throw error(what);
     devices_.push_back(device);
     pids.insert(pid);
-    if (static_cast<std::size_t>(used) < s.size())
-      problems += fmt::format("; rank {}: {}", r, s.substr(static_cast<std::size_t>(used)));
+    if (!f[2].empty()) problems += fmt::format("; rank {}: {}", r, f[2]);
   }
   if (!problems.empty()) throw invalid_argument(fmt::format("{}: cannot create the symmetric heap{}", who(), problems));
   one_process_ = pids.size() == 1;
@@ -157,54 +155,40 @@ std::vector<SymmetricBuffer*> SymmetricHeap::in_tags(const std::vector<std::stri
 
 std::vector<std::string> SymmetricHeap::agree(const std::string& operation, const std::string& request,
                                               const std::string& extra) {
-  auto all = group_.all_gather(to_bytes(one_line(request) + "\n" + extra));
-  std::vector<std::string> requests, extras;
-  for (auto& a : all) {
-    std::string s = from_bytes(a);
-    auto nl = s.find('\n');
-    requests.push_back(s.substr(0, nl));
-    extras.push_back(nl == std::string::npos ? std::string() : s.substr(nl + 1));
-  }
-  if (std::adjacent_find(requests.begin(), requests.end(), std::not_equal_to<>()) != requests.end()) {
+  consensus::Agreement a = consensus::compare_requests(group_, one_line(request), extra);
+  if (!a.agreed()) {
     std::string text;
-    for (std::size_t r = 0; r < requests.size(); ++r)
-      text += fmt::format("{}rank {}: {}", r == 0 ? "" : "; ", r, requests[r]);
+    for (std::size_t r = 0; r < a.requests.size(); ++r)
+      text += fmt::format("{}rank {}: {}", r == 0 ? "" : "; ", r, a.requests[r]);
     throw invalid_state(fmt::format("{}: ranks disagree on the collective {} ({}); nothing was changed: call it on "
                                     "every rank with the same arguments",
                                     who(), operation, text));
   }
-  return extras;
+  return std::move(a.extras);
 }
 
 template <typename F>
 void SymmetricHeap::step(const std::string& what, F&& fn) {
-  std::exception_ptr failure;
-  std::string message;
+  std::optional<std::string> message;  // this rank's failure, for the log should the group fail too
+  auto action = [&] {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      message = e.what();
+      throw;
+    }
+  };
+  consensus::Outcomes outcomes;
   try {
-    fn();
-  } catch (const std::exception& e) {
-    failure = std::current_exception();
-    message = e.what();
-  }
-  std::vector<std::vector<std::byte>> all;
-  try {
-    all = group_.all_gather(to_bytes(failure ? "1" + message : std::string("0")));
+    outcomes = consensus::run_all_or_none(group_, action);
   } catch (...) {
-    if (failure) log::error("{}: {} failed here ({}) and the group could not be told", who(), what, message);
+    if (message) log::error("{}: {} failed here ({}) and the group could not be told", who(), what, *message);
     throw;
   }
-  std::vector<int> failed;
-  std::string detail;
-  for (std::size_t r = 0; r < all.size(); ++r) {
-    std::string s = from_bytes(all[r]);
-    if (!s.empty() && s[0] == '1') {
-      failed.push_back(static_cast<int>(r));
-      detail += fmt::format("; rank {}: {}", r, s.substr(1));
-    }
-  }
-  if (failure) std::rethrow_exception(failure);
-  if (!failed.empty())
-    throw error(fmt::format("{}: {} failed on rank(s) {}{}", who(), what, format_ranks(failed), detail));
+  if (outcomes.local) std::rethrow_exception(outcomes.local);
+  if (!outcomes.ok())
+    throw error(fmt::format("{}: {} failed on rank(s) {}{}", who(), what, format_ranks(outcomes.failed_ranks()),
+                            outcomes.details()));
 }
 
 PhysicalHandle SymmetricHeap::own_handle(const SymmetricBuffer& b) const {
@@ -583,9 +567,9 @@ void SymmetricHeap::after_sleep(Pool&, int, const std::vector<std::string>& tags
     auto ci = pool_.chunk_info(b->local_);
     mine += ci && ci->awake ? '1' : '0';
   }
-  std::vector<std::vector<std::byte>> all;
+  std::vector<std::string> outcomes;
   try {
-    all = group_.all_gather(to_bytes(mine));
+    outcomes = consensus::gather_text(group_, mine);
   } catch (const std::exception& e) {
     log::error("{}: after a sleep{} the ranks could not compare outcomes ({}); peer mappings of buffers {} are "
                "restored by the next wake",
@@ -593,9 +577,6 @@ void SymmetricHeap::after_sleep(Pool&, int, const std::vector<std::string>& tags
     if (ok) throw;
     return;
   }
-  std::vector<std::string> outcomes;
-  outcomes.reserve(all.size());
-  for (auto& a : all) outcomes.push_back(from_bytes(a));
   if (std::all_of(outcomes.begin(), outcomes.end(), [](const std::string& o) { return !o.empty() && o[0] == '1'; }))
     return;  // asleep everywhere: the wake re-imports
   std::vector<SymmetricBuffer*> work;
