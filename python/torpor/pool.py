@@ -5,6 +5,11 @@ or wraps the pool PyTorch's pluggable allocator uses for a device (``Pool.torch(
 never destroyed, PyTorch holds segments in it). Addresses are plain ints. Every failure
 raises the typed exception of torpor's status (torpor.errors) with torpor's message.
 
+Sleep hooks (``add_sleep_hook``, torpor_add_sleep_hook): Python callables run inside the pool's
+sleep before anything moves (one that raises aborts it) and after every wake; the PyTorch
+embedding re-marks its blocks in one. Levels are SleepLevel (torpor.values), checked where they
+enter.
+
 Tag lists: ``None`` means every tag of the pool, a string one tag, a list those tags; an
 empty list means no tag, so the call does nothing (vLLM's ``wake_up(tags=[])`` does the same).
 """
