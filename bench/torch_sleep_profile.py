@@ -13,7 +13,7 @@ checksum again, the same sleep with nothing changed, wake; every wake is checked
 Per sleep and wake it prints the wall time, the engine's own time (its report) and the time of
 each step of the Python path, measured by wrapping the functions the path calls (inclusive
 times: a step that calls another includes it; the steps listed are those this checkout's
-torch_pools.py has, a missing one is left out). Garbage collections that run inside the call,
+torpor.torch package has, a missing one is left out). Garbage collections that run inside the call,
 asked for or automatic, are timed through gc.callbacks. Then the costs of the primitives a
 cheaper path could use (PyTorch's allocator counters, a snapshot without traces, the parameters'
 data pointers, the collections), and a cProfile of one changed and one unchanged sleep + wake
@@ -91,24 +91,28 @@ class Probes:
 
 
 def install_probes(torch, torpor) -> Probes:
-    from torpor import _lib, _marks, graphs, torch_pools
+    from torpor import _lib, _marks
     from torpor.pool import Pool
+    from torpor.torch import api, graphs, parameters, remark, routing
 
     p = Probes()
-    # torch_pools' steps (module globals, looked up at call time), in the order _sleep runs them.
-    for name in (
-        "_tags_by_device",
-        "_live_modules",
-        "_parameter_spans",
-        "_refresh_classes",
-        "_pools_of",
-        "_own_segments",
-        "_holds_parameters",
-        "_block_counters",
-        "_nothing_allocated_or_freed",
-        "_live_blocks",
-    ):
-        p.wrap(torch_pools, name, f"torch_pools.{name}")
+    # torpor.torch's steps (module globals, looked up at call time), in the order a sleep runs them
+    # (the re-mark's from inside the C sleep: torpor.torch.sleep_hook calls them).
+    steps = (
+        (api, "_tags_by_device"),
+        (parameters, "live_modules"),
+        (parameters, "parameter_spans"),
+        (remark, "refresh_classes"),
+        (routing, "pools_of"),
+        (routing, "own_segments"),
+        (remark, "holds_parameters"),
+        (remark, "block_counters"),
+        (remark, "_nothing_allocated_or_freed"),
+        (remark, "_live_blocks"),
+        (remark, "state_spans"),
+    )
+    for module, name in steps:
+        p.wrap(module, name, f"{module.__name__.rsplit('.', 1)[-1]}.{name}")
     p.wrap(graphs, "state_spans", "graphs.state_spans")
     p.wrap(_marks, "plan", "_marks.plan")
     p.wrap(_marks, "apply", "_marks.apply")
@@ -209,10 +213,10 @@ def best_of(fn, repeat: int = 5) -> float:
 
 
 def primitives(torch, torpor, model) -> dict:
-    from torpor import torch_pools
+    from torpor.torch import parameters, routing
 
     device = torch.cuda.current_device()
-    pools = [p for (tag, _, d), ps in torch_pools._state.mempools.items() if d == device for p in ps]
+    pools = [p for (tag, _, d), p in routing.every_mempool() if d == device]
     params = list(model.parameters())
     out = {
         "torch.cuda.memory_stats(device)": best_of(lambda: torch.cuda.memory_stats(device)),
@@ -222,9 +226,7 @@ def primitives(torch, torpor, model) -> dict:
         "Pool.torch(device).stats()": best_of(lambda: torpor.Pool.torch(device).stats()),
         "[p.data_ptr() for p in parameters]": best_of(lambda: [p.data_ptr() for p in params]),
         "list(model.named_parameters())": best_of(lambda: list(model.named_parameters())),
-        "torch_pools._parameter_spans(live modules)": best_of(
-            lambda: torch_pools._parameter_spans(torch_pools._live_modules())
-        ),
+        "parameters.registered_spans()": best_of(parameters.registered_spans),
         "gc.collect(0)": best_of(lambda: gc.collect(0)),
         "gc.collect(1)": best_of(lambda: gc.collect(1)),
         "gc.collect(2)": best_of(lambda: gc.collect(2), repeat=2),
@@ -240,8 +242,10 @@ def primitives(torch, torpor, model) -> dict:
     out["objects tracked by gc"] = len(gc.get_objects())
     out["gc.get_threshold()"] = list(gc.get_threshold())
     out["segments per torpor MemPool"] = {
-        f"{tag}/{cls.value}/{d}": [len(p.mempool.snapshot()) for p in ps]
-        for (tag, cls, d), ps in torch_pools._state.mempools.items()
+        f"{tag}/{cls.value}/{d}": [
+            len(p.mempool.snapshot()) for (t, c, dd), p in routing.every_mempool() if (t, c, dd) == (tag, cls, d)
+        ]
+        for (tag, cls, d) in {key for key, _ in routing.every_mempool()}
     }
     return out
 

@@ -4,14 +4,16 @@ Two layers:
 
 - torpor.Pool: one device's pool through the C API (ctypes), no PyTorch needed: alloc, free,
   mark, sleep, wake_up, stats, copy. Runs on the host backend anywhere.
-- The PyTorch embedding (torpor.torch_pools, re-exported here): use_pool(tag),
+- The PyTorch embedding (the package torpor.torch, re-exported here): use_pool(tag),
   register_parameters(module, preserve), sleep(level=1, tags=None), wake_up(tags=None),
   stats(), release_host_store(), prepare_host_store(). PyTorch is imported on first use only.
-- CUDA graphs in torpor (torpor.graphs, re-exported here): graph(cuda_graph, tag=...) for
+  CUDA graphs in torpor (torpor.torch.graphs, re-exported here): graph(cuda_graph, tag=...) for
   torch.cuda.graph, graph_pool(tag) for torch.cuda.graph(..., pool=...), mark_state(tensor);
   their memory is released at sleep and the same graphs replay after wake.
 
-Engines that have a sleep-mode API of their own keep it:
+Engines that have a sleep-mode API of their own keep it, each a mode written against one seam,
+torpor.engine (sleep and wake with a class policy, routing a tag, registering parameters, tag
+hooks), so a new mode touches neither torpor.torch nor the C library:
 
 - torpor.vllm: vLLM's allocator (CuMemAllocator, also here) with vLLM's semantics;
   torpor.vllm_plugin is the vLLM plugin that puts it in every vLLM process (TORPOR_VLLM=1).
@@ -21,7 +23,8 @@ Engines that have a sleep-mode API of their own keep it:
   RL frameworks on it.
 
 libtorpor.so is found through TORPOR_LIBRARY, then a copy bundled at install time, then the
-repository's build directories, then the system path (see torpor._lib).
+repository's build directories, then the system path (see torpor._lib). The environment
+variables the package reads are one table, torpor.environment.
 """
 
 from . import distributed, errors, tags, tms, vllm
@@ -39,11 +42,17 @@ from .errors import (
     TorporError,
     Unavailable,
 )
-from .graphs import GraphPool, graph, graph_memory, graph_pool, graph_pools, mark_state, memory_nodes
 from .pool import MemoryClass, Pool
-from .torch_pools import (
+from .torch import (
+    GraphPool,
     Registration,
     configure,
+    graph,
+    graph_memory,
+    graph_pool,
+    graph_pools,
+    mark_state,
+    memory_nodes,
     pools,
     prepare_host_store,
     register_parameters,

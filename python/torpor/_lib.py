@@ -24,6 +24,7 @@ import os
 import pathlib
 import threading
 
+from . import environment
 from .errors import InternalError, LibraryNotFound, bind_status_codes, error_for
 
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
@@ -91,7 +92,7 @@ def _candidates() -> list[tuple[str, str]]:
 
 
 def _load() -> tuple[ctypes.CDLL, str]:
-    env = os.environ.get("TORPOR_LIBRARY")
+    env = environment.text("TORPOR_LIBRARY")
     if env:
         try:
             return ctypes.CDLL(env), os.path.realpath(env)
@@ -145,6 +146,23 @@ def _loaded_path(lib: ctypes.CDLL, fallback: str) -> str:
     return fallback
 
 
+# torpor.h's sleep hooks: before_sleep(user, pool, level, tags, count, message, capacity) -> status,
+# after_wake(user, pool, tags, count, ok).
+BEFORE_SLEEP_HOOK = ctypes.CFUNCTYPE(
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_int,
+    ctypes.POINTER(ctypes.c_char_p),
+    ctypes.c_size_t,
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+)
+AFTER_WAKE_HOOK = ctypes.CFUNCTYPE(
+    None, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_char_p), ctypes.c_size_t, ctypes.c_int
+)
+
+
 def _prototypes(lib: ctypes.CDLL) -> None:
     P, S, I, C = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_char_p
     PP, PS = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)
@@ -162,6 +180,8 @@ def _prototypes(lib: ctypes.CDLL) -> None:
         "torpor_set_preserve": (I, [P, CC, S]),
         "torpor_sleep": (I, [P, I, CC, S]),
         "torpor_wake_up": (I, [P, CC, S]),
+        "torpor_add_sleep_hook": (I, [P, BEFORE_SLEEP_HOOK, AFTER_WAKE_HOOK, P, ctypes.POINTER(ctypes.c_ulonglong)]),
+        "torpor_remove_sleep_hook": (I, [P, ctypes.c_ulonglong]),
         "torpor_stats_json": (I, [P, ctypes.c_char_p, S, PS]),
         "torpor_last_report_json": (I, [P, ctypes.c_char_p, S, PS]),
         "torpor_tags_json": (I, [P, ctypes.c_char_p, S, PS]),

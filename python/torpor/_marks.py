@@ -13,7 +13,7 @@ classes of every segment of the sleeping tags from PyTorch's own view (MemPool.s
 - then every live registered parameter's exact byte span is a parameter, with its
   qualified name, so preserve globs match.
 
-This module is the plan only (torch-free, so CI tests it without PyTorch); torch_pools.py
+This module is the plan only (torch-free, so CI tests it without PyTorch); torpor.torch.remark
 feeds it snapshots and named parameters and applies the marks.
 """
 
@@ -27,7 +27,7 @@ from .pool import MemoryClass
 
 
 # Tuples rather than dataclasses: a sleep makes one per block and per parameter (thousands), and
-# compares the spans with the last sleep's as a whole (torch_pools.py keeps the last plan).
+# compares the spans with the last sleep's as a whole (torpor.torch.remark keeps the last plan).
 class Mark(NamedTuple):
     address: int
     nbytes: int

@@ -24,9 +24,11 @@ Semantics (allocator/include/torpor/collective_sleep.hpp):
 - If any rank fails to wake, the ranks that woke stay awake and every rank raises, naming the
   ranks still asleep; calling ``wake_up`` again on every rank once the cause is gone finishes.
 
-``sleep``/``wake_up`` take a ``torpor.Pool`` (the collective runs in libtorpor), or None for
-the PyTorch embedding's pools (``torpor.sleep``/``torpor.wake_up``; the same protocol runs
-here in Python over the group's all_gather).
+``sleep``/``wake_up`` take a ``torpor.Pool``, or None for the PyTorch embedding's pools (what
+``torpor.sleep``/``torpor.wake_up`` act on). Either way the collective runs in libtorpor
+(torpor_collective_sleep): for the PyTorch pools, once per device pool of this rank, and the
+re-mark of PyTorch's blocks runs inside each pool's sleep as its sleep hook, so a rank whose
+re-mark fails is a rank that failed to sleep, named on every rank, and every rank rolls back.
 
 ``Group.from_torch`` gathers bytes with ``all_gather_object`` on the given group (default: the
 world group) and synchronises with ``barrier``. File descriptors (symmetric memory) cannot
@@ -39,9 +41,11 @@ from __future__ import annotations
 import ctypes
 from typing import Callable, Sequence
 
-from . import _lib, errors
-from .errors import InvalidArgument, TorporError
+from . import _hooks, _lib
+from .errors import InvalidArgument
 from .pool import Pool, Tags, tag_list
+from .torch import api
+from .values import SleepLevel
 
 _ALL_GATHER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 _BARRIER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
@@ -171,26 +175,61 @@ def _group_or_default(group: Group | None) -> Group:
     return group
 
 
+def _collective(call, g: Group, pool: Pool, *args) -> dict:
+    """One C collective on `pool`; a sleep hook's exception on this rank is already in the
+    collective's message (the C layer sent it to every rank), so it is not raised apart."""
+    status = call(pool.handle, g.handle, *args)
+    _hooks.take_failure()
+    _lib.check(status)
+    return pool.last_report()
+
+
+def _device_tags(tags: list[str] | None, device_tags: list[str]):
+    """The C list for one device's collective: None asks every rank for every tag (the ranks
+    agree on None, whatever tags each has), a list for the tags named."""
+    return _lib.encode_list(device_tags) if tags is not None else (None, 0)
+
+
+def _torch_pools_sleep(g: Group, level: SleepLevel, tags: list[str] | None) -> dict:
+    """The PyTorch embedding's pools: the C collective sleep on each device's pool in turn (their
+    sleep hooks re-mark PyTorch's blocks first), as torpor.sleep sleeps them. {device: report}."""
+    selected = api.selected_devices(tags, "sleep")
+    if selected is None:
+        return {}
+    call = _lib.lib().torpor_collective_sleep
+
+    def sleep_one(device: int, device_tags: list[str]) -> dict:
+        return _collective(call, g, Pool.torch(device), int(level), *_device_tags(tags, device_tags))
+
+    return api.each_device_sleep(selected, sleep_one)
+
+
+def _torch_pools_wake_up(g: Group, tags: list[str] | None) -> dict:
+    selected = api.selected_devices(tags, "wake_up")
+    if selected is None:
+        return {}
+    call = _lib.lib().torpor_collective_wake_up
+
+    def wake_one(device: int, device_tags: list[str]) -> dict:
+        return _collective(call, g, Pool.torch(device), *_device_tags(tags, device_tags))
+
+    return api.each_device_wake_up(selected, wake_one)
+
+
 def sleep(pool=None, level: int = 1, tags: Tags = None, *, group: Group | None = None) -> dict:
     """Collective sleep: every rank of `group` (None: Group.from_torch() of the default
-    group) calls it with the same level and tags. `pool` is a torpor.Pool, or None for the
-    PyTorch embedding's pools. Returns this rank's report."""
+    group) calls it with the same level and tags. `pool` is a torpor.Pool (returns this rank's
+    report), or None for the PyTorch embedding's pools: the collective runs on each device's
+    pool this rank has, in device order, so every rank must have as many (returns {device:
+    report})."""
     g = _group_or_default(group)
     tags = _request_tags(tags)
-    if isinstance(pool, Pool):
-        arr, n = _lib.encode_list(tags or [])
-        _lib.check(_lib.lib().torpor_collective_sleep(pool.handle, g.handle, int(level), arr if tags else None, n))
-        return pool.last_report()
-    if pool is not None:
+    if pool is None:
+        return _torch_pools_sleep(g, api.checked_level(level), tags)
+    if not isinstance(pool, Pool):
         raise InvalidArgument(f"sleep: pool must be a torpor.Pool or None, not {type(pool).__name__}")
-    from . import torch_pools
-
-    return _python_collective(
-        g,
-        ("sleep", int(level), tags),
-        lambda: torch_pools.sleep(level, tags),
-        lambda: torch_pools.wake_up(tags),
-    )
+    arr, n = _lib.encode_list(tags or [])
+    return _collective(_lib.lib().torpor_collective_sleep, g, pool, int(level), arr if tags else None, n)
 
 
 def wake_up(pool=None, tags: Tags = None, *, group: Group | None = None) -> dict:
@@ -198,54 +237,12 @@ def wake_up(pool=None, tags: Tags = None, *, group: Group | None = None) -> dict
     rank that fails). `pool` as for sleep()."""
     g = _group_or_default(group)
     tags = _request_tags(tags)
-    if isinstance(pool, Pool):
-        arr, n = _lib.encode_list(tags or [])
-        _lib.check(_lib.lib().torpor_collective_wake_up(pool.handle, g.handle, arr if tags else None, n))
-        return pool.last_report()
-    if pool is not None:
+    if pool is None:
+        return _torch_pools_wake_up(g, tags)
+    if not isinstance(pool, Pool):
         raise InvalidArgument(f"wake_up: pool must be a torpor.Pool or None, not {type(pool).__name__}")
-    from . import torch_pools
-
-    return _python_collective(g, ("wake_up", 0, tags), lambda: torch_pools.wake_up(tags), None)
-
-
-def _python_collective(group: Group, request: tuple, act, rollback) -> dict:
-    """The protocol of collective_sleep.hpp over group's Python all_gather, for targets that
-    live in Python (the PyTorch embedding marks parameters before the pools sleep)."""
-    op, level, tags = request
-    mine = repr((op, level, sorted(set(tags)) if tags is not None else None)).encode()
-    everyone = list(group._all_gather(mine))
-    differ = [r for r, other in enumerate(everyone) if other != everyone[0]]
-    if differ:
-        raise InvalidArgument(
-            f"{op} on rank {group.rank} of {group.size}: rank(s) {differ} asked for another operation than rank 0 "
-            f"({everyone[0].decode()}); no rank changed anything"
-        )
-    report, failure = {}, None
-    try:
-        report = act()
-    except Exception as e:  # noqa: BLE001 - reported to every rank below
-        failure = e
-    outcome = b"" if failure is None else f"{type(failure).__name__}\0{failure}".encode()
-    outcomes = [o.decode(errors="replace").partition("\0") for o in group._all_gather(outcome)]
-    failed = [r for r, o in enumerate(outcomes) if o[0]]
-    if not failed:
-        return report
-    details = "; ".join(f"rank {r}: {outcomes[r][0]}: {outcomes[r][2]}" for r in failed)
-    if rollback is not None:
-        try:
-            rollback()
-            what = "every rank woke back up"
-        except TorporError as e:
-            what = f"this rank could NOT wake back up: {e}"
-        message = f"{op} (level {level}) on rank {group.rank}: rank(s) {failed} failed to sleep ({details}); {what}"
-    else:
-        message = (
-            f"{op} on rank {group.rank}: rank(s) {failed} are still asleep ({details}); the ranks that woke stay "
-            f"awake: call wake_up again on every rank once the cause is gone"
-        )
-    kind = getattr(errors, outcomes[failed[0]][0], None)  # the first failed rank's type, on every rank
-    raise (kind if isinstance(kind, type) and issubclass(kind, TorporError) else TorporError)(message)
+    arr, n = _lib.encode_list(tags or [])
+    return _collective(_lib.lib().torpor_collective_wake_up, g, pool, arr if tags else None, n)
 
 
 __all__ = ["Group", "sleep", "wake_up"]

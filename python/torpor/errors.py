@@ -115,11 +115,8 @@ def bind_status_codes(value_of: Callable[[str], int]) -> None:
 
 
 def error_for(status: int, message: str) -> TorporError:
-    """The exception for a C API status code (one the loaded library returned)."""
-    if not _by_status:
-        from . import _lib  # the codes are bound when the library loads
-
-        _lib.lib()
+    """The exception for a C API status code (one the loaded library returned: loading it bound
+    the codes, so this module never imports the loader back)."""
     cls = _by_status.get(status)
     if cls is None:
         return InternalError(f"unknown torpor status {status}: {message}")

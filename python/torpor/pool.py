@@ -5,6 +5,11 @@ or wraps the pool PyTorch's pluggable allocator uses for a device (``Pool.torch(
 never destroyed, PyTorch holds segments in it). Addresses are plain ints. Every failure
 raises the typed exception of torpor's status (torpor.errors) with torpor's message.
 
+Sleep hooks (``add_sleep_hook``, torpor_add_sleep_hook): Python callables run inside the pool's
+sleep before anything moves (one that raises aborts it) and after every wake; the PyTorch
+embedding re-marks its blocks in one. Levels are SleepLevel (torpor.values), checked where they
+enter.
+
 Tag lists: ``None`` means every tag of the pool, a string one tag, a list those tags; an
 empty list means no tag, so the call does nothing (vLLM's ``wake_up(tags=[])`` does the same).
 """
@@ -17,8 +22,9 @@ import json
 import os
 from typing import Iterable, Union
 
-from . import _lib
+from . import _hooks, _lib
 from .errors import InvalidArgument, InvalidHandle
+from .values import INT_MAX, SIZE_MAX, SleepLevel, sleep_level, whole
 
 
 class MemoryClass(enum.Enum):
@@ -63,21 +69,6 @@ def _choice(table: dict, value: str, what: str) -> int:
         raise InvalidArgument(f"unknown {what} '{value}' (expected {', '.join(table)})") from None
 
 
-_SIZE_MAX = 2**64 - 1
-_INT_MAX = 2**31 - 1
-
-
-def _whole(value, what: str, lo: int, hi: int) -> int:
-    """`value` as an int in [lo, hi]: InvalidArgument naming the range otherwise (a C size_t
-    would silently wrap 2**64 + 5 to 5; bool and float are refused, not truncated)."""
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise InvalidArgument(f"{what} {value!r} is not a whole number (accepted: {lo} to {hi})")
-    v = value.__index__()
-    if not lo <= v <= hi:
-        raise InvalidArgument(f"{what} {v} is out of range (accepted: {lo} to {hi})")
-    return v
-
-
 def _text(value, what: str, allow_empty: bool = False) -> bytes:
     """`value` as UTF-8 bytes for the C API: a str without NUL (C strings end there) and without
     lone surrogates (not UTF-8); InvalidArgument otherwise."""
@@ -93,7 +84,7 @@ def _text(value, what: str, allow_empty: bool = False) -> bytes:
 
 def _size(value, what: str, accepted: str) -> int:
     """A byte count for a size_t option: _whole over [0, 2**64 - 1], the message saying what 0 means."""
-    return _whole(value, f"{what} ({accepted})", 0, _SIZE_MAX)
+    return whole(value, f"{what} ({accepted})", 0, SIZE_MAX)
 
 
 def pool_options(
@@ -121,9 +112,9 @@ def pool_options(
     that many bytes in the background when the pool is created."""
     o = _lib.PoolOptions()
     _lib.lib().torpor_pool_options_init(ctypes.byref(o))
-    o.device = _whole(device, "device", 0, _INT_MAX)
+    o.device = whole(device, "device", 0, INT_MAX)
     o.backend = _choice(_lib.enum_values("backend"), backend, "backend")
-    o.va_bytes = _whole(va_bytes, "va_bytes (0 = twice the device's memory)", 0, _SIZE_MAX)
+    o.va_bytes = whole(va_bytes, "va_bytes (0 = twice the device's memory)", 0, SIZE_MAX)
     o.fill_on_wake = _choice(_lib.enum_values("fill"), fill_on_wake, "fill_on_wake")
     o.exportable = 1 if exportable else 0
     o.skip_unchanged = 1 if skip_unchanged else 0
@@ -250,7 +241,7 @@ class Pool(_lib.Closing):
         name: str | None = None,
     ) -> int:
         """Allocate `nbytes` in `tag` with one class for the whole allocation; its address."""
-        size = _whole(nbytes, "alloc: nbytes", 1, _SIZE_MAX)
+        size = whole(nbytes, "alloc: nbytes", 1, SIZE_MAX)
         tag_bytes = _text(tag, "tag")
         name_bytes = _text(name, "name", allow_empty=True) if name else None
         out = ctypes.c_void_p()
@@ -264,8 +255,8 @@ class Pool(_lib.Closing):
     def mark(self, ptr: int, nbytes: int, memory_class: ClassLike, name: str | None = None) -> None:
         """Reclassify [ptr, ptr + nbytes), which must lie inside one allocation. name None or
         "" keeps the current name; names are what preserve globs match."""
-        address = _whole(ptr, "mark: ptr", 0, _SIZE_MAX)
-        size = _whole(nbytes, "mark: nbytes", 0, _SIZE_MAX)
+        address = whole(ptr, "mark: ptr", 0, SIZE_MAX)
+        size = whole(nbytes, "mark: nbytes", 0, SIZE_MAX)
         name_bytes = _text(name, "name", allow_empty=True) if name else None
         cls = to_memory_class(memory_class)
         _marked()  # before the call: a failed mark may have changed nothing, never too few counted
@@ -330,9 +321,9 @@ class Pool(_lib.Closing):
 
     def copy(self, dst: int, src: int, nbytes: int) -> None:
         """Synchronous copy between host memory and pool memory, any direction."""
-        dst = _whole(dst, "copy: dst", 0, _SIZE_MAX)
-        src = _whole(src, "copy: src", 0, _SIZE_MAX)
-        size = _whole(nbytes, "copy: nbytes", 0, _SIZE_MAX)
+        dst = whole(dst, "copy: dst", 0, SIZE_MAX)
+        src = whole(src, "copy: src", 0, SIZE_MAX)
+        size = whole(nbytes, "copy: nbytes", 0, SIZE_MAX)
         _lib.check(_lib.lib().torpor_copy(self.handle, dst, src, size))
 
     def write(self, ptr: int, data: bytes) -> None:
@@ -342,23 +333,34 @@ class Pool(_lib.Closing):
 
     def read(self, ptr: int, nbytes: int) -> bytes:
         """Copy nbytes of pool memory at ptr to the host."""
-        buf = ctypes.create_string_buffer(_whole(nbytes, "read: nbytes", 0, _SIZE_MAX))
+        buf = ctypes.create_string_buffer(whole(nbytes, "read: nbytes", 0, SIZE_MAX))
         self.copy(ctypes.addressof(buf), ptr, nbytes)
         return buf.raw
 
     # -- sleep ----------------------------------------------------------------------------
 
-    def sleep(self, level: int = 1, tags: Tags = None) -> dict:
+    def sleep(self, level: int | SleepLevel = 1, tags: Tags = None) -> dict:
         """Release the physical memory of `tags` (None = all), keeping what `level` keeps
-        (1: parameters and state; 2: state and preserved parameters). Returns the report.
+        (1: parameters and state; 2: state and preserved parameters). Returns the report. A
+        sleep hook (add_sleep_hook) that raised aborts it: its exception is raised here.
         """
-        level = _whole(level, "sleep level", 0, 2)
+        level = sleep_level(level)
         tags = tag_list(tags)
         if tags == []:
             return {}
         arr, n = _lib.encode_list(tags or [])
-        _lib.check(_lib.lib().torpor_sleep(self.handle, level, arr if tags else None, n))
+        _hooks.check(_lib.lib().torpor_sleep(self.handle, int(level), arr if tags else None, n))
         return self.last_report()
+
+    def add_sleep_hook(self, before_sleep=None, after_wake=None) -> int:
+        """Run before_sleep(level: SleepLevel, tags: list[str]) inside every sleep of this pool
+        at levels 1 and 2, before anything moves (an exception from it aborts the sleep with
+        nothing changed; the sleep raises it), and after_wake(tags, ok: bool) after every wake
+        (torpor_add_sleep_hook). Returns the hook's id for remove_sleep_hook."""
+        return _hooks.add(self.handle, before_sleep, after_wake)
+
+    def remove_sleep_hook(self, hook_id: int) -> None:
+        _hooks.remove(self.handle, hook_id)
 
     def wake_up(self, tags: Tags = None) -> dict:
         """Map memory again at the same addresses for `tags` (None = all) and restore what was

@@ -60,7 +60,7 @@ Where torch_memory_saver exits the process, torpor raises or is idempotent, by d
 - get_cpu_backup of a tensor torpor does not hold: torpor.InvalidArgument (exit(1)); of a paused
   tensor without a backup: torpor.InvalidState (an abort there);
 - a failed pause or resume raises torpor's typed error, also a RuntimeError
-  (torpor.compat.runtime_error); calling it again once the cause is gone completes it.
+  (torpor.engine.runtime_error); calling it again once the cause is gone completes it.
 
 Making ``import torch_memory_saver`` resolve here (opt-in): ``torpor.tms.install()`` in the process,
 or ``PYTHONPATH=$(python3 -m torpor.tms --shim-path):$PYTHONPATH`` for it and its children.
@@ -71,16 +71,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import os
 import pathlib
 import sys
 import threading
 from typing import Optional
 
-from . import _lib, graphs, torch_pools
-from .compat import as_runtime_errors
-from .errors import InvalidArgument, InvalidState, Unavailable, error_for
-from .pool import MemoryClass, Pool
+from . import engine, environment
+from .engine import as_runtime_errors
+from .errors import InvalidArgument, InvalidState, Unavailable
+from .pool import MemoryClass
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +143,7 @@ class TorchMemorySaver:
         cls = MemoryClass.STATE if enable_cpu_backup else MemoryClass.CACHE
         with self._lock:
             self._tags.add(tag)
-        with torch_pools.use_pool(tag, memory_class=cls):
+        with engine.use_pool(tag, memory_class=cls):
             yield
 
     @contextlib.contextmanager
@@ -163,7 +162,7 @@ class TorchMemorySaver:
         if not isinstance(tag, str) or not tag:
             raise InvalidArgument(f"cuda_graph: tag {tag!r} is not a non-empty string")
         cls = MemoryClass.STATE if enable_cpu_backup else MemoryClass.CACHE
-        with graphs.graph(
+        with engine.graph(
             cuda_graph,
             pool,
             stream,
@@ -180,7 +179,7 @@ class TorchMemorySaver:
         """PyTorch's own memory for what is created inside, even within a region (a MemPool of
         PyTorch's default allocator, dropped at exit: its memory goes back once those tensors die).
         """
-        torch = torch_pools._cuda_torch()
+        torch = engine.cuda_torch()
         pool = torch.cuda.memory.MemPool()
         try:
             with torch.cuda.memory.use_mem_pool(pool):
@@ -198,27 +197,27 @@ class TorchMemorySaver:
         with self._lock:
             wanted = set(self._tags) if tag is None else {tag}
         wanted |= {graph_tag(t) for t in wanted}
-        return sorted(t for t, sleeping in torch_pools.tag_states().items() if t in wanted and sleeping == asleep)
+        return sorted(t for t, sleeping in engine.tag_states().items() if t in wanted and sleeping == asleep)
 
     def pause(self, tag: Optional[str] = None) -> None:
         """Release the memory of `tag` (None: every region's tag): backed-up bytes go to host
         memory, the rest is discarded. Pausing a paused tag does nothing."""
         with as_runtime_errors():
-            torch_pools.sleep(1, self._selected(tag, "pause", asleep=False))
+            engine.sleep(1, self._selected(tag, "pause", asleep=False))
 
     def resume(self, tag: Optional[str] = None) -> None:
         """Map the memory of `tag` (None: every region's tag) again at the same addresses and
         restore the backed-up bytes. Resuming an awake tag does nothing."""
         tags = self._selected(tag, "resume", asleep=True)
         with as_runtime_errors():
-            torch_pools.wake_up(tags)
+            engine.wake_up(tags)
             if tags and not self._retain_cpu_backup:
                 self._drop_host_copies()
 
     def _drop_host_copies(self) -> None:
         # torpor keeps host copies after wake to skip unchanged bytes at the next pause;
         # torch_memory_saver frees them unless retained.
-        torch_pools.release_host_store()
+        engine.release_host_store()
 
     # -- settings ----------------------------------------------------------------------------
 
@@ -234,7 +233,7 @@ class TorchMemorySaver:
     def hook_mode(self, value: str) -> None:
         if value not in _HOOK_MODES:
             raise InvalidArgument(f"hook_mode {value!r} is not one of {', '.join(_HOOK_MODES)}")
-        if value == "preload" and os.environ.get("TMS_INIT_ENABLE") == "1":
+        if value == "preload" and environment.enabled("TMS_INIT_ENABLE"):
             logger.warning(
                 "torpor.tms: TMS_INIT_ENABLE=1 asks torch_memory_saver's preload mode to capture every "
                 "allocation; torpor captures only those made inside region()"
@@ -251,16 +250,15 @@ class TorchMemorySaver:
 
     @property
     def memory_margin_bytes(self) -> int:
-        return int(_lib.lib().torpor_torch_memory_margin())
+        return engine.memory_margin()
 
     @memory_margin_bytes.setter
     def memory_margin_bytes(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise InvalidArgument(f"memory_margin_bytes {value!r} is not a whole number of bytes >= 0")
-        lib = _lib.lib()
         if value > ctypes.c_size_t(-1).value:
             raise InvalidArgument(f"memory_margin_bytes {value} does not fit in a size_t")
-        _lib.check(lib.torpor_torch_set_memory_margin(value))
+        engine.set_memory_margin(value)
 
     def set_disk_backup_dir(self, path: str) -> None:
         raise Unavailable(DISK_TIER_MISSING)
@@ -269,7 +267,7 @@ class TorchMemorySaver:
 
     def get_cpu_backup(self, x, zero_copy: bool = False):
         """A CPU tensor with the host copy of x's bytes, or None (see the module note)."""
-        torch = torch_pools._cuda_torch()
+        torch = engine.cuda_torch()
         if not isinstance(x, torch.Tensor) or not x.is_cuda:
             raise InvalidArgument(f"get_cpu_backup: {type(x).__name__} is not a CUDA tensor")
         if not x.is_contiguous():
@@ -280,37 +278,18 @@ class TorchMemorySaver:
         nbytes = x.numel() * x.element_size()
         if nbytes == 0:
             return out
-        pool = Pool.torch(x.device.index)
-        asleep = ctypes.c_int(0)
-        status = _lib.lib().torpor_read_host_copy(
-            pool.handle, x.data_ptr(), nbytes, out.data_ptr(), ctypes.byref(asleep)
-        )
-        if status == _lib.status_ok():
-            return out if (asleep.value or self._retain_cpu_backup) else None
-        if status == InvalidState.status and not asleep.value:
+        try:
+            asleep = engine.read_host_copy(x.device.index, x.data_ptr(), nbytes, out.data_ptr())
+        except InvalidState as e:
+            raise InvalidState(f"{e} (was the tensor created in a region without enable_cpu_backup=True?)") from None
+        if asleep is None:
             return None  # awake without a retained copy
-        message = _lib.last_error()
-        if status == InvalidState.status:
-            message += " (was the tensor created in a region without enable_cpu_backup=True?)"
-        raise error_for(status, message)
+        return out if (asleep or self._retain_cpu_backup) else None
 
 
 def configure_subprocess():
     """Child processes started inside resolve ``import torch_memory_saver`` to torpor.tms."""
-    return _shim_on_pythonpath()
-
-
-@contextlib.contextmanager
-def _shim_on_pythonpath():
-    previous = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([shim_path()] + ([previous] if previous else []))
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = previous
+    return environment.prepended_path("PYTHONPATH", shim_path())
 
 
 def shim_path() -> str:

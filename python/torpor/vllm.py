@@ -27,7 +27,7 @@ What each call does, as vLLM's CuMemAllocator (the versions README's vLLM sectio
 - ``get_current_usage()``: bytes of the segments in the pools, asleep or not.
 - ``is_asleep(tags=None)``: whether any of those tags (None: any tag) is asleep.
 - Errors are torpor's typed errors with torpor's message, re-raised as RuntimeError subclasses
-  (torpor.compat.runtime_error): a wake that runs out of device memory raises an error that is a
+  (torpor.engine.runtime_error): a wake that runs out of device memory raises an error that is a
   RuntimeError, a torpor.OutOfMemory and a MemoryError at once.
 
 torpor's upgrade, with ``torpor.register_parameters(model)`` (the plugin calls it after vLLM
@@ -37,15 +37,16 @@ vLLM's level-2 buffer stash (``Worker._sleep_saved_buffers``) has nothing to add
 sleep copies no parameter to host memory. Tags without registered parameters (the KV cache) are
 discarded in full, as in vLLM.
 
-Every address is the same after wake (as in vLLM), so CUDA graphs replay.
+Every address is the same after wake (as in vLLM), so CUDA graphs replay. This mode uses torpor
+through torpor.engine only (the seam every engine mode is written against).
 """
 
 from __future__ import annotations
 
 from typing import Iterable
 
-from . import torch_pools
-from .compat import as_runtime_errors, runtime_error
+from . import engine
+from .engine import as_runtime_errors, keep_everything, runtime_error
 from .errors import InvalidArgument
 from .pool import MemoryClass
 from .tags import KV_CACHE, WEIGHTS
@@ -62,11 +63,6 @@ def _tag_tuple(tags, what: str) -> tuple[str, ...]:
         if not isinstance(t, str) or not t:
             raise runtime_error(InvalidArgument(f"{what}: tag {t!r} is not a non-empty string"))
     return out
-
-
-def _keep_everything(tag: str, memory_class: MemoryClass, has_parameters: bool) -> MemoryClass:
-    """Offloaded tags: every allocated byte survives (parameters are offloaded at level 1)."""
-    return MemoryClass.STATE
 
 
 def _discard(tag: str, memory_class: MemoryClass, has_parameters: bool) -> MemoryClass:
@@ -94,20 +90,20 @@ class CuMemAllocator:
 
     def use_memory_pool(self, tag: str | None = None):
         tag = self.default_tag if tag is None else tag
-        return torch_pools.use_pool(_tag_tuple(tag, "use_memory_pool")[0])
+        return engine.use_pool(_tag_tuple(tag, "use_memory_pool")[0])
 
     def reuse_memory_pool(self, tag: str):
         """Re-enter the pool of a tag used before; ValueError for one never used."""
-        if tag not in torch_pools.tag_states():
+        if tag not in engine.tag_states():
             raise runtime_error(InvalidArgument(f"Memory pool for tag '{tag}' does not exist."))
-        return torch_pools.use_pool(tag)
+        return engine.use_pool(tag)
 
     def get_current_usage(self) -> int:
         """Bytes of the segments PyTorch holds in torpor, asleep or not (vLLM: the handles' sizes)."""
-        return sum(t["allocated_bytes"] for st in torch_pools.stats().values() for t in st["tags"].values())
+        return sum(t["allocated_bytes"] for st in engine.stats().values() for t in st["tags"].values())
 
     def is_asleep(self, tags: Iterable[str] | str | None = None) -> bool:
-        states = torch_pools.tag_states()
+        states = engine.tag_states()
         wanted = states if tags is None else _tag_tuple(tags, "is_asleep")
         return any(states.get(t, False) for t in wanted)
 
@@ -115,21 +111,21 @@ class CuMemAllocator:
 
     def sleep(self, offload_tags: tuple[str, ...] | str | None = None) -> None:
         offload = (self.default_tag,) if offload_tags is None else _tag_tuple(offload_tags, "sleep")
-        awake = [t for t, asleep in sorted(torch_pools.tag_states().items()) if not asleep]
+        awake = [t for t, asleep in sorted(engine.tag_states().items()) if not asleep]
         with as_runtime_errors():
             self.last_reports = {
-                "offload": torch_pools._sleep(1, [t for t in awake if t in offload], _keep_everything),
-                "discard": torch_pools._sleep(2, [t for t in awake if t not in offload], _discard),
+                "offload": engine.sleep(1, [t for t in awake if t in offload], keep_everything),
+                "discard": engine.sleep(2, [t for t in awake if t not in offload], _discard),
             }
 
     def discard(self, tags: tuple[str, ...] | str) -> None:
         wanted = set(_tag_tuple(tags, "discard"))
-        awake = [t for t, asleep in sorted(torch_pools.tag_states().items()) if not asleep and t in wanted]
+        awake = [t for t, asleep in sorted(engine.tag_states().items()) if not asleep and t in wanted]
         with as_runtime_errors():
-            self.last_reports = {"discard": torch_pools._sleep(2, awake, _discard)}
+            self.last_reports = {"discard": engine.sleep(2, awake, _discard)}
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        states = torch_pools.tag_states()
+        states = engine.tag_states()
         if tags is None:
             selected = [t for t, asleep in sorted(states.items()) if asleep]
         else:
@@ -138,7 +134,7 @@ class CuMemAllocator:
                 t for t, asleep in sorted(states.items()) if asleep and (t in wanted or t not in DEFERRABLE_TAGS)
             ]
         with as_runtime_errors():
-            self.last_reports = {"wake_up": torch_pools.wake_up(selected)}
+            self.last_reports = {"wake_up": engine.wake_up(selected)}
 
 
 __all__ = ["DEFERRABLE_TAGS", "CuMemAllocator"]

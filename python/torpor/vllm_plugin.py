@@ -32,9 +32,10 @@ import importlib
 import importlib.abc
 import importlib.util
 import logging
-import os
 import sys
 import threading
+
+from . import environment
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +45,13 @@ CUMEM_MODULE = "vllm.device_allocator.cumem"
 BACKEND_MODULE = "vllm.device_allocator.sleep_mode_backend"
 # Worker modules whose Worker.load_model gets the parameter registration (v1, then v0).
 WORKER_MODULES = ("vllm.v1.worker.gpu_worker", "vllm.worker.worker")
-_FALSE = ("", "0", "false", "no", "off")
 
 _lock = threading.Lock()
 _installed = False
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "").strip().lower() not in _FALSE
+    return environment.enabled(ENV)
 
 
 def register() -> None:

@@ -1,6 +1,7 @@
 // The C API over the host backend: status codes, messages, JSON documents, byte survival.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -158,6 +159,107 @@ TEST_F(CPoolFixture, MarkAndPreserveThroughTheCApi) {
   EXPECT_EQ(back[0], 0x3C) << "preserved parameter kept";
   EXPECT_EQ(back[4096], 0xFF) << "other parameter discarded";
   EXPECT_EQ(torpor_free(pool, seg), TORPOR_OK);
+}
+
+// Sleep hooks (torpor_add_sleep_hook): what the PyTorch layer's re-mark relies on. The oracle is
+// the bytes a wake restores, written by the test itself, and the calls the hooks recorded.
+struct HookLog {
+  std::vector<std::string> calls;  // "sleep 2 weights", "wake weights ok"
+  void* remark = nullptr;          // marked state by before_sleep when set
+  torpor_status refuse = TORPOR_OK;
+};
+
+std::string joined(const char* const* tags, size_t count) {
+  std::string out;
+  for (size_t i = 0; i < count; ++i) out += std::string(i ? "," : "") + tags[i];
+  return out;
+}
+
+torpor_status record_sleep(void* user, torpor_pool_t pool, int level, const char* const* tags, size_t count,
+                           char* message, size_t capacity) {
+  auto* log = static_cast<HookLog*>(user);
+  log->calls.push_back("sleep " + std::to_string(level) + " " + joined(tags, count));
+  if (log->refuse != TORPOR_OK) {
+    std::snprintf(message, capacity, "%s", "host store full (the test's hook)");
+    return log->refuse;
+  }
+  if (log->remark != nullptr) return torpor_mark(pool, log->remark, 4096, TORPOR_CLASS_STATE, "kept");
+  return TORPOR_OK;
+}
+
+void record_wake(void* user, torpor_pool_t /*pool*/, const char* const* tags, size_t count, int ok) {
+  static_cast<HookLog*>(user)->calls.push_back("wake " + joined(tags, count) + (ok ? " ok" : " failed"));
+}
+
+TEST_F(CPoolFixture, ASleepHookMarksInsideTheSleepItRunsBefore) {
+  void* w = nullptr;
+  ASSERT_EQ(torpor_alloc(pool, 4096, "weights", TORPOR_CLASS_PARAMETER, "w", &w), TORPOR_OK);
+  std::vector<unsigned char> src(4096, 0x5A);
+  ASSERT_EQ(torpor_copy(pool, w, src.data(), src.size()), TORPOR_OK);
+  HookLog log;
+  log.remark = w;  // level 2 would discard the parameter; the hook makes it state first
+  unsigned long long id = 0;
+  ASSERT_EQ(torpor_add_sleep_hook(pool, record_sleep, record_wake, &log, &id), TORPOR_OK) << torpor_last_error();
+  EXPECT_NE(id, 0u);
+  ASSERT_EQ(torpor_sleep(pool, 0, nullptr, 0), TORPOR_OK);
+  EXPECT_TRUE(log.calls.empty()) << "level 0 moves nothing and calls no hook";
+  ASSERT_EQ(torpor_sleep(pool, 2, nullptr, 0), TORPOR_OK) << torpor_last_error();
+  ASSERT_EQ(torpor_wake_up(pool, nullptr, 0), TORPOR_OK) << torpor_last_error();
+  std::vector<unsigned char> back(4096);
+  ASSERT_EQ(torpor_copy(pool, back.data(), w, back.size()), TORPOR_OK);
+  EXPECT_EQ(back, src) << "the hook's mark applied to the sleep it ran in";
+  EXPECT_EQ(log.calls, (std::vector<std::string>{"sleep 2 weights", "wake weights ok"}));
+  ASSERT_EQ(torpor_remove_sleep_hook(pool, id), TORPOR_OK) << torpor_last_error();
+  ASSERT_EQ(torpor_sleep(pool, 1, nullptr, 0), TORPOR_OK);
+  ASSERT_EQ(torpor_wake_up(pool, nullptr, 0), TORPOR_OK);
+  EXPECT_EQ(log.calls.size(), 2u) << "a removed hook is not called";
+  EXPECT_EQ(torpor_remove_sleep_hook(pool, id), TORPOR_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(torpor_last_error()).find("is not a sleep hook of this pool"), std::string::npos)
+      << torpor_last_error();
+  EXPECT_EQ(torpor_free(pool, w), TORPOR_OK);
+}
+
+TEST_F(CPoolFixture, ASleepHookThatFailsAbortsTheSleepBeforeAnythingMoved) {
+  void* s = nullptr;
+  ASSERT_EQ(torpor_alloc(pool, 4096, "weights", TORPOR_CLASS_STATE, "s", &s), TORPOR_OK);
+  std::vector<unsigned char> src(4096, 0x7E);
+  ASSERT_EQ(torpor_copy(pool, s, src.data(), src.size()), TORPOR_OK);
+  HookLog first, second;
+  first.refuse = TORPOR_ERROR_OUT_OF_MEMORY;
+  unsigned long long a = 0, b = 0;
+  ASSERT_EQ(torpor_add_sleep_hook(pool, record_sleep, nullptr, &first, &a), TORPOR_OK);
+  ASSERT_EQ(torpor_add_sleep_hook(pool, record_sleep, nullptr, &second, &b), TORPOR_OK);
+  EXPECT_NE(a, b);
+  const std::string before = stats();
+  EXPECT_EQ(torpor_sleep(pool, 1, nullptr, 0), TORPOR_ERROR_OUT_OF_MEMORY);
+  const std::string message = torpor_last_error();
+  EXPECT_NE(message.find("torpor_sleep: sleep hook"), std::string::npos) << message;
+  EXPECT_NE(message.find("host store full (the test's hook)"), std::string::npos) << message;
+  EXPECT_EQ(stats(), before) << "nothing moved";
+  EXPECT_TRUE(second.calls.empty()) << "a later hook does not run once one refused";
+  std::vector<unsigned char> back(4096);
+  ASSERT_EQ(torpor_copy(pool, back.data(), s, back.size()), TORPOR_OK);
+  EXPECT_EQ(back, src);
+  first.refuse = TORPOR_ERROR_DRIVER;
+  EXPECT_EQ(torpor_sleep(pool, 1, nullptr, 0), TORPOR_ERROR_INTERNAL) << "other statuses come back as internal";
+  EXPECT_NE(std::string(torpor_last_error()).find("TORPOR_ERROR_DRIVER"), std::string::npos) << torpor_last_error();
+  first.refuse = TORPOR_OK;
+  ASSERT_EQ(torpor_sleep(pool, 1, nullptr, 0), TORPOR_OK) << "the same call succeeds once the cause is gone";
+  EXPECT_EQ(second.calls, (std::vector<std::string>{"sleep 1 weights"}));
+  ASSERT_EQ(torpor_wake_up(pool, nullptr, 0), TORPOR_OK);
+  EXPECT_EQ(torpor_remove_sleep_hook(pool, a), TORPOR_OK);
+  EXPECT_EQ(torpor_remove_sleep_hook(pool, b), TORPOR_OK);
+  EXPECT_EQ(torpor_free(pool, s), TORPOR_OK);
+}
+
+TEST_F(CPoolFixture, SleepHookArgumentsAreChecked) {
+  unsigned long long id = 7;
+  EXPECT_EQ(torpor_add_sleep_hook(pool, nullptr, nullptr, nullptr, &id), TORPOR_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(id, 0u);
+  EXPECT_NE(std::string(torpor_last_error()).find("both NULL"), std::string::npos) << torpor_last_error();
+  EXPECT_EQ(torpor_add_sleep_hook(pool, record_sleep, nullptr, nullptr, nullptr), TORPOR_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(torpor_add_sleep_hook(nullptr, record_sleep, nullptr, nullptr, &id), TORPOR_ERROR_INVALID_HANDLE);
+  EXPECT_EQ(torpor_remove_sleep_hook(pool, 12345), TORPOR_ERROR_INVALID_ARGUMENT);
 }
 
 }  // namespace

@@ -39,3 +39,14 @@ def subprocess_env(**extra) -> dict:
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     env.update(extra)
     return env
+
+
+def fresh_torch_layer(monkeypatch) -> None:
+    """A test's own view of torpor.torch's registries (MemPools, registered modules, re-marks),
+    as if nothing had been allocated through PyTorch yet; the state-span sources stay (modules
+    register them once, at import)."""
+    from torpor.torch import parameters, remark, routing
+
+    monkeypatch.setattr(routing, "registry", routing.Registry())
+    monkeypatch.setattr(parameters, "registry", parameters.Registry())
+    monkeypatch.setattr(remark, "cache", remark.Cache(state_sources=list(remark.cache.state_sources)))

@@ -2,6 +2,8 @@
 each with its own host-backend pool, exchanging through all_gather_object and barrier as the
 real module does. The oracle for restored bytes is conftest.pattern, per rank."""
 
+import pathlib
+import subprocess
 import sys
 import threading
 import types
@@ -9,7 +11,7 @@ import types
 import pytest
 
 import torpor
-from conftest import MiB, pattern
+from conftest import MiB, pattern, subprocess_env
 from torpor import distributed as tdist
 
 N = 2
@@ -157,39 +159,26 @@ def test_a_failing_exchange_is_a_torpor_error_naming_the_rank(dist, ranks):
         tdist.Group(2, 2, broken, lambda: None)
 
 
-def test_python_protocol_rolls_back_a_failed_rank(dist, monkeypatch):
-    """The PyTorch-embedding path (pool=None) runs the protocol in Python: one rank's failure
-    fails every rank, and the ranks that slept wake back up."""
-    from torpor import torch_pools
-
-    state = {r: "awake" for r in range(N)}
-
-    def fake_sleep(level, tags):
-        r = dist.local.rank
-        if r == 1:
-            raise torpor.OutOfMemory("host store full")
-        state[r] = "asleep"
-        return {"operation": "sleep"}
-
-    def fake_wake(tags):
-        state[dist.local.rank] = "awake"
-        return {"operation": "wake_up"}
-
-    monkeypatch.setattr(torch_pools, "sleep", fake_sleep)
-    monkeypatch.setattr(torch_pools, "wake_up", fake_wake)
-    errors = on_ranks(dist, lambda r: tdist.sleep(None, 1, group=tdist.Group.from_torch()))
-    for r in range(N):
-        assert isinstance(errors[r], torpor.OutOfMemory), errors[r]
-        assert "rank(s) [1] failed to sleep" in str(errors[r]) and "host store full" in str(errors[r])
-    assert state == {r: "awake" for r in range(N)}
-
-
-def test_python_protocol_rejects_a_mismatch_before_anything_sleeps(dist, monkeypatch):
-    from torpor import torch_pools
-
-    slept = []
-    monkeypatch.setattr(torch_pools, "sleep", lambda level, tags: slept.append(dist.local.rank))
-    errors = on_ranks(dist, lambda r: tdist.sleep(None, 1 + r, group=tdist.Group.from_torch()))
-    for r in range(N):
-        assert isinstance(errors[r], torpor.InvalidArgument) and "rank(s) [1]" in str(errors[r]), errors[r]
-    assert slept == []
+# The PyTorch embedding's path (pool=None) needs a torch pool per rank: rank r's on device r. Those
+# pools live as long as the process (and torpor.configure then lists device 1 among the pools),
+# so its tests (distributed_torch_ranks.py) run in a child pytest of their own.
+@pytest.mark.parametrize(
+    "name",
+    [
+        "test_the_pytorch_pools_sleep_collectively_in_libtorpor",
+        "test_python_protocol_rolls_back_a_failed_rank",
+        "test_python_protocol_rejects_a_mismatch_before_anything_sleeps",
+    ],
+)
+def test_the_pytorch_pools_path_in_a_process_of_its_own(name):
+    here = pathlib.Path(__file__).resolve().parent
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"distributed_torch_ranks.py::{name}"],
+        cwd=here,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
+    assert "1 passed" in out.stdout, out.stdout[-2000:]

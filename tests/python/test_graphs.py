@@ -11,8 +11,8 @@ import pytest
 
 import fake_torch
 import torpor
-from torpor import graphs, torch_pools
-from conftest import MiB, POISON, TORCH_POOL_OPTIONS
+from torpor.torch import graphs
+from conftest import MiB, POISON, TORCH_POOL_OPTIONS, fresh_torch_layer
 
 N = 4096  # bytes per vector
 
@@ -21,7 +21,7 @@ N = 4096  # bytes per vector
 def torch(monkeypatch):
     torpor.configure(**TORCH_POOL_OPTIONS)
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
-    monkeypatch.setattr(torch_pools, "_state", torch_pools._State())
+    fresh_torch_layer(monkeypatch)
     monkeypatch.setattr(graphs, "_registry", graphs._Registry(graphs.threading.RLock(), {}, {}, []))
     monkeypatch.setattr(fake_torch.graph, "default_capture_stream", None)
     yield fake_torch

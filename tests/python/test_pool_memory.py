@@ -10,8 +10,7 @@ import pytest
 
 import fake_torch
 import torpor
-from torpor import torch_pools
-from conftest import MiB, POISON, TORCH_POOL_OPTIONS, pattern
+from conftest import MiB, POISON, TORCH_POOL_OPTIONS, pattern, fresh_torch_layer
 
 # Above the pool's medium limit (256 MiB), so the segment has a chunk of its own and its memory
 # goes back to the device with it (sparse on the host backend: nothing is touched).
@@ -22,7 +21,7 @@ BIG = 300 * MiB
 def torch(monkeypatch):
     torpor.configure(**TORCH_POOL_OPTIONS)
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
-    monkeypatch.setattr(torch_pools, "_state", torch_pools._State())
+    fresh_torch_layer(monkeypatch)
     yield fake_torch
     torpor.wake_up()
 

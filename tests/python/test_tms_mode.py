@@ -14,8 +14,9 @@ import pytest
 
 import fake_torch
 import torpor
-from torpor import graphs, tms, torch_pools
-from conftest import MiB, POISON, REPO, TORCH_POOL_OPTIONS, pattern, subprocess_env
+from torpor import tms
+from torpor.torch import graphs
+from conftest import MiB, POISON, REPO, TORCH_POOL_OPTIONS, pattern, subprocess_env, fresh_torch_layer
 
 
 class HostTensor(fake_torch.Tensor):
@@ -50,7 +51,7 @@ class NativeAllocator:
 def torch(monkeypatch):
     torpor.configure(**TORCH_POOL_OPTIONS)
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
-    monkeypatch.setattr(torch_pools, "_state", torch_pools._State())
+    fresh_torch_layer(monkeypatch)
     monkeypatch.setattr(fake_torch.Tensor, "dtype", "float32", raising=False)
     monkeypatch.setattr(fake_torch.Tensor, "is_contiguous", lambda self: True, raising=False)
     monkeypatch.setattr(
@@ -93,7 +94,7 @@ def test_pause_discards_regions_without_backup_and_keeps_those_with_one(torch):
     data = {"lost": write(lost, 1), "kept": write(kept, 2), "kv": write(kv, 3)}
     addresses = (lost.data_ptr(), kept.data_ptr(), kv.data_ptr())
     saver.pause()
-    assert all(torch_pools.tag_states()[t] for t in ("default", "kv_cache"))
+    assert all(torpor.torch.tag_states()[t] for t in ("default", "kv_cache"))
     saver.resume()
     assert (lost.data_ptr(), kept.data_ptr(), kv.data_ptr()) == addresses
     assert read(kept) == data["kept"]
@@ -108,10 +109,10 @@ def test_pause_and_resume_one_tag(torch):
         torch.empty(MiB)
     data = write(w, 4)
     saver.pause("kv_cache")
-    assert torch_pools.tag_states()["kv_cache"] and not torch_pools.tag_states()["weights"]
+    assert torpor.torch.tag_states()["kv_cache"] and not torpor.torch.tag_states()["weights"]
     saver.pause("weights")
     saver.resume("weights")
-    assert not torch_pools.tag_states()["weights"] and torch_pools.tag_states()["kv_cache"]
+    assert not torpor.torch.tag_states()["weights"] and torpor.torch.tag_states()["kv_cache"]
     assert read(w) == data
     saver.resume("kv_cache")
 
@@ -123,7 +124,7 @@ def test_pause_all_touches_only_the_regions_tags(torch):
     with saver.region(tag="tms.region"):
         torch.empty(MiB)
     saver.pause()
-    states = torch_pools.tag_states()
+    states = torpor.torch.tag_states()
     assert states["tms.region"] and not states["tms.not_a_region"]
     saver.resume()
 
@@ -336,12 +337,12 @@ def test_cuda_graph_memory_pauses_with_its_tag_and_the_graph_replays_after_resum
     graph_tag = tms.graph_tag("cuda_graph")
     assert torpor.Pool.torch(0).stats()["tags"][graph_tag]["mapped_bytes"] >= MiB
     saver.pause("cuda_graph")
-    states = torch_pools.tag_states()
+    states = torpor.torch.tag_states()
     assert states[graph_tag] and not states["weights"] and not states["kv_cache"], "only the graph's tag paused"
     assert torpor.Pool.torch(0).stats()["tags"][graph_tag]["mapped_bytes"] == 0, "the graph's memory went back"
     saver.pause()
     saver.resume()
-    assert not any(torch_pools.tag_states().values())
+    assert not any(torpor.torch.tag_states().values())
     assert read(out) == POISON * MiB, "without a backup the graph's memory is discarded"
     assert read(w) == w_data
     replay_and_check(7)  # the same graph object, no re-capture

@@ -9,15 +9,16 @@ import pytest
 
 import fake_torch
 import torpor
-from torpor import torch_pools
-from conftest import MiB, POISON, TORCH_POOL_OPTIONS, pattern
+from torpor import engine
+from torpor.torch import api, parameters, remark
+from conftest import MiB, POISON, TORCH_POOL_OPTIONS, pattern, fresh_torch_layer
 
 
 @pytest.fixture
 def torch(monkeypatch):
     torpor.configure(**TORCH_POOL_OPTIONS)
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
-    monkeypatch.setattr(torch_pools, "_state", torch_pools._State())
+    fresh_torch_layer(monkeypatch)
     yield fake_torch
     torpor.wake_up()
 
@@ -219,8 +220,8 @@ def test_sleep_marks_in_one_call_per_tag_and_collects_only_young_objects(torch, 
 
         monkeypatch.setattr(lib, f"torpor_{name}", counted)
     generations = []
-    real_collect = torch_pools.gc.collect
-    monkeypatch.setattr(torch_pools.gc, "collect", lambda g=2: generations.append(g) or real_collect(g))
+    real_collect = api.gc.collect
+    monkeypatch.setattr(api.gc, "collect", lambda g=2: generations.append(g) or real_collect(g))
     report = torpor.sleep(2, "tl.many")
     assert report[0]["bytes_discarded"] >= 200 * 4096, "every parameter was marked"
     assert calls == {"mark": 0, "mark_ranges": 1}, "one C call marks every block and parameter"
@@ -321,7 +322,7 @@ def test_a_re_mark_of_a_tag_under_another_policy_makes_the_others_of_that_tag_st
         s = torch.empty(32 << 10)
     torpor.sleep(1, "tl.policy")
     torpor.wake_up("tl.policy")
-    torch_pools._sleep(1, ["tl.policy"], lambda tag, cls, has_parameters: torpor.MemoryClass.CACHE)
+    engine.sleep(1, ["tl.policy"], lambda tag, cls, has_parameters: torpor.MemoryClass.CACHE)
     torpor.wake_up("tl.policy")
     pool.write(s.data_ptr(), pattern(32 << 10, 3))
     torpor.sleep(1, "tl.policy")
@@ -336,11 +337,11 @@ def test_parameter_spans_are_computed_again_only_when_a_parameter_changed(torch,
         a, b, c = torch.empty(8192), torch.empty(8192), torch.empty(16384)
     module = torch.nn.Module(a=a, inner=torch.nn.Module(b=b))
     computed = []
-    real = torch_pools._computed_spans
-    monkeypatch.setattr(torch_pools, "_computed_spans", lambda *args: computed.append(1) or real(*args))
+    real = parameters.computed_spans
+    monkeypatch.setattr(parameters, "computed_spans", lambda *args: computed.append(1) or real(*args))
 
     def spans():
-        return [(s.name, s.address, s.nbytes) for s in torch_pools._parameter_spans([(module, "m")])[0]]
+        return [(s.name, s.address, s.nbytes) for s in parameters.parameter_spans([(module, "m")])[0]]
 
     want = [("m.a", a.data_ptr(), 8192), ("m.inner.b", b.data_ptr(), 8192)]
     assert spans() == want and len(computed) == 1
@@ -362,22 +363,22 @@ def test_a_dead_modules_kept_spans_go_with_it(torch):
         w = torch.empty(4096)
     module = torch.nn.Module(w=w)
     torpor.register_parameters(module)
-    assert (id(module), "") in torch_pools._state.spans
+    assert (id(module), "") in parameters.registry.spans
     del module
-    torch_pools._live_modules()
-    assert torch_pools._state.spans == {}
+    parameters.live_modules()
+    assert parameters.registry.spans == {}
 
 
 def test_sleeps_with_ever_new_tag_lists_keep_a_bounded_number_of_re_marks(torch):
-    tags = [f"tl.many{i}" for i in range(torch_pools._REMARKS_KEPT + 4)]
+    tags = [f"tl.many{i}" for i in range(remark.REMARKS_KEPT + 4)]
     for tag in tags:
         with torpor.use_pool(tag):
             torch.empty(4096)
     for tag in tags:
         torpor.sleep(1, tag)
         torpor.wake_up(tag)
-    kept = [key[1] for key in torch_pools._state.remarks]
-    assert kept == [(t,) for t in tags[-torch_pools._REMARKS_KEPT :]], "the most recent ones, oldest first"
+    kept = [key[1] for key in remark.cache.remarks]
+    assert kept == [(t,) for t in tags[-remark.REMARKS_KEPT :]], "the most recent ones, oldest first"
 
 
 def test_parameters_are_named_as_named_parameters_names_them(torch):
@@ -385,7 +386,7 @@ def test_parameters_are_named_as_named_parameters_names_them(torch):
         a, b, c = torch.empty(4096), torch.empty(4096), torch.empty(4096)
     inner = torch.nn.Module(b=b, shared=a, missing=None)
     module = torch.nn.Module(a=a, inner=inner, again=inner, deeper=torch.nn.Module(c=c))
-    spans = torch_pools._parameter_spans([(module, "m")])
+    spans = parameters.parameter_spans([(module, "m")])
     assert [(s.name, s.address, s.nbytes) for s in spans[0]] == [
         ("m.a", a.data_ptr(), 4096),
         ("m.inner.b", b.data_ptr(), 4096),
@@ -465,8 +466,8 @@ def test_a_new_mempool_of_a_tag_after_a_sleep_is_marked_by_the_next(torch, count
 
 
 def test_counters_reset_by_pytorch_are_not_trusted(torch):
-    assert torch_pools._block_counters(torch, 0) is not None
+    assert remark.block_counters(torch, 0) is not None
     with torpor.use_pool("tl.reset"):
         torch.empty(4096)  # a live block: after the reset, allocated - freed is not current
     torch.reset_accumulated_memory_stats(0)
-    assert torch_pools._block_counters(torch, 0) is None
+    assert remark.block_counters(torch, 0) is None

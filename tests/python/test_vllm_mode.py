@@ -13,16 +13,16 @@ import pytest
 
 import fake_torch
 import torpor
-from torpor import torch_pools
+from torpor.torch import routing
 from torpor.vllm import CuMemAllocator
-from conftest import MiB, POISON, REPO, TORCH_POOL_OPTIONS, pattern, subprocess_env
+from conftest import MiB, POISON, REPO, TORCH_POOL_OPTIONS, pattern, subprocess_env, fresh_torch_layer
 
 
 @pytest.fixture
 def torch(monkeypatch):
     torpor.configure(**TORCH_POOL_OPTIONS)
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
-    monkeypatch.setattr(torch_pools, "_state", torch_pools._State())
+    fresh_torch_layer(monkeypatch)
     monkeypatch.setattr(CuMemAllocator, "instance", None)
     yield fake_torch
     torpor.wake_up()
@@ -33,9 +33,9 @@ def free_segments():
     """Give every segment of this test's pools back (the process's torpor pools outlive the test;
     fake_torch never frees a segment by itself)."""
     lib = torpor._lib.lib()
-    for (tag, cls, device), pools in torch_pools._state.mempools.items():
+    for (tag, cls, device), pools in routing.registry.mempools.items():
         for p in pools:
-            for seg in torch_pools._own_segments(p, device):
+            for seg in routing.own_segments(p, device):
                 lib.torpor_torch_free(seg["address"], seg["total_size"], device, None)
 
 
@@ -153,10 +153,10 @@ def test_wake_up_ignores_unknown_tags_and_defers_only_weights_and_kv_cache(torch
     e = Engine(torch, allocator)
     allocator.sleep(offload_tags=("weights", "kv_cache", "default"))
     allocator.wake_up(["never_used"])
-    states = torch_pools.tag_states()
+    states = torpor.torch.tag_states()
     assert (states["weights"], states["kv_cache"], states["default"]) == (True, True, False), "others wake"
     allocator.wake_up(["weights", "never_used"])
-    states = torch_pools.tag_states()
+    states = torpor.torch.tag_states()
     assert (states["weights"], states["kv_cache"], states["default"]) == (False, True, False)
     allocator.wake_up(["weights"])  # awake already: nothing happens
     allocator.wake_up(["kv_cache"])
@@ -169,7 +169,7 @@ def test_discard_drops_awake_tags_and_keeps_the_policy_of_sleeping_ones(torch):
     allocator = CuMemAllocator.get_instance()
     e = Engine(torch, allocator)
     allocator.discard("kv_cache")  # vLLM's release of the KV cache between rollouts
-    states = torch_pools.tag_states()
+    states = torpor.torch.tag_states()
     assert (states["weights"], states["kv_cache"], states["default"]) == (False, True, False)
     assert e.kept("w") and e.kept("other"), "other tags stay mapped, bytes untouched"
     allocator.sleep(offload_tags=("weights",))

@@ -96,6 +96,28 @@ torpor_status torpor_mark_ranges(torpor_pool_t pool, size_t count, void* const* 
 torpor_status torpor_sleep(torpor_pool_t pool, int level, const char* const* tags, size_t count);
 torpor_status torpor_wake_up(torpor_pool_t pool, const char* const* tags, size_t count);
 
+/* Sleep hooks: callbacks a layer above the pool runs inside its sleep and wake (torpor::SleepObserver
+ * in C). Called on the thread that sleeps or wakes, outside the pool's lock (a hook may mark, read
+ * stats, ...; it must not sleep or wake this pool), for levels 1 and 2 only, with the resolved tag
+ * list (every tag the call acts on). Either callback may be NULL, not both.
+ *   before_sleep(user, pool, level, tags, count, message, capacity): runs before anything moves.
+ *     TORPOR_OK lets the sleep go on; any other status aborts it with nothing changed in the pool,
+ *     and the sleep returns that status (TORPOR_ERROR_INVALID_ARGUMENT, _INVALID_STATE,
+ *     _OUT_OF_MEMORY, _TIMEOUT or _UNAVAILABLE; any other as TORPOR_ERROR_INTERNAL) with the
+ *     NUL-terminated text the hook wrote into message[0, capacity) in its torpor_last_error().
+ *     A collective sleep names that rank's failure the same way, and every rank rolls back.
+ *   after_wake(user, pool, tags, count, ok): after every wake of those tags; ok is 0 when it failed.
+ * The hooks run in the order they were added. *id identifies the hook for torpor_remove_sleep_hook;
+ * once that returns, no new call of the hook starts (one already running on another thread ends
+ * normally). user must stay valid until then. */
+typedef torpor_status (*torpor_before_sleep_hook)(void* user, torpor_pool_t pool, int level, const char* const* tags,
+                                                  size_t count, char* message, size_t capacity);
+typedef void (*torpor_after_wake_hook)(void* user, torpor_pool_t pool, const char* const* tags, size_t count, int ok);
+torpor_status torpor_add_sleep_hook(torpor_pool_t pool, torpor_before_sleep_hook before_sleep,
+                                    torpor_after_wake_hook after_wake, void* user, unsigned long long* id);
+/* TORPOR_ERROR_INVALID_ARGUMENT for an id that is not a hook of this pool (removed twice?). */
+torpor_status torpor_remove_sleep_hook(torpor_pool_t pool, unsigned long long id);
+
 /* Host memory. torpor_release_host_store drops the host copies kept after wake (skip_unchanged)
  * and gives every unused block of the host store back, memory and disk; *released (may be NULL)
  * gets the bytes released. torpor_prepare_host_store starts page-locking host memory in the

@@ -4,6 +4,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -39,11 +41,73 @@ namespace {
 
 using namespace torpor;
 
+// The C sleep hooks as a SleepObserver. A removed hook stays allocated (inactive) until its
+// pool is destroyed: a sleep on another thread may hold its pointer (Pool calls observers
+// outside its lock), so it may not be freed while the pool lives.
+class HookObserver final : public SleepObserver {
+ public:
+  HookObserver(torpor_pool_t handle, torpor_before_sleep_hook before, torpor_after_wake_hook after, void* user,
+               unsigned long long id)
+      : handle_(handle), before_(before), after_(after), user_(user), id_(id) {}
+  void deactivate() noexcept { active_.store(false); }
+  bool active() const noexcept { return active_.load(); }
+  unsigned long long id() const noexcept { return id_; }
+
+  void before_sleep(Pool& /*pool*/, int level, const std::vector<std::string>& tags) override {
+    if (before_ == nullptr || !active()) return;
+    std::vector<const char*> names = c_strings(tags);
+    std::string message(message_capacity, '\0');
+    const torpor_status s = before_(user_, handle_, level, names.data(), names.size(), message.data(), message.size());
+    if (s == TORPOR_OK) return;
+    message.resize(std::min(std::strlen(message.c_str()), message.size()));
+    throw_refusal(s, fmt::format("sleep hook {} refused the sleep: {}", id_,
+                                 message.empty() ? std::string("(the hook gave no reason)") : message));
+  }
+  void after_wake(Pool& /*pool*/, const std::vector<std::string>& tags, bool ok) override {
+    if (after_ == nullptr || !active()) return;
+    std::vector<const char*> names = c_strings(tags);
+    after_(user_, handle_, names.data(), names.size(), ok ? 1 : 0);
+  }
+
+ private:
+  static constexpr std::size_t message_capacity = 4096;
+
+  static std::vector<const char*> c_strings(const std::vector<std::string>& v) {
+    std::vector<const char*> out;
+    out.reserve(v.size());
+    for (const auto& s : v) out.push_back(s.c_str());
+    return out;
+  }
+  // The typed error of a hook's status, so that torpor_sleep (and a collective sleep, which
+  // sends the type to every rank) reports the kind of failure the hook returned.
+  [[noreturn]] static void throw_refusal(torpor_status s, const std::string& message) {
+    switch (s) {
+      case TORPOR_ERROR_INVALID_ARGUMENT: throw invalid_argument(message);
+      case TORPOR_ERROR_INVALID_STATE: throw invalid_state(message);
+      case TORPOR_ERROR_OUT_OF_MEMORY: throw out_of_memory(message);
+      case TORPOR_ERROR_TIMEOUT: throw timeout_error(message);
+      case TORPOR_ERROR_UNAVAILABLE: throw unavailable(message);
+      default: throw error(fmt::format("{} (status {})", message, torpor_status_name(s)));
+    }
+  }
+
+  torpor_pool_t handle_;
+  torpor_before_sleep_hook before_;
+  torpor_after_wake_hook after_;
+  void* user_;
+  unsigned long long id_;
+  std::atomic<bool> active_{true};
+};
+
 struct CPool {
   DriverSelection driver;
+  // Before `pool`, so that the pool (which points at the active ones) is destroyed first.
+  std::vector<std::unique_ptr<HookObserver>> hooks;
   std::unique_ptr<Pool> pool;
   std::mutex report_mu;
   std::string last_report = "{}";
+  std::mutex hooks_mu;
+  unsigned long long next_hook = 1;
 };
 
 struct Registry {
@@ -319,6 +383,35 @@ torpor_status torpor_sleep(torpor_pool_t pool, int level, const char* const* tag
     TransitionReport r = p.pool->sleep(level, t);
     std::lock_guard lock(p.report_mu);
     p.last_report = to_json(r);
+  });
+}
+
+torpor_status torpor_add_sleep_hook(torpor_pool_t pool, torpor_before_sleep_hook before_sleep,
+                                    torpor_after_wake_hook after_wake, void* user, unsigned long long* id) {
+  if (id == nullptr) return fail(TORPOR_ERROR_INVALID_ARGUMENT, "torpor_add_sleep_hook: id is NULL");
+  *id = 0;
+  if (before_sleep == nullptr && after_wake == nullptr)
+    return fail(TORPOR_ERROR_INVALID_ARGUMENT,
+                "torpor_add_sleep_hook: before_sleep and after_wake are both NULL (a hook needs one of them)");
+  return with_pool("torpor_add_sleep_hook", pool, [&](CPool& p) {
+    std::lock_guard lock(p.hooks_mu);
+    auto hook = std::make_unique<HookObserver>(pool, before_sleep, after_wake, user, p.next_hook);
+    p.hooks.reserve(p.hooks.size() + 1);  // no throw between add_observer and the push
+    p.pool->add_observer(hook.get());
+    p.hooks.push_back(std::move(hook));
+    *id = p.next_hook++;
+  });
+}
+
+torpor_status torpor_remove_sleep_hook(torpor_pool_t pool, unsigned long long id) {
+  return with_pool("torpor_remove_sleep_hook", pool, [&](CPool& p) {
+    std::lock_guard lock(p.hooks_mu);
+    auto it = std::find_if(p.hooks.begin(), p.hooks.end(),
+                           [&](const std::unique_ptr<HookObserver>& h) { return h->id() == id && h->active(); });
+    if (it == p.hooks.end())
+      throw invalid_argument(fmt::format("{} is not a sleep hook of this pool (removed twice, or never added)", id));
+    p.pool->remove_observer(it->get());
+    (*it)->deactivate();
   });
 }
 

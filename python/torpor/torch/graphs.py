@@ -16,8 +16,8 @@ or, where an engine calls torch.cuda.graph itself, only its pool argument change
 What PyTorch does with a capture's memory, and what torpor does with it:
 
 - A capture allocates from a private pool (PyTorch's MemPool id passed as `pool`). Here that
-  pool is a torch.cuda.MemPool backed by torpor's pluggable allocator (torch_pools.py makes it,
-  one per (tag, device)), so every segment the capture asks for is a torpor allocation in the
+  pool is a torch.cuda.MemPool backed by torpor's pluggable allocator (torpor.torch.routing
+  makes it, one per (tag, device)), so every segment the capture asks for is a torpor allocation in the
   graph's tag. Nothing else allocates from it: use_pool() refuses a graph tag, and a graph tag
   refuses a use_pool tag, since an eager tensor in a block the graph writes at every replay
   would be overwritten.
@@ -65,11 +65,12 @@ import threading
 import weakref
 from dataclasses import dataclass
 
-from . import _lib, torch_pools
-from ._marks import Span
-from .errors import InvalidArgument, InvalidState, Unavailable
-from .pool import ClassLike, MemoryClass, Pool, to_memory_class
-from .tags import CUDA_GRAPH
+from .._marks import Span
+from ..errors import InvalidArgument, InvalidState, Unavailable
+from ..pool import ClassLike, MemoryClass, Pool, to_memory_class
+from ..tags import CUDA_GRAPH
+from . import remark, routing
+from .runtime import cuda_torch, device_index, span_bytes, torch_module
 
 
 @dataclass(frozen=True)
@@ -116,23 +117,20 @@ def _graph_pool_entry(torch, tag: str, device: int, memory_class: MemoryClass) -
                         f"{memory_class.value}; use another tag for {memory_class.value} graphs"
                     )
                 return entry
-        with torch_pools._state.lock:
-            if torch_pools._pools_of(tag, device) and tag not in torch_pools._state.graph_tags:
-                raise InvalidArgument(
-                    f"graph_pool: tag '{tag}' already holds tensors allocated in torpor.use_pool('{tag}'); a "
-                    f"graph pool is written by every replay, so it needs a tag of its own (e.g. "
-                    f"'{CUDA_GRAPH}')"
-                )
-            new_tag = tag not in torch_pools._state.graph_tags
-            torch_pools._state.graph_tags.add(tag)
+        new_tag = routing.claim_graph_tag(tag, device)
+        if new_tag is None:
+            raise InvalidArgument(
+                f"graph_pool: tag '{tag}' already holds tensors allocated in torpor.use_pool('{tag}'); a "
+                f"graph pool is written by every replay, so it needs a tag of its own (e.g. "
+                f"'{CUDA_GRAPH}')"
+            )
         try:
             # MemPool binds to the current device at construction.
             with torch.cuda.device(device):
-                mempool = torch_pools._mempool(torch, tag, device, memory_class).mempool
+                mempool = routing.mempool(torch, tag, device, memory_class).mempool
         except BaseException:
             if new_tag:
-                with torch_pools._state.lock:
-                    torch_pools._state.graph_tags.discard(tag)
+                routing.forget_graph_tag(tag)
             raise
         entry = GraphPool(tag, device, memory_class, tuple(mempool.id))
         _registry.pools[entry.id] = entry
@@ -146,8 +144,8 @@ def graph_pool(tag: str = CUDA_GRAPH, memory_class: ClassLike = MemoryClass.CACH
     released by every sleep of `tag`. memory_class: cache (default: replays recompute every
     byte) or state (every allocated block of the pool survives sleep bit-exact). Several graphs
     may share one pool, as with PyTorch's pools: replay them in capture order."""
-    torch = torch_pools._cuda_torch()
-    return _graph_pool(torch, tag, to_memory_class(memory_class), torch_pools._device_index(torch, device)).id
+    torch = cuda_torch()
+    return _graph_pool(torch, tag, to_memory_class(memory_class), device_index(torch, device)).id
 
 
 def _graph_pool(torch, tag: str, cls: MemoryClass, device: int) -> GraphPool:
@@ -184,16 +182,8 @@ def _capture_scope(torch, entry: GraphPool):
             f"runs on device {current} (PyTorch would give it a pool outside torpor); use "
             f"graph_pool('{entry.tag}', device={current}) or make device {entry.device} current"
         )
-    lib = _lib.lib()
-    previous_tag, previous_class = lib.torpor_current_tag(), lib.torpor_current_class()
-    _lib.check(lib.torpor_set_current_tag(entry.tag.encode()))
-    _lib.check(lib.torpor_set_current_class(int(entry.memory_class)))
-    try:
-        with torch_pools._routing(), torch_pools._expandable_segments_off(torch):
-            yield
-    finally:
-        lib.torpor_set_current_tag(previous_tag)
-        lib.torpor_set_current_class(previous_class)
+    with routing.routed(torch, entry.tag, entry.memory_class):
+        yield
 
 
 def _install_capture_hook(torch) -> None:
@@ -265,7 +255,7 @@ def graph(
     a graph made with keep_graph=True is checked for CUDA graph memory nodes (InvalidState if
     it has any: that memory would stay resident while asleep). Yields nothing, as
     torch.cuda.graph does."""
-    torch = torch_pools._cuda_torch()
+    torch = cuda_torch()
     dev = torch.cuda.current_device()
     cls = None if memory_class is None else to_memory_class(memory_class)
     if pool is not None:
@@ -312,7 +302,7 @@ def graph(
 
 
 def _span_of(t) -> tuple[int, int]:
-    return t.data_ptr(), torch_pools._span_bytes(t)
+    return t.data_ptr(), span_bytes(t)
 
 
 def mark_state(*tensors, name: str | None = None) -> None:
@@ -321,14 +311,14 @@ def mark_state(*tensors, name: str | None = None) -> None:
     the tensor if its storage is replaced). For a torpor graph pool: a static input allocated
     inside the capture, an output read after a sleep, anything a graph keeps between replays.
     Every tensor must be a CUDA tensor inside a torpor pool (InvalidArgument otherwise)."""
-    torch_pools._torch()
+    torch_module()
     checked = []
     for t in tensors:
         if not getattr(t, "is_cuda", False):
             raise InvalidArgument(f"mark_state: {type(t).__name__} is not a CUDA tensor")
         address, nbytes = _span_of(t)
         device = t.device.index
-        pool = torch_pools.pools().get(device)
+        pool = routing.device_pools().get(device)
         if pool is None or nbytes == 0 or not pool.contains(address) or not pool.contains(address + nbytes - 1):
             raise InvalidArgument(
                 f"mark_state: the tensor at {address:#x} ({nbytes} bytes, device {device}) is not inside a torpor "
@@ -356,6 +346,9 @@ def state_spans() -> dict[int, list[Span]]:
                 out.setdefault(t.device.index, []).append(Span(name or "state", address, nbytes))
         _registry.state = alive
     return out
+
+
+remark.add_state_source(state_spans)  # the re-mark keeps these bytes state at every sleep
 
 
 # -- CUDA graph memory, through the driver -----------------------------------------------------
@@ -419,8 +412,8 @@ def graph_memory(device: int | None = None) -> dict:
     """Bytes CUDA's own graph allocator holds on `device` (memory nodes of every graph in the
     process; default: current device): {"used": ..., "reserved": ...}. 0 while every graph
     keeps its memory in torpor pools."""
-    torch = torch_pools._cuda_torch()
-    dev = torch_pools._device_index(torch, device)
+    torch = cuda_torch()
+    dev = device_index(torch, device)
     cuda = _libcuda()
     handle = ctypes.c_int(0)
     _cu(cuda.cuDeviceGet(ctypes.byref(handle), dev), "cuDeviceGet")

@@ -1,0 +1,85 @@
+"""Python callables as the C API's sleep hooks (torpor_add_sleep_hook), for Pool.add_sleep_hook.
+
+A before-sleep hook that raises refuses the sleep: the trampoline returns the exception's status
+(a TorporError's own, else TORPOR_ERROR_INTERNAL) with its text as the message, so the C side
+aborts the sleep with nothing moved (and a collective sleep names this rank's failure on every
+rank). The exception itself is kept for the thread that called the sleep, which raises it
+(``check``): a direct caller sees the hook's own error type and message.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+from . import _lib
+from .errors import InternalError, TorporError
+from .values import SleepLevel
+
+_lock = threading.Lock()
+_alive: dict = {}  # (pool handle, hook id) -> the ctypes callbacks (kept alive while registered)
+_failure = threading.local()  # .error: the exception a hook raised in this thread's last sleep
+
+
+def _tags(tags, count: int) -> list[str]:
+    return [tags[i].decode() for i in range(count)]
+
+
+def _status_of(e: BaseException) -> int:
+    if isinstance(e, TorporError) and e.status is not None:
+        return e.status
+    return InternalError.status if InternalError.status is not None else 1
+
+
+def _before(fn):
+    def trampoline(_user, _pool, level, tags, count, message, capacity) -> int:
+        try:
+            fn(SleepLevel(level), _tags(tags, count))
+            return _lib.status_ok()
+        except BaseException as e:  # noqa: B036 - nothing may cross the C boundary
+            _failure.error = e
+            text = (str(e) if isinstance(e, TorporError) else f"{type(e).__name__}: {e}").encode(errors="replace")
+            ctypes.memmove(message, text[: capacity - 1] + b"\0", min(len(text), capacity - 1) + 1)
+            return _status_of(e)
+
+    return _lib.BEFORE_SLEEP_HOOK(trampoline) if fn is not None else _lib.BEFORE_SLEEP_HOOK()
+
+
+def _after(fn):
+    def trampoline(_user, _pool, tags, count, ok) -> None:
+        try:
+            fn(_tags(tags, count), bool(ok))
+        except BaseException:  # noqa: B036 - nothing may cross the C boundary; a wake has no way back
+            pass
+
+    return _lib.AFTER_WAKE_HOOK(trampoline) if fn is not None else _lib.AFTER_WAKE_HOOK()
+
+
+def add(handle: int, before_sleep, after_wake) -> int:
+    callbacks = (_before(before_sleep), _after(after_wake))
+    hook_id = ctypes.c_ulonglong(0)
+    _lib.check(_lib.lib().torpor_add_sleep_hook(handle, callbacks[0], callbacks[1], None, ctypes.byref(hook_id)))
+    with _lock:
+        _alive[(handle, hook_id.value)] = callbacks
+    return hook_id.value
+
+
+def remove(handle: int, hook_id: int) -> None:
+    # The callbacks stay alive: a sleep on another thread may be calling this hook right now
+    # (the C side starts no new call once this returns).
+    _lib.check(_lib.lib().torpor_remove_sleep_hook(handle, hook_id))
+
+
+def take_failure() -> BaseException | None:
+    """The exception a hook raised in this thread since the last call, once."""
+    error = getattr(_failure, "error", None)
+    _failure.error = None
+    return error
+
+
+def check(status: int) -> None:
+    """_lib.check for a call that runs the sleep hooks: a hook's own exception first."""
+    failure = take_failure()
+    if status != _lib.status_ok() and failure is not None:
+        raise failure
+    _lib.check(status)

@@ -1,0 +1,236 @@
+"""The seam for engine modes: what a mode that gives an engine its own sleep-mode API
+(torpor.vllm: vLLM's CuMemAllocator; torpor.tms: torch_memory_saver's API) uses of torpor, and
+all it uses. A new mode (SGLang's, an RL framework's) is one module written against this one; it
+touches neither torpor.torch nor the C library.
+
+    from torpor import engine
+
+    with engine.use_pool("weights"):               # route a tag (and a class) to torpor
+        model = load_model()
+    engine.register_parameters(model)              # parameters: discardable at level 2
+    engine.add_tag_hooks("kv_cache", before_sleep=drop_views, after_wake=rebuild_views)
+    with engine.as_runtime_errors():               # the engine catches RuntimeError
+        engine.sleep(1, ["weights"], policy=engine.keep_everything)
+        engine.sleep(2, ["kv_cache"])
+        engine.wake_up(None)
+
+The interface:
+
+- ``sleep(level, tags, policy=None, collect=1)``: the PyTorch pools' sleep, with a class policy:
+  ``policy(tag, memory_class, has_parameters) -> MemoryClass`` decides the class of the
+  allocated blocks of each sleeping tag (``memory_class``: the class its MemPool allocates;
+  ``has_parameters``: whether registered parameters lie in the tag's segments on the device).
+  None keeps each MemPool's class. The policy applies inside the pool's sleep (the re-mark is a
+  sleep hook), so its marks and the sleep are one step. ``wake_up(tags)``, ``tag_states()``,
+  ``stats()``, ``release_host_store()`` as torpor's.
+- ``use_pool(tag, memory_class)``: allocations of the block in torpor under that tag and class;
+  ``graph(...)``: a CUDA graph capture in a torpor graph pool (torpor.graph).
+- ``register_parameters(module, preserve)``: as torpor.register_parameters.
+- ``add_tag_hooks(tag, before_sleep=None, after_wake=None) -> id``: ``before_sleep(tag, level)``
+  runs inside every sleep of `tag` (levels 1 and 2), after the re-mark and before anything moves:
+  an exception aborts that device's sleep with nothing moved, and the sleep raises it.
+  ``after_wake(tag, ok)`` runs after every wake of `tag`. ``remove_tag_hooks(id)``.
+- ``runtime_error(e)``, ``as_runtime_errors()``: torpor's typed errors as RuntimeError subclasses
+  too (vLLM and its tests catch RuntimeError), with torpor's message.
+- ``cuda_torch()``, ``memory_margin()`` / ``set_memory_margin(n)``, ``read_host_copy(...)``: what
+  torch_memory_saver's API needs of PyTorch and of the C library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import threading
+from typing import Callable
+
+from . import _lib
+from .errors import InvalidState, TorporError, error_for
+from .pool import ClassLike, MemoryClass, Pool, Tags
+from .torch import api, graphs, parameters, routing
+from .torch.remark import ClassPolicy, pool_class
+from .torch.runtime import cuda_torch
+
+# -- sleep and wake ------------------------------------------------------------------------------
+
+
+def keep_everything(tag: str, memory_class: MemoryClass, has_parameters: bool) -> MemoryClass:
+    """A policy: every allocated byte survives (parameters are offloaded at level 1 too)."""
+    return MemoryClass.STATE
+
+
+def sleep(level: int, tags: Tags, policy: ClassPolicy | None = None, collect: int | None = 1) -> dict[int, dict]:
+    """torpor.sleep with the classes of allocated blocks decided by `policy` (None: each
+    MemPool's own class). Returns {device: report}."""
+    return api.sleep_with_policy(level, tags, pool_class if policy is None else policy, collect=collect)
+
+
+wake_up = api.wake_up
+tag_states = api.tag_states
+stats = api.stats
+release_host_store = api.release_host_store
+
+
+# -- routing and parameters ------------------------------------------------------------------
+
+
+def use_pool(tag: str, memory_class: ClassLike | None = None, device=None):
+    """torpor.use_pool: the block's allocations in torpor under `tag` and `memory_class`."""
+    return api.use_pool(tag, memory_class=memory_class, device=device)
+
+
+graph = graphs.graph
+register_parameters = parameters.register_parameters
+
+
+# -- tag hooks -------------------------------------------------------------------------------
+
+
+_hooks_lock = threading.Lock()
+_tag_hooks: dict = {}  # id -> (tag, before_sleep, after_wake)
+_hook_ids = itertools.count(1)
+_hooked_pools: set = set()  # handles of the device pools with the dispatcher (live for the process)
+
+
+def add_tag_hooks(
+    tag: str,
+    before_sleep: Callable[[str, int], None] | None = None,
+    after_wake: Callable[[str, bool], None] | None = None,
+) -> int:
+    """Callbacks around every sleep and wake of `tag` on any device (see the module note)."""
+    if not isinstance(tag, str) or not tag:
+        raise TypeError(f"add_tag_hooks: tag {tag!r} is not a non-empty string")
+    if before_sleep is None and after_wake is None:
+        raise TypeError("add_tag_hooks: give before_sleep, after_wake or both")
+    with _hooks_lock:
+        hook_id = next(_hook_ids)
+        _tag_hooks[hook_id] = (tag, before_sleep, after_wake)
+    for pool in routing.device_pools().values():
+        _install(pool)
+    return hook_id
+
+
+def remove_tag_hooks(hook_id: int) -> None:
+    with _hooks_lock:
+        if _tag_hooks.pop(hook_id, None) is None:
+            raise KeyError(f"remove_tag_hooks: {hook_id} is not a tag hook (removed twice?)")
+
+
+def _hooks_of(tags: list[str], which: int) -> list:
+    with _hooks_lock:
+        return [(tag, hook[which]) for tag in tags for hook in _tag_hooks.values() if hook[0] == tag and hook[which]]
+
+
+def _before_sleep(level, tags: list[str]) -> None:
+    for tag, fn in _hooks_of(tags, 1):
+        fn(tag, int(level))
+
+
+def _after_wake(tags: list[str], ok: bool) -> None:
+    for tag, fn in _hooks_of(tags, 2):
+        fn(tag, ok)
+
+
+def _install(pool: Pool) -> None:
+    """The dispatcher of the tag hooks on a device pool, once (after torpor.torch's re-mark)."""
+    with _hooks_lock:
+        if pool.handle in _hooked_pools:
+            return
+        pool.add_sleep_hook(_before_sleep, _after_wake)
+        _hooked_pools.add(pool.handle)
+
+
+routing.on_new_mempool(_install)
+
+
+# -- errors engines catch --------------------------------------------------------------------
+
+_runtime_classes: dict[type, type] = {}
+
+
+def runtime_error_class(cls: type[TorporError]) -> type[TorporError]:
+    """A class deriving from `cls` and RuntimeError (`cls` itself when it already is one)."""
+    if issubclass(cls, RuntimeError):
+        return cls
+    made = _runtime_classes.get(cls)
+    if made is None:
+        made = type(
+            cls.__name__,
+            (cls, RuntimeError),
+            {
+                "__module__": __name__,
+                "__qualname__": f"RuntimeError[{cls.__qualname__}]",
+                "__doc__": f"{cls.__name__}, also a RuntimeError (vLLM's allocator raises those).",
+            },
+        )
+        _runtime_classes[cls] = made
+    return made
+
+
+def runtime_error(e: TorporError) -> TorporError:
+    """`e` as an instance of runtime_error_class(type(e)), same message and status."""
+    cls = runtime_error_class(type(e))
+    if cls is type(e):
+        return e
+    out = cls(e.message)
+    out.status = e.status
+    return out
+
+
+@contextlib.contextmanager
+def as_runtime_errors():
+    """Inside: a TorporError leaves as runtime_error(e), with its traceback."""
+    try:
+        yield
+    except TorporError as e:
+        raise runtime_error(e).with_traceback(e.__traceback__) from None
+
+
+# -- what torch_memory_saver's API needs of the C library --------------------------------------
+
+
+def memory_margin() -> int:
+    """Bytes of device memory a new segment must leave free (torpor_torch_memory_margin)."""
+    return int(_lib.lib().torpor_torch_memory_margin())
+
+
+def set_memory_margin(nbytes: int) -> None:
+    """Refuse a new segment that would leave less than `nbytes` free (a checked size_t)."""
+    _lib.check(_lib.lib().torpor_torch_set_memory_margin(nbytes))
+
+
+def read_host_copy(device: int, address: int, nbytes: int, dst: int) -> bool | None:
+    """Copy the host copy of [address, +nbytes) of `device`'s torch pool to host memory at
+    `dst`: True when the bytes are asleep (their backup), False when awake with a retained copy,
+    None when awake without one. Raises the typed error otherwise (InvalidState: no host copy
+    of sleeping bytes, as for a tensor in a region without a backup)."""
+    asleep = ctypes.c_int(0)
+    status = _lib.lib().torpor_read_host_copy(Pool.torch(device).handle, address, nbytes, dst, ctypes.byref(asleep))
+    if status == _lib.status_ok():
+        return bool(asleep.value)
+    if status == InvalidState.status and not asleep.value:
+        return None
+    raise error_for(status, _lib.last_error())
+
+
+__all__ = [
+    "ClassPolicy",
+    "add_tag_hooks",
+    "as_runtime_errors",
+    "cuda_torch",
+    "graph",
+    "keep_everything",
+    "memory_margin",
+    "read_host_copy",
+    "register_parameters",
+    "release_host_store",
+    "remove_tag_hooks",
+    "runtime_error",
+    "runtime_error_class",
+    "set_memory_margin",
+    "sleep",
+    "stats",
+    "tag_states",
+    "use_pool",
+    "wake_up",
+]

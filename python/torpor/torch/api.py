@@ -1,0 +1,280 @@
+"""The public API of the PyTorch embedding: configure, use_pool, sleep, wake_up, stats and the
+host-store calls (re-exported as torpor.*). See torpor.torch's package note for the design;
+engine modes reach sleep with a class policy through torpor.engine (``sleep_with_policy``)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+
+from .. import _lib, _marks
+from ..errors import InvalidArgument, InvalidState, OutOfMemory, error_for
+from ..pool import ClassLike, MemoryClass, Pool, Tags, pool_options, tag_list, to_memory_class
+from ..tags import KV_CACHE
+from ..values import SleepLevel
+from . import remark, routing, sleep_hook
+from .runtime import cuda_torch, device_index, keep_current_device
+
+
+def configure(
+    *,
+    backend: str = "auto",
+    fill_on_wake: str = "none",
+    va_bytes: int = 0,
+    skip_unchanged: bool = True,
+    host_store_limit: int = 0,
+    host_store_prepare: int = 0,
+    spill_dir=None,
+    spill_limit: int = 0,
+) -> None:
+    """Options of the pools PyTorch allocates in; call before the first allocation (later,
+    only the same options are accepted). backend: auto (TORPOR_BACKEND, else cuda when
+    usable, else host), cuda or host. fill_on_wake: none, zero, or poison (NaN bytes, so a
+    forgotten weight reload is visible). va_bytes: address space per device (0 = twice its
+    memory). Host memory (torpor.pool.pool_options says more): skip_unchanged (default True:
+    host copies stay after wake so an unchanged re-sleep copies nothing, costing that host
+    memory while awake; release_host_store() gives it back), host_store_limit (page-locked
+    bytes at most), spill_dir and spill_limit (the disk tier beyond the limit),
+    host_store_prepare (bytes to page-lock in the background when a pool is created)."""
+    o = pool_options(
+        0,
+        backend,
+        va_bytes,
+        fill_on_wake,
+        skip_unchanged=skip_unchanged,
+        host_store_limit=host_store_limit,
+        host_store_prepare=host_store_prepare,
+        spill_dir=spill_dir,
+        spill_limit=spill_limit,
+    )
+    _lib.check(_lib.lib().torpor_torch_configure(ctypes.byref(o)))
+
+
+def _default_class(tag: str) -> MemoryClass:
+    return MemoryClass.CACHE if tag == KV_CACHE else MemoryClass.STATE
+
+
+def _allocation_error(tag: str, device: int, status: int):
+    message = f"PyTorch could not allocate in torpor pool '{tag}' on device {device}: {_lib.last_error()}"
+    return error_for(status, message) if status != _lib.status_ok() else OutOfMemory(message)
+
+
+def _refuse_a_sleeping_tag(tag: str, device: int) -> None:
+    # PyTorch serves a request from a free block of the pool's cached segments without asking
+    # torpor: in a sleeping tag that block is unmapped, and the first kernel touching it
+    # faults. So refuse up front (a sleep inside the block is caught by torpor_torch_malloc).
+    tag_stats = Pool.torch(device).stats()["tags"].get(tag)
+    if tag_stats is not None and tag_stats["asleep"]:
+        raise InvalidState(
+            f"use_pool: tag '{tag}' is asleep on device {device} (level {tag_stats['level']}); "
+            f"wake_up(['{tag}']) before allocating in it"
+        )
+
+
+@contextlib.contextmanager
+def use_pool(tag: str = "default", memory_class: ClassLike | None = None, device=None):
+    """Allocate the CUDA tensors this thread creates inside the block in torpor, in `tag`.
+
+    memory_class: what the bytes are; default state, or cache for the tag "kv_cache" (as in
+    vLLM, whose KV cache is discarded by every sleep level). Parameters inside a state tag are
+    told apart by register_parameters(). device: the CUDA device (default: current); tensors
+    created for other devices inside the block go to PyTorch's default pool. Yields the
+    torch.cuda.MemPool. Entering a sleeping tag raises InvalidState; an allocation torpor
+    refuses inside the block raises torpor's typed error (InvalidState when the tag was put to
+    sleep meanwhile, OutOfMemory, ...), chained to PyTorch's out-of-memory error."""
+    torch = cuda_torch()
+    if not isinstance(tag, str) or not tag:
+        raise InvalidArgument(f"use_pool: tag {tag!r} is not a non-empty string")
+    if routing.is_graph_tag(tag):
+        raise InvalidArgument(
+            f"use_pool: tag '{tag}' is a CUDA graph pool (torpor.graph): its free blocks are the graphs' "
+            f"intermediates, rewritten at every replay; allocate tensors in another tag"
+        )
+    cls = _default_class(tag) if memory_class is None else to_memory_class(memory_class)
+    dev = device_index(torch, device)
+    _refuse_a_sleeping_tag(tag, dev)
+    lib = _lib.lib()
+    with routing.registry.lock:
+        pool = routing.mempool(torch, tag, dev, cls)
+        pool.active += 1
+    try:
+        failures = lib.torpor_torch_failures(None)
+        oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+        try:
+            with routing.routed(torch, tag, cls), torch.cuda.memory.use_mem_pool(pool.mempool, dev):
+                yield pool.mempool
+        except oom as e:
+            status = ctypes.c_int(0)
+            if lib.torpor_torch_failures(ctypes.byref(status)) != failures:
+                raise _allocation_error(tag, dev, status.value) from e
+            raise
+    finally:
+        with routing.registry.lock:
+            pool.active -= 1
+            if pool.active == 0 and not pool.retired:
+                routing.release_empty_segments(pool, dev, tag)
+
+
+def pools() -> dict[int, Pool]:
+    """The torpor pool of every device PyTorch allocated in through use_pool()."""
+    return routing.device_pools()
+
+
+# -- sleep ----------------------------------------------------------------------------------
+
+
+def _tags_by_device(tags: list[str] | None, operation: str) -> dict[int, list[str]]:
+    devices = routing.devices()
+    known = {d: Pool.torch(d).tags() for d in devices}
+    if tags is None:
+        return known
+    everywhere = sorted({t for ts in known.values() for t in ts})
+    for t in tags:
+        if t not in everywhere:
+            listed = ", ".join(f"'{k}'" for k in everywhere)
+            raise InvalidArgument(f"{operation}: unknown tag '{t}' (known tags: {listed})")
+    return {d: [t for t in tags if t in known[d]] for d in devices}
+
+
+def checked_level(level) -> SleepLevel:
+    """The level of a sleep of the PyTorch embedding, checked once where it enters."""
+    if isinstance(level, SleepLevel):
+        return level
+    if isinstance(level, bool) or not isinstance(level, int) or level not in (0, 1, 2):
+        raise InvalidArgument(f"sleep: level {level!r} is not 0, 1 or 2")
+    return SleepLevel(level)
+
+
+def _checked_collect(collect: int | None) -> None:
+    if collect is not None and (isinstance(collect, bool) or collect not in (0, 1, 2)):
+        raise InvalidArgument(f"sleep: collect {collect!r} is not a generation 0..2 or None")
+
+
+def selected_devices(tags: Tags, operation: str) -> dict[int, list[str]] | None:
+    """{device: its tags among `tags`} for a sleep or wake of the PyTorch pools; None when there
+    is nothing to do (no tag asked for, or no pool yet and none named)."""
+    tags = tag_list(tags)
+    if tags == [] or not routing.devices():
+        if tags:
+            hint = "; allocate inside torpor.use_pool(tag) first" if operation == "sleep" else ""
+            raise InvalidArgument(f"{operation}: unknown tag '{tags[0]}' (no torpor pool exists yet{hint})")
+        return None
+    return _tags_by_device(tags, operation)
+
+
+def sleep(level: int = 1, tags: Tags = None, collect: int | None = 1) -> dict[int, dict]:
+    """Give the GPU memory of `tags` (None = all) back, on every device with torpor pools.
+
+    level 1: parameters and state are offloaded to host memory, cache is discarded.
+    level 2: parameters are discarded too (reload them after wake_up), except those matching
+    a preserve glob; state is still offloaded. 0 does nothing. Idempotent; a level-1 sleeper
+    asked for level 2 drops its parameter copies. Returns {device: report} (bytes and time
+    per phase). On failure the devices already asleep stay asleep; calling again finishes.
+
+    collect: the garbage-collector generation collected first (0..2, None = none), so that
+    tensors only a reference cycle still holds are free space rather than copied state. The
+    default, 1, collects young objects only, which costs little; a full collection (2) walks
+    every object of the process, which in a large program costs more than the sleep itself:
+    ask for it when long-lived cycles hold tensors."""
+    return sleep_with_policy(level, tags, remark.pool_class, collect=collect)
+
+
+def sleep_with_policy(
+    level: int | SleepLevel, tags: Tags, policy: remark.ClassPolicy, collect: int | None = 1
+) -> dict[int, dict]:
+    """sleep(), with the classes of allocated blocks decided by `policy` (torpor.engine)."""
+    level = checked_level(level)
+    _checked_collect(collect)
+    selected = selected_devices(tags, "sleep")
+    if selected is None:
+        return {}
+    return each_device_sleep(selected, lambda d, t: Pool.torch(d).sleep(level, t), policy, collect)
+
+
+def each_device_sleep(selected: dict, sleep_one, policy: remark.ClassPolicy = remark.pool_class, collect=1) -> dict:
+    """sleep_one(device, tags) on every device of `selected` that has tags, as torpor.sleep
+    sleeps: the garbage collected first, the re-mark inside each pool's sleep with `policy`
+    (sleep_hook), the current device kept, PyTorch's cached memory released after. Returns
+    {device: report}."""
+    torch = cuda_torch()
+    if collect is not None:
+        gc.collect(collect)  # tensors only a reference cycle still holds are free space, not state
+    reports = {}
+    with keep_current_device(torch), sleep_hook.with_policy(policy):
+        for device, device_tags in selected.items():
+            if device_tags:
+                reports[device] = sleep_one(device, device_tags)
+    torch.cuda.empty_cache()
+    return reports
+
+
+def each_device_wake_up(selected: dict, wake_one) -> dict:
+    """wake_one(device, tags) on every device of `selected` that has tags, the current device
+    kept. Returns {device: report}."""
+    torch = cuda_torch()
+    reports = {}
+    with keep_current_device(torch):
+        for device, device_tags in selected.items():
+            if device_tags:
+                reports[device] = wake_one(device, device_tags)
+    return reports
+
+
+def wake_up(tags: Tags = None) -> dict[int, dict]:
+    """Map memory again, at the same addresses, for `tags` (None = all; vLLM's RL pattern is
+    wake_up(["weights"]), load weights, then wake_up(["kv_cache"])). Returns {device: report}."""
+    selected = selected_devices(tags, "wake_up")
+    if selected is None:
+        return {}
+    return each_device_wake_up(selected, lambda d, t: Pool.torch(d).wake_up(t))
+
+
+def tag_states() -> dict[str, bool]:
+    """{tag: whether it is asleep (on any device)} of every tag of the pools PyTorch uses."""
+    out: dict[str, bool] = {}
+    for d in routing.devices():
+        for tag, t in Pool.torch(d).stats()["tags"].items():
+            out[tag] = out.get(tag, False) or t["asleep"]
+    return out
+
+
+def release_host_store() -> dict[int, int]:
+    """Give host memory back on every device: the host copies kept after wake (skip_unchanged)
+    and every unused host store block, memory and disk (backups of sleeping tags stay).
+    Returns {device: bytes released}."""
+    return {d: Pool.torch(d).release_host_store() for d in routing.devices()}
+
+
+def prepare_host_store(nbytes: int = 0, wait: bool = False) -> dict[int, int]:
+    """Start page-locking host memory on every device in the background (nbytes each; 0 = what
+    a level-1 sleep of everything allocated now needs), so that the first sleep copies at full
+    speed: call it while or after the model loads. wait: block until done.
+    Returns {device: bytes added}."""
+    return {d: Pool.torch(d).prepare_host_store(nbytes, wait) for d in routing.devices()}
+
+
+def stats(device: int | None = None) -> dict:
+    """{device: stats} of every torpor pool PyTorch uses, or one device's stats: the pool's
+    statistics (torpor.Pool.stats: per tag the bytes mapped on the device, allocated in torpor
+    (PyTorch's segments) and per class), plus, per tag, ``active_bytes``: the bytes of PyTorch's
+    live blocks in those segments (what its tensors take; the rest of a segment is free space)."""
+    devices = routing.devices()
+    if device is None:
+        return {d: _device_stats(d) for d in devices}
+    if device not in devices:
+        raise InvalidArgument(f"stats: PyTorch has no torpor pool on device {device} (devices: {devices})")
+    return _device_stats(device)
+
+
+def _device_stats(device: int) -> dict:
+    st = Pool.torch(device).stats()
+    for tag, t in st["tags"].items():
+        t["active_bytes"] = sum(
+            size
+            for p in routing.pools_of(tag, device)
+            for seg in routing.own_segments(p, device)
+            for _, size, state in _marks.segment_blocks(seg)
+            if state != "inactive"
+        )
+    return st

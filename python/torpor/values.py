@@ -1,0 +1,38 @@
+"""Values that cross into the C API, checked where they enter: whole numbers in a C type's range
+and sleep levels. A SleepLevel, once made, passes every later call unchecked (the level is
+validated once per boundary, as the C API validates it once on its side)."""
+
+from __future__ import annotations
+
+import enum
+
+from .errors import InvalidArgument
+
+SIZE_MAX = 2**64 - 1
+INT_MAX = 2**31 - 1
+
+
+def whole(value, what: str, lo: int, hi: int) -> int:
+    """`value` as an int in [lo, hi]: InvalidArgument naming the range otherwise (a C size_t
+    would silently wrap 2**64 + 5 to 5; bool and float are refused, not truncated)."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise InvalidArgument(f"{what} {value!r} is not a whole number (accepted: {lo} to {hi})")
+    v = value.__index__()
+    if not lo <= v <= hi:
+        raise InvalidArgument(f"{what} {v} is out of range (accepted: {lo} to {hi})")
+    return v
+
+
+class SleepLevel(enum.IntEnum):
+    """A sleep level, as torpor::SleepLevel (allocator/include/torpor/pool.hpp)."""
+
+    NONE = 0  # nothing moves
+    OFFLOAD = 1  # parameters and state offloaded, cache discarded
+    DISCARD_PARAMETERS = 2  # parameters discarded too, unless preserved; state offloaded
+
+
+def sleep_level(value, what: str = "sleep level") -> SleepLevel:
+    """`value` (0, 1, 2 or a SleepLevel) as a SleepLevel; InvalidArgument naming `what` otherwise."""
+    if isinstance(value, SleepLevel):
+        return value
+    return SleepLevel(whole(value, what, 0, 2))
