@@ -31,7 +31,6 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
-#include "nccl_comm.hpp"
 #include "support/processes.hpp"
 #include "torpor/backend.hpp"
 #include "torpor/consensus.hpp"
@@ -41,6 +40,7 @@
 #include "torpor/kernels/native_stream.hpp"
 #include "torpor/kernels/tail_kernels.hpp"
 #include "torpor/kernels/tail_protocol.hpp"
+#include "torpor/nccl_comm.hpp"
 #include "torpor/pool.hpp"
 #include "torpor/symmetric.hpp"
 
@@ -442,8 +442,7 @@ void print_traces(Group& group, const json& trace_row, int r) {
 }
 
 // One row of the table: every tail at `t` tokens.
-json measure_row(const RowContext& c, Tails& tails, fusion::detail::NcclComm& nccl, const Stream& ts, int t,
-                 double one_way) {
+json measure_row(const RowContext& c, Tails& tails, NcclComm& nccl, const Stream& ts, int t, double one_way) {
   fusion::TailArgs a;
   a.tokens = t;
   a.expert_out = c.x.expert;
@@ -573,7 +572,7 @@ void rank_main(int r, const Rendezvous& rv, const Options& o) {
   shape.top_k = o.top_k;
   shape.shared_expert = true;
   Tails tails = make_tails(heap, pool, shape, o);
-  fusion::detail::NcclComm nccl(group, r);
+  NcclComm nccl(group, r);
   const Tensors x = make_tensors(pool, o, r, max_tokens);
 
   json rows = json::array();

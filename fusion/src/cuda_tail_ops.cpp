@@ -11,13 +11,13 @@
 #include <fmt/format.h>
 
 #include "cuda_runtime.hpp"
-#include "nccl_comm.hpp"
 #include "tail_ops.hpp"
 #include "torpor/error.hpp"
 #include "torpor/group.hpp"
 #include "torpor/kernels/native_stream.hpp"
 #include "torpor/kernels/tail_kernels.hpp"
 #include "torpor/log.hpp"
+#include "torpor/nccl_comm.hpp"
 #include "torpor/pool.hpp"
 #include "torpor/symmetric.hpp"
 
@@ -116,7 +116,10 @@ class CudaTailOps final : public TailOps {
     const std::size_t bytes =
         static_cast<std::size_t>(shape_.max_tokens) * static_cast<std::size_t>(shape_.hidden) * sizeof(float);
     scratch_ = pool_.allocate(bytes, {tags::weights, MemoryClass::cache, "tail.scratch"});
-    if (group_.size() > 1) comm_ = std::make_unique<NcclComm>(group_, device_);
+    if (group_.size() > 1) {
+      DeviceGuard guard(device_);  // NcclComm creates its communicator on the current device
+      comm_ = std::make_unique<NcclComm>(group_, device_);
+    }
   }
 
   void unfused(const kernels::TailParams& p, Stream stream) override {

@@ -6,12 +6,14 @@
 #include <torpor/backend.hpp>
 #include <torpor/callback_group.hpp>
 #include <torpor/collective_sleep.hpp>
+#include <torpor/consensus.hpp>
 #include <torpor/driver.hpp>
 #include <torpor/error.hpp>
 #include <torpor/group.hpp>
 #include <torpor/hash128.hpp>
 #include <torpor/host_driver.hpp>
 #include <torpor/log.hpp>
+#include <torpor/nccl_comm.hpp>
 #include <torpor/nccl_group.hpp>
 #include <torpor/pool.hpp>
 #include <torpor/stream.hpp>

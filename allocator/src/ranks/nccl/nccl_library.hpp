@@ -1,5 +1,5 @@
-// The one NCCL loader, for NcclGroup (ranks/nccl/nccl_group.cpp) and the unfused tail's
-// communicator (fusion/, through torpor::internal). Compiled only where CMake found nccl.h with
+// The one NCCL loader, for NcclGroup (ranks/nccl/nccl_group.cpp) and NcclComm (the device
+// all-reduce of the unfused tail, torpor/nccl_comm.hpp). Compiled only where CMake found nccl.h with
 // the CUDA backend (TORPOR_NCCL, decided once in the top-level CMakeLists.txt); elsewhere the
 // *_unavailable.cpp files stand in and say why.
 //

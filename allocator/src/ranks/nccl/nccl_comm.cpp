@@ -1,7 +1,7 @@
 // NcclComm: see nccl_comm.hpp. Invariant: comm is a live communicator from construction to
 // destruction; every NCCL result is checked and named. Compiled where CMake found NCCL
 // (TORPOR_NCCL); nccl_comm_unavailable.cpp stands in elsewhere.
-#include "nccl_comm.hpp"
+#include "torpor/nccl_comm.hpp"
 
 #include <fmt/format.h>
 #include <nccl.h>
@@ -9,7 +9,6 @@
 #include <cstring>
 #include <span>
 
-#include "cuda_runtime.hpp"
 #include "ranks/multicast.hpp"
 #include "ranks/nccl/nccl_library.hpp"
 #include "torpor/consensus.hpp"
@@ -17,7 +16,7 @@
 #include "torpor/group.hpp"
 #include "torpor/log.hpp"
 
-namespace torpor::fusion::detail {
+namespace torpor {
 
 namespace {
 
@@ -68,19 +67,14 @@ NcclComm::NcclComm(Group& group, int device) : impl_(std::make_unique<Impl>()) {
   if (ids[0].size() != sizeof id) throw error(fmt::format("{}: malformed NCCL unique id from rank 0", d.who()));
   std::memcpy(&id, ids[0].data(), sizeof id);
 
-  DeviceGuard guard(device);
   d.check(api().init_rank(&d.comm, d.size, id, d.rank), "ncclCommInitRank");
 }
 
 NcclComm::~NcclComm() {
   if (impl_->comm == nullptr) return;
-  try {
-    DeviceGuard guard(impl_->device);
-    ncclResult_t r = api().destroy(impl_->comm);
-    if (r != ncclSuccess) log::error("{}: ncclCommDestroy failed: {}", impl_->who(), api().error_string(r));
-  } catch (const std::exception& e) {
-    log::error("{}: destroying the communicator: {}", impl_->who(), e.what());
-  }
+  // ncclCommDestroy makes the communicator's device current itself (and restores the caller's).
+  ncclResult_t r = api().destroy(impl_->comm);
+  if (r != ncclSuccess) log::error("{}: ncclCommDestroy failed: {}", impl_->who(), api().error_string(r));
 }
 
 void NcclComm::all_reduce_sum_f32(void* buffer, std::size_t count, void* stream) {
@@ -101,4 +95,4 @@ void NcclComm::check() {
   impl_->check(async, "an earlier ncclAllReduce (asynchronous error)");
 }
 
-}  // namespace torpor::fusion::detail
+}  // namespace torpor

@@ -1,9 +1,9 @@
 // NcclComm in a build without NCCL (TORPOR_NCCL off: no CUDA backend, or no nccl.h where CMake
 // looked): available() says so, and constructing one throws unavailable.
-#include "nccl_comm.hpp"
 #include "torpor/error.hpp"
+#include "torpor/nccl_comm.hpp"
 
-namespace torpor::fusion::detail {
+namespace torpor {
 
 struct NcclComm::Impl {};
 
@@ -20,4 +20,4 @@ void NcclComm::all_reduce_sum_f32(void*, std::size_t, void*) {}
 void NcclComm::all_reduce_sum_bf16(void*, std::size_t, void*) {}
 void NcclComm::check() {}
 
-}  // namespace torpor::fusion::detail
+}  // namespace torpor

@@ -1,11 +1,13 @@
 // NcclComm: an NCCL communicator over a Group's ranks for device buffers, used by the unfused
-// tail for its all-reduce (enqueued on the caller's stream, so it can be captured in a CUDA
-// graph). NcclGroup (allocator/) moves host bytes for the symmetric layer; this one reduces
-// device memory in place and owns nothing else.
+// MoE tail (fusion/) for its all-reduce (enqueued on the caller's stream, so it can be captured
+// in a CUDA graph). NcclGroup moves host bytes for the symmetric layer; this one reduces device
+// memory in place and owns nothing else. It is the way code outside the allocator reaches NCCL:
+// this header carries no NCCL or CUDA type, so it is installed and usable in every build (without
+// NCCL support, available() says so and the constructor throws unavailable).
 //
-// NCCL comes from the loader NcclGroup uses (allocator's ranks/nccl/nccl_library.hpp: opened at run
-// time, TORPOR_NCCL_LIBRARY overrides the name), so binaries start without it; available() says
-// why it cannot be used. The unique id travels over the Group. The NVLS policy
+// NCCL comes from the loader NcclGroup uses (ranks/nccl/nccl_library.hpp: opened at run time,
+// TORPOR_NCCL_LIBRARY overrides the name), so binaries start without it; available() says why it
+// cannot be used. The unique id travels over the Group. The NVLS policy
 // (ranks/multicast.hpp) is applied before the first NCCL call, so a multicast kill switch keeps
 // NCCL from creating a multicast object.
 //
@@ -23,16 +25,15 @@
 #include <string>
 
 namespace torpor {
-class Group;
-}
 
-namespace torpor::fusion::detail {
+class Group;
 
 class NcclComm {
  public:
   static bool available(std::string* why_not = nullptr);
 
-  // Collective over `group`; `device` is this rank's GPU.
+  // Collective over `group`; `device` is this rank's GPU, which must be current on the calling
+  // thread (ncclCommInitRank creates the communicator on the current device).
   NcclComm(Group& group, int device);
   ~NcclComm();
   NcclComm(const NcclComm&) = delete;
@@ -51,4 +52,4 @@ class NcclComm {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace torpor::fusion::detail
+}  // namespace torpor
