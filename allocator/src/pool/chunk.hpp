@@ -29,8 +29,8 @@
 #include <string>
 #include <vector>
 
-#include "pool/store/host_store.hpp"
 #include "common/range_allocator.hpp"
+#include "pool/store/host_store.hpp"
 #include "torpor/driver.hpp"
 #include "torpor/pool.hpp"
 

@@ -29,9 +29,9 @@
 #include <unordered_set>
 #include <vector>
 
+#include "common/range_allocator.hpp"
 #include "pool/chunk.hpp"
 #include "pool/store/host_store.hpp"
-#include "common/range_allocator.hpp"
 #include "pool/store/staging_ring.hpp"
 #include "torpor/driver.hpp"
 #include "torpor/pool.hpp"

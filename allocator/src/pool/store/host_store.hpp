@@ -35,8 +35,8 @@
 #include <string_view>
 #include <vector>
 
-#include "pool/store/host_pinner.hpp"
 #include "common/range_allocator.hpp"
+#include "pool/store/host_pinner.hpp"
 #include "pool/store/spill_store.hpp"
 #include "torpor/driver.hpp"
 
