@@ -5,6 +5,9 @@
 // mapped), and calling again once the fault is gone must succeed with every byte that had to survive intact.
 #include <gtest/gtest.h>
 
+#include <map>
+#include <string>
+
 #include "pool/store/host_store.hpp"
 #include "support/backends.hpp"
 #include "torpor/error.hpp"
@@ -87,6 +90,25 @@ void check_accounting(Pool& pool, HostDriver* host) {
   ASSERT_EQ(host->live_physical_bytes(0), st.mapped_bytes) << "live device memory must be exactly what the pool maps";
 }
 
+// After a failed sleep or wake every tag's state agrees with its chunks: a tag with a sleeping
+// allocation is asleep; a tag none of whose allocations sleeps is awake and takes new allocations
+// (a rollback that left it marked asleep would refuse them).
+void check_tags(Pool& pool, const std::vector<Item>& items) {
+  std::map<std::string, bool> any_asleep;
+  for (const Item& it : items) {
+    auto info = pool.find(it.p);
+    ASSERT_TRUE(info);
+    any_asleep[info->tag] = any_asleep[info->tag] || info->asleep;
+  }
+  for (const auto& [tag, asleep] : any_asleep) {
+    EXPECT_EQ(pool.asleep(tag), asleep) << "tag " << tag;
+    if (asleep) continue;
+    void* p = nullptr;
+    EXPECT_NO_THROW(p = pool.allocate(100, {tag, MemoryClass::state, "probe"})) << "tag " << tag << " is awake";
+    if (p != nullptr) pool.deallocate(p);
+  }
+}
+
 void check_clean(HostDriver* host) {
   if (host == nullptr) return;
   HostDriverCounters c = host->counters();
@@ -147,6 +169,7 @@ TYPED_TEST(FaultTest, EveryFailureInsideSleepLeavesThePoolConsistent) {
           check_accounting(pool, this->host());
         check_items(pool, items, g, false);  // awake chunks still hold every byte
         faulty.clear();
+        check_tags(pool, items);
         pool.sleep(2);  // the retry succeeds
         EXPECT_EQ(pool.stats().mapped_bytes, 0u);
         EXPECT_EQ(pool.stats().pending_releases, 0u);
@@ -188,6 +211,7 @@ TYPED_TEST(FaultTest, EveryFailureInsideWakeLeavesThePoolConsistent) {
         check_accounting(pool, this->host());
         check_items(pool, items, g, true);  // woken chunks are complete, the rest still asleep
         faulty.clear();
+        check_tags(pool, items);
         pool.wake_up();
         for (const Item& it : items) EXPECT_FALSE(pool.find(it.p)->asleep);
         check_items(pool, items, g, true);
@@ -329,6 +353,7 @@ void fail_every_call(Driver& inner, HostDriver* host, const PoolOptions& o, Setu
         check_books(pool, host);
         check_awake(pool, e, wake_op);
         faulty.clear();
+        check_tags(pool, e.items);
         op(pool);  // the repeat completes
         if (!wake_op) {
           EXPECT_EQ(pool.stats().mapped_bytes, 0u);
@@ -465,6 +490,7 @@ TYPED_TEST(FaultTest, AFailureDuringTheRollbackOfAFailureLeavesThePoolConsistent
         faulty.clear();  // the checks read through the pool
         check_books(pool, this->host());
         check_awake(pool, e, pair.wake);
+        check_tags(pool, e.items);
         pair.wake ? (void)pool.wake_up() : (void)pool.sleep(2);
         if (!pair.wake) pool.wake_up();
         check_awake(pool, e, true);
