@@ -4,7 +4,9 @@
 // with its bytes or asleep with its backup, nothing leaked, the driver's live memory equal to what the pool says is
 // mapped), and calling again once the fault is gone must succeed with every byte that had to survive intact.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <cstdlib>
 #include <map>
 #include <string>
 
@@ -304,7 +306,8 @@ void check_awake(Pool& pool, const Expect& e, bool woken_by_op) {
 // The pool's figures against the driver's and the host store's own.
 void check_books(Pool& pool, HostDriver* host) {
   PoolStats st = pool.stats();
-  EXPECT_EQ(st.host_store_used_bytes, st.host_copies_bytes) << "host store bytes held = backups + retained copies";
+  EXPECT_EQ(st.host_store_used_bytes + st.spill_used_bytes, st.host_copies_bytes)
+      << "host store and disk bytes held = backups + retained copies";
   if (host == nullptr) return;
   EXPECT_EQ(host->counters().mapped_bytes, st.mapped_bytes) << "mapped = what the pool says is mapped";
   if (st.pending_releases == 0) EXPECT_EQ(host->live_physical_bytes(0), st.mapped_bytes);
@@ -439,6 +442,59 @@ TYPED_TEST(FaultTest, EveryCallOfAWakeThroughTheStagingRingCanFail) {
   std::size_t g = this->granularity();
   fail_every_call(
       this->driver(), this->host(), staged_options(this->driver()),
+      [&](Pool& pool) {
+        Expect e = staged(pool, g);
+        pool.sleep(2);
+        return e;
+      },
+      [](Pool& pool) { pool.wake_up(); }, true);
+}
+
+// Level 2 in a later cycle: retained copies of the state are trusted, the parameters discarded.
+TYPED_TEST(FaultTest, EveryCallOfALevel2SleepInALaterCycleCanFail) {
+  std::size_t g = this->granularity();
+  fail_every_call(
+      this->driver(), this->host(), options_for(this->driver()),
+      [&](Pool& pool) {
+        Expect e = after_one_cycle(pool, g);
+        e.level = 2;
+        return e;
+      },
+      [](Pool& pool) { pool.sleep(2); }, false);
+}
+
+// The disk tier configured: every backup beyond a tiny host limit goes to a spill file.
+struct SpillDir {
+  SpillDir() {
+    std::string base = ::testing::TempDir();
+    if (base.empty() || base.back() != '/') base += '/';
+    path = base + "torpor-fault-spill-XXXXXX";
+    EXPECT_NE(::mkdtemp(path.data()), nullptr);
+  }
+  ~SpillDir() { ::rmdir(path.c_str()); }  // each pool removes its own file
+  std::string path;
+};
+
+PoolOptions disk_options(Driver& d, const std::string& dir) {
+  PoolOptions o = staged_options(d);
+  o.host_store_limit = 1;
+  o.spill_dir = dir;
+  return o;
+}
+
+TYPED_TEST(FaultTest, EveryCallOfASleepToTheDiskTierCanFail) {
+  std::size_t g = this->granularity();
+  SpillDir dir;
+  fail_every_call(
+      this->driver(), this->host(), disk_options(this->driver(), dir.path), [&](Pool& pool) { return staged(pool, g); },
+      [](Pool& pool) { pool.sleep(2); }, false);
+}
+
+TYPED_TEST(FaultTest, EveryCallOfAWakeFromTheDiskTierCanFail) {
+  std::size_t g = this->granularity();
+  SpillDir dir;
+  fail_every_call(
+      this->driver(), this->host(), disk_options(this->driver(), dir.path),
       [&](Pool& pool) {
         Expect e = staged(pool, g);
         pool.sleep(2);
