@@ -4,6 +4,11 @@
 // with its bytes or asleep with its backup, nothing leaked, the driver's live memory equal to what the pool says is
 // mapped), and calling again once the fault is gone must succeed with every byte that had to survive intact.
 #include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <map>
+#include <string>
 
 #include "pool/store/host_store.hpp"
 #include "support/backends.hpp"
@@ -87,6 +92,25 @@ void check_accounting(Pool& pool, HostDriver* host) {
   ASSERT_EQ(host->live_physical_bytes(0), st.mapped_bytes) << "live device memory must be exactly what the pool maps";
 }
 
+// After a failed sleep or wake every tag's state agrees with its chunks: a tag with a sleeping
+// allocation is asleep; a tag none of whose allocations sleeps is awake and takes new allocations
+// (a rollback that left it marked asleep would refuse them).
+void check_tags(Pool& pool, const std::vector<Item>& items) {
+  std::map<std::string, bool> any_asleep;
+  for (const Item& it : items) {
+    auto info = pool.find(it.p);
+    ASSERT_TRUE(info);
+    any_asleep[info->tag] = any_asleep[info->tag] || info->asleep;
+  }
+  for (const auto& [tag, asleep] : any_asleep) {
+    EXPECT_EQ(pool.asleep(tag), asleep) << "tag " << tag;
+    if (asleep) continue;
+    void* p = nullptr;
+    EXPECT_NO_THROW(p = pool.allocate(100, {tag, MemoryClass::state, "probe"})) << "tag " << tag << " is awake";
+    if (p != nullptr) pool.deallocate(p);
+  }
+}
+
 void check_clean(HostDriver* host) {
   if (host == nullptr) return;
   HostDriverCounters c = host->counters();
@@ -147,6 +171,7 @@ TYPED_TEST(FaultTest, EveryFailureInsideSleepLeavesThePoolConsistent) {
           check_accounting(pool, this->host());
         check_items(pool, items, g, false);  // awake chunks still hold every byte
         faulty.clear();
+        check_tags(pool, items);
         pool.sleep(2);  // the retry succeeds
         EXPECT_EQ(pool.stats().mapped_bytes, 0u);
         EXPECT_EQ(pool.stats().pending_releases, 0u);
@@ -188,6 +213,7 @@ TYPED_TEST(FaultTest, EveryFailureInsideWakeLeavesThePoolConsistent) {
         check_accounting(pool, this->host());
         check_items(pool, items, g, true);  // woken chunks are complete, the rest still asleep
         faulty.clear();
+        check_tags(pool, items);
         pool.wake_up();
         for (const Item& it : items) EXPECT_FALSE(pool.find(it.p)->asleep);
         check_items(pool, items, g, true);
@@ -280,7 +306,8 @@ void check_awake(Pool& pool, const Expect& e, bool woken_by_op) {
 // The pool's figures against the driver's and the host store's own.
 void check_books(Pool& pool, HostDriver* host) {
   PoolStats st = pool.stats();
-  EXPECT_EQ(st.host_store_used_bytes, st.host_copies_bytes) << "host store bytes held = backups + retained copies";
+  EXPECT_EQ(st.host_store_used_bytes + st.spill_used_bytes, st.host_copies_bytes)
+      << "host store and disk bytes held = backups + retained copies";
   if (host == nullptr) return;
   EXPECT_EQ(host->counters().mapped_bytes, st.mapped_bytes) << "mapped = what the pool says is mapped";
   if (st.pending_releases == 0) EXPECT_EQ(host->live_physical_bytes(0), st.mapped_bytes);
@@ -329,6 +356,7 @@ void fail_every_call(Driver& inner, HostDriver* host, const PoolOptions& o, Setu
         check_books(pool, host);
         check_awake(pool, e, wake_op);
         faulty.clear();
+        check_tags(pool, e.items);
         op(pool);  // the repeat completes
         if (!wake_op) {
           EXPECT_EQ(pool.stats().mapped_bytes, 0u);
@@ -422,6 +450,59 @@ TYPED_TEST(FaultTest, EveryCallOfAWakeThroughTheStagingRingCanFail) {
       [](Pool& pool) { pool.wake_up(); }, true);
 }
 
+// Level 2 in a later cycle: retained copies of the state are trusted, the parameters discarded.
+TYPED_TEST(FaultTest, EveryCallOfALevel2SleepInALaterCycleCanFail) {
+  std::size_t g = this->granularity();
+  fail_every_call(
+      this->driver(), this->host(), options_for(this->driver()),
+      [&](Pool& pool) {
+        Expect e = after_one_cycle(pool, g);
+        e.level = 2;
+        return e;
+      },
+      [](Pool& pool) { pool.sleep(2); }, false);
+}
+
+// The disk tier configured: every backup beyond a tiny host limit goes to a spill file.
+struct SpillDir {
+  SpillDir() {
+    std::string base = ::testing::TempDir();
+    if (base.empty() || base.back() != '/') base += '/';
+    path = base + "torpor-fault-spill-XXXXXX";
+    EXPECT_NE(::mkdtemp(path.data()), nullptr);
+  }
+  ~SpillDir() { ::rmdir(path.c_str()); }  // each pool removes its own file
+  std::string path;
+};
+
+PoolOptions disk_options(Driver& d, const std::string& dir) {
+  PoolOptions o = staged_options(d);
+  o.host_store_limit = 1;
+  o.spill_dir = dir;
+  return o;
+}
+
+TYPED_TEST(FaultTest, EveryCallOfASleepToTheDiskTierCanFail) {
+  std::size_t g = this->granularity();
+  SpillDir dir;
+  fail_every_call(
+      this->driver(), this->host(), disk_options(this->driver(), dir.path), [&](Pool& pool) { return staged(pool, g); },
+      [](Pool& pool) { pool.sleep(2); }, false);
+}
+
+TYPED_TEST(FaultTest, EveryCallOfAWakeFromTheDiskTierCanFail) {
+  std::size_t g = this->granularity();
+  SpillDir dir;
+  fail_every_call(
+      this->driver(), this->host(), disk_options(this->driver(), dir.path),
+      [&](Pool& pool) {
+        Expect e = staged(pool, g);
+        pool.sleep(2);
+        return e;
+      },
+      [](Pool& pool) { pool.wake_up(); }, true);
+}
+
 // Pairs: a failure, then every call of one kind the rollback makes fails too (the rollback's
 // synchronize in a sleep; its unmaps or releases in a wake). The pool stays consistent: no chunk
 // asleep while the pool forgets its mapping, and a repeat once the faults are gone completes.
@@ -465,6 +546,7 @@ TYPED_TEST(FaultTest, AFailureDuringTheRollbackOfAFailureLeavesThePoolConsistent
         faulty.clear();  // the checks read through the pool
         check_books(pool, this->host());
         check_awake(pool, e, pair.wake);
+        check_tags(pool, e.items);
         pair.wake ? (void)pool.wake_up() : (void)pool.sleep(2);
         if (!pair.wake) pool.wake_up();
         check_awake(pool, e, true);

@@ -196,6 +196,49 @@ TEST(HostDriverAsync, UnmappingOrFreeingMemoryAQueuedOperationTouchesIsRefusedAn
   EXPECT_EQ(d.counters().async_conflicts, 2u);
 }
 
+// A host span reused (a new copy into it queued on another stream) while a queued copy still
+// targets it is a race on a GPU: counted and logged. The same reuse ordered by an event recorded
+// after the first copy is not.
+TEST(HostDriverAsync, AHostSpanReusedWhileAQueuedCopyTargetsItIsFlagged) {
+  HostDriver d(async_opts());
+  Stream first = d.stream_create(0), second = d.stream_create(0);
+  {
+    DeviceBuffer a(d), b(d);
+    std::memset(a.bytes(), 0x0a, G);
+    std::memset(b.bytes(), 0x0b, G);
+    auto* span = static_cast<unsigned char*>(d.host_alloc(G));
+    // Unordered: the second stream's copy into the span runs while the first's is still queued.
+    d.delay_stream(first, 50ms);
+    d.copy_async(span, a.ptr(), G, first);
+    d.copy_async(span + 100, b.ptr(), 200, second);
+    d.stream_synchronize(second);
+    d.stream_synchronize(first);
+    EXPECT_EQ(d.counters().async_races, 1u) << "the reuse raced the queued copy";
+    // Ordered: the second stream waits for an event recorded after the first copy.
+    Event done = d.event_create(0);
+    d.delay_stream(first, 50ms);
+    d.copy_async(span, a.ptr(), G, first);
+    d.event_record(done, first);
+    d.stream_wait_event(second, done);
+    d.copy_async(span + 100, b.ptr(), 200, second);
+    d.stream_synchronize(second);
+    EXPECT_EQ(d.counters().async_races, 1u) << "an event orders the two: no race";
+    EXPECT_EQ(span[99], 0x0a);
+    EXPECT_EQ(span[100], 0x0b) << "the ordered copy ran last";
+    // Two reads of the span on two streams do not race.
+    d.delay_stream(first, 20ms);
+    d.copy_async(a.ptr(), span, G, first);
+    d.copy_async(b.ptr(), span, G, second);
+    d.device_synchronize(0);
+    EXPECT_EQ(d.counters().async_races, 1u) << "reads only";
+    d.event_destroy(done);
+    d.host_free(span);
+  }
+  d.stream_destroy(first);
+  d.stream_destroy(second);
+  EXPECT_EQ(d.counters().async_conflicts, 0u);
+}
+
 TEST(HostDriverAsync, DestroyingAStreamOrTheDriverFinishesItsWork) {
   std::atomic<int> ran{0};
   {

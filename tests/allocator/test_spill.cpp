@@ -5,12 +5,18 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/file.h>
+#include <sys/mount.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <csignal>
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iterator>
 #include <set>
 #include <string>
 
@@ -174,10 +180,55 @@ TYPED_TEST(SpillTest, ABackupSplitByAFreeIsReadBackFromAnUnalignedOffset) {
   auto c = this->make(pool, "weights", 5000, MemoryClass::state, "c", rng);
   ASSERT_EQ(pool.chunk_info(a.p)->va, pool.chunk_info(c.p)->va);
   pool.sleep(1);
+  ASSERT_GT(pool.stats().spill_bytes, 0u) << "the backups are on disk";
   pool.deallocate(a.p);  // the backup is cut: b's part now starts 1 KiB into the span
+  // Read the backups through read_host_copy (what torpor.tms.get_cpu_backup uses) from every start
+  // offset of 4097 consecutive ones in c: whatever file offset c's copy starts at, all but one of
+  // these reads start off the direct-I/O alignment, so the bytes must be moved into place.
+  static_assert(SpillStore::alignment == 4096);
+  std::vector<std::uint8_t> out(5000);
+  for (std::size_t k = 0; k <= SpillStore::alignment; ++k) {
+    std::size_t n = k % 3 == 0 ? 5000 - k : 1 + k % 97;
+    HostCopyRead r = pool.read_host_copy(static_cast<std::uint8_t*>(c.p) + k, n, out.data());
+    ASSERT_TRUE(r.copied && r.asleep) << "offset " << k;
+    ASSERT_TRUE(std::equal(out.begin(), out.begin() + static_cast<std::ptrdiff_t>(n), c.bytes.begin() + k))
+        << "c read from offset " << k << ", " << n << " bytes";
+  }
+  for (std::size_t k = 0; k < 1000; k += 7) {
+    HostCopyRead r = pool.read_host_copy(static_cast<std::uint8_t*>(b.p) + k, 1000 - k, out.data());
+    ASSERT_TRUE(r.copied) << "offset " << k;
+    ASSERT_TRUE(std::equal(out.begin(), out.begin() + static_cast<std::ptrdiff_t>(1000 - k), b.bytes.begin() + k))
+        << "b read from offset " << k;
+  }
   pool.wake_up();
   EXPECT_EQ(read(pool, b.p, 1000), b.bytes);
   EXPECT_EQ(read(pool, c.p, 5000), c.bytes);
+}
+
+// The spill file read at offsets and lengths off the alignment (the window around them is read and
+// the bytes moved into place), against the bytes written.
+TEST(Spill, ReadsAtUnalignedOffsetsReturnTheBytesWritten) {
+  TempDir dir;
+  SpillStore store(dir.path, 0);
+  constexpr std::size_t n = 4 * SpillStore::alignment;
+  std::uint64_t off = store.allocate(n);
+  ASSERT_EQ(off % SpillStore::alignment, 0u);
+  std::mt19937_64 rng(5);
+  std::vector<std::uint8_t> bytes = random_bytes(rng, n);
+  auto* buf = static_cast<std::byte*>(std::aligned_alloc(SpillStore::alignment, n + 2 * SpillStore::alignment));
+  ASSERT_NE(buf, nullptr);
+  std::memcpy(buf, bytes.data(), n);
+  store.write(off, buf, n);
+  for (std::size_t from : {std::size_t{1}, std::size_t{100}, std::size_t{4095}, std::size_t{4097}, std::size_t{9000}}) {
+    for (std::size_t len : {std::size_t{1}, std::size_t{3000}, n - from}) {
+      if (from + len > n) continue;
+      std::memset(buf, 0, n + 2 * SpillStore::alignment);
+      store.read(off + from, buf, len);
+      EXPECT_EQ(std::memcmp(buf, bytes.data() + from, len), 0) << "from " << from << ", " << len << " bytes";
+    }
+  }
+  std::free(buf);
+  store.free(off, n);
 }
 
 TYPED_TEST(SpillTest, ASpillLimitIsAClearErrorThatLosesNothingAndARetryWorks) {
@@ -224,6 +275,100 @@ TYPED_TEST(SpillTest, ASpillLimitIsAClearErrorThatLosesNothingAndARetryWorks) {
   pool.sleep(1, {"b"});  // the retry works
   pool.wake_up();
   for (auto& it : items) EXPECT_EQ(read(pool, it.p, it.bytes.size()), it.bytes);
+}
+
+// A read of the disk tier that fails at wake (the spill file cut short under the pool): the wake is
+// a typed error, the chunks it could not restore stay asleep with their backups, nothing leaks;
+// once the file reads again the retry wakes every byte.
+TYPED_TEST(SpillTest, AFailedDiskReadAtWakeKeepsTheBackupsAndARetryWorks) {
+  TempDir dir;
+  Pool pool(this->driver(), this->spilling(dir.path, 1));
+  std::mt19937_64 rng(19);
+  auto items = this->items(pool, rng);
+  pool.sleep(1);
+  const std::string path = pool.stats().spill_path;
+  std::vector<char> saved;
+  {
+    std::ifstream in(path, std::ios::binary);
+    saved.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  ASSERT_GT(saved.size(), 0u);
+  ASSERT_EQ(::truncate(path.c_str(), 0), 0);
+  try {
+    pool.wake_up();
+    FAIL() << "a wake from a spill file cut short must fail";
+  } catch (const error& e) {
+    EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(pool.asleep("weights"));
+  std::size_t asleep = 0;
+  for (auto& it : items) {
+    if (pool.find(it.p)->asleep) {
+      ++asleep;
+      continue;
+    }
+    EXPECT_EQ(read(pool, it.p, it.bytes.size()), it.bytes) << "a chunk that woke holds its bytes";
+  }
+  EXPECT_GT(asleep, 0u);
+  if (HostDriver* h = this->host()) EXPECT_EQ(h->live_physical_bytes(0), pool.stats().mapped_bytes);
+  {
+    int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::pwrite(fd, saved.data(), saved.size(), 0), static_cast<ssize_t>(saved.size()));
+    ::close(fd);
+  }
+  pool.wake_up();
+  for (auto& it : items) EXPECT_EQ(read(pool, it.p, it.bytes.size()), it.bytes);
+}
+
+// A small tmpfs mounted for one test (needs root and mount permission; where CI cannot make
+// one the test says so and skips). Unmounted, lazily, at the end.
+struct SmallFileSystem {
+  explicit SmallFileSystem(std::size_t bytes) {
+    if (::geteuid() != 0) {
+      why_not = "not root: cannot mount a small tmpfs";
+      return;
+    }
+    std::string opts = "size=" + std::to_string(bytes) + ",mode=0700";
+    if (::mount("tmpfs", dir.path.c_str(), "tmpfs", 0, opts.c_str()) != 0) {
+      why_not = std::string("mount tmpfs: ") + std::strerror(errno);
+      return;
+    }
+    mounted = true;
+  }
+  ~SmallFileSystem() {
+    if (mounted) ::umount2(dir.path.c_str(), MNT_DETACH);
+  }
+  TempDir dir;
+  bool mounted = false;
+  std::string why_not;
+};
+
+// A real full disk (ENOSPC from a tmpfs that is too small, not a simulated limit): the sleep of
+// the tag that does not fit is out_of_memory naming the cause, its bytes stay in device memory,
+// and a tag that fits sleeps and wakes bit-exact on the same file system.
+TYPED_TEST(SpillTest, ARealFullDiskIsOutOfMemoryAndLosesNothing) {
+  SmallFileSystem fs(4 * MiB);
+  if (!fs.mounted) GTEST_SKIP() << fs.why_not;
+  Pool pool(this->driver(), this->spilling(fs.dir.path, 1));
+  std::mt19937_64 rng(17);
+  auto small = this->make(pool, "a", MiB, MemoryClass::state, "small", rng);
+  auto big = this->make(pool, "b", 12 * MiB, MemoryClass::state, "big", rng);
+  try {
+    pool.sleep(1, {"b"});
+    FAIL() << "12 MiB cannot spill to a 4 MiB file system";
+  } catch (const out_of_memory& e) {
+    EXPECT_NE(std::string(e.what()).find(std::strerror(ENOSPC)), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(pool.asleep("b"));
+  EXPECT_FALSE(pool.find(big.p)->asleep);
+  EXPECT_EQ(read(pool, big.p, big.bytes.size()), big.bytes) << "b keeps its bytes";
+  EXPECT_EQ(pool.stats().spill_bytes, 0u) << "nothing of the failed sleep is held";
+  pool.sleep(1, {"a"});  // what fits still goes to disk
+  EXPECT_GT(pool.stats().spill_bytes, 0u);
+  pool.wake_up();
+  EXPECT_EQ(read(pool, small.p, small.bytes.size()), small.bytes);
+  EXPECT_EQ(read(pool, big.p, big.bytes.size()), big.bytes);
 }
 
 TEST(Spill, StaleFilesOfProcessesThatAreGoneAreRemovedAndLiveOnesKept) {

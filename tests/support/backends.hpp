@@ -102,6 +102,7 @@ class BackendTest : public ::testing::Test {
     if (HostDriver* h = host()) {
       HostDriverCounters c = h->counters();
       EXPECT_EQ(c.async_conflicts, 0u) << "memory was unmapped or freed while queued device work still touched it";
+      EXPECT_EQ(c.async_races, 0u) << "queued work on two streams touched the same bytes with nothing ordering them";
     }
   }
   Driver& driver() { return *driver_; }

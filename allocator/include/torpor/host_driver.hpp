@@ -95,6 +95,8 @@ struct HostDriverCounters {
   std::size_t multicast_objects = 0;
   std::size_t async_pending = 0;    // queued operations not completed yet (asynchronous mode)
   std::size_t async_conflicts = 0;  // unmaps and host_frees refused: a queued operation touched the memory
+  std::size_t async_races = 0;      // operations that ran while an earlier one queued on another stream and
+                                    // not ordered before them still touched the same bytes (one of them writing)
 };
 
 // What multicast_at() reports about the multicast object mapped at an address.
@@ -235,11 +237,13 @@ class HostDriver final : public Driver {
     std::uintptr_t lo = 0, hi = 0;
     std::uint64_t stream = 0;
     const char* call = "";
+    bool writes = false;
   };
   bool in_pinned_block(const void* p) const;                       // caller holds mu_
   bool in_reservation(const void* p) const;                        // caller holds mu_
   std::uint64_t register_in_flight(std::vector<InFlight> ranges);  // caller holds mu_
   void unregister_in_flight(std::uint64_t op) noexcept;
+  void flag_races(std::uint64_t op) noexcept;
   void refuse_if_in_flight(std::uintptr_t lo, std::uintptr_t hi, const char* call);  // caller holds mu_
   std::uint64_t submit(Stream s, std::function<void()> work, std::vector<InFlight> ranges);
 
@@ -259,6 +263,7 @@ class HostDriver final : public Driver {
   std::map<std::uint64_t, std::vector<InFlight>> in_flight_;  // asynchronous mode: op -> ranges
   std::uint64_t next_op_ = 1;
   std::atomic<std::size_t> async_conflicts_{0};
+  std::atomic<std::size_t> async_races_{0};
   std::unique_ptr<HostAsyncEngine> async_;  // set in the asynchronous mode
 };
 

@@ -770,6 +770,27 @@ void HostDriver::unregister_in_flight(std::uint64_t op) noexcept {
   in_flight_.erase(op);
 }
 
+// Run by an operation's worker just before the operation: an operation queued earlier on another
+// stream that still touches the same bytes (one of the two writing) was not ordered before this
+// one by an event or a synchronisation (it would have completed), so on a GPU the two race: a
+// host span reused for a new copy while a queued copy still targets it, say. Counted and logged,
+// not thrown: the worker cannot throw into the thread that queued the work.
+void HostDriver::flag_races(std::uint64_t op) noexcept {
+  std::lock_guard lock(mu_);
+  auto mine = in_flight_.find(op);
+  if (mine == in_flight_.end()) return;
+  for (auto it = in_flight_.begin(); it != mine; ++it)
+    for (const InFlight& a : it->second)
+      for (const InFlight& b : mine->second) {
+        if (a.stream == b.stream || !(a.writes || b.writes) || a.lo >= b.hi || b.lo >= a.hi) continue;
+        ++async_races_;
+        log::error("HostDriver: a {} on stream {} touches [{:#x}, {:#x}) while a {} queued earlier on stream {} "
+                   "([{:#x}, {:#x})) is not done and nothing orders the two; record an event after the first and "
+                   "wait for it on the second stream",
+                   b.call, b.stream, b.lo, b.hi, a.call, a.stream, a.lo, a.hi);
+      }
+}
+
 void HostDriver::refuse_if_in_flight(std::uintptr_t lo, std::uintptr_t hi, const char* call) {
   for (auto& [op, ranges] : in_flight_) {
     for (const InFlight& r : ranges) {
@@ -790,6 +811,7 @@ std::uint64_t HostDriver::submit(Stream s, std::function<void()> work, std::vect
   }
   try {
     return async_->submit(s.value, [this, op, work = std::move(work)] {
+      flag_races(op);
       work();
       unregister_in_flight(op);
     });
@@ -818,12 +840,12 @@ void HostDriver::copy_async(void* dst, const void* src, std::size_t bytes, Strea
     } else {
       src_pageable = !in_reservation(src) && !in_pinned_block(src);
       dst_pageable = !in_reservation(dst) && !in_pinned_block(dst);
-      auto add = [&](const void* p, bool pageable) {
+      auto add = [&](const void* p, bool pageable, bool writes) {
         auto lo = reinterpret_cast<std::uintptr_t>(p);
-        if (!pageable && bytes > 0) touched.push_back(InFlight{lo, lo + bytes, s.value, call});
+        if (!pageable && bytes > 0) touched.push_back(InFlight{lo, lo + bytes, s.value, call, writes});
       };
-      add(src, src_pageable);
-      add(dst, dst_pageable);
+      add(src, src_pageable, false);
+      add(dst, dst_pageable, true);
     }
   }
   if (!async_) {
@@ -861,7 +883,7 @@ void HostDriver::fill_async(device_ptr dst, std::uint8_t value, std::size_t byte
     return;
   }
   std::vector<InFlight> touched;
-  if (bytes > 0) touched.push_back(InFlight{dst, dst + bytes, s.value, call});
+  if (bytes > 0) touched.push_back(InFlight{dst, dst + bytes, s.value, call, true});
   submit(
       s,
       [p, value, bytes] {
@@ -1006,6 +1028,7 @@ HostDriverCounters HostDriver::counters() const {
   c.events = events_.size();
   c.async_pending = async_ ? async_->pending() : 0;
   c.async_conflicts = async_conflicts_.load();
+  c.async_races = async_races_.load();
   return c;
 }
 
