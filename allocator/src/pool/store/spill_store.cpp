@@ -4,6 +4,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <pthread.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -64,6 +65,40 @@ void prepare_dir(const std::string& dir) {
     throw invalid_argument(fmt::format("spill directory {} is not writable: {}", dir, errno_text(errno)));
 }
 
+// While alive, SIGXFSZ is blocked in this thread, and one that a write past RLIMIT_FSIZE raised
+// here is taken off again before the mask is restored: the write fails with EFBIG, which becomes
+// out_of_memory, instead of the default action ending the process mid-sleep. A SIGXFSZ that was
+// already pending stays pending.
+class FileSizeSignalGuard {
+ public:
+  FileSizeSignalGuard() noexcept {
+    ::sigemptyset(&only_);
+    ::sigaddset(&only_, SIGXFSZ);
+    blocked_ = ::pthread_sigmask(SIG_BLOCK, &only_, &old_) == 0;
+    was_pending_ = pending();
+  }
+  ~FileSizeSignalGuard() {
+    if (!blocked_) return;
+    if (!was_pending_ && pending()) {
+      timespec now{0, 0};
+      ::sigtimedwait(&only_, nullptr, &now);
+    }
+    ::pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+  }
+  FileSizeSignalGuard(const FileSizeSignalGuard&) = delete;
+  FileSizeSignalGuard& operator=(const FileSizeSignalGuard&) = delete;
+
+ private:
+  static bool pending() noexcept {
+    sigset_t p;
+    return ::sigpending(&p) == 0 && ::sigismember(&p, SIGXFSZ) == 1;
+  }
+  sigset_t only_{};
+  sigset_t old_{};
+  bool blocked_ = false;
+  bool was_pending_ = false;
+};
+
 }  // namespace
 
 std::size_t SpillStore::remove_stale(const std::string& dir) {
@@ -107,6 +142,7 @@ void SpillStore::open_file() {
   fd_ = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (fd_ < 0) throw invalid_argument(fmt::format("spill: cannot create {}: {}", tmp, errno_text(errno)));
   path_ = base + ".bin";
+  owner_ = ::getpid();
   if (::flock(fd_, LOCK_EX | LOCK_NB) != 0 || ::rename(tmp.c_str(), path_.c_str()) != 0) {
     int err = errno;
     ::unlink(tmp.c_str());
@@ -124,8 +160,21 @@ void SpillStore::open_file() {
               dir_, errno_text(errno));
 }
 
+bool SpillStore::forked() const noexcept { return ::getpid() != owner_; }
+
+void SpillStore::refuse_in_fork(const char* operation) const {
+  if (!forked()) return;
+  throw invalid_state(fmt::format("spill: cannot {} in {}: the file belongs to process {}, and this process ({}) is a "
+                                  "fork of it; create a new pool in the child to spill there",
+                                  operation, path_, owner_, ::getpid()));
+}
+
 SpillStore::~SpillStore() {
   if (fd_ < 0) return;
+  if (forked()) {  // the parent's file: only this process's descriptor goes (the lock stays the parent's)
+    ::close(fd_);
+    return;
+  }
   if (::unlink(path_.c_str()) != 0) log::error("spill: removing {} failed: {}", path_, errno_text(errno));
   ::close(fd_);
 }
@@ -137,6 +186,7 @@ std::string SpillStore::free_space_text() const {
 }
 
 std::uint64_t SpillStore::allocate(std::size_t bytes) {
+  refuse_in_fork("claim disk space");
   if (bytes == 0 || bytes % alignment != 0)
     throw error(fmt::format("internal: spill extent of {} bytes is not a multiple of {}", bytes, alignment));
   if (limit_ != 0 && held_ + bytes > limit_)
@@ -174,6 +224,7 @@ void SpillStore::free(std::uint64_t offset, std::size_t bytes) noexcept {
   } catch (const std::exception& e) {
     log::error("spill: {}", e.what());
   }
+  if (forked()) return;  // the space is the parent's to give back
   if (can_fallocate_)
     ::fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(offset), static_cast<off_t>(bytes));
   truncate_to_extents();
@@ -204,6 +255,8 @@ void SpillStore::throw_write_error(int err, std::uint64_t offset, std::size_t by
 }
 
 void SpillStore::write(std::uint64_t offset, const std::byte* buffer, std::size_t bytes) {
+  refuse_in_fork("write spilled bytes");
+  FileSizeSignalGuard no_sigxfsz;
   std::size_t done = 0;
   while (done < bytes) {
     ssize_t n = ::pwrite(fd_, buffer + done, bytes - done, static_cast<off_t>(offset + done));

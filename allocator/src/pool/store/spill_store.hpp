@@ -9,15 +9,22 @@
 // process is gone) and a `.tmp` whose pid no longer exists. A live process's file is never
 // removed. The destructor removes the store's own file.
 //
+// A forked child inherits the store and the open file (one file description, one lock, shared
+// with its parent): the file is the parent's. In the child the store reads but never writes,
+// allocates, punches, truncates or removes, so a child that exits normally (destroying its copy
+// of the pool) leaves the parent's saved bytes as they were; a sleep in the child that would
+// spill is refused with invalid_state.
+//
 // I/O is direct (O_DIRECT) where the file system takes it, so spilled bytes do not also sit in
 // the page cache; where it does not (tmpfs, some network file systems), one log line says so and
 // buffered I/O is used. Direct I/O needs aligned offsets, lengths and buffers: extents and writes
 // are multiples of `alignment` at aligned offsets; a read of any sub-range reads the aligned
 // window around it (the staging ring's slots leave room for it).
 //
-// A full disk, a quota, a file-size limit (RLIMIT_FSIZE; the process must ignore SIGXFSZ) or
-// `limit` raise out_of_memory naming the file and the cause; space is claimed (fallocate) when an
-// extent is allocated, so a full disk usually shows before any byte moves.
+// A full disk, a quota, a file-size limit (RLIMIT_FSIZE) or `limit` raise out_of_memory naming the
+// file and the cause; space is claimed (fallocate) when an extent is allocated, so a full disk
+// usually shows before any byte moves. SIGXFSZ is blocked in the writing thread around a write and
+// the one the write raised is taken off, so a file-size limit never ends the process.
 // Not thread-safe: the pool locks.
 #pragma once
 
@@ -58,6 +65,8 @@ class SpillStore {
   bool direct_io() const noexcept { return direct_; }
   std::size_t held_bytes() const noexcept { return held_; }
   std::size_t limit() const noexcept { return limit_; }
+  // Whether this process is not the one that created the file (a fork of it).
+  bool forked() const noexcept;
 
   // Removes the stale spill files of this user in `dir` (see above). Returns how many.
   static std::size_t remove_stale(const std::string& dir);
@@ -67,12 +76,14 @@ class SpillStore {
   void disable_direct_io(int err) noexcept;
   [[noreturn]] void throw_write_error(int err, std::uint64_t offset, std::size_t bytes) const;
   void truncate_to_extents() noexcept;
+  void refuse_in_fork(const char* operation) const;
   std::string free_space_text() const;
 
   std::string dir_;
   std::string path_;
   std::size_t limit_;
   int fd_ = -1;
+  long owner_ = 0;  // the pid that created the file
   bool direct_ = false;
   bool can_fallocate_ = true;
   std::size_t held_ = 0;
