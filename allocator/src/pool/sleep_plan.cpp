@@ -43,23 +43,25 @@ void split_into_pieces(const Pool::State& s, ChunkPlan& plan, SleepLevel level) 
   if (run_hi != 0) flush();
 }
 
-// Step 2: one device hash call for every piece of the plan.
-void hash_pieces(Pool::State& s, SleepPlan& plan, TransitionReport& r) {
+// Step 2: one device hash call for every piece of the plan that `wanted` picks.
+template <typename Wanted>
+void hash_pieces(Pool::State& s, SleepPlan& plan, TransitionReport& r, Wanted wanted) {
   std::vector<HashRange> ranges;
   for (auto& cp : plan.chunks)
     for (auto& p : cp.pieces)
-      ranges.push_back(HashRange{reinterpret_cast<const void*>(cp.chunk->va + p.offset), p.bytes});
+      if (wanted(p)) ranges.push_back(HashRange{reinterpret_cast<const void*>(cp.chunk->va + p.offset), p.bytes});
   if (ranges.empty()) return;
   auto t = clock_type::now();
   std::vector<Hash128> hashes(ranges.size());
   s.driver.hash(ranges, hashes.data(), s.streams[0]);
   std::size_t k = 0;
   for (auto& cp : plan.chunks)
-    for (auto& p : cp.pieces) {
-      p.hash = hashes[k++];
-      p.hashed = true;
-      r.bytes_hashed += p.bytes;
-    }
+    for (auto& p : cp.pieces)
+      if (wanted(p)) {
+        p.hash = hashes[k++];
+        p.hashed = true;
+        r.bytes_hashed += p.bytes;
+      }
   r.phases.push_back({"hash", std::chrono::duration<double>(clock_type::now() - t).count()});
 }
 
@@ -174,11 +176,15 @@ void plan_offload(Pool::State& s, SleepPlan& plan, TransitionReport& r) {
     split_into_pieces(s, cp, plan.level);
     r.pieces += cp.pieces.size();
   }
-  if (s.options.skip_unchanged) hash_pieces(s, plan, r);
+  if (s.options.skip_unchanged) hash_pieces(s, plan, r, [](const Piece&) { return true; });
   std::size_t needed = 0;
   for (auto& cp : plan.chunks) needed += reuse_retained_copies(s, cp);
   const std::size_t growths = s.host.growths();
   take_host_spans(s, plan, needed);
+  // Bytes bound for the disk are checked at wake against the hash of what left the device: a
+  // file can change while it waits there (wake.cpp).
+  if (!s.options.skip_unchanged && s.host.spill() != nullptr)
+    hash_pieces(s, plan, r, [](const Piece& p) { return p.span.tier == HostTier::disk; });
   finish_pinning(s, growths, r);
 }
 

@@ -1,9 +1,9 @@
 // Wake, the engine's top level: wake_tags runs plan groups -> map pipeline (wake_pipeline.hpp)
 // -> apply or roll back, under the pool's lock for its whole duration.
 //
-// Verify: backups that were trusted at their sleep (retained copies not copied again) are hashed
-// on the device once restored and compared with the hash of the bytes they were made from
-// (HostCopy); a mismatch is filled with the poison pattern instead of handed back, its copy is
+// Verify: backups that were trusted at their sleep (retained copies not copied again) and every
+// backup on disk (the spill file can change while it waits there) are hashed on the device once
+// restored and compared with the hash of the bytes they were made from (HostCopy); a mismatch is filled with the poison pattern instead of handed back, its copy is
 // dropped, and the call throws naming the allocations and the tag.
 //
 // Apply: the groups whose restores were enqueued and synchronized are awake; their backups
@@ -94,7 +94,7 @@ void verify_trusted_restores(Pool::State& s, const std::vector<WakeGroup>& group
     if (!pipeline.mapped(g) || !pipeline.restored(g)) continue;
     for (Chunk* c : groups[g])
       for (auto& [off, b] : c->backups)
-        if (b.trusted && b.hashed) {
+        if (b.hashed && (b.trusted || b.span.tier == HostTier::disk)) {
           ranges.push_back(HashRange{reinterpret_cast<const void*>(c->va + off), b.bytes});
           which.push_back({c, off});
         }
@@ -118,8 +118,11 @@ void verify_trusted_restores(Pool::State& s, const std::vector<WakeGroup>& group
   for (const Checked& b : bad) {
     Chunk& c = *b.chunk;
     HostCopy& copy = c.backups.at(b.offset);
-    v.corrupted.push_back(fmt::format("[{:#x}, +{}) of tag '{}' ({})", c.va + b.offset, copy.bytes, c.tag,
-                                      allocations_in(c, b.offset, b.offset + copy.bytes)));
+    std::string where = copy.span.tier == HostTier::disk && s.host.spill() != nullptr
+                            ? fmt::format(", kept on disk in {}", s.host.spill()->path())
+                            : std::string();
+    v.corrupted.push_back(fmt::format("[{:#x}, +{}) of tag '{}' ({}){}", c.va + b.offset, copy.bytes, c.tag,
+                                      allocations_in(c, b.offset, b.offset + copy.bytes), where));
     if (v.unfinished.count(&c)) continue;  // keeps the copy: the next wake checks it again
     s.free_span(copy.span);
     c.backups.erase(b.offset);

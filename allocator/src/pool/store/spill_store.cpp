@@ -12,8 +12,11 @@
 
 #include <cerrno>
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <random>
+#include <set>
 #include <string_view>
 
 #include "torpor/error.hpp"
@@ -99,7 +102,41 @@ class FileSizeSignalGuard {
   bool was_pending_ = false;
 };
 
+// The stores of this process, so that a normal exit removes their files even where a pool is
+// never destroyed (the one behind PyTorch's allocator lives until the process ends). Never
+// destroyed itself: exit handlers and static destructors run in no order torpor controls.
+struct LiveStores {
+  std::mutex mu;
+  std::set<SpillStore*> stores;
+};
+
+LiveStores& live_stores() {
+  static auto* live = new LiveStores;
+  return *live;
+}
+
 }  // namespace
+
+void SpillStore::unlink_at_exit() noexcept {
+  LiveStores& live = live_stores();
+  std::lock_guard lock(live.mu);
+  for (SpillStore* s : live.stores) s->unlink_file();
+}
+
+void SpillStore::unlink_file() noexcept {
+  if (unlinked_ || forked() || fd_ < 0) return;
+  // The open descriptor keeps the bytes readable until it closes: a wake after this still works.
+  if (::unlink(path_.c_str()) != 0) log::error("spill: removing {} failed: {}", path_, errno_text(errno));
+  unlinked_ = true;
+}
+
+void SpillStore::register_live() {
+  static const bool registered = std::atexit([] { SpillStore::unlink_at_exit(); }) == 0;
+  if (!registered) log::warn("spill: cannot register the exit handler; {} stays if the pool outlives main()", path_);
+  LiveStores& live = live_stores();
+  std::lock_guard lock(live.mu);
+  live.stores.insert(this);
+}
 
 std::size_t SpillStore::remove_stale(const std::string& dir) {
   DIR* d = ::opendir(dir.c_str());
@@ -134,6 +171,7 @@ SpillStore::SpillStore(const std::string& dir, std::size_t limit) : dir_(dir), l
   if (std::size_t n = remove_stale(dir_); n > 0)
     log::info("spill: removed {} stale file(s) of processes that are gone from {}", n, dir_);
   open_file();
+  register_live();
 }
 
 void SpillStore::open_file() {
@@ -170,12 +208,13 @@ void SpillStore::refuse_in_fork(const char* operation) const {
 }
 
 SpillStore::~SpillStore() {
-  if (fd_ < 0) return;
-  if (forked()) {  // the parent's file: only this process's descriptor goes (the lock stays the parent's)
-    ::close(fd_);
-    return;
+  {
+    LiveStores& live = live_stores();
+    std::lock_guard lock(live.mu);
+    live.stores.erase(this);
   }
-  if (::unlink(path_.c_str()) != 0) log::error("spill: removing {} failed: {}", path_, errno_text(errno));
+  if (fd_ < 0) return;
+  unlink_file();  // not in a fork: the parent's file, of which only this process's descriptor goes
   ::close(fd_);
 }
 

@@ -7,7 +7,8 @@
 // while its process lives (the lock goes with the process, however it ends). Creating a store
 // first removes stale files of this user in the directory: a `.bin` whose lock can be taken (its
 // process is gone) and a `.tmp` whose pid no longer exists. A live process's file is never
-// removed. The destructor removes the store's own file.
+// removed. The destructor removes the store's own file, and so does a normal exit of the process
+// (an exit handler) for a store never destroyed; the open descriptor keeps the bytes readable.
 //
 // A forked child inherits the store and the open file (one file description, one lock, shared
 // with its parent): the file is the parent's. In the child the store reads but never writes,
@@ -77,6 +78,9 @@ class SpillStore {
   [[noreturn]] void throw_write_error(int err, std::uint64_t offset, std::size_t bytes) const;
   void truncate_to_extents() noexcept;
   void refuse_in_fork(const char* operation) const;
+  void register_live();
+  void unlink_file() noexcept;
+  static void unlink_at_exit() noexcept;
   std::string free_space_text() const;
 
   std::string dir_;
@@ -84,6 +88,7 @@ class SpillStore {
   std::size_t limit_;
   int fd_ = -1;
   long owner_ = 0;  // the pid that created the file
+  bool unlinked_ = false;
   bool direct_ = false;
   bool can_fallocate_ = true;
   std::size_t held_ = 0;
