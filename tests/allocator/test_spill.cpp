@@ -357,7 +357,8 @@ TYPED_TEST(SpillTest, ASpillFileChangedWhileAsleepIsReportedAtWakeNotRestored) {
       for (auto& it : items) write(pool, it.p, it.bytes);
       pool.sleep(1);
       pool.wake_up();
-      for (std::size_t i = 0; i < items.size(); ++i) ASSERT_EQ(read(pool, items[i].p, items[i].bytes.size()), items[i].bytes);
+      for (std::size_t i = 0; i < items.size(); ++i)
+        ASSERT_EQ(read(pool, items[i].p, items[i].bytes.size()), items[i].bytes);
     }
 }
 
@@ -589,7 +590,7 @@ TEST(Spill, AnUnusableDirectoryIsRefusedAtCreation) {
 // store shares the parent's file; it must leave the file and its bytes alone, and a spill in the
 // child is refused (the file is the parent's), so the parent wakes every byte afterwards.
 int child_wakes_changes_and_sleeps(Pool& pool, std::vector<std::pair<void*, std::vector<std::uint8_t>>>& items) {
-  ::alarm(60);  // a hang in the child fails the test instead of stalling it
+  ::alarm(60);     // a hang in the child fails the test instead of stalling it
   pool.wake_up();  // reading the parent's file is fine
   for (auto& [p, bytes] : items)
     if (read(pool, p, bytes.size()) != bytes) return 20;

@@ -1,10 +1,10 @@
 // Copies between device bytes and host spans; the design note is in host_copies.hpp.
 #include "pool/host_copies.hpp"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <chrono>
-
-#include <fmt/format.h>
 
 #include "torpor/error.hpp"
 

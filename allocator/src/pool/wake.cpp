@@ -3,8 +3,9 @@
 //
 // Verify: backups that were trusted at their sleep (retained copies not copied again) and every
 // backup on disk (the spill file can change while it waits there) are hashed on the device once
-// restored and compared with the hash of the bytes they were made from (HostCopy); a mismatch is filled with the poison pattern instead of handed back, its copy is
-// dropped, and the call throws naming the allocations and the tag.
+// restored and compared with the hash of the bytes they were made from (HostCopy); a mismatch
+// is filled with the poison pattern instead of handed back, its copy is dropped, and the call
+// throws naming the allocations and the tag.
 //
 // Apply: the groups whose restores were enqueued and synchronized are awake; their backups
 // become retained copies (skip_unchanged; trusted again only after the next sleep hashes the
