@@ -293,6 +293,8 @@ def capture_mrv2(torch, allocator, form, w, x):
             torch.launch(lambda: put(tmp, bytes((a + b) % 256 for a, b in zip(read(x), read(w)))))
             torch.launch(lambda: put(out, bytes((a + b) % 256 for a, b in zip(read(tmp), read(const)))))
             tmp.free()
+    p = torpor.Pool.torch(0)
+    assert p.contains(out.data_ptr()) and p.contains(const.data_ptr()), "graph memory is torpor's"
     put(const, bytes((i * 5 + 1) % 256 for i in range(N)))
     return g, out, const, pool, tags
 
@@ -321,7 +323,6 @@ def test_mrv2_graphs_captured_in_use_cudagraph_pool_live_in_torpor_sleep_and_rep
     assert allocator.current_tag == "default"
     assert [c[1] for c in torch.CUDAGraph.captures] == [tuple(pool)], "the capture went to the yielded pool"
     p = torpor.Pool.torch(0)
-    assert p.contains(out.data_ptr()) and p.contains(const.data_ptr()), "graph memory is torpor's"
     graph_stats = p.stats()["tags"]["cudagraph"]
     assert graph_stats["allocated_bytes"] >= 2 * MiB and graph_stats["mapped_bytes"] >= 2 * MiB
 
