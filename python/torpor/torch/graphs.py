@@ -71,11 +71,11 @@ import contextlib
 import ctypes
 import functools
 import logging
-import os
 import threading
 import weakref
 from dataclasses import dataclass, field
 
+from .. import environment
 from .._marks import Span
 from ..errors import InvalidArgument, InvalidState, Unavailable
 from ..pool import ClassLike, MemoryClass, Pool, to_memory_class
@@ -384,14 +384,13 @@ def nccl_graph_register_off() -> str:
     """Keep NCCL from registering torpor's graph memory (see the module note): sets
     NCCL_GRAPH_REGISTER=0 when unset, with one log line; warns once when the user set another
     value (it is theirs; NCCL reads it at communicator creation). Returns the value in force."""
-    value = os.environ.get("NCCL_GRAPH_REGISTER")
-    if value is None:
-        os.environ["NCCL_GRAPH_REGISTER"] = "0"
+    if environment.set_default("NCCL_GRAPH_REGISTER", "0"):
         _log.info(
             "torpor: set NCCL_GRAPH_REGISTER=0: NCCL graph registration would pin torpor's graph memory through "
             "sleep and go stale after wake"
         )
         return "0"
+    value = environment.text("NCCL_GRAPH_REGISTER")
     if value.strip() != "0" and not _nccl["warned"]:
         _nccl["warned"] = True
         _log.warning(
