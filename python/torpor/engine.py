@@ -24,7 +24,10 @@ The interface:
   sleep hook), so its marks and the sleep are one step. ``wake_up(tags)``, ``tag_states()``,
   ``stats()``, ``release_host_store()`` as torpor's.
 - ``use_pool(tag, memory_class)``: allocations of the block in torpor under that tag and class;
-  ``graph(...)``: a CUDA graph capture in a torpor graph pool (torpor.graph).
+  ``graph(...)``: a CUDA graph capture in a torpor graph pool (torpor.graph); ``graph_pool``,
+  ``capture_into(tag, memory_class)`` (every capture of the block in that graph pool),
+  ``capturing_into()``, ``release_graph_pool(tag)``, ``nccl_graph_register_off()``: as in
+  torpor.torch.graphs.
 - ``register_parameters(module, preserve)``: as torpor.register_parameters.
 - ``add_tag_hooks(tag, before_sleep=None, after_wake=None) -> id``: ``before_sleep(tag, level)``
   runs inside every sleep of `tag` (levels 1 and 2), after the re-mark and before anything moves:
@@ -80,6 +83,11 @@ def use_pool(tag: str, memory_class: ClassLike | None = None, device=None):
 
 
 graph = graphs.graph
+graph_pool = graphs.graph_pool
+capture_into = graphs.capture_into
+capturing_into = graphs.capturing_into
+release_graph_pool = graphs.release_graph_pool
+nccl_graph_register_off = graphs.nccl_graph_register_off
 register_parameters = parameters.register_parameters
 
 
@@ -217,12 +225,17 @@ __all__ = [
     "ClassPolicy",
     "add_tag_hooks",
     "as_runtime_errors",
+    "capture_into",
+    "capturing_into",
     "cuda_torch",
     "graph",
+    "graph_pool",
     "keep_everything",
     "memory_margin",
+    "nccl_graph_register_off",
     "read_host_copy",
     "register_parameters",
+    "release_graph_pool",
     "release_host_store",
     "remove_tag_hooks",
     "runtime_error",

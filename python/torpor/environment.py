@@ -65,6 +65,12 @@ VARIABLES: tuple[Variable, ...] = (
         on="1",
     ),
     Variable(
+        "NCCL_GRAPH_REGISTER",
+        "",
+        "NCCL's graph buffer registration: torpor's graph capture sets it to 0 when unset (torpor.graph)",
+        "text",
+    ),
+    Variable(
         "PYTHONPATH",
         "",
         "torpor.tms.configure_subprocess() puts the torch_memory_saver shim first on it for children",
@@ -112,6 +118,15 @@ def alloc_conf_true(key: str) -> bool:
             if k.strip() == key and value.strip().lower() == "true":
                 return True
     return False
+
+
+def set_default(name: str, value: str) -> bool:
+    """Set the variable to `value` when it is unset (or empty); whether it was set now."""
+    row = variable(name)
+    if os.environ.get(row.name):
+        return False
+    os.environ[row.name] = value
+    return True
 
 
 @contextlib.contextmanager

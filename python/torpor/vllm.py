@@ -39,10 +39,42 @@ discarded in full, as in vLLM.
 
 Every address is the same after wake (as in vLLM), so CUDA graphs replay. This mode uses torpor
 through torpor.engine only (the seam every engine mode is written against).
+
+Model Runner V2's graph pool (vLLM's CUDA graphs captured into the sleep pool). Read, not copied,
+from vLLM's public sources as stored in the code index (find_string/read_file ids; the index
+gives no commit for these files): the call sites in ``vllm/device_allocator/__init__.py``
+(index ids 66925547905 and 71337998459: ``CuMemAllocator.get_instance().use_cudagraph_pool(pool)``,
+``CuMemAllocator.instance.release_cudagraph_pool(pool)``, ``is_capturing_into_cumem_pool()``:
+``allocator.current_tag == CuMemAllocator.cudagraph_tag``), the newer graph-pool routing module
+(ids 71025779603, 71346200736, 71284111856: ``use_cudagraph_pool()`` with no argument, used as
+``with ... as graph_pool`` and followed by ``set_graph_pool_id(graph_pool)``;
+``release_cudagraph_pool()``), vLLM's test ``test_cudagraph_pool_sleep`` in
+``tests/basic_correctness/test_cumem.py`` (id 70104731465: the tag is ``"cudagraph"``, the graph
+pool is backed up at both sleep levels and woken by any wake) and its NCCL policy test (id
+71291901243: ``NCCL_GRAPH_REGISTER`` defaults to 0 with the cuMem graph pool). The defining
+``vllm/device_allocator/cumem.py`` revision is not in the index (its stored versions,
+e.g. commit 010c211270c004db49f91933849804821d153e4d, predate the graph pool).
+
+- ``cudagraph_tag`` ("cudagraph", vLLM's), ``current_tag``: the tag allocations go to now: the
+  cudagraph tag inside ``use_cudagraph_pool`` (what vLLM's custom all-reduce asks), the tag of
+  the innermost ``use_memory_pool`` block, else "default".
+- ``use_cudagraph_pool(pool=None)``: a context manager yielding torpor's graph pool id (tag
+  "cudagraph", class state) to capture into. Either call form works: the argument (vLLM's own
+  graph_pool_handle()) is accepted and not used, since every capture the thread begins inside
+  goes to torpor's pool whatever pool it names (torpor.engine.capture_into). So graphs live in
+  torpor: every sleep (levels 1 and 2, as vLLM) keeps their allocated blocks (static outputs,
+  constants a replay never writes) in host memory and gives every byte of device memory back;
+  any wake maps them back at the same addresses, and the same graphs replay. Entering it sets
+  NCCL_GRAPH_REGISTER=0 when unset (one log line; a warning when the user set another value):
+  NCCL's registrations would pin the graph memory through sleep and go stale after wake.
+- ``release_cudagraph_pool(pool=None)``: once the graphs are destroyed, their pool's memory goes
+  back to torpor and the next capture starts in a new, empty pool; a RuntimeError (InvalidState)
+  while a graph captured into it is alive or the tag is asleep.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Iterable
 
 from . import engine
@@ -65,6 +97,21 @@ def _tag_tuple(tags, what: str) -> tuple[str, ...]:
     return out
 
 
+def _check_pool(pool, what: str) -> None:
+    """vLLM passes its own graph pool handle (two ints) or nothing."""
+    if pool is None:
+        return
+    try:
+        first, second = pool
+        ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (first, second))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise runtime_error(
+            InvalidArgument(f"{what}: pool {pool!r} is not a CUDA graph pool handle (two ints); pass one or none")
+        )
+
+
 def _discard(tag: str, memory_class: MemoryClass, has_parameters: bool) -> MemoryClass:
     """Discarded tags: everything goes (vLLM), except in a tag holding registered parameters,
     whose other bytes are state and stay (torpor's upgrade; the parameters go at level 2)."""
@@ -76,6 +123,7 @@ class CuMemAllocator:
 
     instance: "CuMemAllocator | None" = None
     default_tag: str = "default"
+    cudagraph_tag: str = "cudagraph"  # vLLM's: the tag of Model Runner V2's graph pool
 
     @staticmethod
     def get_instance() -> "CuMemAllocator":
@@ -85,18 +133,50 @@ class CuMemAllocator:
 
     def __init__(self):
         self.last_reports: dict[str, dict] = {}  # what the last sleep, discard or wake_up did, per step
+        self._pool_tags: list[str] = []  # tags of the use_memory_pool blocks open now, innermost last
 
     # -- pools -------------------------------------------------------------------------------
 
+    @property
+    def current_tag(self) -> str:
+        """The tag allocations go to now (see the module note)."""
+        if engine.capturing_into() == self.cudagraph_tag:
+            return self.cudagraph_tag
+        return self._pool_tags[-1] if self._pool_tags else self.default_tag
+
+    @contextlib.contextmanager
+    def _tagged(self, tag: str):
+        with engine.use_pool(tag):
+            self._pool_tags.append(tag)
+            try:
+                yield
+            finally:
+                self._pool_tags.pop()
+
     def use_memory_pool(self, tag: str | None = None):
         tag = self.default_tag if tag is None else tag
-        return engine.use_pool(_tag_tuple(tag, "use_memory_pool")[0])
+        return self._tagged(_tag_tuple(tag, "use_memory_pool")[0])
 
     def reuse_memory_pool(self, tag: str):
         """Re-enter the pool of a tag used before; ValueError for one never used."""
         if tag not in engine.tag_states():
             raise runtime_error(InvalidArgument(f"Memory pool for tag '{tag}' does not exist."))
-        return engine.use_pool(tag)
+        return self._tagged(tag)
+
+    @contextlib.contextmanager
+    def use_cudagraph_pool(self, pool: tuple[int, int] | None = None):
+        """Capture CUDA graphs into torpor's graph pool; yields its id (see the module note)."""
+        _check_pool(pool, "use_cudagraph_pool")
+        with contextlib.ExitStack() as scope:
+            with as_runtime_errors():
+                graph_pool = scope.enter_context(engine.capture_into(self.cudagraph_tag, MemoryClass.STATE))
+            yield graph_pool
+
+    def release_cudagraph_pool(self, pool: tuple[int, int] | None = None) -> int:
+        """Give the graph pool's memory back once its graphs are destroyed; returns the bytes."""
+        _check_pool(pool, "release_cudagraph_pool")
+        with as_runtime_errors():
+            return engine.release_graph_pool(self.cudagraph_tag)
 
     def get_current_usage(self) -> int:
         """Bytes of the segments PyTorch holds in torpor, asleep or not (vLLM: the handles' sizes)."""
@@ -111,6 +191,7 @@ class CuMemAllocator:
 
     def sleep(self, offload_tags: tuple[str, ...] | str | None = None) -> None:
         offload = (self.default_tag,) if offload_tags is None else _tag_tuple(offload_tags, "sleep")
+        offload = offload + (self.cudagraph_tag,)  # vLLM backs the graph pool up at every level
         awake = [t for t, asleep in sorted(engine.tag_states().items()) if not asleep]
         with as_runtime_errors():
             self.last_reports = {

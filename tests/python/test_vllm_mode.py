@@ -249,3 +249,154 @@ def test_a_failed_wake_is_a_runtime_error_with_torpors_message_and_can_be_repeat
     assert out.returncode == 0, out.stdout + out.stderr
     assert "raised: torpor_wake_up: " in out.stdout and "out of" in out.stdout.lower()
     assert "woke after the memory came back" in out.stdout
+
+
+# -- Model Runner V2's graph pool (use_cudagraph_pool) -----------------------------------------
+# vLLM's contract, from its test_cudagraph_pool_sleep (tests/basic_correctness/test_cumem.py): graphs
+# captured inside use_cudagraph_pool allocate under the tag "cudagraph", the pool is backed up at
+# both sleep levels and woken by any wake, and a constant allocated in the capture and never
+# written by a replay comes back. The oracle: bytewise arithmetic on the inputs, written here.
+
+N = 4096  # bytes per vector
+
+
+@pytest.fixture
+def graph_torch(torch, monkeypatch):
+    from torpor.torch import graphs
+
+    monkeypatch.setattr(graphs, "_registry", graphs._Registry(graphs.threading.RLock(), {}, {}, []))
+    monkeypatch.setattr(fake_torch.graph, "default_capture_stream", None)
+    monkeypatch.setattr(fake_torch.CUDAGraph, "captures", [])  # the fake's log would keep graphs alive
+    monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)
+    yield torch
+
+
+def put(t, data: bytes):
+    torpor.Pool.torch(0).write(t.data_ptr(), data)
+
+
+def capture_mrv2(torch, allocator, form, w, x):
+    """out = x + w + const, bytewise, through an intermediate freed during capture; const is
+    allocated inside the capture and filled after it (a replay never writes it). `form`: vLLM's
+    two call forms: use_cudagraph_pool() capturing into the pool it yields, or
+    use_cudagraph_pool(handle) with the capture naming vLLM's own handle."""
+    g = torch.cuda.CUDAGraph()
+    handle = (987654, 0)  # vLLM's graph_pool_handle(): a PyTorch pool outside torpor
+    ctx = allocator.use_cudagraph_pool() if form == "yielded" else allocator.use_cudagraph_pool(handle)
+    tags = []
+    with ctx as pool:
+        with torch.cuda.graph(g, pool=pool if form == "yielded" else handle, stream=torch.cuda.Stream()):
+            tags.append(allocator.current_tag)
+            tmp = torch.empty(N)
+            const = torch.empty(N)
+            out = torch.empty(N)
+            torch.launch(lambda: put(tmp, bytes((a + b) % 256 for a, b in zip(read(x), read(w)))))
+            torch.launch(lambda: put(out, bytes((a + b) % 256 for a, b in zip(read(tmp), read(const)))))
+            tmp.free()
+    p = torpor.Pool.torch(0)
+    assert p.contains(out.data_ptr()) and p.contains(const.data_ptr()), "graph memory is torpor's"
+    put(const, bytes((i * 5 + 1) % 256 for i in range(N)))
+    return g, out, const, pool, tags
+
+
+def oracle(x: bytes, w: bytes, c: bytes) -> bytes:
+    return bytes((a + b + d) % 256 for a, b, d in zip(x, w, c))
+
+
+@pytest.mark.parametrize("level", [1, 2])
+@pytest.mark.parametrize("form", ["yielded", "handle"])
+def test_mrv2_graphs_captured_in_use_cudagraph_pool_live_in_torpor_sleep_and_replay(graph_torch, form, level):
+    torch = graph_torch
+    allocator = CuMemAllocator.get_instance()
+    assert CuMemAllocator.cudagraph_tag == "cudagraph", "vLLM's tag (is_capturing_into_cumem_pool reads it)"
+    with allocator.use_memory_pool(tag="weights"):
+        assert allocator.current_tag == "weights"
+        w = torch.empty(N)
+    with allocator.use_memory_pool(tag="kv_cache"):
+        x = torch.empty(N)
+    assert allocator.current_tag == "default"
+    w_bytes = pattern(N, 3)
+    put(w, w_bytes)
+
+    g, out, const, pool, tags = capture_mrv2(torch, allocator, form, w, x)
+    assert tags == ["cudagraph"], "current_tag reads the cudagraph tag while capturing"
+    assert allocator.current_tag == "default"
+    assert [c[1] for c in torch.CUDAGraph.captures] == [tuple(pool)], "the capture went to the yielded pool"
+    p = torpor.Pool.torch(0)
+    graph_stats = p.stats()["tags"]["cudagraph"]
+    assert graph_stats["allocated_bytes"] >= 2 * MiB and graph_stats["mapped_bytes"] >= 2 * MiB
+
+    c_bytes = read(const)
+    x_bytes = pattern(N, 9)
+    put(x, x_bytes)
+    g.replay()
+    assert read(out) == oracle(x_bytes, w_bytes, c_bytes)
+    allocator.sleep(offload_tags=("weights",) if level == 1 else ())
+    asleep = p.stats()["tags"]["cudagraph"]
+    assert asleep["asleep"] and asleep["mapped_bytes"] == 0, "sleep gave the graph memory back"
+    assert asleep["offloaded_bytes"] == 2 * N, "the graph's allocated blocks (out, const) are backed up"
+    allocator.wake_up(["kv_cache"])  # any wake wakes the graph pool (it is not deferrable)
+    assert not p.stats()["tags"]["cudagraph"]["asleep"]
+    allocator.wake_up(["weights"])
+    if level == 2:
+        put(w, w_bytes)  # level 2 discarded the weights: the engine reloads them
+    assert read(const) == c_bytes, "a constant the replay never writes survives the sleep"
+    x_bytes = pattern(N, 11)
+    put(x, x_bytes)
+    g.replay()  # the same graph, no re-capture
+    assert read(out) == oracle(x_bytes, w_bytes, c_bytes)
+    assert len(torch.CUDAGraph.captures) == 1
+
+
+def test_release_cudagraph_pool_frees_the_pool_once_its_graphs_are_gone(graph_torch):
+    torch = graph_torch
+    allocator = CuMemAllocator.get_instance()
+    with allocator.use_memory_pool(tag="weights"):
+        w = torch.empty(N)
+    with allocator.use_memory_pool(tag="kv_cache"):
+        x = torch.empty(N)
+    g, out, const, pool, _ = capture_mrv2(torch, allocator, "yielded", w, x)
+    p = torpor.Pool.torch(0)
+    before = p.stats()["tags"]["cudagraph"]["allocated_bytes"]
+    with pytest.raises(RuntimeError, match="still alive") as info:
+        allocator.release_cudagraph_pool()
+    assert isinstance(info.value, torpor.InvalidState)
+    assert p.stats()["tags"]["cudagraph"]["allocated_bytes"] == before, "nothing released while a graph lives"
+    out.free()
+    const.free()
+    del g, out, const
+    torch.CUDAGraph.captures.clear()
+    assert allocator.release_cudagraph_pool() == before >= 2 * MiB
+    assert p.stats()["tags"]["cudagraph"]["allocated_bytes"] == 0
+    with allocator.use_cudagraph_pool() as again:
+        assert tuple(again) != tuple(pool), "a recapture starts in a new, empty pool"
+    assert allocator.release_cudagraph_pool() == 0
+    with pytest.raises(RuntimeError, match="not a CUDA graph pool handle") as info:
+        allocator.release_cudagraph_pool("pool")
+    assert isinstance(info.value, torpor.InvalidArgument)
+
+
+def test_use_cudagraph_pool_turns_nccl_graph_registration_off(graph_torch, monkeypatch, caplog):
+    import os
+
+    from torpor.torch import graphs
+
+    allocator = CuMemAllocator.get_instance()
+    caplog.set_level("INFO", logger="torpor")
+    with allocator.use_cudagraph_pool():
+        assert os.environ["NCCL_GRAPH_REGISTER"] == "0"
+    with allocator.use_cudagraph_pool():
+        pass
+    lines = [r for r in caplog.records if "NCCL_GRAPH_REGISTER" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelname == "INFO", "one line, when torpor sets it"
+
+    caplog.clear()
+    monkeypatch.setitem(graphs._nccl, "warned", False)
+    monkeypatch.setenv("NCCL_GRAPH_REGISTER", "1")
+    for _ in range(2):
+        with allocator.use_cudagraph_pool():
+            pass
+    assert os.environ["NCCL_GRAPH_REGISTER"] == "1", "the user's value is theirs"
+    lines = [r for r in caplog.records if "NCCL_GRAPH_REGISTER" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelname == "WARNING"
+    assert "pin" in lines[0].getMessage() and "stale after wake" in lines[0].getMessage()

@@ -46,6 +46,15 @@ What PyTorch does with a capture's memory, and what torpor does with it:
   capture and its pool): for a torpor graph pool they set the capturing thread's torpor tag
   and class and turn off expandable segments for the capture; any other capture is passed
   through untouched.
+- capture_into(tag) (what torpor.vllm's use_cudagraph_pool rests on): inside it, every capture
+  the thread begins goes to torpor's graph pool of `tag`, whatever pool the engine names (its
+  own graph_pool_handle(), or none). release_graph_pool(tag) gives that pool's memory back once
+  its graphs are destroyed; the next capture starts in a new, empty pool (a new id).
+- NCCL graph registration (NCCL_GRAPH_REGISTER, on by default in NCCL) registers the buffers a
+  captured collective uses: the registration holds the memory's handles, so a sleep cannot give
+  it back, and after wake remaps the pool it points at the old mapping (hangs, wrong results;
+  vLLM forbids it for its sleep pool). nccl_graph_register_off() sets NCCL_GRAPH_REGISTER=0 when
+  unset (one log line) and warns once when the user set another value; capture_into calls it.
 - No CUDA graph memory node: torpor cannot release memory that CUDA's own graph allocator
   owns (a library calling cudaMallocAsync during capture adds MEM_ALLOC/MEM_FREE nodes). When
   the graph was made with keep_graph=True, torpor.graph walks its nodes after capture and
@@ -61,10 +70,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import logging
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from .. import environment
 from .._marks import Span
 from ..errors import InvalidArgument, InvalidState, Unavailable
 from ..pool import ClassLike, MemoryClass, Pool, to_memory_class
@@ -90,10 +101,14 @@ class _Registry:
     streams: dict  # (tag, device) -> torch.cuda.Stream
     state: list  # (weakref to a tensor, name) declared state by mark_state
     hooked: bool = False
+    graphs: list = field(default_factory=list)  # (weakref to a CUDAGraph, pool id) of torpor captures
 
 
 _registry = _Registry(threading.RLock(), {}, {}, [])
 _capturing = threading.local()  # .depth: torpor.graph captures underway on this thread
+_redirect = threading.local()  # .target: (tag, class) every capture of this thread goes to (capture_into)
+_log = logging.getLogger(__name__)
+_nccl = {"warned": False}
 
 
 def _pool_id(pool) -> tuple | None:
@@ -202,6 +217,16 @@ def _install_capture_hook(torch) -> None:
             key = _pool_id(pool) if pool is not None else None
             with _registry.lock:
                 entry = _registry.pools.get(key) if key is not None else None
+            target = getattr(_redirect, "target", None)
+            if entry is None and target is not None:  # inside capture_into: torpor's pool instead
+                entry = _graph_pool(torch, target[0], target[1], torch.cuda.current_device())
+                if "pool" in kwargs or not args:
+                    kwargs["pool"] = entry.id
+                else:
+                    args = (entry.id,) + args[1:]
+            if entry is not None:
+                with _registry.lock:
+                    _registry.graphs.append((weakref.ref(self), entry.id))
             if entry is None or getattr(_capturing, "depth", 0) > 0:  # not torpor's, or torpor.graph's own
                 return begin(self, *args, **kwargs)
             scope = contextlib.ExitStack()
@@ -296,6 +321,84 @@ def graph(
             f"capture): that memory belongs to CUDA's graph allocator, outside torpor, and stays resident while "
             f"asleep; give the library a workspace from a torpor pool instead"
         )
+
+
+@contextlib.contextmanager
+def capture_into(tag: str = CUDA_GRAPH, memory_class: ClassLike = MemoryClass.CACHE):
+    """Inside, every CUDA graph capture this thread begins (CUDAGraph.capture_begin, hence
+    torch.cuda.graph too) allocates from torpor's graph pool of `tag` on the capturing device,
+    whatever pool it names: none, or an engine's own graph_pool_handle() (a capture naming a
+    torpor graph pool keeps that one). Yields the pool id on the current device, to pass as
+    `pool` where the engine takes one. Sets NCCL_GRAPH_REGISTER=0 when unset
+    (nccl_graph_register_off). Nests; the previous target comes back at exit."""
+    torch = cuda_torch()
+    entry = _graph_pool(torch, tag, to_memory_class(memory_class), torch.cuda.current_device())
+    nccl_graph_register_off()
+    previous = getattr(_redirect, "target", None)
+    _redirect.target = (entry.tag, entry.memory_class)
+    try:
+        yield entry.id
+    finally:
+        _redirect.target = previous
+
+
+def capturing_into() -> str | None:
+    """The tag capture_into routes this thread's captures to, or None outside it."""
+    target = getattr(_redirect, "target", None)
+    return None if target is None else target[0]
+
+
+def release_graph_pool(tag: str = CUDA_GRAPH, device=None) -> int:
+    """Give back the memory of torpor's graph pool of `tag` on `device` (default: current) once
+    its graphs are destroyed, so that the next capture into `tag` starts from an empty pool (a
+    new MemPool, a new id). Segments still holding a live tensor (an output kept after its
+    graph) stay. Returns the bytes given back (0 when there is no such pool). InvalidState, with
+    nothing released, while a CUDA graph captured into the pool is alive or the tag is asleep."""
+    torch = cuda_torch()
+    dev = device_index(torch, device)
+    with _registry.lock:
+        entry = next((e for e in _registry.pools.values() if (e.tag, e.device) == (tag, dev)), None)
+        if entry is None:
+            return 0
+        _registry.graphs = [(ref, pid) for ref, pid in _registry.graphs if ref() is not None]
+        alive = sum(1 for _, pid in _registry.graphs if pid == entry.id)
+        if alive:
+            raise InvalidState(
+                f"release_graph_pool: {alive} CUDA graph(s) captured into the graph pool of tag '{tag}' on device "
+                f"{dev} are still alive and replay from its memory; drop every reference to them first"
+            )
+        tag_stats = Pool.torch(dev).stats()["tags"].get(tag)
+        if tag_stats is not None and tag_stats["asleep"]:
+            raise InvalidState(
+                f"release_graph_pool: tag '{tag}' is asleep on device {dev}; wake_up(['{tag}']) before releasing it"
+            )
+        with routing.registry.lock:
+            mine = [p for p in routing.pools_of(tag, dev) if tuple(p.mempool.id) == entry.id]
+            released = sum(routing.release_empty_segments(p, dev, tag) for p in mine)
+            if any(p.retired for p in mine):
+                del _registry.pools[entry.id]  # the next graph_pool(tag) makes a new MemPool
+        return released
+
+
+def nccl_graph_register_off() -> str:
+    """Keep NCCL from registering torpor's graph memory (see the module note): sets
+    NCCL_GRAPH_REGISTER=0 when unset, with one log line; warns once when the user set another
+    value (it is theirs; NCCL reads it at communicator creation). Returns the value in force."""
+    if environment.set_default("NCCL_GRAPH_REGISTER", "0"):
+        _log.info(
+            "torpor: set NCCL_GRAPH_REGISTER=0: NCCL graph registration would pin torpor's graph memory through "
+            "sleep and go stale after wake"
+        )
+        return "0"
+    value = environment.text("NCCL_GRAPH_REGISTER")
+    if value.strip() != "0" and not _nccl["warned"]:
+        _nccl["warned"] = True
+        _log.warning(
+            "torpor: NCCL_GRAPH_REGISTER=%s: NCCL registrations of graph buffers pin torpor's memory through sleep "
+            "and go stale after wake (hangs, wrong results); unset it or set it to 0",
+            value,
+        )
+    return value
 
 
 # -- state -------------------------------------------------------------------------------------
@@ -430,6 +533,8 @@ def graph_memory(device: int | None = None) -> dict:
 
 __all__ = [
     "GraphPool",
+    "capture_into",
+    "capturing_into",
     "graph",
     "graph_memory",
     "graph_pool",
@@ -437,5 +542,7 @@ __all__ = [
     "is_graph_pool",
     "mark_state",
     "memory_nodes",
+    "nccl_graph_register_off",
+    "release_graph_pool",
     "state_spans",
 ]
