@@ -14,6 +14,7 @@
 
 #include "torpor/callback_group.hpp"
 #include "torpor/collective_sleep.hpp"
+#include "torpor/backend.hpp"
 #include "torpor/host_driver.hpp"
 #include "torpor/testing/fault_injecting_driver.hpp"
 #include "torpor/torpor.h"
@@ -73,7 +74,7 @@ std::vector<std::uint8_t> pattern(int rank, int item, std::size_t n) {
 
 // One rank's pool: two tags, state class (kept bit-exact at every level).
 struct Rank {
-  explicit Rank(int r) : rank(r), faulty(host), pool(faulty, options()) {
+  explicit Rank(int r) : rank(r), host(driver_options()), faulty(host), pool(faulty, options()) {
     for (int i = 0; i < 4; ++i) {
       AllocationOptions a;
       a.tag = i % 2 ? "kv_cache" : "weights";
@@ -84,6 +85,12 @@ struct Rank {
       pool.copy(p, bytes.data(), n);
       items.push_back({p, n});
     }
+  }
+  // TORPOR_HOST_MODE picks the emulator's mode (CI runs these tests in both).
+  static HostDriverOptions driver_options() {
+    HostDriverOptions o;
+    o.async = host_driver_options_from_env().async;
+    return o;
   }
   static PoolOptions options() {
     PoolOptions o;

@@ -9,6 +9,7 @@
 
 #include "support/processes.hpp"
 #include "torpor/error.hpp"
+#include "torpor/backend.hpp"
 #include "torpor/host_driver.hpp"
 #include "torpor/symmetric.hpp"
 #include "torpor/testing/fault_injecting_driver.hpp"
@@ -18,8 +19,10 @@ namespace {
 
 using namespace std::chrono_literals;
 
+// TORPOR_HOST_MODE picks the emulator's mode (CI runs these tests in both).
 HostDriverOptions host_options(int devices = 8, bool multicast_attribute = true) {
   HostDriverOptions o;
+  o.async = host_driver_options_from_env().async;
   o.devices = devices;
   o.device_bytes = std::size_t{256} << 20;
   o.granularity = std::size_t{64} << 10;

@@ -17,6 +17,7 @@ namespace {
 
 constexpr std::array<std::string_view, 5> log_levels = {"off", "error", "warn", "info", "debug"};
 constexpr std::array<std::string_view, 3> backends = {"auto", "host", "cuda"};
+constexpr std::array<std::string_view, 2> host_modes = {"sync", "async"};
 
 constexpr std::int64_t max_host_devices = 64;
 // The host backend only accounts device memory; the bound keeps every sum of sizes far from
@@ -29,7 +30,7 @@ constexpr std::int64_t max_group_timeout_ms = std::int64_t{24} * 60 * 60 * 1000;
 constexpr std::int64_t max_world_size = 65536;
 
 // clang-format off
-constexpr std::array<Option, 14> rows = {{
+constexpr std::array<Option, 15> rows = {{
   {id::log, "TORPOR_LOG", "warn", "log level: off, error, warn, info or debug (any case)",
    kind::choice, 0, 0, log_levels},
   {id::backend, "TORPOR_BACKEND", "auto",
@@ -40,6 +41,10 @@ constexpr std::array<Option, 14> rows = {{
   {id::host_device_memory, "TORPOR_HOST_DEVICE_MEMORY", "16G",
    "the host backend's memory per emulated device (bytes; K, M, G, T suffixes)",
    kind::size, 1, max_host_device_memory},
+  {id::host_mode, "TORPOR_HOST_MODE", "sync",
+   "the host backend's device work: sync (done when a call returns) or async (queued on emulated streams with "
+   "random delays, so a missing wait shows; any case)",
+   kind::choice, 0, 0, host_modes},
   {id::group_timeout_ms, "TORPOR_GROUP_TIMEOUT_MS", "60000", "bound on every group wait, in milliseconds (at most 24 h)",
    kind::integer, 1, max_group_timeout_ms},
   {id::group_rendezvous, "TORPOR_GROUP_RENDEZVOUS", "",
@@ -216,6 +221,8 @@ log::level log_level() {
 }
 
 std::string backend() { return *value(id::backend); }
+
+bool host_async() { return *value(id::host_mode) == "async"; }
 
 int host_devices() { return static_cast<int>(integer_value(id::host_devices)); }
 

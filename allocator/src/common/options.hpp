@@ -7,7 +7,7 @@
 //   - an empty value counts as unset;
 //   - a value that does not parse is an invalid_argument naming the variable, the text and the
 //     accepted values or range; it never silently becomes the default;
-//   - choices (TORPOR_LOG, TORPOR_BACKEND) match in any case;
+//   - choices (TORPOR_LOG, TORPOR_BACKEND, TORPOR_HOST_MODE) match in any case;
 //   - the kill switches keep the multicast policy's meaning of "set": any value except empty,
 //     0, false, no, off (any case) for the disable switches; NCCL_NVLS_ENABLE counts when it
 //     is one of 0, false, no, off.
@@ -32,6 +32,7 @@ enum class id {
   backend,
   host_devices,
   host_device_memory,
+  host_mode,
   group_timeout_ms,
   group_rendezvous,
   rank,
@@ -83,6 +84,7 @@ std::string validate(const Option& o, std::string_view text);
 // Typed values: the environment's when set (validated), else the table's default.
 log::level log_level();                         // TORPOR_LOG
 std::string backend();                          // TORPOR_BACKEND: "auto", "host" or "cuda"
+bool host_async();                               // TORPOR_HOST_MODE=async: the host backend queues device work
 int host_devices();                             // TORPOR_HOST_DEVICES
 std::size_t host_device_memory();               // TORPOR_HOST_DEVICE_MEMORY, bytes
 std::chrono::milliseconds group_timeout();      // TORPOR_GROUP_TIMEOUT_MS

@@ -57,6 +57,7 @@ HostDriverOptions host_driver_options_from_env() {
   HostDriverOptions o;
   o.devices = options::host_devices();
   o.device_bytes = options::host_device_memory();
+  o.async = options::host_async();
   return o;
 }
 
