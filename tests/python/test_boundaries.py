@@ -80,3 +80,104 @@ def test_group_refuses_collectives_that_cannot_be_called():
         tdist.Group(0, 1, None, lambda: None)
     with pytest.raises(torpor.InvalidArgument, match="barrier"):
         tdist.Group(0, 1, lambda data: [data], "barrier")
+
+
+# -- torpor.Pool: sizes and addresses --------------------------------------------------------
+
+WRAPS = [2**64 + 8, 2**64, -1, 1.5, True, "8", None]
+
+
+def classes(pool, tag="w"):
+    return {c: v["allocated_bytes"] for c, v in pool.stats()["tags"][tag]["classes"].items()}
+
+
+@pytest.mark.parametrize("nbytes", WRAPS)
+def test_mark_ranges_refuses_sizes_a_size_t_cannot_hold(pool, nbytes):
+    p = pool.alloc(MiB, "w", "state")
+    with pytest.raises(torpor.InvalidArgument, match="range 1"):
+        pool.mark_ranges([(p, 4096, "parameter"), (p, nbytes, "parameter")])
+    assert classes(pool) == {"cache": 0, "parameter": 0, "state": MiB}, "nothing was marked"
+
+
+@pytest.mark.parametrize("ptr", WRAPS)
+def test_mark_ranges_refuses_addresses_a_pointer_cannot_hold(pool, ptr):
+    p = pool.alloc(MiB, "w", "state")
+    if isinstance(ptr, int) and not isinstance(ptr, bool) and ptr >= 2**64:
+        ptr += p  # would wrap to p itself
+    with pytest.raises(torpor.InvalidArgument, match="range 0"):
+        pool.mark_ranges([(ptr, 8, "parameter")])
+    assert classes(pool) == {"cache": 0, "parameter": 0, "state": MiB}, "nothing was marked"
+
+
+@pytest.mark.parametrize("bad", [5, None, (1, 2), "ab"])
+def test_mark_ranges_refuses_what_is_not_a_list_of_ranges(pool, bad):
+    pool.alloc(MiB, "w", "state")
+    with pytest.raises(torpor.InvalidArgument, match="mark_ranges"):
+        pool.mark_ranges(bad if bad is None or isinstance(bad, int) else [bad])
+    assert classes(pool)["state"] == MiB
+
+
+@pytest.mark.parametrize("name", [5, b"w", "w\0x", "w\ud800"])
+def test_mark_ranges_refuses_names_the_c_api_cannot_carry(pool, name):
+    p = pool.alloc(MiB, "w", "state")
+    with pytest.raises(torpor.InvalidArgument, match="name"):
+        pool.mark_ranges([(p, MiB, "parameter", "ok"), (p, 8, "parameter", name)])
+    assert classes(pool)["state"] == MiB, "nothing was marked"
+
+
+def test_mark_ranges_still_marks_valid_ranges(pool):
+    p = pool.alloc(MiB, "w", "state")
+    pool.mark_ranges([(p, 4096, "parameter", "a"), (p + 4096, 4096, torpor.MemoryClass.CACHE)])
+    assert classes(pool) == {"cache": 4096, "parameter": 4096, "state": MiB - 8192}
+
+
+@pytest.mark.parametrize("ptr", [2**64, 2**64 + 1, -1, 1.5, True, "x", None])
+def test_pointer_arguments_are_range_checked_before_the_c_api(pool, ptr):
+    p = pool.alloc(MiB, "w")
+    wrapped = ptr + p if isinstance(ptr, int) and not isinstance(ptr, bool) and ptr >= 2**64 else ptr
+    with pytest.raises(torpor.InvalidArgument, match="ptr"):
+        pool.free(wrapped)
+    with pytest.raises(torpor.InvalidArgument, match="ptr"):
+        pool.find(wrapped)
+    with pytest.raises(torpor.InvalidArgument, match="ptr"):
+        pool.contains(wrapped)
+    with pytest.raises(torpor.InvalidArgument, match="ptr"):
+        pool.write(wrapped, b"x")
+    with pytest.raises(torpor.InvalidArgument, match="ptr"):
+        pool.read(wrapped, 1)
+    assert pool.find(p) == (p, MiB), "the allocation is still there"
+
+
+@pytest.mark.parametrize("hook_id", [2**64 + 1, -1, 1.5, True, "1", None])
+def test_remove_sleep_hook_refuses_ids_a_c_integer_cannot_hold(pool, hook_id):
+    calls = []
+    pool.add_sleep_hook(lambda level, tags: calls.append(tags))
+    with pytest.raises(torpor.InvalidArgument, match="hook_id"):
+        pool.remove_sleep_hook(hook_id)
+    pool.alloc(MiB, "w")
+    pool.sleep(1)
+    assert calls == [["w"]], "the hook is still installed"
+
+
+@pytest.mark.parametrize("device", [2**32, 2**40, -1, 1.5, True, "0"])
+def test_torch_pool_refuses_devices_a_c_int_cannot_hold(device):
+    with pytest.raises(torpor.InvalidArgument, match="device"):
+        torpor.Pool.torch(device)
+
+
+@pytest.mark.parametrize("data", ["text", 5, None, [1, 2]])
+def test_write_refuses_data_that_is_not_bytes(pool, data):
+    p = pool.alloc(MiB, "w")
+    pool.write(p, b"\x01" * 8)
+    with pytest.raises(torpor.InvalidArgument, match="write: data"):
+        pool.write(p, data)
+    assert pool.read(p, 8) == b"\x01" * 8
+
+
+@pytest.mark.parametrize("call", ["sleep", "wake_up", "set_preserve"])
+def test_lists_of_tags_or_globs_that_are_not_iterable_are_typed_errors(pool, call):
+    pool.alloc(MiB, "w")
+    args = {"sleep": (1, 5), "wake_up": (5,), "set_preserve": (5,)}[call]
+    with pytest.raises(torpor.InvalidArgument, match="not iterable"):
+        getattr(pool, call)(*args)
+    assert not pool.stats()["tags"]["w"]["asleep"]
