@@ -65,8 +65,35 @@ def to_memory_class(value: ClassLike) -> MemoryClass:
 def _choice(table: dict, value: str, what: str) -> int:
     try:
         return table[value]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: an unhashable value, e.g. a list
         raise InvalidArgument(f"unknown {what} '{value}' (expected {', '.join(table)})") from None
+
+
+def _spill_dir(value) -> bytes | None:
+    """spill_dir for the C API: None for none (None or ""), else the path's bytes, which must be
+    UTF-8 (the pool reports its spill path as JSON text, so a path that is not UTF-8 would fail
+    every stats() call for the pool's life) and hold no NUL (the C string would end there)."""
+    if value is None:
+        return None
+    try:
+        path = os.fspath(value)
+    except TypeError:
+        raise InvalidArgument(
+            f"spill_dir {value!r} is not a path (give a str, bytes or os.PathLike, or None for no disk tier)"
+        ) from None
+    raw = os.fsencode(path)  # a str path's undecodable bytes come back as they are on disk
+    if not raw:
+        return None
+    if b"\0" in raw:
+        raise InvalidArgument(f"spill_dir {path!r} holds a NUL character (C strings end there): remove it")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidArgument(
+            f"spill_dir {path!r} is not valid UTF-8 (torpor reports the spill path as text): choose a directory "
+            f"whose path is UTF-8"
+        ) from None
+    return raw
 
 
 def _size(value, what: str, accepted: str) -> int:
@@ -96,7 +123,8 @@ def pool_options(
     (Pool.release_host_store() gives it back); host_store_limit caps page-locked host bytes
     (0 = none); beyond it backups go to pageable memory, or with spill_dir to a file there (at
     most spill_limit bytes, 0 = what the disk holds); host_store_prepare starts page-locking
-    that many bytes in the background when the pool is created."""
+    that many bytes in the background when the pool is created. spill_dir must be UTF-8 without
+    NUL (InvalidArgument otherwise)."""
     o = _lib.PoolOptions()
     _lib.lib().torpor_pool_options_init(ctypes.byref(o))
     o.device = whole(device, "device", 0, INT_MAX)
@@ -108,8 +136,9 @@ def pool_options(
     o.host_store_limit = _size(host_store_limit, "host_store_limit", "0 = no limit")
     o.host_store_prepare = _size(host_store_prepare, "host_store_prepare", "0 = none")
     o.spill_limit = _size(spill_limit, "spill_limit", "0 = what the disk holds")
-    if spill_dir is not None and os.fspath(spill_dir) != "":
-        o.spill_dir = os.fsencode(spill_dir)  # the C API copies it; ctypes keeps the bytes alive until then
+    spill = _spill_dir(spill_dir)
+    if spill is not None:
+        o.spill_dir = spill  # the C API copies it; ctypes keeps the bytes alive until then
     return o
 
 

@@ -4,6 +4,9 @@ is meant, strings the C API would cut at a NUL, and tags that collide with torpo
 Each is refused with a typed torpor error naming the argument, before anything changes; the
 oracle is the pool's own statistics and report after the refusal."""
 
+import os
+import pathlib
+
 import pytest
 
 import torpor
@@ -181,3 +184,54 @@ def test_lists_of_tags_or_globs_that_are_not_iterable_are_typed_errors(pool, cal
     with pytest.raises(torpor.InvalidArgument, match="not iterable"):
         getattr(pool, call)(*args)
     assert not pool.stats()["tags"]["w"]["asleep"]
+
+
+# -- spill_dir and pool options -----------------------------------------------------------
+
+
+def spill_pool(spill_dir):
+    return torpor.Pool(0, backend="host", va_bytes=1 << 30, host_store_limit=1, spill_dir=spill_dir)
+
+
+@pytest.mark.parametrize("cut", ["a\0b", "a\0"])
+def test_spill_dir_with_a_nul_is_refused_not_cut(tmp_path, cut):
+    (tmp_path / "a").mkdir()
+    with pytest.raises(torpor.InvalidArgument, match="spill_dir.*NUL"):
+        spill_pool(str(tmp_path / cut))
+    with pytest.raises(torpor.InvalidArgument, match="spill_dir.*NUL"):
+        spill_pool(str(tmp_path / cut).encode())
+
+
+def test_spill_dir_that_is_not_utf8_is_refused_at_construction(tmp_path):
+    raw = os.fsencode(tmp_path) + b"/d\xff"
+    os.mkdir(raw)
+    for spill_dir in (raw, os.fsdecode(raw), pathlib.Path(os.fsdecode(raw))):
+        with pytest.raises(torpor.InvalidArgument, match="spill_dir.*UTF-8"):
+            spill_pool(spill_dir)
+
+
+def test_spill_dir_that_is_utf8_spills_and_reports_its_path(tmp_path):
+    d = tmp_path / "spill ünïcode"
+    d.mkdir()
+    for spill_dir in (d, str(d), os.fsencode(d)):
+        with spill_pool(spill_dir) as p:
+            p.write(p.alloc(MiB, "w"), b"\x07" * MiB)
+            p.sleep(1)
+            stats = p.stats()
+            assert stats["spill_used_bytes"] > 0, "the backup went to disk"
+            assert stats["spill_path"].startswith(str(d))
+            p.wake_up()
+
+
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        (dict(spill_dir=5), "spill_dir"),
+        (dict(fill_on_wake=[]), "fill_on_wake"),
+        (dict(backend=None), "backend"),
+        (dict(backend=["host"]), "backend"),
+    ],
+)
+def test_pool_options_of_the_wrong_type_are_typed_errors(options, named):
+    with pytest.raises(torpor.InvalidArgument, match=named):
+        torpor.Pool(0, **{"backend": "host", "va_bytes": 1 << 30, **options})
