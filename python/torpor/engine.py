@@ -67,6 +67,7 @@ def sleep(level: int, tags: Tags, policy: ClassPolicy | None = None, collect: in
 
 wake_up = api.wake_up
 tag_states = api.tag_states
+is_graph_tag = routing.is_graph_tag  # whether a torpor tag holds CUDA graph pools (torpor.graph)
 stats = api.stats
 release_host_store = api.release_host_store
 
