@@ -42,7 +42,7 @@ import ctypes
 from typing import Callable, Sequence
 
 from . import _hooks, _lib
-from .errors import InvalidArgument
+from .errors import InvalidArgument, InvalidType
 from .pool import Pool, Tags, tag_list
 from .torch import api
 from .values import SleepLevel, sleep_level, whole
@@ -92,7 +92,7 @@ class Group(_lib.Closing):
         timeout = whole(timeout_ms, "Group: timeout_ms (0 = the default)", 0, GROUP_TIMEOUT_MS_MAX)
         for what, fn in (("all_gather", all_gather), ("barrier", barrier)):
             if not callable(fn):
-                raise InvalidArgument(f"Group: {what} must be callable, not {type(fn).__name__}")
+                raise InvalidType(f"Group: {what} must be callable, not {type(fn).__name__}")
         self.rank, self.size = rank, size
         self._all_gather, self._barrier = all_gather, barrier
         # The C callbacks must stay alive as long as the group: they are attributes.

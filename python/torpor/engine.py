@@ -45,7 +45,7 @@ import threading
 from typing import Callable
 
 from . import _lib
-from .errors import InvalidState, TorporError, error_for
+from .errors import InvalidState, InvalidType, TorporError, error_for
 from .pool import ClassLike, MemoryClass, Pool, Tags
 from .torch import api, graphs, parameters, routing
 from .torch.remark import ClassPolicy, pool_class
@@ -100,9 +100,12 @@ def add_tag_hooks(
 ) -> int:
     """Callbacks around every sleep and wake of `tag` on any device (see the module note)."""
     if not isinstance(tag, str) or not tag:
-        raise TypeError(f"add_tag_hooks: tag {tag!r} is not a non-empty string")
+        raise InvalidType(f"add_tag_hooks: tag {tag!r} is not a non-empty string")
     if before_sleep is None and after_wake is None:
-        raise TypeError("add_tag_hooks: give before_sleep, after_wake or both")
+        raise InvalidType("add_tag_hooks: give before_sleep, after_wake or both")
+    for what, hook in (("before_sleep", before_sleep), ("after_wake", after_wake)):
+        if hook is not None and not callable(hook):
+            raise InvalidType(f"add_tag_hooks: {what} must be callable or None, not {type(hook).__name__}")
     with _hooks_lock:
         hook_id = next(_hook_ids)
         _tag_hooks[hook_id] = (tag, before_sleep, after_wake)

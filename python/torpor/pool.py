@@ -23,7 +23,7 @@ import os
 from typing import Iterable, Union
 
 from . import _hooks, _lib
-from .errors import InvalidArgument, InvalidHandle
+from .errors import InvalidArgument, InvalidHandle, InvalidType
 from .values import INT_MAX, SIZE_MAX, ULLONG_MAX, SleepLevel, address, sleep_level, text, whole
 
 
@@ -78,7 +78,7 @@ def _spill_dir(value) -> bytes | None:
     try:
         path = os.fspath(value)
     except TypeError:
-        raise InvalidArgument(
+        raise InvalidType(
             f"spill_dir {value!r} is not a path (give a str, bytes or os.PathLike, or None for no disk tier)"
         ) from None
     raw = os.fsencode(path)  # a str path's undecodable bytes come back as they are on disk
@@ -147,7 +147,7 @@ def _iterable(value, what: str):
     try:
         return iter(value)
     except TypeError:
-        raise InvalidArgument(f"{what}: {type(value).__name__} {value!r} is not iterable") from None
+        raise InvalidType(f"{what}: {type(value).__name__} {value!r} is not iterable") from None
 
 
 def tag_list(tags: Tags) -> list[str] | None:
@@ -303,7 +303,7 @@ class Pool(_lib.Closing):
         any_name = False
         for i, r in enumerate(ranges):
             if not isinstance(r, (tuple, list)) or len(r) not in (3, 4):
-                raise InvalidArgument(f"mark_ranges: range {i} {r!r} is not (ptr, nbytes, class[, name])")
+                raise InvalidType(f"mark_ranges: range {i} {r!r} is not (ptr, nbytes, class[, name])")
             ptrs.append(address(r[0], f"mark_ranges: range {i}: ptr"))
             sizes.append(whole(r[1], f"mark_ranges: range {i}: nbytes", 0, SIZE_MAX))
             code = codes.get(r[2]) if isinstance(r[2], MemoryClass) else None
@@ -357,7 +357,7 @@ class Pool(_lib.Closing):
         try:
             data = bytes(memoryview(data))
         except TypeError:
-            raise InvalidArgument(
+            raise InvalidType(
                 f"write: data must be bytes-like (bytes, bytearray, memoryview), not {type(data).__name__}"
             ) from None
         buf = ctypes.create_string_buffer(data, len(data))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 
-from .errors import InvalidArgument
+from .errors import InvalidArgument, InvalidType
 
 SIZE_MAX = 2**64 - 1  # also the largest address a void* holds on the 64-bit targets torpor builds for
 INT_MAX = 2**31 - 1
@@ -18,7 +18,7 @@ def whole(value, what: str, lo: int, hi: int) -> int:
     """`value` as an int in [lo, hi]: InvalidArgument naming the range otherwise (a C size_t
     would silently wrap 2**64 + 5 to 5; bool and float are refused, not truncated)."""
     if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise InvalidArgument(f"{what} {value!r} is not a whole number (accepted: {lo} to {hi})")
+        raise InvalidType(f"{what} {value!r} is not a whole number (accepted: {lo} to {hi})")
     v = value.__index__()
     if not lo <= v <= hi:
         raise InvalidArgument(f"{what} {v} is out of range (accepted: {lo} to {hi})")
@@ -35,7 +35,9 @@ def text(value, what: str, allow_empty: bool = False) -> bytes:
     """`value` as UTF-8 bytes for the C API: a str without NUL (a C string ends there, so the
     rest would be cut silently) and without lone surrogates (not UTF-8); InvalidArgument naming
     `what` otherwise."""
-    if not isinstance(value, str) or (not value and not allow_empty):
+    if not isinstance(value, str):
+        raise InvalidType(f"{what} {value!r} is not a non-empty string (a {type(value).__name__})")
+    if not value and not allow_empty:
         raise InvalidArgument(f"{what} {value!r} is not a non-empty string")
     if "\0" in value:
         raise InvalidArgument(f"{what} {value!r} holds a NUL character (C strings end there): remove it")

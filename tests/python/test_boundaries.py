@@ -235,3 +235,42 @@ def test_spill_dir_that_is_utf8_spills_and_reports_its_path(tmp_path):
 def test_pool_options_of_the_wrong_type_are_typed_errors(options, named):
     with pytest.raises(torpor.InvalidArgument, match=named):
         torpor.Pool(0, **{"backend": "host", "va_bytes": 1 << 30, **options})
+
+
+# -- wrong types: a typed error that is still a TypeError ------------------------------------
+
+
+def wrong_typed_calls(pool):
+    p = pool.alloc(MiB, "w")
+    return {
+        "alloc nbytes": lambda: pool.alloc(1.5),
+        "alloc tag": lambda: pool.alloc(8, 5),
+        "mark_ranges entry": lambda: pool.mark_ranges([5]),
+        "mark_ranges ranges": lambda: pool.mark_ranges(None),
+        "mark_ranges name": lambda: pool.mark_ranges([(p, 8, "state", 5)]),
+        "write data": lambda: pool.write(p, "text"),
+        "read ptr": lambda: pool.read("x", 1),
+        "sleep tags": lambda: pool.sleep(1, 5),
+        "set_preserve globs": lambda: pool.set_preserve(None),
+        "spill_dir": lambda: torpor.Pool(0, backend="host", spill_dir=5),
+        "Group rank": lambda: tdist.Group(0.9, 1, lambda data: [data], lambda: None),
+        "Group barrier": lambda: tdist.Group(0, 1, lambda data: [data], None),
+        "add_tag_hooks tag": lambda: torpor.engine.add_tag_hooks(5, lambda tag, level: None),
+        "add_tag_hooks hooks": lambda: torpor.engine.add_tag_hooks("w"),
+    }
+
+
+def test_wrong_types_raise_invalid_type_which_is_both_invalid_argument_and_type_error(pool):
+    assert issubclass(torpor.InvalidType, torpor.InvalidArgument) and issubclass(torpor.InvalidType, TypeError)
+    for what, call in wrong_typed_calls(pool).items():
+        with pytest.raises(torpor.InvalidType) as caught:
+            call()
+        assert isinstance(caught.value, TypeError) and isinstance(caught.value, torpor.TorporError), what
+    assert list(pool.stats()["tags"]) == ["w"] and pool.stats()["allocations"] == 1
+
+
+def test_wrong_values_of_the_right_type_stay_invalid_argument_not_type_error(pool):
+    for call in (lambda: pool.alloc(2**64), lambda: pool.alloc(8, ""), lambda: pool.mark_ranges([(0, -1, "state")])):
+        with pytest.raises(torpor.InvalidArgument) as caught:
+            call()
+        assert not isinstance(caught.value, TypeError)
