@@ -50,6 +50,7 @@ from .pool import ClassLike, MemoryClass, Pool, Tags
 from .torch import api, graphs, parameters, routing
 from .torch.remark import ClassPolicy, pool_class
 from .torch.runtime import cuda_torch
+from .values import INT_MAX, SIZE_MAX, whole
 
 # -- sleep and wake ------------------------------------------------------------------------------
 
@@ -200,7 +201,8 @@ def memory_margin() -> int:
 
 def set_memory_margin(nbytes: int) -> None:
     """Refuse a new segment that would leave less than `nbytes` free (a checked size_t)."""
-    _lib.check(_lib.lib().torpor_torch_set_memory_margin(nbytes))
+    n = whole(nbytes, "set_memory_margin: nbytes (the memory margin, 0 = no check)", 0, SIZE_MAX)
+    _lib.check(_lib.lib().torpor_torch_set_memory_margin(n))
 
 
 def read_host_copy(device: int, address: int, nbytes: int, dst: int) -> bool | None:
@@ -208,6 +210,10 @@ def read_host_copy(device: int, address: int, nbytes: int, dst: int) -> bool | N
     `dst`: True when the bytes are asleep (their backup), False when awake with a retained copy,
     None when awake without one. Raises the typed error otherwise (InvalidState: no host copy
     of sleeping bytes, as for a tensor in a region without a backup)."""
+    device = whole(device, "read_host_copy: device", 0, INT_MAX)
+    address = whole(address, "read_host_copy: address", 0, SIZE_MAX)
+    nbytes = whole(nbytes, "read_host_copy: nbytes", 0, SIZE_MAX)
+    dst = whole(dst, "read_host_copy: dst", 0, SIZE_MAX)
     asleep = ctypes.c_int(0)
     status = _lib.lib().torpor_read_host_copy(Pool.torch(device).handle, address, nbytes, dst, ctypes.byref(asleep))
     if status == _lib.status_ok():

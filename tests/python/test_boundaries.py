@@ -274,3 +274,26 @@ def test_wrong_values_of_the_right_type_stay_invalid_argument_not_type_error(poo
         with pytest.raises(torpor.InvalidArgument) as caught:
             call()
         assert not isinstance(caught.value, TypeError)
+
+
+@pytest.mark.parametrize("hooks", [dict(before_sleep=5), dict(after_wake="x"), dict()])
+def test_add_sleep_hook_refuses_hooks_that_cannot_be_called(pool, hooks):
+    pool.alloc(MiB, "w")
+    with pytest.raises(torpor.InvalidType, match="add_sleep_hook"):
+        pool.add_sleep_hook(**hooks)
+    pool.sleep(1)  # no broken hook was installed: the sleep runs
+    assert pool.stats()["tags"]["w"]["asleep"]
+
+
+@pytest.mark.parametrize("nbytes", [2**64 + 5, -1, 1.5, True])
+def test_engine_memory_margin_is_range_checked(nbytes):
+    before = torpor.engine.memory_margin()
+    with pytest.raises(torpor.InvalidArgument, match="memory margin"):
+        torpor.engine.set_memory_margin(nbytes)
+    assert torpor.engine.memory_margin() == before
+
+
+@pytest.mark.parametrize("args", [(0, 2**64 + 8, 8, 0), (0, 0, 2**64 + 8, 0), (0, 0, 8, -1), (2**40, 0, 8, 0)])
+def test_engine_read_host_copy_is_range_checked(args):
+    with pytest.raises(torpor.InvalidArgument, match="read_host_copy"):
+        torpor.engine.read_host_copy(*args)
