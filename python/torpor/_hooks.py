@@ -13,7 +13,7 @@ import ctypes
 import threading
 
 from . import _lib
-from .errors import InternalError, TorporError
+from .errors import InternalError, InvalidType, TorporError
 from .values import SleepLevel
 
 _lock = threading.Lock()
@@ -56,6 +56,11 @@ def _after(fn):
 
 
 def add(handle: int, before_sleep, after_wake) -> int:
+    if before_sleep is None and after_wake is None:
+        raise InvalidType("add_sleep_hook: give before_sleep, after_wake or both")
+    for what, fn in (("before_sleep", before_sleep), ("after_wake", after_wake)):
+        if fn is not None and not callable(fn):
+            raise InvalidType(f"add_sleep_hook: {what} must be callable or None, not {type(fn).__name__}")
     callbacks = (_before(before_sleep), _after(after_wake))
     hook_id = ctypes.c_ulonglong(0)
     _lib.check(_lib.lib().torpor_add_sleep_hook(handle, callbacks[0], callbacks[1], None, ctypes.byref(hook_id)))

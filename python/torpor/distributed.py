@@ -42,10 +42,15 @@ import ctypes
 from typing import Callable, Sequence
 
 from . import _hooks, _lib
-from .errors import InvalidArgument
+from .errors import InvalidArgument, InvalidType
 from .pool import Pool, Tags, tag_list
 from .torch import api
-from .values import SleepLevel
+from .values import SleepLevel, sleep_level, whole
+
+# torpor.h (torpor_group_create_callbacks): rank in [0, size), size in [1, 65536], timeout_ms in
+# [0, 86400000] (0 = TORPOR_GROUP_TIMEOUT_MS or 60 s).
+GROUP_SIZE_MAX = 65536
+GROUP_TIMEOUT_MS_MAX = 86400000
 
 _ALL_GATHER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 _BARRIER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
@@ -66,7 +71,11 @@ class Group(_lib.Closing):
     rank; ``barrier()`` waits for every rank. Both are called on the thread that called torpor.
     An exception in either becomes a ``TorporError`` naming the group and the rank; a reply of
     the wrong length an ``InvalidState``. Close the group (or use it as a context manager) after
-    a final barrier."""
+    a final barrier.
+
+    rank and size are whole numbers (not bool or float): size in [1, 65536], rank in [0, size).
+    timeout_ms, in [0, 86400000] (24 h), bounds the waits of the fd group (0: the environment's
+    TORPOR_GROUP_TIMEOUT_MS, else 60 s). Anything else is InvalidArgument, before a group exists."""
 
     def __init__(
         self,
@@ -77,7 +86,14 @@ class Group(_lib.Closing):
         *,
         timeout_ms: int = 0,
     ):
-        self.rank, self.size = int(rank), int(size)
+        self._handle: int | None = None  # until the C group exists: close() and __del__ do nothing
+        size = whole(size, "Group: size (the number of ranks)", 1, GROUP_SIZE_MAX)
+        rank = whole(rank, f"Group: rank (of a group of {size})", 0, size - 1)
+        timeout = whole(timeout_ms, "Group: timeout_ms (0 = the default)", 0, GROUP_TIMEOUT_MS_MAX)
+        for what, fn in (("all_gather", all_gather), ("barrier", barrier)):
+            if not callable(fn):
+                raise InvalidType(f"Group: {what} must be callable, not {type(fn).__name__}")
+        self.rank, self.size = rank, size
         self._all_gather, self._barrier = all_gather, barrier
         # The C callbacks must stay alive as long as the group: they are attributes.
         self._c_all_gather = _ALL_GATHER(self._gather_trampoline)
@@ -89,11 +105,11 @@ class Group(_lib.Closing):
                 self.rank,
                 self.size,
                 ctypes.byref(callbacks),
-                int(timeout_ms),
+                timeout,
                 ctypes.byref(handle),
             )
         )
-        self._handle: int | None = handle.value
+        self._handle = handle.value
 
     @classmethod
     def from_torch(cls, process_group=None, *, timeout_ms: int = 0) -> "Group":
@@ -221,13 +237,15 @@ def sleep(pool=None, level: int = 1, tags: Tags = None, *, group: Group | None =
     group) calls it with the same level and tags. `pool` is a torpor.Pool (returns this rank's
     report), or None for the PyTorch embedding's pools: the collective runs on each device's
     pool this rank has, in device order, so every rank must have as many (returns {device:
-    report})."""
-    g = _group_or_default(group)
+    report}). level: 0, 1, 2 or a SleepLevel (not bool or float); anything else is
+    InvalidArgument on this rank before any collective runs."""
+    level = sleep_level(level, "sleep: level (0, 1 or 2)")
     tags = _request_tags(tags)
-    if pool is None:
-        return _torch_pools_sleep(g, api.checked_level(level), tags)
-    if not isinstance(pool, Pool):
+    if pool is not None and not isinstance(pool, Pool):
         raise InvalidArgument(f"sleep: pool must be a torpor.Pool or None, not {type(pool).__name__}")
+    g = _group_or_default(group)
+    if pool is None:
+        return _torch_pools_sleep(g, level, tags)
     arr, n = _lib.encode_list(tags or [])
     return _collective(_lib.lib().torpor_collective_sleep, g, pool, int(level), arr if tags else None, n)
 
@@ -235,12 +253,12 @@ def sleep(pool=None, level: int = 1, tags: Tags = None, *, group: Group | None =
 def wake_up(pool=None, tags: Tags = None, *, group: Group | None = None) -> dict:
     """Collective wake: every rank of `group` with the same tags (see the module note for a
     rank that fails). `pool` as for sleep()."""
-    g = _group_or_default(group)
     tags = _request_tags(tags)
+    if pool is not None and not isinstance(pool, Pool):
+        raise InvalidArgument(f"wake_up: pool must be a torpor.Pool or None, not {type(pool).__name__}")
+    g = _group_or_default(group)
     if pool is None:
         return _torch_pools_wake_up(g, tags)
-    if not isinstance(pool, Pool):
-        raise InvalidArgument(f"wake_up: pool must be a torpor.Pool or None, not {type(pool).__name__}")
     arr, n = _lib.encode_list(tags or [])
     return _collective(_lib.lib().torpor_collective_wake_up, g, pool, arr if tags else None, n)
 

@@ -48,11 +48,12 @@ import threading
 from typing import Callable
 
 from . import _lib
-from .errors import InvalidState, TorporError, error_for
+from .errors import InvalidState, InvalidType, TorporError, error_for
 from .pool import ClassLike, MemoryClass, Pool, Tags
 from .torch import api, graphs, parameters, routing
 from .torch.remark import ClassPolicy, pool_class
 from .torch.runtime import cuda_torch
+from .values import INT_MAX, SIZE_MAX, whole
 
 # -- sleep and wake ------------------------------------------------------------------------------
 
@@ -70,6 +71,7 @@ def sleep(level: int, tags: Tags, policy: ClassPolicy | None = None, collect: in
 
 wake_up = api.wake_up
 tag_states = api.tag_states
+is_graph_tag = routing.is_graph_tag  # whether a torpor tag holds CUDA graph pools (torpor.graph)
 stats = api.stats
 release_host_store = api.release_host_store
 
@@ -107,9 +109,12 @@ def add_tag_hooks(
 ) -> int:
     """Callbacks around every sleep and wake of `tag` on any device (see the module note)."""
     if not isinstance(tag, str) or not tag:
-        raise TypeError(f"add_tag_hooks: tag {tag!r} is not a non-empty string")
+        raise InvalidType(f"add_tag_hooks: tag {tag!r} is not a non-empty string")
     if before_sleep is None and after_wake is None:
-        raise TypeError("add_tag_hooks: give before_sleep, after_wake or both")
+        raise InvalidType("add_tag_hooks: give before_sleep, after_wake or both")
+    for what, hook in (("before_sleep", before_sleep), ("after_wake", after_wake)):
+        if hook is not None and not callable(hook):
+            raise InvalidType(f"add_tag_hooks: {what} must be callable or None, not {type(hook).__name__}")
     with _hooks_lock:
         hook_id = next(_hook_ids)
         _tag_hooks[hook_id] = (tag, before_sleep, after_wake)
@@ -204,7 +209,8 @@ def memory_margin() -> int:
 
 def set_memory_margin(nbytes: int) -> None:
     """Refuse a new segment that would leave less than `nbytes` free (a checked size_t)."""
-    _lib.check(_lib.lib().torpor_torch_set_memory_margin(nbytes))
+    n = whole(nbytes, "set_memory_margin: nbytes (the memory margin, 0 = no check)", 0, SIZE_MAX)
+    _lib.check(_lib.lib().torpor_torch_set_memory_margin(n))
 
 
 def read_host_copy(device: int, address: int, nbytes: int, dst: int) -> bool | None:
@@ -212,6 +218,10 @@ def read_host_copy(device: int, address: int, nbytes: int, dst: int) -> bool | N
     `dst`: True when the bytes are asleep (their backup), False when awake with a retained copy,
     None when awake without one. Raises the typed error otherwise (InvalidState: no host copy
     of sleeping bytes, as for a tensor in a region without a backup)."""
+    device = whole(device, "read_host_copy: device", 0, INT_MAX)
+    address = whole(address, "read_host_copy: address", 0, SIZE_MAX)
+    nbytes = whole(nbytes, "read_host_copy: nbytes", 0, SIZE_MAX)
+    dst = whole(dst, "read_host_copy: dst", 0, SIZE_MAX)
     asleep = ctypes.c_int(0)
     status = _lib.lib().torpor_read_host_copy(Pool.torch(device).handle, address, nbytes, dst, ctypes.byref(asleep))
     if status == _lib.status_ok():

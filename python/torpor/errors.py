@@ -35,6 +35,12 @@ class InvalidArgument(TorporError, ValueError):
     status_name = "TORPOR_ERROR_INVALID_ARGUMENT"
 
 
+class InvalidType(InvalidArgument, TypeError):
+    """An argument of the wrong type (a float or bool where a whole number is meant, a non-str
+    tag, something not iterable where a list is meant), refused by the Python layer before the
+    C API sees it. An InvalidArgument, and a TypeError as Python's own checks raise."""
+
+
 class InvalidState(TorporError, RuntimeError):
     """A valid request in the wrong state, e.g. allocating into a sleeping tag."""
 

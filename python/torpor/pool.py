@@ -23,8 +23,8 @@ import os
 from typing import Iterable, Union
 
 from . import _hooks, _lib
-from .errors import InvalidArgument, InvalidHandle
-from .values import INT_MAX, SIZE_MAX, SleepLevel, sleep_level, whole
+from .errors import InvalidArgument, InvalidHandle, InvalidType
+from .values import INT_MAX, SIZE_MAX, ULLONG_MAX, SleepLevel, address, sleep_level, text, whole
 
 
 class MemoryClass(enum.Enum):
@@ -65,21 +65,35 @@ def to_memory_class(value: ClassLike) -> MemoryClass:
 def _choice(table: dict, value: str, what: str) -> int:
     try:
         return table[value]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: an unhashable value, e.g. a list
         raise InvalidArgument(f"unknown {what} '{value}' (expected {', '.join(table)})") from None
 
 
-def _text(value, what: str, allow_empty: bool = False) -> bytes:
-    """`value` as UTF-8 bytes for the C API: a str without NUL (C strings end there) and without
-    lone surrogates (not UTF-8); InvalidArgument otherwise."""
-    if not isinstance(value, str) or (not value and not allow_empty):
-        raise InvalidArgument(f"{what} {value!r} is not a non-empty string")
-    if "\0" in value:
-        raise InvalidArgument(f"{what} {value!r} holds a NUL character")
+def _spill_dir(value) -> bytes | None:
+    """spill_dir for the C API: None for none (None or ""), else the path's bytes, which must be
+    UTF-8 (the pool reports its spill path as JSON text, so a path that is not UTF-8 would fail
+    every stats() call for the pool's life) and hold no NUL (the C string would end there)."""
+    if value is None:
+        return None
     try:
-        return value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidArgument(f"{what} {value!r} is not valid Unicode text (a lone surrogate?)") from None
+        path = os.fspath(value)
+    except TypeError:
+        raise InvalidType(
+            f"spill_dir {value!r} is not a path (give a str, bytes or os.PathLike, or None for no disk tier)"
+        ) from None
+    raw = os.fsencode(path)  # a str path's undecodable bytes come back as they are on disk
+    if not raw:
+        return None
+    if b"\0" in raw:
+        raise InvalidArgument(f"spill_dir {path!r} holds a NUL character (C strings end there): remove it")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidArgument(
+            f"spill_dir {path!r} is not valid UTF-8 (torpor reports the spill path as text): choose a directory "
+            f"whose path is UTF-8"
+        ) from None
+    return raw
 
 
 def _size(value, what: str, accepted: str) -> int:
@@ -109,7 +123,8 @@ def pool_options(
     (Pool.release_host_store() gives it back); host_store_limit caps page-locked host bytes
     (0 = none); beyond it backups go to pageable memory, or with spill_dir to a file there (at
     most spill_limit bytes, 0 = what the disk holds); host_store_prepare starts page-locking
-    that many bytes in the background when the pool is created."""
+    that many bytes in the background when the pool is created. spill_dir must be UTF-8 without
+    NUL (InvalidArgument otherwise)."""
     o = _lib.PoolOptions()
     _lib.lib().torpor_pool_options_init(ctypes.byref(o))
     o.device = whole(device, "device", 0, INT_MAX)
@@ -121,9 +136,18 @@ def pool_options(
     o.host_store_limit = _size(host_store_limit, "host_store_limit", "0 = no limit")
     o.host_store_prepare = _size(host_store_prepare, "host_store_prepare", "0 = none")
     o.spill_limit = _size(spill_limit, "spill_limit", "0 = what the disk holds")
-    if spill_dir is not None and os.fspath(spill_dir) != "":
-        o.spill_dir = os.fsencode(spill_dir)  # the C API copies it; ctypes keeps the bytes alive until then
+    spill = _spill_dir(spill_dir)
+    if spill is not None:
+        o.spill_dir = spill  # the C API copies it; ctypes keeps the bytes alive until then
     return o
+
+
+def _iterable(value, what: str):
+    """iter(value), or InvalidArgument naming `what` (not the built-in TypeError)."""
+    try:
+        return iter(value)
+    except TypeError:
+        raise InvalidType(f"{what}: {type(value).__name__} {value!r} is not iterable") from None
 
 
 def tag_list(tags: Tags) -> list[str] | None:
@@ -133,8 +157,8 @@ def tag_list(tags: Tags) -> list[str] | None:
     if isinstance(tags, str):
         tags = [tags]
     out = []
-    for t in tags:
-        _text(t, "tag")
+    for t in _iterable(tags, "tags (None, a tag, or a list of tags)"):
+        text(t, "tag")
         out.append(t)
     return out
 
@@ -199,10 +223,11 @@ class Pool(_lib.Closing):
     def torch(cls, device: int = 0) -> "Pool":
         """The pool torpor_torch_malloc allocates in for `device`, created if needed (with the
         options of torpor.configure). Not owned: close() leaves it alive."""
+        device = whole(device, "Pool.torch: device", 0, INT_MAX)
         handle = ctypes.c_void_p()
-        _lib.check(_lib.lib().torpor_torch_pool(int(device), ctypes.byref(handle)))
+        _lib.check(_lib.lib().torpor_torch_pool(device, ctypes.byref(handle)))
         self = cls.__new__(cls)
-        self._handle, self._owned, self.device = handle.value, False, int(device)
+        self._handle, self._owned, self.device = handle.value, False, device
         return self
 
     # -- lifetime ----------------------------------------------------------------------------
@@ -242,32 +267,33 @@ class Pool(_lib.Closing):
     ) -> int:
         """Allocate `nbytes` in `tag` with one class for the whole allocation; its address."""
         size = whole(nbytes, "alloc: nbytes", 1, SIZE_MAX)
-        tag_bytes = _text(tag, "tag")
-        name_bytes = _text(name, "name", allow_empty=True) if name else None
+        tag_bytes = text(tag, "tag")
+        name_bytes = text(name, "name", allow_empty=True) if name else None
         out = ctypes.c_void_p()
         cls = to_memory_class(memory_class)
         _lib.check(_lib.lib().torpor_alloc(self.handle, size, tag_bytes, int(cls), name_bytes, ctypes.byref(out)))
         return out.value
 
     def free(self, ptr: int) -> None:
-        _lib.check(_lib.lib().torpor_free(self.handle, ptr))
+        _lib.check(_lib.lib().torpor_free(self.handle, address(ptr, "free: ptr")))
 
     def mark(self, ptr: int, nbytes: int, memory_class: ClassLike, name: str | None = None) -> None:
         """Reclassify [ptr, ptr + nbytes), which must lie inside one allocation. name None or
         "" keeps the current name; names are what preserve globs match."""
-        address = whole(ptr, "mark: ptr", 0, SIZE_MAX)
+        start = address(ptr, "mark: ptr")
         size = whole(nbytes, "mark: nbytes", 0, SIZE_MAX)
-        name_bytes = _text(name, "name", allow_empty=True) if name else None
+        name_bytes = text(name, "name", allow_empty=True) if name else None
         cls = to_memory_class(memory_class)
         _marked()  # before the call: a failed mark may have changed nothing, never too few counted
-        _lib.check(_lib.lib().torpor_mark(self.handle, address, size, int(cls), name_bytes))
+        _lib.check(_lib.lib().torpor_mark(self.handle, start, size, int(cls), name_bytes))
 
     def mark_ranges(self, ranges: Iterable[tuple]) -> None:
         """Reclassify many ranges in one call, in order (a later range wins where ranges
         overlap): (ptr, nbytes, memory_class) or (ptr, nbytes, memory_class, name) tuples. Every
         range is checked first; on a bad one nothing changes and the error names its
-        index."""
-        ranges = list(ranges)
+        index. ptr is an address and nbytes a size in [0, 2**64 - 1] (whole numbers, not bool or
+        float); a name is a str without NUL."""
+        ranges = list(_iterable(ranges, "mark_ranges: ranges (a list of (ptr, nbytes, class[, name]))"))
         n = len(ranges)
         if n == 0:
             return
@@ -276,16 +302,14 @@ class Pool(_lib.Closing):
         ptrs, sizes, classes, names = [], [], [], [None] * n
         any_name = False
         for i, r in enumerate(ranges):
-            if len(r) not in (3, 4):
-                raise InvalidArgument(f"mark_ranges: range {i} {r!r} is not (ptr, nbytes, class[, name])")
-            if r[1] < 0:
-                raise InvalidArgument(f"mark_ranges: range {i} has a negative size {r[1]}")
-            ptrs.append(r[0])
-            sizes.append(r[1])
+            if not isinstance(r, (tuple, list)) or len(r) not in (3, 4):
+                raise InvalidType(f"mark_ranges: range {i} {r!r} is not (ptr, nbytes, class[, name])")
+            ptrs.append(address(r[0], f"mark_ranges: range {i}: ptr"))
+            sizes.append(whole(r[1], f"mark_ranges: range {i}: nbytes", 0, SIZE_MAX))
             code = codes.get(r[2]) if isinstance(r[2], MemoryClass) else None
             classes.append(int(to_memory_class(r[2])) if code is None else code)
-            if len(r) == 4 and r[3]:
-                names[i] = r[3].encode()
+            if len(r) == 4 and r[3] is not None and r[3] != "":
+                names[i] = text(r[3], f"mark_ranges: range {i}: name")
                 any_name = True
         c_ptrs = (ctypes.c_void_p * n)(*ptrs)
         c_sizes = (ctypes.c_size_t * n)(*sizes)
@@ -297,21 +321,22 @@ class Pool(_lib.Closing):
     def set_preserve(self, globs: Iterable[str]) -> None:
         """Parameters whose name matches one of these fnmatch globs survive level 2 (offloaded).
         One string is one glob (not its characters)."""
-        globs = [globs] if isinstance(globs, str) else list(globs)
+        globs = [globs] if isinstance(globs, str) else list(_iterable(globs, "set_preserve: globs"))
         for g in globs:
-            _text(g, "set_preserve: glob")
+            text(g, "set_preserve: glob")
         arr, n = _lib.encode_list(globs)
         _lib.check(_lib.lib().torpor_set_preserve(self.handle, arr, n))
 
     def find(self, ptr: int) -> tuple[int, int]:
         """(base, size) of the allocation containing ptr; InvalidArgument if none."""
+        ptr = address(ptr, "find: ptr")
         base, size = ctypes.c_void_p(), ctypes.c_size_t()
         _lib.check(_lib.lib().torpor_find(self.handle, ptr, ctypes.byref(base), ctypes.byref(size)))
         return base.value, size.value
 
     def contains(self, ptr: int) -> bool:
         """Whether ptr lies inside an allocation of this pool."""
-        status = _lib.lib().torpor_find(self.handle, ptr, None, None)
+        status = _lib.lib().torpor_find(self.handle, address(ptr, "contains: ptr"), None, None)
         if status == InvalidArgument.status:  # not inside any allocation
             return False
         _lib.check(status)
@@ -327,12 +352,20 @@ class Pool(_lib.Closing):
         _lib.check(_lib.lib().torpor_copy(self.handle, dst, src, size))
 
     def write(self, ptr: int, data: bytes) -> None:
-        """Copy host bytes into pool memory at ptr."""
-        buf = ctypes.create_string_buffer(bytes(data), len(data))
+        """Copy host bytes (bytes, bytearray, memoryview, ...) into pool memory at ptr."""
+        ptr = address(ptr, "write: ptr")
+        try:
+            data = bytes(memoryview(data))
+        except TypeError:
+            raise InvalidType(
+                f"write: data must be bytes-like (bytes, bytearray, memoryview), not {type(data).__name__}"
+            ) from None
+        buf = ctypes.create_string_buffer(data, len(data))
         self.copy(ptr, ctypes.addressof(buf), len(data))
 
     def read(self, ptr: int, nbytes: int) -> bytes:
         """Copy nbytes of pool memory at ptr to the host."""
+        ptr = address(ptr, "read: ptr")
         buf = ctypes.create_string_buffer(whole(nbytes, "read: nbytes", 0, SIZE_MAX))
         self.copy(ctypes.addressof(buf), ptr, nbytes)
         return buf.raw
@@ -360,7 +393,7 @@ class Pool(_lib.Closing):
         return _hooks.add(self.handle, before_sleep, after_wake)
 
     def remove_sleep_hook(self, hook_id: int) -> None:
-        _hooks.remove(self.handle, hook_id)
+        _hooks.remove(self.handle, whole(hook_id, "remove_sleep_hook: hook_id", 0, ULLONG_MAX))
 
     def wake_up(self, tags: Tags = None) -> dict:
         """Map memory again at the same addresses for `tags` (None = all) and restore what was

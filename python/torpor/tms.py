@@ -14,6 +14,8 @@ the RL frameworks built on it (they pause "weights", "kv_cache" and "cuda_graph"
 Semantics, as torch_memory_saver's (the source read is in /work/main/.anchors/torch_memory_saver,
 torch_memory_saver/entrypoint.py and csrc/core.cpp):
 
+- Tags are non-empty str without NUL (a C string would end there) or lone surrogates:
+  anything else is torpor.InvalidArgument, in every call that takes a tag.
 - ``region(tag="default", enable_cpu_backup=False)``: CUDA tensors created inside live in torpor
   under `tag`. Without a backup their bytes are discarded on pause (class cache) and come back
   undefined; with one they are copied to host memory and restored bit-exact (class state). Both
@@ -40,7 +42,10 @@ torch_memory_saver/entrypoint.py and csrc/core.cpp):
   ``pause(tag)`` releases it with the tag's regions, ``resume(tag)`` maps it back at the same
   addresses and the graph replays without re-capture. A graph pool is rewritten by every replay,
   so it cannot share a torpor tag with tensors: the graphs of tms tag T live in torpor tag
-  "T.graph" (what torpor.stats() shows); pause and resume of T act on both. Without a backup the
+  "T.graph" (what torpor.stats() shows); pause and resume of T act on both. Only on a "T.graph"
+  that holds graphs, though: a region tag of the user's that happens to be named "T.graph" is a
+  tag of its own, which pause("T") leaves alone (and a region cannot enter a tag holding graphs,
+  nor a graph capture a tag holding tensors: either is InvalidArgument). Without a backup the
   graph's memory is discarded on pause (its intermediates are rewritten by the next replay; mark
   static inputs and outputs with torpor.mark_state to keep them); with enable_cpu_backup=True all
   of it is kept. `pool` must be a torpor graph pool (another such graph's pool()).
@@ -80,6 +85,7 @@ from . import engine, environment
 from .engine import as_runtime_errors
 from .errors import InvalidArgument, InvalidState, Unavailable
 from .pool import MemoryClass
+from .values import text
 
 logger = logging.getLogger(__name__)
 
@@ -138,8 +144,7 @@ class TorchMemorySaver:
             raise InvalidArgument("enable_cpu_backup and enable_disk_backup are mutually exclusive")
         if enable_disk_backup:
             raise Unavailable(DISK_TIER_MISSING)
-        if not isinstance(tag, str) or not tag:
-            raise InvalidArgument(f"region: tag {tag!r} is not a non-empty string")
+        text(tag, "region: tag")
         cls = MemoryClass.STATE if enable_cpu_backup else MemoryClass.CACHE
         with self._lock:
             self._tags.add(tag)
@@ -159,8 +164,7 @@ class TorchMemorySaver:
     ):
         """torch.cuda.graph with the graph's memory pauseable under `tag` (see the module note)."""
         _check_backup_backend(enable_cpu_backup, cpu_backup_backend)
-        if not isinstance(tag, str) or not tag:
-            raise InvalidArgument(f"cuda_graph: tag {tag!r} is not a non-empty string")
+        text(tag, "cuda_graph: tag")
         cls = MemoryClass.STATE if enable_cpu_backup else MemoryClass.CACHE
         with engine.graph(
             cuda_graph,
@@ -191,12 +195,13 @@ class TorchMemorySaver:
 
     def _selected(self, tag: Optional[str], operation: str, asleep: bool) -> list[str]:
         """The tags a pause (asleep=False) or resume (asleep=True) acts on: `tag`, or every
-        region's, among the tags torpor knows that are awake, or asleep."""
-        if tag is not None and (not isinstance(tag, str) or not tag):
-            raise InvalidArgument(f"{operation}: tag {tag!r} is not a non-empty string (None means every tag)")
+        region's, and the graph tag of each that holds graphs (not a user's tag that is only named
+        like one), among the tags torpor knows that are awake, or asleep."""
+        if tag is not None:
+            text(tag, f"{operation}: tag (None means every tag)")
         with self._lock:
             wanted = set(self._tags) if tag is None else {tag}
-        wanted |= {graph_tag(t) for t in wanted}
+        wanted |= {graph_tag(t) for t in wanted if engine.is_graph_tag(graph_tag(t))}
         return sorted(t for t, sleeping in engine.tag_states().items() if t in wanted and sleeping == asleep)
 
     def pause(self, tag: Optional[str] = None) -> None:

@@ -352,3 +352,55 @@ def test_cuda_graph_memory_pauses_with_its_tag_and_the_graph_replays_after_resum
     with pytest.raises(ValueError, match="not a non-empty string"):
         with saver.cuda_graph(torch.cuda.CUDAGraph(), tag=""):
             pass
+
+
+@pytest.mark.parametrize("tag", ["m\0x", "m\0", "m\ud800"])
+def test_tags_the_c_api_would_cut_are_refused_everywhere(torch, tag):
+    # A NUL ended the C string: the region allocated in tag "m", and pause("m\0x") paused nothing.
+    torch, saver = torch
+    for enter in (lambda: saver.region(tag=tag), lambda: saver.cuda_graph(torch.cuda.CUDAGraph(), tag=tag)):
+        with pytest.raises(torpor.InvalidArgument, match="tag"):
+            with enter():
+                pass
+    for call in (saver.pause, saver.resume, torpor.graph_pool):
+        with pytest.raises(torpor.InvalidArgument, match="tag"):
+            call(tag)
+    with pytest.raises(torpor.InvalidArgument, match="use_pool: tag"):
+        with torpor.use_pool(tag):
+            pass
+    assert "m" not in torpor.torch.tag_states(), "nothing was allocated under the cut name"
+
+
+def test_pause_of_a_tag_leaves_a_user_tag_named_like_its_graph_tag(torch):
+    torch, saver = torch
+    with saver.region(tag="m", enable_cpu_backup=True):
+        m = torch.empty(MiB)
+    with saver.region(tag=tms.graph_tag("m"), enable_cpu_backup=True):  # the user's own tag "m.graph"
+        user = torch.empty(MiB)
+    data = write(user, 9)
+    write(m, 8)
+    saver.pause("m")
+    states = torpor.torch.tag_states()
+    assert states["m"] and not states["m.graph"], "pause('m') paused only tag m"
+    assert read(user) == data
+    saver.resume("m")
+    saver.pause("m.graph")
+    states = torpor.torch.tag_states()
+    assert states["m.graph"] and not states["m"], "pause('m.graph') paused only the user's tag"
+    saver.resume()
+    assert read(user) == data
+
+
+def test_pause_of_a_tag_still_pauses_the_graphs_captured_under_it(torch, monkeypatch):
+    torch, saver = torch
+    monkeypatch.setattr(graphs, "_registry", graphs._Registry(graphs.threading.RLock(), {}, {}, []))
+    monkeypatch.setattr(fake_torch.graph, "default_capture_stream", None)
+    with saver.region(tag="g"):
+        torch.empty(MiB)
+    with saver.cuda_graph(torch.cuda.CUDAGraph(), tag="g"):
+        torch.empty(MiB)
+    saver.pause("g")
+    states = torpor.torch.tag_states()
+    assert states["g"] and states[tms.graph_tag("g")]
+    saver.resume("g")
+    assert not any(torpor.torch.tag_states().values())

@@ -12,7 +12,7 @@ from .. import _lib, _marks
 from ..errors import InvalidArgument, InvalidState, OutOfMemory, error_for
 from ..pool import ClassLike, MemoryClass, Pool, Tags, pool_options, tag_list, to_memory_class
 from ..tags import KV_CACHE
-from ..values import SleepLevel
+from ..values import SleepLevel, text
 from . import remark, routing, sleep_hook
 from .runtime import cuda_torch, device_index, keep_current_device
 
@@ -84,8 +84,7 @@ def use_pool(tag: str = "default", memory_class: ClassLike | None = None, device
     refuses inside the block raises torpor's typed error (InvalidState when the tag was put to
     sleep meanwhile, OutOfMemory, ...), chained to PyTorch's out-of-memory error."""
     torch = cuda_torch()
-    if not isinstance(tag, str) or not tag:
-        raise InvalidArgument(f"use_pool: tag {tag!r} is not a non-empty string")
+    text(tag, "use_pool: tag")  # a str the C API carries whole: no NUL, no lone surrogate
     if routing.is_graph_tag(tag):
         raise InvalidArgument(
             f"use_pool: tag '{tag}' is a CUDA graph pool (torpor.graph): its free blocks are the graphs' "

@@ -80,6 +80,7 @@ from .._marks import Span
 from ..errors import InvalidArgument, InvalidState, Unavailable
 from ..pool import ClassLike, MemoryClass, Pool, to_memory_class
 from ..tags import CUDA_GRAPH
+from ..values import text
 from . import remark, routing
 from .runtime import cuda_torch, device_index, span_bytes, torch_module
 
@@ -121,8 +122,7 @@ def _pool_id(pool) -> tuple | None:
 
 
 def _graph_pool_entry(torch, tag: str, device: int, memory_class: MemoryClass) -> GraphPool:
-    if not isinstance(tag, str) or not tag:
-        raise InvalidArgument(f"graph_pool: tag {tag!r} is not a non-empty string")
+    text(tag, "graph_pool: tag")  # a str the C API carries whole: no NUL, no lone surrogate
     with _registry.lock:
         for entry in _registry.pools.values():
             if (entry.tag, entry.device) == (tag, device):
