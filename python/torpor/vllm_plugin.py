@@ -20,6 +20,10 @@ VLLM_PLUGINS, when set, must list "torpor"), and a worker does it in
    (torpor.register_parameters, for ``Worker.load_model`` of vllm.v1.worker.gpu_worker and
    vllm.worker.worker, patched when those modules load): a level-2 sleep then discards only the
    parameters and keeps every other byte, instead of discarding everything.
+4. sets NCCL_GRAPH_REGISTER=0 when unset (torpor.engine.nccl_graph_register_off; a warning when the
+   user set another value): vLLM points NCCL's graph allocations at the sleep pool, and NCCL reads
+   the variable when a communicator is created, before any graph is captured; its registrations
+   would pin torpor's memory through sleep and go stale after wake.
 
 README's vLLM section says which vLLM versions each route was written against. Everything here is
 safe to run twice in a process (vLLM may load plugins more than once).
@@ -63,7 +67,7 @@ def register() -> None:
 
 
 def install() -> None:
-    """Steps 1 to 3 of the module note (idempotent)."""
+    """Steps 1 to 4 of the module note (idempotent)."""
     global _installed
     with _lock:
         if _installed:
@@ -71,8 +75,16 @@ def install() -> None:
         substitute_allocator()
         register_backend()
         _patch_when_imported(WORKER_MODULES, _wrap_load_model)
+        nccl_graph_register_off()
         _installed = True
     logger.info("torpor: vLLM's sleep mode uses torpor (%s=1)", ENV)
+
+
+def nccl_graph_register_off() -> str:
+    """Step 4: before vLLM creates its communicators. Returns the value in force."""
+    from . import engine
+
+    return engine.nccl_graph_register_off()
 
 
 def substitute_allocator() -> None:

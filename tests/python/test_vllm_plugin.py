@@ -127,6 +127,27 @@ def test_the_torpor_backend_exists_only_when_enabled(dist):
     assert registered(TORPOR_VLLM="1") == "['cumem', 'torpor']"
 
 
+def test_the_plugin_switches_nccl_graph_registration_off_before_any_communicator(dist):
+    code = (
+        "import os, vllm.plugins\n"
+        "vllm.plugins.load_general_plugins()\n"
+        "print(os.environ.get('NCCL_GRAPH_REGISTER', 'unset'))\n"
+    )
+
+    def value(**env):
+        e = subprocess_env(**env)
+        if "NCCL_GRAPH_REGISTER" not in env:
+            e.pop("NCCL_GRAPH_REGISTER", None)
+        e["PYTHONPATH"] = os.pathsep.join([str(STAND_INS), str(dist), e["PYTHONPATH"]])
+        out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert value(TORPOR_VLLM="1") == "0"
+    assert value(TORPOR_VLLM="0") == "unset", "the plugin does nothing when the mode is off"
+    assert value(TORPOR_VLLM="1", NCCL_GRAPH_REGISTER="1") == "1", "the user's value is theirs"
+
+
 def missing_build_tools():
     for module in ("pip", "setuptools", "wheel"):
         if importlib.util.find_spec(module) is None:
