@@ -423,6 +423,15 @@ TEST(HostStoreCApi, OptionsPrepareReleaseAndStats) {
   EXPECT_EQ(released, 4 * MiB);
   EXPECT_NE(stats_json(pool).find("\"host_store_bytes\":0"), std::string::npos);
   EXPECT_EQ(torpor_release_host_store(pool, nullptr), TORPOR_OK);
+  // Issue 33 N12: more than the machine's memory is an error, not an OK that did nothing.
+  for (size_t too_much : {SIZE_MAX, SIZE_MAX - MiB, SIZE_MAX / 2}) {
+    added = 7;
+    EXPECT_EQ(torpor_prepare_host_store(pool, too_much, 1, &added), TORPOR_ERROR_INVALID_ARGUMENT) << too_much;
+    EXPECT_NE(std::string(torpor_last_error()).find("more than this machine's"), std::string::npos)
+        << torpor_last_error();
+    EXPECT_EQ(added, 7u) << "nothing written on failure";
+  }
+  EXPECT_NE(stats_json(pool).find("\"host_store_bytes\":0"), std::string::npos) << "nothing pinned";
   EXPECT_EQ(torpor_pool_destroy(pool), TORPOR_OK);
 
   o.skip_unchanged = 2;
@@ -458,6 +467,12 @@ TEST(HostStoreCApi, MarkRangesAppliesAllInOneCallOrNothing) {
   EXPECT_NE(std::string(torpor_last_error()).find("range 1"), std::string::npos) << torpor_last_error();
   EXPECT_EQ(torpor_mark_ranges(pool, 1, nullptr, bytes, classes, names), TORPOR_ERROR_INVALID_ARGUMENT);
   EXPECT_EQ(torpor_mark_ranges(pool, 0, nullptr, nullptr, nullptr, nullptr), TORPOR_OK);
+  // Issue 33 N7: a count beyond the bound is refused before any array is read (these hold 3).
+  for (size_t count : {TORPOR_MAX_MARK_RANGES + 1, SIZE_MAX}) {
+    EXPECT_EQ(torpor_mark_ranges(pool, count, ptrs, bytes, classes, names), TORPOR_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(torpor_last_error()).find("TORPOR_MAX_MARK_RANGES"), std::string::npos)
+        << torpor_last_error();
+  }
   std::string st = stats_json(pool);
   EXPECT_NE(st.find("\"state\":{\"allocated_bytes\":4194304"), std::string::npos) << "unchanged: " << st;
   // All of them: cache everywhere, then a parameter and a state range on top (later wins).

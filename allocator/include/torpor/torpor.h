@@ -88,7 +88,9 @@ torpor_status torpor_set_preserve(torpor_pool_t pool, const char* const* globs, 
 /* Reclassify `count` ranges [ptrs[i], ptrs[i] + bytes[i]) as memory_classes[i], named names[i], in
  * one call and in order (a later range wins where ranges overlap): what an embedding does before
  * every sleep. Every range is checked first; on a bad one nothing changes and the message names its
- * index. names NULL, or names[i] NULL or "", keeps the names. */
+ * index. names NULL, or names[i] NULL or "", keeps the names. count is at most
+ * TORPOR_MAX_MARK_RANGES per call (TORPOR_ERROR_INVALID_ARGUMENT beyond, nothing read). */
+#define TORPOR_MAX_MARK_RANGES ((size_t)1 << 24)
 torpor_status torpor_mark_ranges(torpor_pool_t pool, size_t count, void* const* ptrs, const size_t* bytes,
                                  const int* memory_classes, const char* const* names);
 
@@ -124,6 +126,7 @@ torpor_status torpor_remove_sleep_hook(torpor_pool_t pool, unsigned long long id
  * background until the pinned store holds `bytes` (0 = what a level-1 sleep of everything
  * allocated now needs), so that the first sleep copies at full speed: call it while the model
  * loads; wait != 0 blocks until the pinning is done; *added (may be NULL) gets the bytes added.
+ * More bytes than the machine's memory is TORPOR_ERROR_INVALID_ARGUMENT, with nothing done.
  * Host bytes (held, page-locked, being pinned, used, retained, on disk) are in the stats JSON. */
 torpor_status torpor_release_host_store(torpor_pool_t pool, size_t* released);
 torpor_status torpor_prepare_host_store(torpor_pool_t pool, size_t bytes, int wait, size_t* added);

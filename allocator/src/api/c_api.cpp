@@ -340,6 +340,10 @@ torpor_status torpor_mark_ranges(torpor_pool_t pool, size_t count, void* const* 
                                  const int* memory_classes, const char* const* names) {
   return with_pool("torpor_mark_ranges", pool, [&](CPool& p) {
     if (count == 0) return;
+    if (count > TORPOR_MAX_MARK_RANGES)
+      throw invalid_argument(fmt::format("count {} is more than TORPOR_MAX_MARK_RANGES ({}) ranges in one call; "
+                                         "mark them in several calls",
+                                         count, TORPOR_MAX_MARK_RANGES));
     if (ptrs == nullptr || bytes == nullptr || memory_classes == nullptr)
       throw invalid_argument(fmt::format("ptrs, bytes and memory_classes must not be NULL ({} ranges)", count));
     std::vector<Pool::MarkRange> ranges(count);

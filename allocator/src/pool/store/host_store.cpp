@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -260,6 +261,15 @@ void HostStore::reserve(std::size_t bytes) {
 }
 
 std::size_t HostStore::prepare(std::size_t bytes) {
+  // Beyond the machine's memory no amount can be page-locked (and rounding it up to whole blocks
+  // could wrap to nothing): a caller's mistake, said as such.
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  const std::size_t memory =
+      pages > 0 && page > 0 ? static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) : SIZE_MAX / 2;
+  if (bytes > memory)
+    throw invalid_argument(fmt::format("prepare_host_store: {} bytes is more than this machine's {} bytes of memory; "
+                                       "pass at most that, or 0 for what a level-1 sleep of everything needs",
+                                       bytes, memory));
   std::size_t target = options_.pinned_limit == 0 ? bytes : std::min(bytes, options_.pinned_limit);
   const std::size_t have = pinned_held();
   if (have >= target) return 0;
