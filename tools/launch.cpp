@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 #include <signal.h>  // NOLINT(modernize-deprecated-headers): kill() and sigaction are POSIX, not in <csignal>
 #include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -22,6 +23,7 @@
 #include <condition_variable>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -398,7 +400,24 @@ LaunchResult launch(const LaunchOptions& o, const RankBody& body) {
   return o.processes ? launch_processes(o) : launch_threads(o, body);
 }
 
+// A rank ends with its launcher, however the launcher ends (issue 33 N17: a SIGKILLed launcher
+// left its ranks running until their group timed out): SIGTERM when the parent goes, and an exit
+// now if it is already gone (reparented before the request took effect).
+void end_with_the_launcher() {
+  const pid_t parent = ::getppid();
+  if (::prctl(PR_SET_PDEATHSIG, SIGTERM) != 0)
+    fmt::print(stderr,
+               "torpor: rank: cannot ask to end with the launcher (prctl: {}); a killed launcher leaves this rank "
+               "until its group times out\n",
+               std::strerror(errno));
+  if (parent == 1 || ::getppid() != parent) {
+    fmt::print(stderr, "torpor: rank: the launcher is gone; exiting\n");
+    std::_Exit(1);
+  }
+}
+
 int run_worker(Backend backend, const GroupOptions& group_options, const RankBody& body) {
+  end_with_the_launcher();
   std::unique_ptr<Group> group;
   nlohmann::json line;
   try {
