@@ -2,7 +2,9 @@
 // `torpor symmetric-check` runs symmetric memory through sleep across processes; `torpor stress`
 // runs the sleep-mode test plan on a tiny MoE model; `torpor rl-loop` the RL weight-update loop.
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 
 #include "commands.hpp"
@@ -24,6 +26,12 @@ int main(int argc, char** argv) {
       app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
       return app.exit(e);
+    }
+    // What was printed must have reached stdout: a full disk or a closed pipe behind it is a
+    // failure of the command, not a success with the output lost (issue 33 N16).
+    if (std::fflush(stdout) != 0 || std::ferror(stdout) != 0) {
+      std::fprintf(stderr, "torpor: writing the output failed: %s\n", std::strerror(errno));
+      return exit_code != 0 ? exit_code : 1;
     }
     return exit_code;
   } catch (const std::exception& e) {

@@ -4,8 +4,9 @@
 SIGTERM, SIGINT or SIGHUP to the launcher, and SIGINT to its whole process group (Ctrl-C in a
 terminal), must end every rank (none left orphaned) and leave no rendezvous directory in TMPDIR;
 the launcher dies of the signal. SIGKILL to the launcher (which can clean nothing up) must still
-end every rank within seconds, not at the group's timeout (issue 33 N17). A --json path in a missing directory, or on /dev/full, makes the
-command exit non-zero (item 9).
+end every rank within seconds, not at the group's timeout (issue 33 N17). A --json path in a
+missing directory, or on /dev/full, makes the command exit non-zero (item 9), and so does text
+output to a full stdout (issue 33 N16).
 
 Usage: test_launcher_signals.py PATH/TO/torpor
 """
@@ -137,6 +138,17 @@ def json_write_failure(path):
     print(f"ok: --json {path}", flush=True)
 
 
+def text_output_to_a_full_stdout():
+    """Issue 33 N16: text printed to a stdout that cannot take it is a failed command."""
+    with open("/dev/full", "w") as full:
+        run = subprocess.run(
+            [CLI, "probe", "--backend", "host"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=60
+        )
+    check(run.returncode != 0, f"probe > /dev/full: non-zero exit (got {run.returncode})")
+    check("writing the output failed" in run.stderr, f"probe > /dev/full: says why ({run.stderr.strip()[-200:]})")
+    print("ok: probe > /dev/full", flush=True)
+
+
 for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
     run_and_signal(s, whole_group=False)
 run_and_signal(signal.SIGINT, whole_group=True)
@@ -144,4 +156,5 @@ run_and_signal(signal.SIGKILL, whole_group=False)
 json_write_failure("/nonexistent-torpor-dir/out.json")
 if os.path.exists("/dev/full"):
     json_write_failure("/dev/full")
+    text_output_to_a_full_stdout()
 sys.exit(1 if FAILURES else 0)
