@@ -14,7 +14,8 @@
 // time out naming it, then every rank recovers and the group works again.
 //
 // On the cuda backend it needs one device per rank with peer access (and libnccl for --group
-// nccl); otherwise it prints SKIP and the reason, and exits 0. The host backend runs it anywhere
+// nccl); otherwise it prints SKIP and the reason, and exits 0 (but a TORPOR_NCCL_LIBRARY that
+// does not load is an error: the user named it). The host backend runs it anywhere
 // (CI smoke test).
 #include <fmt/format.h>
 #include <unistd.h>
@@ -25,6 +26,7 @@
 #include <thread>
 
 #include "commands.hpp"
+#include "common/options.hpp"
 #include "launch.hpp"
 #include "ranks/multicast.hpp"
 #include "torpor/backend.hpp"
@@ -272,6 +274,13 @@ std::string skip_reason(const Options& o) {
   }
   const DriverCapabilities caps = sel.driver->capabilities();
   if (o.group == "nccl") {
+    // A library the user named must load, whatever this machine has: a wrong path is their
+    // mistake to hear about, not a reason to skip (issue 33 N20).
+    if (auto named = options::raw(options::id::nccl_library))
+      if (std::string why; !NcclGroup::available(&why))
+        throw invalid_argument(fmt::format("TORPOR_NCCL_LIBRARY={}: {}; point it at a loadable NCCL library "
+                                           "(libnccl.so.2) or unset it",
+                                           *named, why));
     // NCCL runs on the CUDA runtime: the driver must make a device current for it.
     if (!caps.make_current)
       return sel.reason.starts_with("requested") ? "the nccl group needs the cuda backend"
