@@ -55,9 +55,20 @@ void add_model_flags(CLI::App* cmd, ModelFlags& f) {
   cmd->add_option("--shared-inter", c.shared_inter, "Shared expert intermediate size, sharded; 0 = no shared expert")
       ->capture_default_str()
       ->group(g);
-  cmd->add_option("--prompts", f.prompts, "Prompts decoded together (the batch)")->capture_default_str()->group(g);
-  cmd->add_option("--prompt-len", f.prompt_len, "Tokens per prompt")->capture_default_str()->group(g);
-  cmd->add_option("--new-tokens", f.new_tokens, "Tokens generated per prompt")->capture_default_str()->group(g);
+  // Bounded so that prompt_len + new_tokens and every product of them with the batch fit in an
+  // int (issue 33 N18: a signed overflow before).
+  cmd->add_option("--prompts", f.prompts, "Prompts decoded together (the batch), 1 to 4096")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096))
+      ->group(g);
+  cmd->add_option("--prompt-len", f.prompt_len, "Tokens per prompt, 1 to 65536")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 65536))
+      ->group(g);
+  cmd->add_option("--new-tokens", f.new_tokens, "Tokens generated per prompt, 1 to 65536")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 65536))
+      ->group(g);
   cmd->add_option("--seed", f.seed, "Seed of the dummy weights and prompts")->capture_default_str()->group(g);
   cmd->add_option("--wait-timeout-ms", f.wait_timeout_ms, "Bound on every wait of the MoE tail, in ms")
       ->capture_default_str()
