@@ -12,9 +12,9 @@
 #include <mutex>
 #include <thread>
 
+#include "torpor/backend.hpp"
 #include "torpor/callback_group.hpp"
 #include "torpor/collective_sleep.hpp"
-#include "torpor/backend.hpp"
 #include "torpor/host_driver.hpp"
 #include "torpor/testing/fault_injecting_driver.hpp"
 #include "torpor/torpor.h"

@@ -8,8 +8,8 @@
 #include <thread>
 
 #include "support/processes.hpp"
-#include "torpor/error.hpp"
 #include "torpor/backend.hpp"
+#include "torpor/error.hpp"
 #include "torpor/host_driver.hpp"
 #include "torpor/symmetric.hpp"
 #include "torpor/testing/fault_injecting_driver.hpp"

@@ -84,7 +84,7 @@ std::string validate(const Option& o, std::string_view text);
 // Typed values: the environment's when set (validated), else the table's default.
 log::level log_level();                         // TORPOR_LOG
 std::string backend();                          // TORPOR_BACKEND: "auto", "host" or "cuda"
-bool host_async();                               // TORPOR_HOST_MODE=async: the host backend queues device work
+bool host_async();                              // TORPOR_HOST_MODE=async: the host backend queues device work
 int host_devices();                             // TORPOR_HOST_DEVICES
 std::size_t host_device_memory();               // TORPOR_HOST_DEVICE_MEMORY, bytes
 std::chrono::milliseconds group_timeout();      // TORPOR_GROUP_TIMEOUT_MS
