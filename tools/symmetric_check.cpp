@@ -278,9 +278,7 @@ std::string skip_reason(const Options& o) {
     // mistake to hear about, not a reason to skip (issue 33 N20).
     if (auto named = options::raw(options::id::nccl_library))
       if (std::string why; !NcclGroup::available(&why))
-        throw invalid_argument(fmt::format("TORPOR_NCCL_LIBRARY={}: {}; point it at a loadable NCCL library "
-                                           "(libnccl.so.2) or unset it",
-                                           *named, why));
+        throw invalid_argument(fmt::format("TORPOR_NCCL_LIBRARY={}: {}", *named, why));
     // NCCL runs on the CUDA runtime: the driver must make a device current for it.
     if (!caps.make_current)
       return sel.reason.starts_with("requested") ? "the nccl group needs the cuda backend"

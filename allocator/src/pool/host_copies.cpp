@@ -40,8 +40,7 @@ void offload_to_span(Pool::State& s, HostSpan& span, device_ptr src, std::size_t
     case HostTier::disk: {
       SpillStore& spill = *s.host.spill();
       std::uint64_t file_offset = s.host.file_offset(span.ptr);
-      // Writes round up to whole extents: only a span that owns them may be written (sleep_plan.cpp).
-      if (file_offset % SpillStore::alignment != 0 || span.bytes < align_up(bytes, SpillStore::alignment))
+      if (!s.host.writable(span, bytes))  // sleep_plan.cpp replaces such spans before any copy
         throw error(fmt::format("internal: spill span at file offset {} ({} bytes) cannot take a {}-byte write",
                                 file_offset, span.bytes, bytes));
       s.staging.to_host(src, bytes, stream, [&](std::size_t off, const std::byte* slot, std::size_t n) {

@@ -65,15 +65,6 @@ void hash_pieces(Pool::State& s, SleepPlan& plan, TransitionReport& r, Wanted wa
   r.phases.push_back({"hash", std::chrono::duration<double>(clock_type::now() - t).count()});
 }
 
-// Whether bytes can be written into `span` again. A disk span written again must own whole
-// aligned extents of the file: a direct write rounds up to SpillStore::alignment, and a span cut out
-// of a larger copy (drop_copies) may start or end inside an extent another copy still holds.
-bool rewritable(const Pool::State& s, const HostSpan& span, std::size_t bytes) {
-  if (span.tier != HostTier::disk) return true;
-  return s.host.file_offset(span.ptr) % SpillStore::alignment == 0 &&
-         span.bytes >= align_up(bytes, SpillStore::alignment);
-}
-
 // Step 3 for one chunk. Returns the host bytes its pieces without a span still need.
 std::size_t reuse_retained_copies(Pool::State& s, ChunkPlan& plan) {
   Chunk& c = *plan.chunk;
@@ -93,8 +84,8 @@ std::size_t reuse_retained_copies(Pool::State& s, ChunkPlan& plan) {
     if (p.skip) {
       p.sample = kept.sample;
       p.sampled = kept.sampled;
-    } else if (!rewritable(s, kept.span, p.bytes)) {
-      s.free_span(kept.span);  // the piece takes a fresh span below
+    } else if (!s.host.writable(kept.span, p.bytes)) {
+      s.free_span(kept.span);  // a span cut by drop_copies: the piece takes a fresh one below
       p.span = {};
     }
     c.retained.erase(it);

@@ -367,6 +367,11 @@ std::size_t HostStore::release_unused() {
   return released;
 }
 
+bool HostStore::writable(const HostSpan& span, std::size_t bytes) const {
+  if (span.tier != HostTier::disk) return true;
+  return file_offset(span.ptr) % SpillStore::alignment == 0 && span.bytes >= align_up(bytes, SpillStore::alignment);
+}
+
 std::uint64_t HostStore::file_offset(const std::byte* p) const {
   Block* b = block_of(p);
   if (b == nullptr || b->source != Source::disk)

@@ -107,6 +107,10 @@ class HostStore {
 
   // The spill file offset of a disk span's address; the spill store.
   std::uint64_t file_offset(const std::byte* p) const;
+  // Whether `bytes` may be written into `span`: always for memory; for a disk span only when it
+  // owns whole aligned extents of the file (a write rounds up to SpillStore::alignment, and a span
+  // cut out of a larger copy may start or end inside an extent another copy still holds).
+  bool writable(const HostSpan& span, std::size_t bytes) const;
   SpillStore* spill() noexcept { return spill_.get(); }
   const SpillStore* spill() const noexcept { return spill_.get(); }
 
