@@ -25,6 +25,8 @@
 
 #include <array>
 #include <cstddef>
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -254,6 +256,25 @@ class SleepObserver {
   virtual void after_wake(Pool&, const std::vector<std::string>& /*tags*/, bool /*ok*/) {}
 };
 
+// Tag hooks: per-tag callbacks for state that must live exactly as long as a tag's mapping
+// (transport registrations of the KV cache: vLLM's register_tag_hooks, NIXL). The pool calls
+// them outside its lock, on the thread that sleeps or wakes (tag_hooks.cpp has the rules):
+//   before_unmap(tag): in every sleep (levels 1, 2; discard is a level-2 sleep) of a tag with
+//     at least one mapped chunk, before anything moves and before the SleepObservers' before_*.
+//     A throw aborts the sleep with nothing moved; the sleep rethrows it.
+//   after_map(tag): after every wake_up, once per wake, for every hooked tag left fully mapped
+//     (no chunk asleep; a tag the pool does not know yet counts as mapped, as in vLLM), after
+//     the SleepObservers' after_wake (peer imports are mapped again by then). It must be
+//     idempotent: it also runs for tags that never slept, and retries an earlier failure.
+// Rollback: when a sleep fails after before_unmap ran (a later hook threw, an observer refused,
+// the engine failed), after_map runs once for every such tag the failed sleep left fully mapped,
+// so no registration stays dropped over mapped memory; a tag partly asleep gets it from the wake
+// that maps it. Hooks run in the order they were added; removing one means no new call starts.
+struct TagHooks {
+  std::function<void(const std::string& tag)> before_unmap;  // may be empty
+  std::function<void(const std::string& tag)> after_map;     // may be empty (not both)
+};
+
 class Pool {
  public:
   // The driver must outlive the pool.
@@ -296,6 +317,12 @@ class Pool {
   // Observers are not owned; remove before destroying them.
   void add_observer(SleepObserver* observer);
   void remove_observer(SleepObserver* observer);
+
+  // Tag hooks (see TagHooks above). Returns the id for remove_tag_hooks; an empty tag, or both
+  // callbacks empty, is invalid_argument. Removing an id that is not a live hook is
+  // invalid_argument (removed twice?).
+  std::uint64_t add_tag_hooks(const std::string& tag, TagHooks hooks);
+  void remove_tag_hooks(std::uint64_t id);
 
   // Synchronous copy through the pool's stream, any direction (host <-> pool memory). For
   // tests, tools and embeddings that have no stream of their own.

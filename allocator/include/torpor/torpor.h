@@ -120,6 +120,30 @@ torpor_status torpor_add_sleep_hook(torpor_pool_t pool, torpor_before_sleep_hook
 /* TORPOR_ERROR_INVALID_ARGUMENT for an id that is not a hook of this pool (removed twice?). */
 torpor_status torpor_remove_sleep_hook(torpor_pool_t pool, unsigned long long id);
 
+/* Tag hooks (torpor::TagHooks in C; vLLM's register_tag_hooks maps onto them): callbacks for state
+ * that must live exactly as long as a tag's mapping, such as a transport's registration of the KV
+ * cache. Called on the thread that sleeps or wakes, outside the pool's lock (a hook must not sleep
+ * or wake this pool). Either callback may be NULL, not both; tag is copied.
+ *   before_unmap(user, pool, tag, message, capacity): in every sleep (levels 1, 2; a discard is a
+ *     level-2 sleep) of `tag` while some of its memory is mapped, before anything moves and before
+ *     the sleep hooks above. TORPOR_OK lets the sleep go on; any other status aborts it with
+ *     nothing moved, as a sleep hook's refusal does (same statuses, message into message[0,
+ *     capacity)).
+ *   after_map(user, pool, tag): after every torpor_wake_up, once, when `tag` is fully mapped (no
+ *     byte asleep; a tag the pool does not know yet counts), after the sleep hooks' after_wake.
+ *     It must be idempotent: it also runs for a tag that never slept.
+ * A sleep that fails after before_unmap ran calls after_map for each such tag it left fully mapped
+ * (nothing stays torn down over mapped memory); a tag left partly asleep gets it from the wake that
+ * maps it. Hooks run in the order added. After torpor_remove_tag_hooks returns no new call starts;
+ * user must stay valid until then. An id that is not a live tag hook is
+ * TORPOR_ERROR_INVALID_ARGUMENT. */
+typedef torpor_status (*torpor_before_unmap_hook)(void* user, torpor_pool_t pool, const char* tag, char* message,
+                                                  size_t capacity);
+typedef void (*torpor_after_map_hook)(void* user, torpor_pool_t pool, const char* tag);
+torpor_status torpor_add_tag_hooks(torpor_pool_t pool, const char* tag, torpor_before_unmap_hook before_unmap,
+                                   torpor_after_map_hook after_map, void* user, unsigned long long* id);
+torpor_status torpor_remove_tag_hooks(torpor_pool_t pool, unsigned long long id);
+
 /* Host memory. torpor_release_host_store drops the host copies kept after wake (skip_unchanged)
  * and gives every unused block of the host store back, memory and disk; *released (may be NULL)
  * gets the bytes released. torpor_prepare_host_store starts page-locking host memory in the

@@ -41,6 +41,19 @@ namespace {
 
 using namespace torpor;
 
+// The typed error of a hook's status, so that torpor_sleep (and a collective sleep, which
+// sends the type to every rank) reports the kind of failure the hook returned.
+[[noreturn]] void throw_refusal(torpor_status s, const std::string& message) {
+  switch (s) {
+    case TORPOR_ERROR_INVALID_ARGUMENT: throw invalid_argument(message);
+    case TORPOR_ERROR_INVALID_STATE: throw invalid_state(message);
+    case TORPOR_ERROR_OUT_OF_MEMORY: throw out_of_memory(message);
+    case TORPOR_ERROR_TIMEOUT: throw timeout_error(message);
+    case TORPOR_ERROR_UNAVAILABLE: throw unavailable(message);
+    default: throw error(fmt::format("{} (status {})", message, torpor_status_name(s)));
+  }
+}
+
 // The C sleep hooks as a SleepObserver. A removed hook stays allocated (inactive) until its
 // pool is destroyed: a sleep on another thread may hold its pointer (Pool calls observers
 // outside its lock), so it may not be freed while the pool lives.
@@ -78,19 +91,6 @@ class HookObserver final : public SleepObserver {
     for (const auto& s : v) out.push_back(s.c_str());
     return out;
   }
-  // The typed error of a hook's status, so that torpor_sleep (and a collective sleep, which
-  // sends the type to every rank) reports the kind of failure the hook returned.
-  [[noreturn]] static void throw_refusal(torpor_status s, const std::string& message) {
-    switch (s) {
-      case TORPOR_ERROR_INVALID_ARGUMENT: throw invalid_argument(message);
-      case TORPOR_ERROR_INVALID_STATE: throw invalid_state(message);
-      case TORPOR_ERROR_OUT_OF_MEMORY: throw out_of_memory(message);
-      case TORPOR_ERROR_TIMEOUT: throw timeout_error(message);
-      case TORPOR_ERROR_UNAVAILABLE: throw unavailable(message);
-      default: throw error(fmt::format("{} (status {})", message, torpor_status_name(s)));
-    }
-  }
-
   torpor_pool_t handle_;
   torpor_before_sleep_hook before_;
   torpor_after_wake_hook after_;
@@ -405,6 +405,35 @@ torpor_status torpor_add_sleep_hook(torpor_pool_t pool, torpor_before_sleep_hook
     p.hooks.push_back(std::move(hook));
     *id = p.next_hook++;
   });
+}
+
+torpor_status torpor_add_tag_hooks(torpor_pool_t pool, const char* tag, torpor_before_unmap_hook before_unmap,
+                                   torpor_after_map_hook after_map, void* user, unsigned long long* id) {
+  if (id == nullptr) return fail(TORPOR_ERROR_INVALID_ARGUMENT, "torpor_add_tag_hooks: id is NULL");
+  *id = 0;
+  if (tag == nullptr) return fail(TORPOR_ERROR_INVALID_ARGUMENT, "torpor_add_tag_hooks: tag is NULL");
+  if (before_unmap == nullptr && after_map == nullptr)
+    return fail(TORPOR_ERROR_INVALID_ARGUMENT,
+                "torpor_add_tag_hooks: before_unmap and after_map are both NULL (a hook needs one of them)");
+  return with_pool("torpor_add_tag_hooks", pool, [&](CPool& p) {
+    TagHooks hooks;
+    if (before_unmap != nullptr)
+      hooks.before_unmap = [=](const std::string& t) {
+        constexpr std::size_t capacity = 4096;
+        std::string message(capacity, '\0');
+        const torpor_status s = before_unmap(user, pool, t.c_str(), message.data(), message.size());
+        if (s == TORPOR_OK) return;
+        message.resize(std::min(std::strlen(message.c_str()), message.size()));
+        throw_refusal(s, fmt::format("before_unmap hook of tag '{}' refused the sleep: {}", t,
+                                     message.empty() ? std::string("(the hook gave no reason)") : message));
+      };
+    if (after_map != nullptr) hooks.after_map = [=](const std::string& t) { after_map(user, pool, t.c_str()); };
+    *id = p.pool->add_tag_hooks(tag, std::move(hooks));
+  });
+}
+
+torpor_status torpor_remove_tag_hooks(torpor_pool_t pool, unsigned long long id) {
+  return with_pool("torpor_remove_tag_hooks", pool, [&](CPool& p) { p.pool->remove_tag_hooks(id); });
 }
 
 torpor_status torpor_remove_sleep_hook(torpor_pool_t pool, unsigned long long id) {

@@ -151,4 +151,18 @@ std::vector<std::string> Pool::State::resolve_tags(const std::vector<std::string
   return out;
 }
 
+bool Pool::State::has_mapped_chunk(const std::string& tag) const {
+  for (const auto& [va, c] : chunks)
+    if (c->tag == tag && c->awake) return true;
+  return false;
+}
+
+bool Pool::State::fully_mapped(const std::string& tag) const {
+  auto it = tags.find(tag);
+  if (it != tags.end() && it->second.asleep) return false;
+  for (const auto& [va, c] : chunks)
+    if (c->tag == tag && !c->awake) return false;
+  return true;
+}
+
 }  // namespace torpor

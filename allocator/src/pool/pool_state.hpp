@@ -33,6 +33,7 @@
 #include "pool/chunk.hpp"
 #include "pool/store/host_store.hpp"
 #include "pool/store/staging_ring.hpp"
+#include "pool/tag_hooks.hpp"
 #include "torpor/driver.hpp"
 #include "torpor/pool.hpp"
 
@@ -86,6 +87,7 @@ struct Pool::State {
   std::vector<std::string> preserve;
   std::map<device_ptr, std::size_t> address_ranges;  // reserve_address_range spans
   std::vector<SleepObserver*> observers;
+  TagHookRegistry tag_hooks;              // its own lock: hooks run outside mu (tag_hooks.hpp)
   std::deque<device_ptr> recently_freed;  // for "double free" messages
   std::unordered_set<device_ptr> recently_freed_set;
 
@@ -109,6 +111,10 @@ struct Pool::State {
   bool survives(const Segment& s, SleepLevel level) const;
   // The allocation containing p (interior pointers too), or nullptr.
   Allocation* containing(device_ptr p) const;
+  // For the tag hooks: whether some chunk of `tag` is mapped (a sleep of it unmaps), and
+  // whether it is fully mapped (not asleep, no chunk asleep; an unknown tag is).
+  bool has_mapped_chunk(const std::string& tag) const;
+  bool fully_mapped(const std::string& tag) const;
   std::vector<std::string> resolve_tags(const std::vector<std::string>& requested, const char* operation) const;
   Event event(std::size_t i);  // the i-th reusable event, created on demand
 };

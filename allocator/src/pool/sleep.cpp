@@ -26,6 +26,7 @@
 #include "pool/offload_pipeline.hpp"
 #include "pool/pool_state.hpp"
 #include "pool/sleep_plan.hpp"
+#include "pool/tag_hooks.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 #include "torpor/pool.hpp"
@@ -172,7 +173,8 @@ void deepen(Pool::State& s, const SleepPlan& plan, TransitionReport& r) {
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
-// Public entry points: observers around the engine.
+// Public entry points: tag hooks and observers around the engine (the rules are TagHooks' and
+// SleepObserver's in pool.hpp).
 
 TransitionReport Pool::sleep(int level, const std::vector<std::string>& requested) {
   return sleep(checked_level(level), requested);
@@ -183,15 +185,33 @@ TransitionReport Pool::sleep(SleepLevel level, const std::vector<std::string>& r
   checked_level(number);  // a SleepLevel cast from a bad number
   std::vector<std::string> tags;
   std::vector<SleepObserver*> observers;
+  TagHookRegistry::Snapshot hooks = state_->tag_hooks.snapshot();
+  std::vector<std::string> unmapping;  // hooked tags this sleep unmaps: some chunk mapped now
   {
     std::lock_guard lock(state_->mu);
     tags = state_->resolve_tags(requested, "sleep");
-    if (level != SleepLevel::none) observers = state_->observers;
+    if (level != SleepLevel::none) {
+      observers = state_->observers;
+      for (const auto& t : TagHookRegistry::tags_of(hooks))
+        if (has_tag(tags, t) && state_->has_mapped_chunk(t)) unmapping.push_back(t);
+    }
   }
-  return observed(
-      observers, [&](SleepObserver& o) { o.before_sleep(*this, number, tags); },
-      [&] { return sleep_tags(level, tags); },
-      [&](SleepObserver& o, bool ok) { o.after_sleep(*this, number, tags, ok); }, "sleep", "sleep");
+  unmapping = TagHookRegistry::before_unmap(hooks, unmapping);
+  try {
+    return observed(
+        observers, [&](SleepObserver& o) { o.before_sleep(*this, number, tags); },
+        [&] { return sleep_tags(level, tags); },
+        [&](SleepObserver& o, bool ok) { o.after_sleep(*this, number, tags, ok); }, "sleep", "sleep");
+  } catch (...) {
+    std::vector<std::string> mapped_again;
+    {
+      std::lock_guard lock(state_->mu);
+      for (const auto& t : unmapping)
+        if (state_->fully_mapped(t)) mapped_again.push_back(t);
+    }
+    TagHookRegistry::after_map(hooks, mapped_again, false);
+    throw;
+  }
 }
 
 TransitionReport Pool::wake_up(const std::vector<std::string>& requested) {
@@ -202,9 +222,30 @@ TransitionReport Pool::wake_up(const std::vector<std::string>& requested) {
     tags = state_->resolve_tags(requested, "wake_up");
     observers = state_->observers;
   }
-  return observed(
-      observers, [&](SleepObserver& o) { o.before_wake(*this, tags); }, [&] { return wake_tags(tags); },
-      [&](SleepObserver& o, bool ok) { o.after_wake(*this, tags, ok); }, "wake_up", "wake");
+  // after_map once per wake, for the hooked tags the wake (or a failed one) left fully mapped.
+  auto mapped_now = [&] {
+    TagHookRegistry::Snapshot hooks = state_->tag_hooks.snapshot();
+    std::vector<std::string> mapped;
+    {
+      std::lock_guard lock(state_->mu);
+      for (const auto& t : TagHookRegistry::tags_of(hooks))
+        if (state_->fully_mapped(t)) mapped.push_back(t);
+    }
+    return std::make_pair(std::move(hooks), std::move(mapped));
+  };
+  TransitionReport r;
+  try {
+    r = observed(
+        observers, [&](SleepObserver& o) { o.before_wake(*this, tags); }, [&] { return wake_tags(tags); },
+        [&](SleepObserver& o, bool ok) { o.after_wake(*this, tags, ok); }, "wake_up", "wake");
+  } catch (...) {
+    auto [hooks, mapped] = mapped_now();
+    TagHookRegistry::after_map(hooks, mapped, false);  // the wake's own error is the one to raise
+    throw;
+  }
+  auto [hooks, mapped] = mapped_now();
+  TagHookRegistry::after_map(hooks, mapped, true);
+  return r;
 }
 
 // ---------------------------------------------------------------------------------------------
