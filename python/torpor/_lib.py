@@ -162,6 +162,13 @@ AFTER_WAKE_HOOK = ctypes.CFUNCTYPE(
     None, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_char_p), ctypes.c_size_t, ctypes.c_int
 )
 
+# torpor.h's tag hooks: before_unmap(user, pool, tag, message, capacity) -> status,
+# after_map(user, pool, tag).
+BEFORE_UNMAP_HOOK = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t
+)
+AFTER_MAP_HOOK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)
+
 
 def _prototypes(lib: ctypes.CDLL) -> None:
     P, S, I, C = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_char_p
@@ -182,6 +189,8 @@ def _prototypes(lib: ctypes.CDLL) -> None:
         "torpor_wake_up": (I, [P, CC, S]),
         "torpor_add_sleep_hook": (I, [P, BEFORE_SLEEP_HOOK, AFTER_WAKE_HOOK, P, ctypes.POINTER(ctypes.c_ulonglong)]),
         "torpor_remove_sleep_hook": (I, [P, ctypes.c_ulonglong]),
+        "torpor_add_tag_hooks": (I, [P, C, BEFORE_UNMAP_HOOK, AFTER_MAP_HOOK, P, ctypes.POINTER(ctypes.c_ulonglong)]),
+        "torpor_remove_tag_hooks": (I, [P, ctypes.c_ulonglong]),
         "torpor_stats_json": (I, [P, ctypes.c_char_p, S, PS]),
         "torpor_last_report_json": (I, [P, ctypes.c_char_p, S, PS]),
         "torpor_tags_json": (I, [P, ctypes.c_char_p, S, PS]),

@@ -33,6 +33,14 @@ The interface:
   runs inside every sleep of `tag` (levels 1 and 2), after the re-mark and before anything moves:
   an exception aborts that device's sleep with nothing moved, and the sleep raises it.
   ``after_wake(tag, ok)`` runs after every wake of `tag`. ``remove_tag_hooks(id)``.
+- ``add_mapping_hooks(tag, before_unmap=None, after_map=None) -> id``: the C pool's tag hooks
+  (torpor_add_tag_hooks, one hook bus for C, C++ and Python) on every device pool, for state that
+  lives exactly as long as the tag's mapping (vLLM's register_tag_hooks maps onto it):
+  ``before_unmap(tag)`` in every sleep or discard that unmaps some of `tag`, before anything
+  moves and before the sleep hooks above (an exception aborts the sleep, nothing moved);
+  ``after_map(tag)`` after every wake, once per device pool, when `tag` is fully mapped there
+  (idempotent: it runs for tags that never slept too), and after a failed sleep for each tag whose
+  before_unmap ran and that it left mapped. ``remove_mapping_hooks(id)``.
 - ``runtime_error(e)``, ``as_runtime_errors()``: torpor's typed errors as RuntimeError subclasses
   too (vLLM and its tests catch RuntimeError), with torpor's message.
 - ``cuda_torch()``, ``memory_margin()`` / ``set_memory_margin(n)``, ``read_host_copy(...)``: what
@@ -156,6 +164,54 @@ def _install(pool: Pool) -> None:
 routing.on_new_mempool(_install)
 
 
+# -- mapping hooks: the pool's tag hooks on every device ---------------------------------------
+
+
+_mapping_hooks: dict = {}  # id -> [tag, before_unmap, after_map, {pool handle: (pool, C hook id)}]
+
+
+def add_mapping_hooks(
+    tag: str,
+    before_unmap: Callable[[str], None] | None = None,
+    after_map: Callable[[str], None] | None = None,
+) -> int:
+    """The C pool's tag hooks (Pool.add_tag_hooks, torpor_add_tag_hooks) on every device pool
+    PyTorch uses, now and later (see the module note)."""
+    if not isinstance(tag, str) or not tag:
+        raise InvalidType(f"add_mapping_hooks: tag {tag!r} is not a non-empty string")
+    if before_unmap is None and after_map is None:
+        raise InvalidType("add_mapping_hooks: give before_unmap, after_map or both")
+    for what, hook in (("before_unmap", before_unmap), ("after_map", after_map)):
+        if hook is not None and not callable(hook):
+            raise InvalidType(f"add_mapping_hooks: {what} must be callable or None, not {type(hook).__name__}")
+    with _hooks_lock:
+        hook_id = next(_hook_ids)
+        _mapping_hooks[hook_id] = [tag, before_unmap, after_map, {}]
+    for pool in routing.device_pools().values():
+        _install_mapping(pool)
+    return hook_id
+
+
+def remove_mapping_hooks(hook_id: int) -> None:
+    with _hooks_lock:
+        entry = _mapping_hooks.pop(hook_id, None)
+    if entry is None:
+        raise KeyError(f"remove_mapping_hooks: {hook_id} is not a mapping hook (removed twice?)")
+    for pool, c_id in entry[3].values():
+        pool.remove_tag_hooks(c_id)
+
+
+def _install_mapping(pool: Pool) -> None:
+    """Every registered mapping hook on `pool`, once each."""
+    with _hooks_lock:
+        for entry in _mapping_hooks.values():
+            if pool.handle not in entry[3]:
+                entry[3][pool.handle] = (pool, pool.add_tag_hooks(entry[0], entry[1], entry[2]))
+
+
+routing.on_new_mempool(_install_mapping)
+
+
 # -- errors engines catch --------------------------------------------------------------------
 
 _runtime_classes: dict[type, type] = {}
@@ -233,6 +289,7 @@ def read_host_copy(device: int, address: int, nbytes: int, dst: int) -> bool | N
 
 __all__ = [
     "ClassPolicy",
+    "add_mapping_hooks",
     "add_tag_hooks",
     "as_runtime_errors",
     "capture_into",
@@ -247,6 +304,7 @@ __all__ = [
     "register_parameters",
     "release_graph_pool",
     "release_host_store",
+    "remove_mapping_hooks",
     "remove_tag_hooks",
     "runtime_error",
     "runtime_error_class",

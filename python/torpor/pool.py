@@ -7,7 +7,9 @@ raises the typed exception of torpor's status (torpor.errors) with torpor's mess
 
 Sleep hooks (``add_sleep_hook``, torpor_add_sleep_hook): Python callables run inside the pool's
 sleep before anything moves (one that raises aborts it) and after every wake; the PyTorch
-embedding re-marks its blocks in one. Levels are SleepLevel (torpor.values), checked where they
+embedding re-marks its blocks in one. Tag hooks (``add_tag_hooks``, torpor_add_tag_hooks): per-tag
+callables before a sleep unmaps the tag and after a wake maps it fully (vLLM's
+register_tag_hooks). Levels are SleepLevel (torpor.values), checked where they
 enter.
 
 Tag lists: ``None`` means every tag of the pool, a string one tag, a list those tags; an
@@ -394,6 +396,18 @@ class Pool(_lib.Closing):
 
     def remove_sleep_hook(self, hook_id: int) -> None:
         _hooks.remove(self.handle, whole(hook_id, "remove_sleep_hook: hook_id", 0, ULLONG_MAX))
+
+    def add_tag_hooks(self, tag: str, before_unmap=None, after_map=None) -> int:
+        """Tag hooks (torpor_add_tag_hooks; vLLM's register_tag_hooks): before_unmap(tag) in
+        every sleep of this pool that unmaps some of `tag`, before anything moves (an exception
+        aborts the sleep with nothing moved; the sleep raises it); after_map(tag) once after
+        every wake that leaves `tag` fully mapped (it must be idempotent), and after a failed
+        sleep that left mapped a tag whose before_unmap ran. Returns the id for
+        remove_tag_hooks."""
+        return _hooks.add_tag(self.handle, tag, before_unmap, after_map)
+
+    def remove_tag_hooks(self, hook_id: int) -> None:
+        _hooks.remove_tag(self.handle, whole(hook_id, "remove_tag_hooks: hook_id", 0, ULLONG_MAX))
 
     def wake_up(self, tags: Tags = None) -> dict:
         """Map memory again at the same addresses for `tags` (None = all) and restore what was

@@ -67,6 +67,15 @@ e.g. commit 010c211270c004db49f91933849804821d153e4d, predate the graph pool).
   any wake maps them back at the same addresses, and the same graphs replay. Entering it sets
   NCCL_GRAPH_REGISTER=0 when unset (one log line; a warning when the user set another value):
   NCCL's registrations would pin the graph memory through sleep and go stale after wake.
+- ``register_tag_hooks(tag, before_unmap, after_map)`` (module level, as vLLM's in
+  ``vllm/device_allocator/__init__.py``, index id 71436949636): KV connectors (NIXL) re-register
+  transport memory there. torpor calls them where vLLM's allocator does: ``before_unmap()`` in
+  every sleep and discard that unmaps some of the tag (not for a tag already asleep), before
+  anything moves, and an exception from it aborts that sleep with nothing moved; ``after_map()``
+  once after every wake that leaves the tag fully mapped, tags that never slept included (vLLM:
+  "idempotent"). torpor adds: a sleep that fails after before_unmap ran calls after_map for each
+  tag it left mapped. One difference: a ``wake_up`` that selects no sleeping tag wakes nothing
+  and calls no hook (vLLM's runs them anyway; they are idempotent, so nothing is lost).
 - ``release_cudagraph_pool(pool=None)``: once the graphs are destroyed, their pool's memory goes
   back to torpor and the next capture starts in a new, empty pool; a RuntimeError (InvalidState)
   while a graph captured into it is alive or the tag is asleep.
@@ -75,11 +84,11 @@ e.g. commit 010c211270c004db49f91933849804821d153e4d, predate the graph pool).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable
+from typing import Callable, Iterable
 
 from . import engine
 from .engine import as_runtime_errors, keep_everything, runtime_error
-from .errors import InvalidArgument
+from .errors import InvalidArgument, InvalidType
 from .pool import MemoryClass
 from .tags import KV_CACHE, WEIGHTS
 
@@ -116,6 +125,20 @@ def _discard(tag: str, memory_class: MemoryClass, has_parameters: bool) -> Memor
     """Discarded tags: everything goes (vLLM), except in a tag holding registered parameters,
     whose other bytes are state and stay (torpor's upgrade; the parameters go at level 2)."""
     return MemoryClass.STATE if has_parameters else MemoryClass.CACHE
+
+
+def register_tag_hooks(tag: str, before_unmap: Callable[[], None], after_map: Callable[[], None]) -> Callable[[], None]:
+    """vLLM's ``vllm.device_allocator.register_tag_hooks`` over torpor's hook bus
+    (torpor.engine.add_mapping_hooks, the C pool's tag hooks): `before_unmap()` right before a
+    sleep or discard unmaps allocations of `tag`, the idempotent `after_map()` after every wake
+    that leaves all of them mapped. Returns the function that unregisters them (a second call
+    raises KeyError). The plugin puts it under vLLM's name (see the module note)."""
+    for what, fn in (("before_unmap", before_unmap), ("after_map", after_map)):
+        if not callable(fn):
+            raise runtime_error(InvalidType(f"register_tag_hooks: {what} must be callable, not {type(fn).__name__}"))
+    with as_runtime_errors():
+        hook_id = engine.add_mapping_hooks(tag, lambda _tag: before_unmap(), lambda _tag: after_map())
+    return lambda: engine.remove_mapping_hooks(hook_id)
 
 
 class CuMemAllocator:
@@ -218,4 +241,4 @@ class CuMemAllocator:
             self.last_reports = {"wake_up": engine.wake_up(selected)}
 
 
-__all__ = ["DEFERRABLE_TAGS", "CuMemAllocator"]
+__all__ = ["DEFERRABLE_TAGS", "CuMemAllocator", "register_tag_hooks"]

@@ -25,6 +25,11 @@ VLLM_PLUGINS, when set, must list "torpor"), and a worker does it in
    the variable when a communicator is created, before any graph is captured; its registrations
    would pin torpor's memory through sleep and go stale after wake.
 
+5. puts torpor.vllm.register_tag_hooks under ``vllm.device_allocator.register_tag_hooks`` (where
+   vLLM has it; also in vllm modules already loaded that imported the name), so the hooks KV
+   connectors register run around torpor's unmaps and maps (vLLM's own allocator, which would
+   call them, is no longer the one that unmaps).
+
 README's vLLM section says which vLLM versions each route was written against. Everything here is
 safe to run twice in a process (vLLM may load plugins more than once).
 """
@@ -46,6 +51,7 @@ logger = logging.getLogger(__name__)
 ENV = "TORPOR_VLLM"
 BACKEND_NAME = "torpor"
 CUMEM_MODULE = "vllm.device_allocator.cumem"
+ALLOCATOR_PACKAGE = "vllm.device_allocator"
 BACKEND_MODULE = "vllm.device_allocator.sleep_mode_backend"
 # Worker modules whose Worker.load_model gets the parameter registration (v1, then v0).
 WORKER_MODULES = ("vllm.v1.worker.gpu_worker", "vllm.worker.worker")
@@ -67,7 +73,7 @@ def register() -> None:
 
 
 def install() -> None:
-    """Steps 1 to 4 of the module note (idempotent)."""
+    """Steps 1 to 5 of the module note (idempotent)."""
     global _installed
     with _lock:
         if _installed:
@@ -76,6 +82,7 @@ def install() -> None:
         register_backend()
         _patch_when_imported(WORKER_MODULES, _wrap_load_model)
         nccl_graph_register_off()
+        substitute_tag_hooks()
         _installed = True
     logger.info("torpor: vLLM's sleep mode uses torpor (%s=1)", ENV)
 
@@ -98,6 +105,21 @@ def substitute_allocator() -> None:
         module = sys.modules.get(name)
         if module is not None and original is not None and getattr(module, "CuMemAllocator", None) is original:
             module.CuMemAllocator = CuMemAllocator
+
+
+def substitute_tag_hooks() -> bool:
+    """Step 5. Returns whether this vLLM has register_tag_hooks."""
+    from .vllm import register_tag_hooks
+
+    allocators = importlib.import_module(ALLOCATOR_PACKAGE)
+    original = getattr(allocators, "register_tag_hooks", None)
+    if original is None or original is register_tag_hooks:
+        return original is not None
+    allocators.register_tag_hooks = register_tag_hooks
+    for name, module in list(sys.modules.items()):
+        if name.startswith("vllm.") and getattr(module, "register_tag_hooks", None) is original:
+            module.register_tag_hooks = register_tag_hooks
+    return True
 
 
 def register_backend() -> bool:
