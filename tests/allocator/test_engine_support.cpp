@@ -181,5 +181,42 @@ TEST(EngineSupportCApi, MemoryMarginRefusesSegmentsThatWouldEatIt) {
   ASSERT_EQ(torpor_torch_set_memory_margin(0), TORPOR_OK);
 }
 
+// vLLM reads VLLM_POISON_DISCARDED_PAGES at each wake: the fill can change on a live pool, and
+// applies to the wakes after the change.
+TYPED_TEST(EngineSupportTest, TheFillOnWakeSetAtRunTimeAppliesToTheNextWake) {
+  std::size_t g = this->granularity();
+  Pool pool(this->driver(), this->small_pool(FillOnWake::zero));
+  void* kv = pool.allocate(g, {"kv_cache", MemoryClass::cache, "kv"});
+  write(pool, kv, std::vector<std::uint8_t>(g, 0x11));
+  pool.sleep(1);
+  EXPECT_EQ(pool.set_fill_on_wake(FillOnWake::poison), FillOnWake::zero);
+  pool.wake_up();
+  EXPECT_EQ(read(pool, kv, g), std::vector<std::uint8_t>(g, 0xFF)) << "discarded bytes poisoned";
+  EXPECT_EQ(pool.set_fill_on_wake(FillOnWake::zero), FillOnWake::poison);
+  pool.sleep(1);
+  pool.wake_up();
+  EXPECT_EQ(read(pool, kv, g), std::vector<std::uint8_t>(g, 0x00)) << "and back to zero";
+  EXPECT_THROW(pool.set_fill_on_wake(static_cast<FillOnWake>(7)), invalid_argument);
+  pool.deallocate(kv);
+}
+
+TEST(CFillOnWake, SetThroughTheCApiReturnsThePreviousAndRefusesUnknownFills) {
+  torpor_pool_options o;
+  torpor_pool_options_init(&o);
+  o.backend = TORPOR_BACKEND_HOST;
+  o.va_bytes = std::size_t{1} << 30;
+  torpor_pool_t pool = nullptr;
+  ASSERT_EQ(torpor_pool_create(&o, &pool), TORPOR_OK) << torpor_last_error();
+  int previous = -1;
+  EXPECT_EQ(torpor_set_fill_on_wake(pool, TORPOR_FILL_POISON, &previous), TORPOR_OK);
+  EXPECT_EQ(previous, TORPOR_FILL_NONE);
+  EXPECT_EQ(torpor_set_fill_on_wake(pool, 3, &previous), TORPOR_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(torpor_last_error()).find("unknown fill 3"), std::string::npos) << torpor_last_error();
+  EXPECT_EQ(torpor_set_fill_on_wake(pool, TORPOR_FILL_NONE, nullptr), TORPOR_OK);
+  EXPECT_EQ(torpor_set_fill_on_wake(pool, TORPOR_FILL_ZERO, &previous), TORPOR_OK);
+  EXPECT_EQ(previous, TORPOR_FILL_NONE);
+  EXPECT_EQ(torpor_pool_destroy(pool), TORPOR_OK);
+}
+
 }  // namespace
 }  // namespace torpor::test

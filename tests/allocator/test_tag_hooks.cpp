@@ -83,8 +83,8 @@ TYPED_TEST(TagHookTest, BeforeUnmapRunsFirstWithTheBytesMappedAndAfterMapOncePer
 TYPED_TEST(TagHookTest, APartialWakeMapsOnlyTheTagsItLeftFullyMapped) {
   std::size_t g = this->granularity();
   Pool pool(this->driver(), this->small_pool());
-  void* kv = pool.allocate(g, {"kv_cache", MemoryClass::cache});
-  void* w = pool.allocate(g, {"weights", MemoryClass::parameter});
+  void* kv = pool.allocate(g, {"kv_cache", MemoryClass::cache, "kv_cache"});
+  void* w = pool.allocate(g, {"weights", MemoryClass::parameter, "weights"});
   Log log;
   pool.add_tag_hooks("kv_cache", recording(log, "K"));
   pool.add_tag_hooks("weights", recording(log, "W"));
@@ -105,8 +105,8 @@ TYPED_TEST(TagHookTest, ARefusingBeforeUnmapAbortsTheSleepAndMapsAgainWhatItTore
   std::size_t g = this->granularity();
   Pool pool(this->driver(), this->small_pool());
   std::mt19937_64 rng(7);
-  void* kv = pool.allocate(g, {"kv_cache", MemoryClass::state});
-  void* w = pool.allocate(g, {"weights", MemoryClass::state});
+  void* kv = pool.allocate(g, {"kv_cache", MemoryClass::state, "kv_cache"});
+  void* w = pool.allocate(g, {"weights", MemoryClass::state, "weights"});
   auto kv_bytes = random_bytes(rng, g), w_bytes = random_bytes(rng, g);
   write(pool, kv, kv_bytes);
   write(pool, w, w_bytes);
@@ -138,8 +138,8 @@ TYPED_TEST(TagHookTest, AnEngineFailureMapsAgainOnlyTheTagsLeftMappedAndTheRepea
   std::size_t g = this->granularity();
   FaultInjectingDriver faulty(this->driver());
   Pool pool(faulty, this->small_pool());
-  void* a = pool.allocate(g, {"a", MemoryClass::state});
-  void* b = pool.allocate(g, {"b", MemoryClass::state});
+  void* a = pool.allocate(g, {"a", MemoryClass::state, "a"});
+  void* b = pool.allocate(g, {"b", MemoryClass::state, "b"});
   Log log;
   pool.add_tag_hooks("a", recording(log, "A"));
   pool.add_tag_hooks("b", recording(log, "B"));
@@ -166,7 +166,7 @@ TYPED_TEST(TagHookTest, AFailedWakeMapsNothingThatStaysAsleepAndTheRetryDoes) {
   std::size_t g = this->granularity();
   FaultInjectingDriver faulty(this->driver());
   Pool pool(faulty, this->small_pool());
-  void* a = pool.allocate(g, {"a", MemoryClass::state});
+  void* a = pool.allocate(g, {"a", MemoryClass::state, "a"});
   Log log;
   pool.add_tag_hooks("a", recording(log, "A"));
   pool.add_tag_hooks("b", recording(log, "B"));  // unknown to the pool: fully mapped
@@ -186,7 +186,7 @@ TYPED_TEST(TagHookTest, AFailedWakeMapsNothingThatStaysAsleepAndTheRetryDoes) {
 TYPED_TEST(TagHookTest, RemovedHooksAreNotCalledAndBadRegistrationsAreRefused) {
   std::size_t g = this->granularity();
   Pool pool(this->driver(), this->small_pool());
-  void* a = pool.allocate(g, {"a", MemoryClass::state});
+  void* a = pool.allocate(g, {"a", MemoryClass::state, "a"});
   Log log;
   std::uint64_t id = pool.add_tag_hooks("a", recording(log, "A"));
   pool.add_tag_hooks("a", TagHooks{{}, [&](const std::string& t) { log.push_back("only-map " + t); }});

@@ -295,6 +295,10 @@ class Pool {
   // The chunk of the allocation that contains ptr; nothing when ptr is not allocated here.
   std::optional<ChunkInfo> chunk_info(const void* ptr) const;
   PoolStats stats() const;
+  // What the next wakes write into discarded bytes (PoolOptions::fill_on_wake), for engines that
+  // decide it per wake (vLLM reads VLLM_POISON_DISCARDED_PAGES at each wake). Returns the
+  // previous value; a value outside the enum is invalid_argument.
+  FillOnWake set_fill_on_wake(FillOnWake fill);
   // Parameters whose name matches one of these globs (fnmatch) are offloaded by level 2.
   void set_preserve(std::vector<std::string> globs);
   std::vector<std::string> preserve() const;

@@ -94,6 +94,10 @@ torpor_status torpor_set_preserve(torpor_pool_t pool, const char* const* globs, 
 torpor_status torpor_mark_ranges(torpor_pool_t pool, size_t count, void* const* ptrs, const size_t* bytes,
                                  const int* memory_classes, const char* const* names);
 
+/* The fill of discarded bytes for the wakes from now on (torpor_fill; the pool option
+ * fill_on_wake), for engines that decide it per wake; *previous (may be NULL) gets the old one. */
+torpor_status torpor_set_fill_on_wake(torpor_pool_t pool, int fill, int* previous);
+
 /* tags NULL / count 0 = all known tags. */
 torpor_status torpor_sleep(torpor_pool_t pool, int level, const char* const* tags, size_t count);
 torpor_status torpor_wake_up(torpor_pool_t pool, const char* const* tags, size_t count);

@@ -407,6 +407,16 @@ torpor_status torpor_add_sleep_hook(torpor_pool_t pool, torpor_before_sleep_hook
   });
 }
 
+torpor_status torpor_set_fill_on_wake(torpor_pool_t pool, int fill, int* previous) {
+  if (fill < TORPOR_FILL_NONE || fill > TORPOR_FILL_POISON)
+    return fail(TORPOR_ERROR_INVALID_ARGUMENT,
+                fmt::format("torpor_set_fill_on_wake: unknown fill {} (0 none, 1 zero, 2 poison)", fill));
+  return with_pool("torpor_set_fill_on_wake", pool, [&](CPool& p) {
+    FillOnWake old = p.pool->set_fill_on_wake(static_cast<FillOnWake>(fill));
+    if (previous != nullptr) *previous = static_cast<int>(old);
+  });
+}
+
 torpor_status torpor_add_tag_hooks(torpor_pool_t pool, const char* tag, torpor_before_unmap_hook before_unmap,
                                    torpor_after_map_hook after_map, void* user, unsigned long long* id) {
   if (id == nullptr) return fail(TORPOR_ERROR_INVALID_ARGUMENT, "torpor_add_tag_hooks: id is NULL");

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "common/text.hpp"
 #include "pool/pool_state.hpp"
@@ -84,6 +85,14 @@ void Pool::release_address_range(device_ptr va) {
     throw invalid_argument(fmt::format("release_address_range: {:#x} is not a range from reserve_address_range", va));
   s.va.free(va - va_base_, it->second);
   s.address_ranges.erase(it);
+}
+
+FillOnWake Pool::set_fill_on_wake(FillOnWake fill) {
+  if (fill != FillOnWake::none && fill != FillOnWake::zero && fill != FillOnWake::poison)
+    throw invalid_argument(
+        fmt::format("set_fill_on_wake: {} is not a fill (0 none, 1 zero, 2 poison)", static_cast<int>(fill)));
+  std::lock_guard lock(state_->mu);  // a wake reads it under mu
+  return std::exchange(options_.fill_on_wake, fill);
 }
 
 void Pool::add_observer(SleepObserver* observer) {
