@@ -189,6 +189,7 @@ def _prototypes(lib: ctypes.CDLL) -> None:
         "torpor_wake_up": (I, [P, CC, S]),
         "torpor_add_sleep_hook": (I, [P, BEFORE_SLEEP_HOOK, AFTER_WAKE_HOOK, P, ctypes.POINTER(ctypes.c_ulonglong)]),
         "torpor_remove_sleep_hook": (I, [P, ctypes.c_ulonglong]),
+        "torpor_set_fill_on_wake": (I, [P, I, ctypes.POINTER(ctypes.c_int)]),
         "torpor_add_tag_hooks": (I, [P, C, BEFORE_UNMAP_HOOK, AFTER_MAP_HOOK, P, ctypes.POINTER(ctypes.c_ulonglong)]),
         "torpor_remove_tag_hooks": (I, [P, ctypes.c_ulonglong]),
         "torpor_stats_json": (I, [P, ctypes.c_char_p, S, PS]),

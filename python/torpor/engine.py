@@ -21,14 +21,16 @@ The interface:
   allocated blocks of each sleeping tag (``memory_class``: the class its MemPool allocates;
   ``has_parameters``: whether registered parameters lie in the tag's segments on the device).
   None keeps each MemPool's class. The policy applies inside the pool's sleep (the re-mark is a
-  sleep hook), so its marks and the sleep are one step. ``wake_up(tags)``, ``tag_states()``,
+  sleep hook), so its marks and the sleep are one step. ``fill_on_wake(fill)``: a block whose
+  wakes fill discarded bytes with `fill` on every device pool. ``wake_up(tags)``, ``tag_states()``,
   ``stats()``, ``release_host_store()`` as torpor's.
 - ``use_pool(tag, memory_class)``: allocations of the block in torpor under that tag and class;
   ``graph(...)``: a CUDA graph capture in a torpor graph pool (torpor.graph); ``graph_pool``,
   ``capture_into(tag, memory_class)`` (every capture of the block in that graph pool),
   ``capturing_into()``, ``release_graph_pool(tag)``, ``nccl_graph_register_off()``: as in
   torpor.torch.graphs.
-- ``register_parameters(module, preserve)``: as torpor.register_parameters.
+- ``register_parameters(module, preserve)``: as torpor.register_parameters; ``add_preserve(globs)``:
+  its preserve globs without a module.
 - ``add_tag_hooks(tag, before_sleep=None, after_wake=None) -> id``: ``before_sleep(tag, level)``
   runs inside every sleep of `tag` (levels 1 and 2), after the re-mark and before anything moves:
   an exception aborts that device's sleep with nothing moved, and the sleep raises it.
@@ -77,6 +79,20 @@ def sleep(level: int, tags: Tags, policy: ClassPolicy | None = None, collect: in
     return api.sleep_with_policy(level, tags, pool_class if policy is None else policy, collect=collect)
 
 
+@contextlib.contextmanager
+def fill_on_wake(fill: str):
+    """Inside: the wakes of every device pool write `fill` (none, zero, poison) into discarded
+    bytes (Pool.set_fill_on_wake); each pool's own fill comes back after."""
+    previous = []
+    try:
+        for pool in routing.device_pools().values():
+            previous.append((pool, pool.set_fill_on_wake(fill)))
+        yield
+    finally:
+        for pool, old in previous:
+            pool.set_fill_on_wake(old)
+
+
 wake_up = api.wake_up
 tag_states = api.tag_states
 is_graph_tag = routing.is_graph_tag  # whether a torpor tag holds CUDA graph pools (torpor.graph)
@@ -99,6 +115,16 @@ capturing_into = graphs.capturing_into
 release_graph_pool = graphs.release_graph_pool
 nccl_graph_register_off = graphs.nccl_graph_register_off
 register_parameters = parameters.register_parameters
+
+
+def add_preserve(globs) -> None:
+    """Parameter-name globs (fnmatch) kept through level 2 on every device pool, as
+    register_parameters(preserve=...) adds them, without a module."""
+    globs = [globs] if isinstance(globs, str) else list(globs)
+    for g in globs:
+        if not isinstance(g, str) or not g:
+            raise InvalidType(f"add_preserve: glob {g!r} is not a non-empty string")
+    routing.add_preserve(globs)
 
 
 # -- tag hooks -------------------------------------------------------------------------------
@@ -290,11 +316,13 @@ def read_host_copy(device: int, address: int, nbytes: int, dst: int) -> bool | N
 __all__ = [
     "ClassPolicy",
     "add_mapping_hooks",
+    "add_preserve",
     "add_tag_hooks",
     "as_runtime_errors",
     "capture_into",
     "capturing_into",
     "cuda_torch",
+    "fill_on_wake",
     "graph",
     "graph_pool",
     "keep_everything",

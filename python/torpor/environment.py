@@ -71,6 +71,18 @@ VARIABLES: tuple[Variable, ...] = (
         "text",
     ),
     Variable(
+        "VLLM_POISON_DISCARDED_PAGES",
+        "",
+        "vLLM's: the vLLM mode's wakes fill discarded bytes with 0xFF (read at each wake, as vLLM reads it)",
+        "flag",
+    ),
+    Variable(
+        "VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY",
+        "",
+        "vLLM's: after each wake the vLLM mode gives its host copies back (torpor.release_host_store)",
+        "flag",
+    ),
+    Variable(
         "PYTHONPATH",
         "",
         "torpor.tms.configure_subprocess() puts the torch_memory_saver shim first on it for children",

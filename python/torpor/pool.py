@@ -387,6 +387,16 @@ class Pool(_lib.Closing):
         _hooks.check(_lib.lib().torpor_sleep(self.handle, int(level), arr if tags else None, n))
         return self.last_report()
 
+    def set_fill_on_wake(self, fill: str) -> str:
+        """What the wakes from now on write into discarded bytes (none, zero, poison: the pool
+        option fill_on_wake, torpor_set_fill_on_wake). Returns the previous fill."""
+        table = _lib.enum_values("fill")
+        previous = ctypes.c_int(-1)
+        _lib.check(
+            _lib.lib().torpor_set_fill_on_wake(self.handle, _choice(table, fill, "fill"), ctypes.byref(previous))
+        )
+        return next(name for name, value in table.items() if value == previous.value)
+
     def add_sleep_hook(self, before_sleep=None, after_wake=None) -> int:
         """Run before_sleep(level: SleepLevel, tags: list[str]) inside every sleep of this pool
         at levels 1 and 2, before anything moves (an exception from it aborts the sleep with

@@ -76,6 +76,13 @@ e.g. commit 010c211270c004db49f91933849804821d153e4d, predate the graph pool).
   "idempotent"). torpor adds: a sleep that fails after before_unmap ran calls after_map for each
   tag it left mapped. One difference: a ``wake_up`` that selects no sleeping tag wakes nothing
   and calls no hook (vLLM's runs them anyway; they are idempotent, so nothing is lost).
+- vLLM's options, read at each wake as vLLM reads them (or set as attributes, which the
+  sleep-mode backend's options do): ``VLLM_POISON_DISCARDED_PAGES`` (``poison_discarded_pages``):
+  the wake fills discarded bytes with 0xFF (torpor.engine.fill_on_wake), kept bytes untouched;
+  ``VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY`` (``release_host_memory``): after the wake, torpor's host
+  copies of awake tags and its unused host store go back (torpor.engine.release_host_store; a
+  tag still asleep keeps its backup), where by default they stay so that an unchanged re-sleep
+  copies nothing.
 - ``release_cudagraph_pool(pool=None)``: once the graphs are destroyed, their pool's memory goes
   back to torpor and the next capture starts in a new, empty pool; a RuntimeError (InvalidState)
   while a graph captured into it is alive or the tag is asleep.
@@ -86,7 +93,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Iterable
 
-from . import engine
+from . import engine, environment
 from .engine import as_runtime_errors, keep_everything, runtime_error
 from .errors import InvalidArgument, InvalidType
 from .pool import MemoryClass
@@ -155,6 +162,10 @@ class CuMemAllocator:
         return CuMemAllocator.instance
 
     def __init__(self):
+        # vLLM's options; None reads vLLM's variable at each wake (the sleep-mode backend's
+        # options set them): VLLM_POISON_DISCARDED_PAGES, VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY.
+        self.poison_discarded_pages: bool | None = None
+        self.release_host_memory: bool | None = None
         self.last_reports: dict[str, dict] = {}  # what the last sleep, discard or wake_up did, per step
         self._pool_tags: list[str] = []  # tags of the use_memory_pool blocks open now, innermost last
 
@@ -237,8 +248,18 @@ class CuMemAllocator:
             selected = [
                 t for t, asleep in sorted(states.items()) if asleep and (t in wanted or t not in DEFERRABLE_TAGS)
             ]
+        poison = self._option(self.poison_discarded_pages, "VLLM_POISON_DISCARDED_PAGES")
         with as_runtime_errors():
-            self.last_reports = {"wake_up": engine.wake_up(selected)}
+            with engine.fill_on_wake("poison") if poison else contextlib.nullcontext():
+                self.last_reports = {"wake_up": engine.wake_up(selected)}
+            if self._option(self.release_host_memory, "VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY"):
+                self.last_reports["host_released"] = engine.release_host_store()
+
+    @staticmethod
+    def _option(value: bool | None, variable: str) -> bool:
+        """A vLLM option: the attribute when set (a backend option), else vLLM's variable, read at
+        each call as vLLM reads it."""
+        return environment.enabled(variable) if value is None else bool(value)
 
 
 __all__ = ["DEFERRABLE_TAGS", "CuMemAllocator", "register_tag_hooks"]

@@ -16,10 +16,20 @@ VLLM_PLUGINS, when set, must list "torpor"), and a worker does it in
 2. where vLLM has pluggable sleep-mode backends (``vllm.device_allocator.sleep_mode_backend``),
    registers the backend "torpor" (``--sleep-mode-backend torpor``; torpor.vllm_backend). vLLM's
    default backend, "cumem", drives the same allocator, so either gives torpor's sleep.
-3. makes the worker register the model's parameters after it loads the model
-   (torpor.register_parameters, for ``Worker.load_model`` of vllm.v1.worker.gpu_worker and
+3. makes the worker register the model's parameters after every call that loads or replaces
+   them (torpor.register_parameters; ``Worker.load_model``, ``reload_weights``,
+   ``update_weights`` and ``finish_weight_update`` of vllm.v1.worker.gpu_worker and
    vllm.worker.worker, patched when those modules load): a level-2 sleep then discards only the
-   parameters and keeps every other byte, instead of discarding everything.
+   parameters and keeps every other byte, instead of discarding everything. The weight-transfer
+   engine's layerwise reload re-creates parameter tensors between start_weight_update and
+   finish_weight_update (``initialize_layerwise_reload`` / ``finalize_layerwise_reload``, read in
+   a weight-transfer engine's start/finish, index id 70126702537; the four-call protocol, index id
+   54636350917), and a reload may build a new model object, so registering once at load would
+   leave new parameters counted as state (kept, copied) and old ranges as parameters. vLLM's
+   ``sleep_preserve_parameter_names`` (``--sleep-preserve-parameter-names``: globs over
+   ``model.named_parameters()`` kept through level 2) becomes register_parameters' preserve; a
+   glob that matches no parameter raises ValueError from the call, as vLLM refuses it (its
+   documentation, index id 69070261150: "Each pattern must match model.named_parameters()").
 4. sets NCCL_GRAPH_REGISTER=0 when unset (torpor.engine.nccl_graph_register_off; a warning when the
    user set another value): vLLM points NCCL's graph allocations at the sleep pool, and NCCL reads
    the variable when a communicator is created, before any graph is captured; its registrations
@@ -36,6 +46,7 @@ safe to run twice in a process (vLLM may load plugins more than once).
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import importlib
 import importlib.abc
@@ -53,8 +64,10 @@ BACKEND_NAME = "torpor"
 CUMEM_MODULE = "vllm.device_allocator.cumem"
 ALLOCATOR_PACKAGE = "vllm.device_allocator"
 BACKEND_MODULE = "vllm.device_allocator.sleep_mode_backend"
-# Worker modules whose Worker.load_model gets the parameter registration (v1, then v0).
+# Worker modules whose Worker methods get the parameter registration (v1, then v0), and the
+# methods: every call after which the model's parameter tensors may be new.
 WORKER_MODULES = ("vllm.v1.worker.gpu_worker", "vllm.worker.worker")
+WORKER_METHODS = ("load_model", "reload_weights", "update_weights", "finish_weight_update")
 
 _lock = threading.Lock()
 _installed = False
@@ -80,7 +93,7 @@ def install() -> None:
             return
         substitute_allocator()
         register_backend()
-        _patch_when_imported(WORKER_MODULES, _wrap_load_model)
+        _patch_when_imported(WORKER_MODULES, _wrap_worker)
         nccl_graph_register_off()
         substitute_tag_hooks()
         _installed = True
@@ -137,21 +150,45 @@ def register_backend() -> bool:
     return True
 
 
+def preserve_globs(model_config, model) -> list[str]:
+    """vLLM's sleep_preserve_parameter_names, each checked against model.named_parameters()."""
+    globs = getattr(model_config, "sleep_preserve_parameter_names", None) or []
+    globs = [globs] if isinstance(globs, str) else list(globs)
+    names = [name for name, _ in model.named_parameters()]
+    for g in globs:
+        if not isinstance(g, str) or not g:
+            raise ValueError(f"sleep_preserve_parameter_names: {g!r} is not a non-empty glob")
+    unmatched = [g for g in globs if not any(fnmatch.fnmatchcase(n, g) for n in names)]
+    if unmatched:
+        shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        raise ValueError(
+            f"sleep_preserve_parameter_names: {', '.join(repr(g) for g in unmatched)} match(es) no parameter of the "
+            f"model (globs are matched against model.named_parameters() names: {shown or 'none'})"
+        )
+    return globs
+
+
 def register_model(worker) -> None:
     """Step 3 for one worker: register its model's parameters (and a draft model's) when sleep
-    mode put them in torpor. Never fails the load: a problem is logged."""
+    mode put them in torpor. Never fails the call it follows, except for a preserve glob that
+    matches no parameter (vLLM refuses those): any other problem is logged."""
+    config = getattr(getattr(worker, "vllm_config", None), "model_config", None)
+    if config is not None and not getattr(config, "enable_sleep_mode", False):
+        return
     try:
-        config = getattr(getattr(worker, "vllm_config", None), "model_config", None)
-        if config is not None and not getattr(config, "enable_sleep_mode", False):
-            return
-        import torpor
-
         models = [("", worker.get_model())]
         draft = getattr(worker, "get_draft_model", None)
         if callable(draft) and draft() is not None:
             models.append(("draft", draft()))
+    except Exception as e:
+        logger.warning("torpor: could not find the worker's model (level 2 discards all): %s", e)
+        return
+    preserve = preserve_globs(config, models[0][1]) if config is not None else []
+    try:
+        import torpor
+
         for prefix, model in models:
-            reg = torpor.register_parameters(model, prefix=prefix)
+            reg = torpor.register_parameters(model, preserve=preserve if not prefix else None, prefix=prefix)
             logger.info(
                 "torpor: registered %d parameters (%d bytes)%s; %d outside torpor's pools",
                 reg.parameters,
@@ -159,24 +196,28 @@ def register_model(worker) -> None:
                 f" of the {prefix} model" if prefix else "",
                 len(reg.outside),
             )
-    except Exception as e:  # a failed registration only costs torpor's upgrade, never the load
+    except Exception as e:  # a failed registration only costs torpor's upgrade, never the call
         logger.warning("torpor: could not register the model's parameters (level 2 discards all): %s", e)
 
 
-def _wrap_load_model(module) -> None:
+def _wrap_worker(module) -> None:
     worker = getattr(module, "Worker", None)
-    load = getattr(worker, "load_model", None)
-    if load is None or getattr(load, "_torpor_wrapped", False):
-        return
+    for name in WORKER_METHODS:
+        method = getattr(worker, name, None)
+        if method is None or getattr(method, "_torpor_wrapped", False):
+            continue
+        setattr(worker, name, _registering(method))
 
-    @functools.wraps(load)
-    def load_model(self, *args, **kwargs):
-        result = load(self, *args, **kwargs)
+
+def _registering(method):
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        result = method(self, *args, **kwargs)
         register_model(self)
         return result
 
-    load_model._torpor_wrapped = True
-    worker.load_model = load_model
+    wrapped._torpor_wrapped = True
+    return wrapped
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
@@ -220,4 +261,4 @@ def _patch_when_imported(names, patch) -> None:
         sys.meta_path.insert(0, _PatchOnImport(pending, patch))
 
 
-__all__ = ["BACKEND_NAME", "ENV", "enabled", "install", "register", "register_model"]
+__all__ = ["BACKEND_NAME", "ENV", "enabled", "install", "preserve_globs", "register", "register_model"]

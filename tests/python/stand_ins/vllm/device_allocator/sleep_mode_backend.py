@@ -1,12 +1,24 @@
 """vllm.device_allocator.sleep_mode_backend: pluggable sleep-mode backends chosen by name
 (model_config.sleep_mode_backend, default "cumem"); third parties register from a general plugin.
-With STAND_IN_VLLM_NO_BACKENDS=1 the module is absent, as in vLLM versions before it."""
+
+Two contract generations (STAND_IN_VLLM_GENERATION, see vllm/__init__.py); absent in "v0", as in
+vLLM before pluggable backends:
+
+- "v1", the first contract (README's vLLM section, sleep_mode_backend.py as first read):
+  ``suspend(level)``, ``resume(tags)``, ``discard(tags)``, capability ``preserves_communicators``,
+  the factory builds ``backend_cls()`` without options.
+- "mrv2", the newest contract, read (not copied) from the file as stored in the code index
+  (index id 55111445073): ``suspend(level, tags=None)``, ``suspended_tags()``,
+  ``supports_selective_offload()``, the capability flags ``preserves_nccl``,
+  ``preserves_graphs_with_nccl``, ``preserves_compiled_artifacts``, ``supports_durable_storage``,
+  and ``create_backend`` passing ``model_config.sleep_mode_backend_options`` to the constructor."""
 
 import importlib
-import os
 from abc import ABC, abstractmethod
 
-if os.environ.get("STAND_IN_VLLM_NO_BACKENDS") == "1":
+from vllm import GENERATION
+
+if GENERATION == "v0":
     raise ImportError("No module named 'vllm.device_allocator.sleep_mode_backend'")
 
 
@@ -15,7 +27,7 @@ class SleepModeBackend(ABC):
         self._state = "RUNNING"
 
     @abstractmethod
-    def suspend(self, level=1):
+    def suspend(self, level=1, tags=None):
         ...
 
     @abstractmethod
@@ -32,13 +44,40 @@ class SleepModeBackend(ABC):
     def is_supported(cls):
         return True
 
-    @classmethod
-    def preserves_communicators(cls):
-        return False
+    if GENERATION == "v1":
+
+        @classmethod
+        def preserves_communicators(cls):
+            return False
+
+    else:
+
+        def suspended_tags(self):
+            return None
+
+        @classmethod
+        def preserves_nccl(cls):
+            return False
+
+        @classmethod
+        def preserves_graphs_with_nccl(cls):
+            return False
+
+        @classmethod
+        def preserves_compiled_artifacts(cls):
+            return False
+
+        @classmethod
+        def supports_durable_storage(cls):
+            return False
+
+        @classmethod
+        def supports_selective_offload(cls):
+            return False
 
 
 class CuMemBackend(SleepModeBackend):
-    def suspend(self, level=1):
+    def suspend(self, level=1, tags=None):
         from vllm.device_allocator import get_mem_allocator_instance
 
         self._state = "SUSPENDED"
@@ -85,7 +124,10 @@ class SleepModeBackendFactory:
             raise ValueError(
                 f"Sleep-mode backend '{model_config.sleep_mode_backend}' is not supported on this platform."
             )
-        return backend_cls()
+        if GENERATION == "v1":
+            return backend_cls()
+        options = getattr(model_config, "sleep_mode_backend_options", {}) or {}
+        return backend_cls(**options)
 
 
 SleepModeBackendFactory.register_backend("cumem", "vllm.device_allocator.sleep_mode_backend", "CuMemBackend")

@@ -1,11 +1,22 @@
 """A model runner with a tiny model: two parameters and a buffer computed at load (a rotary table,
 in no checkpoint) in the pool the worker opened, and a KV cache. Tensors are fake_torch's, on
 torpor's host backend, so their bytes are host memory: the level-2 buffer stash reads and writes
-them with ctypes, as vLLM's reads them with .cpu() and copy_()."""
+them with ctypes, as vLLM's reads them with .cpu() and copy_().
+
+Generation "mrv2" (vllm/__init__.py): ``capture_model`` captures one decode step as a CUDA graph
+through ``vllm.device_allocator.use_cudagraph_pool(pool, vllm_config)`` (Model Runner V2's route,
+index id 71337998459): out = w + kv (bytewise, first GRAPH_BYTES) plus a constant allocated in the
+capture; ``decode()`` replays it and returns the "tokens" (out's bytes). ``replace_parameters``
+re-creates every parameter tensor with new bytes (the weight-transfer engine's layerwise reload),
+keeping the buffers."""
 
 import ctypes
 
 import torch
+
+from vllm import GENERATION
+
+GRAPH_BYTES = 4096
 
 
 class DeviceTensor:
@@ -81,3 +92,46 @@ class GPUModelRunner:
 
     def get_model(self):
         return self.model
+
+    def capture_model(self):
+        from vllm.device_allocator import is_capturing_into_cumem_pool, use_cudagraph_pool
+
+        assert GENERATION == "mrv2"
+        self.graph = torch.cuda.CUDAGraph()
+        self.captured_into_cumem = []
+        with use_cudagraph_pool(None, self.vllm_config) as pool:
+            with torch.cuda.graph(self.graph, pool=pool, stream=torch.cuda.Stream()):
+                self.captured_into_cumem.append(is_capturing_into_cumem_pool())
+                self.graph_out = torch.empty(GRAPH_BYTES)
+                self.graph_const = torch.empty(GRAPH_BYTES)
+                w, kv, out, const = self.model._parameters["w"], self.kv_cache, self.graph_out, self.graph_const
+                torch.launch(
+                    lambda: write(out, step(read(w, GRAPH_BYTES), read(kv, GRAPH_BYTES), read(const, GRAPH_BYTES)))
+                )
+        write(self.graph_const, pattern(GRAPH_BYTES, 42))
+
+    def decode(self):
+        self.graph.replay()
+        return read(self.graph_out, GRAPH_BYTES)
+
+    def replace_parameters(self, version):
+        old = dict(self.model.named_parameters())
+        fresh = {}
+        for i, (name, p) in enumerate(old.items()):
+            t = torch.empty(p._nbytes)
+            write(t, pattern(p._nbytes, version + i))
+            fresh[name] = t
+        model = Model(**fresh)
+        model.buffers = self.model.buffers
+        self.model = model
+        for p in old.values():
+            p.free()
+
+
+def read(t, n):
+    return ctypes.string_at(t.data_ptr(), n)
+
+
+def step(w, kv, const):
+    """The decode step's arithmetic (the oracle the driver recomputes from the inputs)."""
+    return bytes((a + b + c) % 256 for a, b, c in zip(w, kv, const))
