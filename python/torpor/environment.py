@@ -58,6 +58,12 @@ VARIABLES: tuple[Variable, ...] = (
         "alloc_conf",
     ),
     Variable(
+        "PYTORCH_HIP_ALLOC_CONF",
+        "",
+        "PyTorch's allocator settings on ROCm, read after the two above",
+        "alloc_conf",
+    ),
+    Variable(
         "TMS_INIT_ENABLE",
         "",
         "torch_memory_saver's preload-mode switch: torpor.tms warns that it captures only regions",
@@ -132,6 +138,33 @@ def alloc_conf_true(key: str) -> bool:
     return False
 
 
+# PyTorch's precedence among its allocator-settings variables: the first one set is in force.
+ALLOC_CONF_PRECEDENCE = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+
+
+def alloc_conf() -> str:
+    """PyTorch's allocator settings in force: the first of ALLOC_CONF_PRECEDENCE that is set."""
+    for name in ALLOC_CONF_PRECEDENCE:
+        value = os.environ.get(variable(name).name)
+        if value:
+            return value
+    return ""
+
+
+def with_alloc_flag(conf: str, key: str, enabled: bool) -> str:
+    """`conf` with only `key` set to True/False, every other item as it was. PyTorch parses the
+    settings as a whole and resets every item the string it is given leaves out, so a change of
+    one item must write the whole string (vLLM's alloc_conf.py says the same, index id
+    68986858546)."""
+    want = f"{key}:{'True' if enabled else 'False'}"
+    items = [item.strip() for item in conf.split(",") if item.strip()]
+    for i, item in enumerate(items):
+        if item.partition(":")[0].strip() == key:
+            items[i] = want
+            return ",".join(items)
+    return ",".join(items + [want])
+
+
 def set_default(name: str, value: str) -> bool:
     """Set the variable to `value` when it is unset (or empty); whether it was set now."""
     row = variable(name)
@@ -157,4 +190,16 @@ def prepended_path(name: str, entry: str):
             os.environ[row.name] = previous
 
 
-__all__ = ["VARIABLES", "Variable", "alloc_conf_true", "enabled", "is_set", "prepended_path", "text", "variable"]
+__all__ = [
+    "ALLOC_CONF_PRECEDENCE",
+    "VARIABLES",
+    "Variable",
+    "alloc_conf",
+    "alloc_conf_true",
+    "with_alloc_flag",
+    "enabled",
+    "is_set",
+    "prepended_path",
+    "text",
+    "variable",
+]

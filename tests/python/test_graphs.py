@@ -164,6 +164,24 @@ def test_a_capture_after_a_sleep_is_seen_by_the_next_even_at_a_freed_blocks_addr
     torpor.wake_up("tg.again")
 
 
+def test_expandable_segments_off_keeps_the_users_other_allocator_settings(torch, monkeypatch):
+    """PyTorch resets every setting the string it is given leaves out: torpor writes the user's
+    whole string with only expandable_segments changed, and the original back after."""
+    user = "max_split_size_mb:64, expandable_segments:True,garbage_collection_threshold:0.6"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")  # PYTORCH_ALLOC_CONF wins
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", user)
+    torch.settings_calls.clear()
+    with torpor.use_pool("tg.conf"):
+        with torpor.use_pool("tg.conf2"):  # nested: one write each way
+            torch.empty(N)
+        assert torch.settings_calls == [
+            "max_split_size_mb:64,expandable_segments:False,garbage_collection_threshold:0.6"
+        ]
+    assert torch.settings_calls[1:] == [
+        "max_split_size_mb:64,expandable_segments:True,garbage_collection_threshold:0.6"
+    ]
+
+
 def test_torch_cuda_graph_with_a_torpor_graph_pool_allocates_in_torpor(torch, monkeypatch):
     w, x, w_bytes = model(torch)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

@@ -152,11 +152,12 @@ def test_expandable_segments_are_off_inside_torpor_pools(torch, monkeypatch):
         pass
     assert torch.settings_calls == []
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64, expandable_segments:True")
+    off = "max_split_size_mb:64,expandable_segments:False"  # the whole string: PyTorch resets what it omits
     with torpor.use_pool("tl.exp"):
         with torpor.use_pool("tl.exp"):
-            assert torch.settings_calls == ["expandable_segments:False"]
-        assert torch.settings_calls == ["expandable_segments:False"], "only the outermost exit turns them on"
-    assert torch.settings_calls == ["expandable_segments:False", "expandable_segments:True"]
+            assert torch.settings_calls == [off]
+        assert torch.settings_calls == [off], "only the outermost exit turns them on"
+    assert torch.settings_calls == [off, "max_split_size_mb:64,expandable_segments:True"], "the user's max_split stays"
 
 
 def test_segments_torpor_did_not_map_are_reported_at_sleep(torch):

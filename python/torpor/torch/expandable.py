@@ -3,7 +3,10 @@
 With expandable_segments:True (PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF) PyTorch maps
 segments itself instead of asking a pool's allocator (or refuses, depending on the version).
 So every block that routes allocations to a torpor MemPool turns them off while any such block
-is open, and back on after the last one exits. Nested and concurrent uses count.
+is open, and back on after the last one exits. Nested and concurrent uses count. PyTorch parses
+its settings as a whole, resetting every item the string leaves out, so both writes are the
+user's whole settings string with only expandable_segments changed, and the exit writes it back
+as it was (environment.with_alloc_flag).
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ def segments_off(torch):
     if not requested():
         yield
         return
+    # The settings in force, expandable segments on (as requested() found them asked for).
+    conf = environment.with_alloc_flag(environment.alloc_conf(), "expandable_segments", True)
     with _lock:
         if _depth == 0:
-            _set_allocator_settings(torch, "expandable_segments:False")
+            _set_allocator_settings(torch, environment.with_alloc_flag(conf, "expandable_segments", False))
         _depth += 1
     try:
         yield
@@ -46,4 +51,4 @@ def segments_off(torch):
         with _lock:
             _depth -= 1
             if _depth == 0:
-                _set_allocator_settings(torch, "expandable_segments:True")
+                _set_allocator_settings(torch, conf)
