@@ -10,7 +10,7 @@ versions, it supports discard(tags) (vLLM's release of the KV cache between roll
 
 Both generations of vLLM's backend contract, as read from vLLM's public sources
 (``vllm/device_allocator/sleep_mode_backend.py``, index id 55111445073 for the newest; the older
-one is tests/python/stand_ins' v1 generation):
+one at commit 0ffa2a2473a8d400321525f6cd44a50929066ef9, tests/python/stand_ins' v1 generation):
 
 - ``suspend(level)`` (older) and ``suspend(level, tags=None)`` (newer): `tags` offloads exactly
   those tags and discards the rest (vLLM's CuMemTagBackend precedence: the call's tags, then the
@@ -20,7 +20,8 @@ one is tests/python/stand_ins' v1 generation):
 - ``resume(tags=None)``: wakes those tags (None: every sleeping tag). torpor's wake of a tag that
   is awake changes nothing, so no selective wake can corrupt live memory, and level-2 weights may
   be woken before the reload (their bytes are undefined until it, as at level 2 in vLLM).
-- Capability flags under both names: ``preserves_communicators`` (older), ``preserves_nccl``,
+- Capability flags under both names: ``preserves_communicators`` and
+  ``preserves_graphs_with_communicators`` (older, commit 0ffa2a24), ``preserves_nccl``,
   ``preserves_graphs_with_nccl``, ``preserves_compiled_artifacts`` (newer; all True: torpor
   touches neither communicators nor the process, and every address stays), and
   ``supports_durable_storage`` (False: host copies live in this process).
@@ -150,6 +151,10 @@ class TorporSleepModeBackend(SleepModeBackend):
     @classmethod
     def preserves_communicators(cls) -> bool:  # the older contract's name
         return True  # communicators' buffers are outside torpor's pools; nothing touches them
+
+    @classmethod
+    def preserves_graphs_with_communicators(cls) -> bool:  # the older contract's name
+        return True
 
     @classmethod
     def preserves_nccl(cls) -> bool:

@@ -6,10 +6,14 @@ registration kept true across a weight update. Oracles: the bytes the stand-in w
 the decode step's arithmetic recomputed from its inputs, and the pool's own statistics."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
-from test_vllm_plugin import KIB, check_sleep_cycle, dist, drive  # noqa: F401 - dist is the fixture
+from conftest import subprocess_env
+from test_vllm_plugin import KIB, STAND_INS, check_sleep_cycle, dist, drive  # noqa: F401 - dist is the fixture
 
 GENERATIONS = {
     "v0": ("vllm.worker.worker.Worker", "cumem"),
@@ -101,3 +105,29 @@ def test_a_level_2_after_a_weight_update_discards_exactly_the_new_parameters(dis
     else:  # the negative control: registered once at load, nothing in the tag is a parameter any more,
         # so level 2 falls back to vLLM's policy and the buffer goes with everything else
         assert seen["update_parameter_bytes_asleep"] == 0 and not seen["update_buffers_kept"]
+
+
+@pytest.mark.parametrize("generation", ["v1", "mrv2"])
+def test_the_torpor_backend_answers_every_capability_flag_of_its_generation(dist, generation):  # noqa: F811
+    """Each generation's base class declares its flags (the old names in v1, the new in mrv2): the
+    torpor backend answers every one itself, and accepts that generation's suspend call."""
+    code = (
+        "import json, vllm.device_allocator.sleep_mode_backend as b\n"
+        "import torpor.vllm_backend as t\n"
+        "flags = [n for n in dir(b.SleepModeBackend) if n.startswith(('preserves_', 'supports_'))]\n"
+        "print(json.dumps({n: [n in vars(t.TorporSleepModeBackend), getattr(t.TorporSleepModeBackend, n)()]"
+        " for n in flags}))\n"
+    )
+    e = subprocess_env(STAND_IN_VLLM_GENERATION=generation)
+    e["PYTHONPATH"] = os.pathsep.join([str(STAND_INS), str(dist), e["PYTHONPATH"]])
+    out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    flags = json.loads(out.stdout)
+    expected = (
+        {"preserves_communicators", "preserves_graphs_with_communicators"}
+        if generation == "v1"
+        else {"preserves_nccl", "preserves_graphs_with_nccl", "supports_selective_offload"}
+    )
+    assert expected <= set(flags), flags
+    assert all(own for own, _ in flags.values()), flags
+    assert all(value for name, (_, value) in flags.items() if name != "supports_durable_storage"), flags

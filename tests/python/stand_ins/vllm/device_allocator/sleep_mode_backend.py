@@ -4,9 +4,10 @@
 Two contract generations (STAND_IN_VLLM_GENERATION, see vllm/__init__.py); absent in "v0", as in
 vLLM before pluggable backends:
 
-- "v1", the first contract (README's vLLM section, sleep_mode_backend.py as first read):
-  ``suspend(level)``, ``resume(tags)``, ``discard(tags)``, capability ``preserves_communicators``,
-  the factory builds ``backend_cls()`` without options.
+- "v1", the first contract (the file at commit 0ffa2a2473a8d400321525f6cd44a50929066ef9):
+  ``suspend(level)``, ``resume(tags)``, capabilities ``preserves_communicators`` and
+  ``preserves_graphs_with_communicators``, the factory builds ``backend_cls()`` without options;
+  ``discard(tags)`` as the v1 worker of the stand-ins calls it.
 - "mrv2", the newest contract, read (not copied) from the file as stored in the code index
   (index id 55111445073): ``suspend(level, tags=None)``, ``suspended_tags()``,
   ``supports_selective_offload()``, the capability flags ``preserves_nccl``,
@@ -48,6 +49,10 @@ class SleepModeBackend(ABC):
 
         @classmethod
         def preserves_communicators(cls):
+            return False
+
+        @classmethod
+        def preserves_graphs_with_communicators(cls):
             return False
 
     else:
