@@ -5,7 +5,7 @@
 #   scripts/gpu_run.sh [stage ...]     stages: probe tests readme bench-sleep bench-sleep-threads python
 #                                      bench-first-sleep first-sleep-variance bench-torch-sleep
 #                                      torch-sleep-profile host-store
-#                                      engines graphs
+#                                      engines graphs vllm-today
 #                                      distributed symmetric symmetric-nccl tail tail-bench stress
 #                                      stress-tail
 #                                      (default: probe tests)
@@ -36,6 +36,15 @@
 # torch_memory_saver's examples restated (tests/python/test_engines_gpu.py), the vLLM plugin and
 # mode tests, and an RL loop through vLLM mode (level 2, reload, wake; RSS, host store bytes and
 # the bytes copied to host per iteration: engines-rl-loop.json).
+#
+# vllm-today (1 GPU) is issue 26's record with real PyTorch: the restated test_cumem.py tests
+# (test_engines_gpu.py), the vLLM-today tests and the version matrix (test_vllm_current.py,
+# test_vllm_matrix.py: fake torch and the host backend, as in CI), then
+# tests/python/vllm_today_gpu.py twice: --policy torpor (an MRV2-style decode graph captured in
+# use_cudagraph_pool, sleep(1) and sleep(2) with reload, replayed without re-capture: the same
+# tokens; device memory in use awake and asleep from torch.cuda.mem_get_info, the graph pool's
+# mapped bytes while asleep, vLLM-style tag hooks in order, the field cases bit-exact) and --policy
+# vllm (the field cases' negative control: it must report them lost). vllm-today-*.txt, *.json.
 #
 # graphs (1 GPU) is issue 16's record: python/examples/graph_decoder.py with the decode graph in
 # torpor and, for comparison, captured outside torpor (device memory awake, asleep and after wake,
@@ -267,6 +276,21 @@ for stage in "${stages[@]}"; do
       timeout 300 "${pyenv[@]}" python3 tests/python/engines_rl_loop.py --iterations 5 \
         --json "$OUT/engines-rl-loop.json" 2>&1 | tee "$OUT/engines-rl-loop.txt"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      ;;
+    vllm-today)
+      pyenv=(env TORPOR_LIBRARY="$PWD/$build/allocator/libtorpor.so" PYTHONPATH="$PWD/python" PYTHONDONTWRITEBYTECODE=1)
+      : > "$OUT/vllm-today-pytest.log"
+      for f in test_engines_gpu.py test_vllm_current.py test_vllm_matrix.py; do
+        timeout 300 "${pyenv[@]}" python3 -m pytest -v -s -rs -p no:cacheprovider "tests/python/$f" \
+          >> "$OUT/vllm-today-pytest.log" 2>&1 || status=1
+      done
+      grep -E "^=+ .*(passed|failed|skipped|error).* in .*=+$|^(FAILED|ERROR|SKIPPED) " "$OUT/vllm-today-pytest.log"
+      for policy in torpor vllm; do
+        echo "== vllm_today_gpu.py --policy $policy"
+        timeout 300 "${pyenv[@]}" python3 tests/python/vllm_today_gpu.py --policy "$policy" \
+          --json "$OUT/vllm-today-$policy.json" 2>&1 | tee "$OUT/vllm-today-$policy.txt"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      done
       ;;
     distributed)
       pyenv=(env TORPOR_LIBRARY="$PWD/$build/allocator/libtorpor.so" PYTHONPATH="$PWD/python" PYTHONDONTWRITEBYTECODE=1)
