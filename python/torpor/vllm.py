@@ -38,7 +38,8 @@ sleep copies no parameter to host memory. Tags without registered parameters (th
 discarded in full, as in vLLM.
 
 Every address is the same after wake (as in vLLM), so CUDA graphs replay. This mode uses torpor
-through torpor.engine only (the seam every engine mode is written against).
+through torpor.engine only (the seam every engine mode is written against), and reads vLLM's
+variables through torpor.environment.
 
 Model Runner V2's graph pool (vLLM's CUDA graphs captured into the sleep pool). Read, not copied,
 from vLLM's public sources as stored in the code index (find_string/read_file ids; the index
