@@ -77,6 +77,8 @@ struct PoolOptions {
   // medium bytes than clamp(allocated / 8, medium_slab_min, medium_slab_max) (plus less than
   // one granule of rounding), where `allocated` counts the pair's medium allocations with the
   // new one; frees may leave more, which later allocations reuse before any new slab is made.
+  // Across the pool, new slabs add no slack beyond a sixteenth of va_bytes or of the device's
+  // memory, whichever is smaller (so many tags in a small reservation keep it for allocations).
   // When the device cannot hold the slab the policy asks for, a slab of the allocation's own
   // size is taken: an allocation that fits in free memory never fails for the slab policy.
   std::size_t slab_bytes = 0;                         // 0 = the granularity
