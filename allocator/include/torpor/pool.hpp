@@ -114,6 +114,9 @@ struct PoolOptions {
   // on disk. Empty: no disk tier.
   std::string spill_dir;
   std::size_t spill_limit = 0;
+  // false: the spill file uses buffered I/O even where the file system takes O_DIRECT (for file
+  // systems whose direct I/O misbehaves; the page cache then holds spilled bytes for a while).
+  bool spill_try_direct_io = true;
   // Page-locking: the pinned store grows in blocks of at most host_pin_block_bytes (one mapping
   // for all the blocks a sleep or a prepare adds), first touched by host_pin_threads threads
   // (0 = min(16, cores)) and registered block by block as the touching finishes. A sleep that grows

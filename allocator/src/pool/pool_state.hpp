@@ -65,7 +65,8 @@ struct Pool::State {
                             .pin_block_bytes = o.host_pin_block_bytes,
                             .pin_threads = o.host_pin_threads,
                             .spill_dir = o.spill_dir,
-                            .spill_limit = o.spill_limit};
+                            .spill_limit = o.spill_limit,
+                            .spill_try_direct_io = o.spill_try_direct_io};
   }
 
   Driver& driver;
