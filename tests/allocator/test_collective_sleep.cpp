@@ -197,6 +197,70 @@ TEST(CollectiveSleepThreads, OneRankFailingToSleepFailsEveryRankAndLeavesEveryRa
   }
 }
 
+// A one-rank CallbackGroup whose all-gather can be made to fail at its n-th call from now, as an
+// embedder's transport that breaks between the sleep and the outcome exchange (issue 33 N4).
+struct BreakableGroup {
+  BreakableGroup() {
+    GroupCallbacks cb;
+    cb.all_gather = [this](std::span<const std::byte> mine) {
+      ++calls;
+      if (calls == fail_at) throw std::runtime_error("the embedder's transport broke");
+      return std::vector<std::vector<std::byte>>{std::vector<std::byte>(mine.begin(), mine.end())};
+    };
+    cb.barrier = [] {};
+    group = std::make_unique<CallbackGroup>(0, 1, std::move(cb), short_timeout());
+  }
+  int calls = 0;
+  int fail_at = -1;
+  std::unique_ptr<CallbackGroup> group;
+};
+
+TEST(CollectiveSleep, AFailedOutcomeExchangeWakesThisRankBackAndSaysSo) {
+  BreakableGroup g;
+  Rank me(0);
+  // How many all-gathers one collective sleep makes: the last of them is the outcome exchange.
+  collective_sleep(me.pool, *g.group, 1);
+  const int per_sleep = g.calls;
+  collective_wake_up(me.pool, *g.group);
+  ASSERT_TRUE(me.awake());
+  g.calls = 0;
+  g.fail_at = per_sleep;
+  try {
+    collective_sleep(me.pool, *g.group, 1);
+    FAIL() << "collective_sleep returned although its outcome exchange failed";
+  } catch (const std::exception& e) {
+    EXPECT_TRUE(contains(e.what(), "could not exchange their outcomes")) << e.what();
+    EXPECT_TRUE(contains(e.what(), "the embedder's transport broke")) << e.what();
+    EXPECT_TRUE(contains(e.what(), "woke back up")) << e.what();
+  }
+  EXPECT_TRUE(me.awake()) << "the rank stayed asleep behind the error";
+  EXPECT_TRUE(me.intact());
+  AllocationOptions a;
+  a.tag = "weights";
+  EXPECT_NE(me.pool.allocate(4096, a), nullptr) << "the tag refuses allocations after the failed sleep";
+}
+
+TEST(CollectiveSleep, AFailedOutcomeExchangeOfAWakeSaysWhereThisRankIs) {
+  BreakableGroup g;
+  Rank me(0);
+  collective_sleep(me.pool, *g.group, 1);
+  g.calls = 0;
+  collective_wake_up(me.pool, *g.group);
+  const int per_wake = g.calls;
+  collective_sleep(me.pool, *g.group, 1);
+  g.calls = 0;
+  g.fail_at = per_wake;
+  try {
+    collective_wake_up(me.pool, *g.group);
+    FAIL() << "collective_wake_up returned although its outcome exchange failed";
+  } catch (const std::exception& e) {
+    EXPECT_TRUE(contains(e.what(), "could not exchange their outcomes")) << e.what();
+    EXPECT_TRUE(contains(e.what(), "this rank is awake")) << e.what();
+  }
+  EXPECT_TRUE(me.awake());
+  EXPECT_TRUE(me.intact());
+}
+
 TEST(CollectiveSleepThreads, ATagOneRankDoesNotHaveFailsEveryRankWithoutAHang) {
   const int n = 2;
   // A rank that skipped the outcome exchange shows as a group_timeout (not invalid_argument).

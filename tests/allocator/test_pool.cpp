@@ -1,4 +1,5 @@
 // Pool allocation, classes, tags, stats: typed over backends.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -59,6 +60,31 @@ TYPED_TEST(PoolTest, FastPathMakesNoDriverCall) {
   EXPECT_EQ(after, before) << "sub-allocation from a mapped slab must not call the driver";
   pool.deallocate(first);
   pool.deallocate(again);
+}
+
+// Issue 33 N14: each tag's first medium allocation took a minimum-size slab whatever the
+// reservation, so a few dozen tags with one small tensor each used up a small VA reservation.
+TYPED_TEST(PoolTest, ManyTagsOfMediumAllocationsLeaveTheReservationForWhatIsAllocated) {
+  const std::size_t gran = this->granularity();
+  const std::size_t MiB = std::size_t{1} << 20;
+  PoolOptions o;  // the default slab policy: a 32 MiB minimum medium slab
+  o.va_bytes = 1024 * MiB;
+  Pool pool(this->driver(), o);
+  const std::size_t medium = 2 * MiB;  // above small_limit, below medium_limit
+  std::vector<void*> held;
+  for (int t = 0; t < 32; ++t)
+    held.push_back(pool.allocate(medium, {fmt::format("tag{}", t), MemoryClass::parameter, ""}));
+  const std::size_t allocated = 32 * medium;
+  // The slack the policy may add across the pool: a sixteenth of the reservation or of the
+  // device's memory (the smaller), plus a granule of rounding per slab.
+  const std::size_t room = std::min(o.va_bytes, this->driver().device_properties(0).total_bytes);
+  const std::size_t slack = room / 16 + 32 * gran;
+  EXPECT_LE(pool.stats().mapped_bytes, allocated + slack);
+  // What is left takes an allocation of nearly all of it.
+  void* b = nullptr;
+  EXPECT_NO_THROW(b = pool.allocate(room - allocated - slack, {"big", MemoryClass::cache, ""}));
+  if (b) pool.deallocate(b);
+  for (void* p : held) pool.deallocate(p);
 }
 
 TYPED_TEST(PoolTest, EmptySlabIsCachedOnceAndTrimReleasesIt) {

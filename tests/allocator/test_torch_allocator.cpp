@@ -103,6 +103,34 @@ TEST(TorchAllocator, PoolsArePerDeviceAndCreatedOnce) {
   EXPECT_EQ(stats(p1)["allocations"], 0u);
 }
 
+// Issue 33 N15: destroying the pool behind PyTorch's allocator was accepted while a segment
+// lived in it, and the next write to that segment crashed.
+TEST(TorchAllocator, ThePoolBehindPyTorchCannotBeDestroyedAndItsSegmentsStayUsable) {
+  Restore restore;
+  torpor_pool_t pool = host_pool();
+  void* a = torpor_torch_malloc(2 * MiB, 0, nullptr);
+  ASSERT_NE(a, nullptr) << torpor_last_error();
+  EXPECT_EQ(torpor_pool_destroy(pool), TORPOR_ERROR_INVALID_STATE);
+  const std::string why = torpor_last_error();
+  EXPECT_NE(why.find("behind PyTorch's allocator on device 0"), std::string::npos) << why;
+  EXPECT_NE(why.find("lives until the process exits"), std::string::npos) << why;
+  std::vector<unsigned char> bytes(4096);
+  for (std::size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<unsigned char>(i * 7 + 1);
+  ASSERT_EQ(torpor_copy(pool, a, bytes.data(), bytes.size()), TORPOR_OK) << torpor_last_error();
+  EXPECT_EQ(read(pool, a, bytes.size()), bytes);
+  torpor_torch_free(a, 2 * MiB, 0, nullptr);
+  torpor_pool_t again = nullptr;
+  ASSERT_EQ(torpor_torch_pool(0, &again), TORPOR_OK);
+  EXPECT_EQ(again, pool) << "the same pool serves later segments";
+  // A pool of one's own is destroyed as before.
+  torpor_pool_options o;
+  torpor_pool_options_init(&o);
+  o.backend = TORPOR_BACKEND_HOST;
+  torpor_pool_t own = nullptr;
+  ASSERT_EQ(torpor_pool_create(&o, &own), TORPOR_OK) << torpor_last_error();
+  EXPECT_EQ(torpor_pool_destroy(own), TORPOR_OK) << torpor_last_error();
+}
+
 TEST(TorchAllocator, FailuresReturnNullAndKeepTheMessage) {
   Restore restore;
   torpor_pool_t pool = host_pool();

@@ -19,8 +19,10 @@
 // sleep: that costs a full offload, cannot help the failed rank, and a wake is idempotent,
 // so calling collective_wake_up again on every rank once the cause is gone (memory freed)
 // completes it, the woken ranks having nothing left to do.
-// A group failure (timeout, a broken group) propagates as the group's own error; see group.hpp
-// for recovery. Returns this rank's report.
+// A group failure (timeout, a broken group) propagates as the group's own error type; see
+// group.hpp for recovery. When it strikes the outcome exchange of a sleep, no rank can learn the
+// others' outcome: each rank wakes back up what it put to sleep before raising, and the message
+// says so (and, for a wake, whether this rank is awake). Returns this rank's report.
 #pragma once
 
 #include <string>

@@ -79,6 +79,8 @@ struct PoolOptions {
   // medium bytes than clamp(allocated / 8, medium_slab_min, medium_slab_max) (plus less than
   // one granule of rounding), where `allocated` counts the pair's medium allocations with the
   // new one; frees may leave more, which later allocations reuse before any new slab is made.
+  // Across the pool, new slabs add no slack beyond a sixteenth of va_bytes or of the device's
+  // memory, whichever is smaller (so many tags in a small reservation keep it for allocations).
   // When the device cannot hold the slab the policy asks for, a slab of the allocation's own
   // size is taken: an allocation that fits in free memory never fails for the slab policy.
   std::size_t slab_bytes = 0;                         // 0 = the granularity
@@ -114,6 +116,9 @@ struct PoolOptions {
   // on disk. Empty: no disk tier.
   std::string spill_dir;
   std::size_t spill_limit = 0;
+  // false: the spill file uses buffered I/O even where the file system takes O_DIRECT (for file
+  // systems whose direct I/O misbehaves; the page cache then holds spilled bytes for a while).
+  bool spill_try_direct_io = true;
   // Page-locking: the pinned store grows in blocks of at most host_pin_block_bytes (one mapping
   // for all the blocks a sleep or a prepare adds), first touched by host_pin_threads threads
   // (0 = min(16, cores)) and registered block by block as the touching finishes. A sleep that grows

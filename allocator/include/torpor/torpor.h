@@ -74,6 +74,8 @@ typedef struct torpor_pool_options {
 void torpor_pool_options_init(torpor_pool_options* options);
 
 torpor_status torpor_pool_create(const torpor_pool_options* options, torpor_pool_t* out);
+/* The pool's memory goes back. TORPOR_ERROR_INVALID_STATE for the pool behind PyTorch's allocator
+   (torpor_torch_pool): PyTorch holds segments in it, so it lives until the process exits. */
 torpor_status torpor_pool_destroy(torpor_pool_t pool);
 
 /* tag NULL = "default"; name may be NULL. */

@@ -108,6 +108,7 @@ struct CPool {
   std::string last_report = "{}";
   std::mutex hooks_mu;
   unsigned long long next_hook = 1;
+  int torch_device = -1;  // >= 0: the pool behind PyTorch's allocator on that device (never destroyed)
 };
 
 struct Registry {
@@ -256,6 +257,18 @@ torpor_status write_out(const std::string& text, char* buffer, std::size_t capac
 
 namespace torpor::detail {
 void set_last_error(std::string message) noexcept { last_error = std::move(message); }
+
+bool keep_for_torch(torpor_pool_t pool, int device) noexcept {
+  try {
+    Registry& r = registry();
+    std::shared_ptr<CPool> p = r.find(r.pools, pool);
+    if (!p) return false;
+    p->torch_device = device;
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
 }  // namespace torpor::detail
 
 extern "C" {
@@ -308,6 +321,12 @@ torpor_status torpor_pool_create(const torpor_pool_options* options, torpor_pool
 
 torpor_status torpor_pool_destroy(torpor_pool_t pool) {
   Registry& r = registry();
+  if (std::shared_ptr<CPool> kept = r.find(r.pools, pool); kept && kept->torch_device >= 0)
+    return fail(TORPOR_ERROR_INVALID_STATE,
+                fmt::format("torpor_pool_destroy: pool {} is the pool behind PyTorch's allocator on device {} "
+                            "(torpor_torch_pool); PyTorch holds segments in it, so it lives until the process "
+                            "exits: free the tensors (torch.cuda.empty_cache gives their segments back) instead",
+                            static_cast<const void*>(pool), kept->torch_device));
   std::shared_ptr<CPool> p = r.take(r.pools, pool);
   if (!p) return not_live_to_destroy("torpor_pool_destroy", "pool", pool);
   // The pool is destroyed when the last in-flight call on it returns.

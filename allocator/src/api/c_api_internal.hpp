@@ -4,8 +4,15 @@
 
 #include <string>
 
+#include "torpor/torpor.h"
+
 namespace torpor::detail {
 
 void set_last_error(std::string message) noexcept;
+
+// Marks a pool as the one behind PyTorch's allocator on `device`: torpor_pool_destroy refuses it
+// from then on (PyTorch holds segments in it, and the allocator keeps its handle for the
+// process's life). False when `pool` is not a live pool.
+bool keep_for_torch(torpor_pool_t pool, int device) noexcept;
 
 }  // namespace torpor::detail

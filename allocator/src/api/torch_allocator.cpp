@@ -125,6 +125,7 @@ torpor_status get_or_create(DevicePools& d, int device, DevicePool** out) {
     set_last_error(fmt::format("creating the torpor pool of device {}: {}", device, torpor_last_error()));
     return s;
   }
+  torpor::detail::keep_for_torch(slot.handle, device);  // just created: live
   // The same driver object torpor_pool_create took (shared_driver caches one per backend).
   slot.driver = torpor::shared_driver(to_backend(o.backend)).driver;
   *out = &(d.pools[device] = std::move(slot));

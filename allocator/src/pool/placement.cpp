@@ -16,6 +16,11 @@ constexpr std::size_t sub_alignment = 256;
 // A new medium slab never makes a (tag, class) hold more than this share of what it allocated
 // (at least medium_slab_min, at most medium_slab_max) mapped but unallocated.
 constexpr std::size_t medium_slack_divisor = 8;
+// Nor the whole pool's medium slabs hold more than this share of its VA reservation (or of the
+// device's memory, when smaller) mapped but unallocated: the per-pair minimum would otherwise let
+// every tag's first medium allocation take a minimum-size slab, and a pool of many tags in a small
+// reservation (or on a small device) would run out of addresses (or memory) with little allocated.
+constexpr std::size_t pool_slack_va_divisor = 16;
 
 ChunkKind kind_for(std::size_t bytes, bool dedicated, const PoolOptions& o) {
   if (dedicated) return ChunkKind::dedicated;
@@ -24,10 +29,12 @@ ChunkKind kind_for(std::size_t bytes, bool dedicated, const PoolOptions& o) {
   return ChunkKind::dedicated;
 }
 
-// The awake slabs of one kind and (tag, class): bytes mapped, and bytes of them not carved.
+// The awake slabs of one kind and (tag, class): bytes mapped, and bytes of them not carved; and
+// the bytes not carved in every medium slab of the pool (counted only when no slab had room).
 struct PairSpace {
   std::size_t mapped = 0;
   std::size_t free = 0;
+  std::size_t pool_medium_free = 0;
 };
 
 // The fast path: room in a mapped slab of this kind and (tag, class). No driver call. Sums the
@@ -35,6 +42,7 @@ struct PairSpace {
 std::optional<Placement> carve_from_slab(Pool::State& s, ChunkKind kind, std::size_t footprint,
                                          const AllocationOptions& options, PairSpace& pair) {
   for (auto& [va, c] : s.chunks) {
+    if (c->kind == ChunkKind::medium_slab) pair.pool_medium_free += c->space.free_bytes();
     if (c->kind != kind || c->tag != options.tag || c->cls != options.memory_class || !c->awake) continue;
     if (auto off = c->space.allocate(footprint, sub_alignment)) return Placement{c.get(), *off, footprint};
     pair.mapped += c->bytes;
@@ -50,12 +58,17 @@ std::optional<Placement> carve_from_slab(Pool::State& s, ChunkKind kind, std::si
 // a slab tail too short for the next one would count as slack for good, so every later slab
 // would be made smaller, leaving another tail: the slabs (and the VMM calls of each sleep) would
 // multiply instead of growing.
-std::size_t medium_slab_bytes(const PoolOptions& o, std::size_t gran, const PairSpace& pair, std::size_t footprint) {
+std::size_t medium_slab_bytes(const PoolOptions& o, std::size_t gran, std::size_t device_bytes, const PairSpace& pair,
+                              std::size_t footprint) {
   const std::size_t need = align_up(footprint, gran);
   const std::size_t allocated = pair.mapped - pair.free + footprint;
   const std::size_t budget = std::clamp(allocated / medium_slack_divisor, o.medium_slab_min, o.medium_slab_max);
   if (budget + footprint <= pair.free) return need;  // frees left more than the budget: no slack added
-  const std::size_t limit = std::min((budget + footprint - pair.free) / gran * gran, o.medium_slab_max);
+  const std::size_t pool_budget = std::min(o.va_bytes, device_bytes) / pool_slack_va_divisor;
+  if (pair.pool_medium_free >= pool_budget) return need;  // the pool's slack is spent: no slack added
+  const std::size_t pool_limit = (need + pool_budget - pair.pool_medium_free) / gran * gran;
+  const std::size_t limit =
+      std::min({(budget + footprint - pair.free) / gran * gran, o.medium_slab_max, std::max(need, pool_limit)});
   const std::size_t whole = limit / footprint * footprint;  // both granule multiples: align_up stays <= limit
   return std::max(need, align_up(whole, gran));
 }
@@ -95,7 +108,7 @@ Placement place(Pool::State& s, std::size_t bytes, const AllocationOptions& opti
   if (auto p = carve_from_slab(s, kind, footprint, options, pair)) return *p;
   const std::size_t need = align_up(footprint, s.granularity);
   std::size_t slab = std::max(o.slab_bytes, need);
-  if (kind == ChunkKind::medium_slab) slab = medium_slab_bytes(o, s.granularity, pair, footprint);
+  if (kind == ChunkKind::medium_slab) slab = medium_slab_bytes(o, s.granularity, s.device_bytes, pair, footprint);
   Chunk& c = new_slab(s, slab, need, options, kind);
   return Placement{&c, *c.space.allocate(footprint, sub_alignment), footprint};
 }

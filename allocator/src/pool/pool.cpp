@@ -111,6 +111,7 @@ Pool::Pool(Driver& driver, PoolOptions options) : driver_(driver), options_(std:
   va_base_ = driver_.reserve(options_.va_bytes, granularity_);
   try {
     state_ = make_state(driver_, options_, granularity_, va_base_, std::move(access));
+    state_->device_bytes = props.total_bytes;
     if (options_.host_store_prepare != 0) state_->host.prepare(options_.host_store_prepare);
   } catch (...) {
     try {

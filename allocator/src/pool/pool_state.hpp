@@ -66,12 +66,14 @@ struct Pool::State {
                             .pin_block_bytes = o.host_pin_block_bytes,
                             .pin_threads = o.host_pin_threads,
                             .spill_dir = o.spill_dir,
-                            .spill_limit = o.spill_limit};
+                            .spill_limit = o.spill_limit,
+                            .spill_try_direct_io = o.spill_try_direct_io};
   }
 
   Driver& driver;
   const PoolOptions& options;
   std::size_t granularity;
+  std::size_t device_bytes = 0;  // the device's memory (DeviceProperties::total_bytes)
   device_ptr va_base;
   ChunkMemory memory;           // physical memory of the chunks, access list, deferred releases
   std::vector<Stream> streams;  // copy streams; streams[0] also serves copy() and hash()

@@ -12,6 +12,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <functional>
 
 #include "torpor/consensus.hpp"
 #include "torpor/log.hpp"
@@ -33,6 +34,32 @@ std::vector<std::string> resolved(const Pool& pool, const std::vector<std::strin
   return tags.empty() ? pool.tags() : tags;
 }
 
+// "awake" or "still asleep" (some of the tags), for a message; never throws.
+std::string state_of(const Pool& pool, const std::vector<std::string>& tags) noexcept {
+  try {
+    const auto wanted = resolved(pool, tags);
+    const bool awake = std::none_of(wanted.begin(), wanted.end(), [&](const std::string& t) { return pool.asleep(t); });
+    return awake ? "awake" : "still asleep";
+  } catch (const std::exception&) {
+    return "in an unknown state";
+  }
+}
+
+// What this rank did about its own sleep when the outcome exchange itself failed. No rank can
+// learn the others' outcome then, so each rank undoes its own sleep: a rank left asleep behind an
+// error would look like a failed collective while refusing allocations, and a woken rank is what
+// every failed collective_sleep promises.
+std::string roll_back_after_lost_exchange(Group& group, const std::function<void()>& wake_back) {
+  try {
+    wake_back();
+    return fmt::format("this rank (group rank {}) woke back up", group.rank());
+  } catch (const std::exception& e) {
+    log::error("collective_sleep: rollback wake on group rank {} after a failed outcome exchange failed: {}",
+               group.rank(), e.what());
+    return fmt::format("this rank (group rank {}) could NOT wake back up: {}", group.rank(), e.what());
+  }
+}
+
 }  // namespace
 
 TransitionReport collective_sleep(Pool& pool, Group& group, int level, const std::vector<std::string>& tags) {
@@ -49,7 +76,17 @@ TransitionReport collective_sleep(Pool& pool, Group& group, int level, const std
   auto wake_back = [&] {
     if (!were_awake.empty()) pool.wake_up(were_awake);
   };
-  consensus::Outcomes outcomes = consensus::run_all_or_none(group, sleep, wake_back);
+  consensus::Outcomes outcomes;
+  try {
+    outcomes = consensus::run_all_or_none(group, sleep, wake_back);
+  } catch (const std::exception& e) {
+    const std::string rolled_back = roll_back_after_lost_exchange(group, wake_back);
+    consensus::raise(consensus::classify(e),
+                     fmt::format("collective_sleep (level {}) on group rank {} of {} ({}): the ranks could not "
+                                 "exchange their outcomes ({}); {}; other ranks may be awake or asleep: once the "
+                                 "group works again (see recover in group.hpp), call collective_wake_up on every rank",
+                                 level, group.rank(), group.size(), group.kind(), e.what(), rolled_back));
+  }
   if (outcomes.ok()) return report;
 
   std::string rollback = "every rank woke back up";
@@ -67,7 +104,17 @@ TransitionReport collective_sleep(Pool& pool, Group& group, int level, const std
 TransitionReport collective_wake_up(Pool& pool, Group& group, const std::vector<std::string>& tags) {
   consensus::agree(group, "collective_wake_up", request_text("wake_up", 0, tags));
   TransitionReport report;
-  consensus::Outcomes outcomes = consensus::run_all_or_none(group, [&] { report = pool.wake_up(tags); });
+  consensus::Outcomes outcomes;
+  try {
+    outcomes = consensus::run_all_or_none(group, [&] { report = pool.wake_up(tags); });
+  } catch (const std::exception& e) {
+    // This rank's own wake stands (a wake is idempotent): say where it is, not only the group's error.
+    consensus::raise(consensus::classify(e),
+                     fmt::format("collective_wake_up on group rank {} of {} ({}): the ranks could not exchange "
+                                 "their outcomes ({}); this rank is {}; once the group works again, call "
+                                 "collective_wake_up on every rank",
+                                 group.rank(), group.size(), group.kind(), e.what(), state_of(pool, tags)));
+  }
   if (outcomes.ok()) return report;
   outcomes.raise(fmt::format("collective_wake_up on group rank {} of {} ({}): rank(s) {} are still asleep{}; the "
                              "ranks that woke stay awake: call collective_wake_up again on every rank once the "

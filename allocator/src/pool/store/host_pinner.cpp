@@ -12,7 +12,7 @@
 
 namespace torpor {
 
-HostPinner::HostPinner(Driver& driver, int device, int threads) : driver_(driver), device_(device) {
+HostPinner::HostPinner(Driver& driver, int device, int threads) : driver_(driver), device_(device), owner_(::getpid()) {
   if (threads <= 0) {
     unsigned hw = std::thread::hardware_concurrency();
     threads = static_cast<int>(std::clamp(hw == 0 ? 4U : hw, 1U, 16U));
@@ -22,6 +22,7 @@ HostPinner::HostPinner(Driver& driver, int device, int threads) : driver_(driver
 
 HostPinner::~HostPinner() {
   std::unique_lock lock(mu_);
+  forget_parent_workers_locked();
   for (Slice& s : queue_) s.job->cancel_ = true;
   settled_.wait(lock, [&] { return running_ == 0; });
   reap_locked();
@@ -59,7 +60,17 @@ void HostPinner::wait_all() {
   settled_.wait(lock, [&] { return unsettled_ == 0; });
 }
 
+void HostPinner::forget_parent_workers_locked() {
+  if (::getpid() == owner_) return;
+  owner_ = ::getpid();
+  if (!workers_.empty()) new std::map<int, std::thread>(std::move(workers_));  // leaked on purpose
+  workers_.clear();
+  exited_.clear();
+  running_ = 0;
+}
+
 void HostPinner::reap_locked() {
+  forget_parent_workers_locked();
   for (int id : exited_) {
     auto it = workers_.find(id);
     if (it == workers_.end()) continue;

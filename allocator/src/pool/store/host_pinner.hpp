@@ -16,9 +16,15 @@
 //   - nothing touches or registers a job's memory after it left pending, so its owner may unmap
 //     it then (after host_unregister when ready);
 //   - worker threads exist only while there is work (at most `threads`); the destructor cancels
-//     whatever is still queued and joins them.
+//     whatever is still queued and joins them;
+//   - in a forked child the parent's workers do not exist: the first call there forgets them
+//     (their std::thread objects are leaked, never joined: joining a thread of another process
+//     fails) and the child starts its own. Slices a parent worker held at the fork are lost with
+//     it, so a job they belong to never settles in the child.
 // Thread-safe.
 #pragma once
+
+#include <sys/types.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -89,6 +95,7 @@ class HostPinner {
   void finish(PinJob& job);
   void settle(PinJob& job, PinJob::Status status);
   void reap_locked();
+  void forget_parent_workers_locked();
 
   Driver& driver_;
   int device_;
@@ -101,6 +108,7 @@ class HostPinner {
   std::vector<int> exited_;  // ids of workers that returned, to join
   int running_ = 0;
   int next_id_ = 0;
+  pid_t owner_;                             // the process the workers belong to
   std::atomic<bool> populate_works_{true};  // MADV_POPULATE_WRITE accepted so far
 };
 

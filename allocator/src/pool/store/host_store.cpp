@@ -79,7 +79,8 @@ HostStore::HostStore(Driver& driver, HostStoreOptions options)
     : driver_(driver),
       options_(std::move(options)),
       spill_(options_.spill_dir.empty() ? nullptr
-                                        : std::make_unique<SpillStore>(options_.spill_dir, options_.spill_limit)),
+                                        : std::make_unique<SpillStore>(options_.spill_dir, options_.spill_limit,
+                                                                       options_.spill_try_direct_io)),
       pinner_(driver, options_.device, options_.pin_threads) {
   options_.pin_block_bytes = align_up(std::max(options_.pin_block_bytes, block_rounding), block_rounding);
 }

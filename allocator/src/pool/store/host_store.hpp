@@ -58,6 +58,7 @@ struct HostStoreOptions {
   int pin_threads = 0;                                 // first-touch threads; 0 = min(16, cores)
   std::string spill_dir;                               // beyond the limit: files here (empty: pageable)
   std::size_t spill_limit = 0;                         // disk bytes at most; 0 = no limit
+  bool spill_try_direct_io = true;                     // false: buffered I/O on the spill file
 };
 
 struct HostStoreStats {

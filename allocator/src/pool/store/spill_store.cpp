@@ -166,15 +166,16 @@ std::size_t SpillStore::remove_stale(const std::string& dir) {
   return removed;
 }
 
-SpillStore::SpillStore(const std::string& dir, std::size_t limit) : dir_(dir), limit_(limit), space_(file_span) {
+SpillStore::SpillStore(const std::string& dir, std::size_t limit, bool try_direct_io)
+    : dir_(dir), limit_(limit), space_(file_span) {
   prepare_dir(dir_);
   if (std::size_t n = remove_stale(dir_); n > 0)
     log::info("spill: removed {} stale file(s) of processes that are gone from {}", n, dir_);
-  open_file();
+  open_file(try_direct_io);
   register_live();
 }
 
-void SpillStore::open_file() {
+void SpillStore::open_file(bool try_direct_io) {
   std::string base = fmt::format("{}/{}{}-{:016x}", dir_, file_prefix, ::getpid(), random_tag());
   std::string tmp = base + ".tmp";
   fd_ = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
@@ -187,6 +188,10 @@ void SpillStore::open_file() {
     ::close(fd_);
     fd_ = -1;
     throw invalid_argument(fmt::format("spill: cannot lock and name {}: {}", path_, errno_text(err)));
+  }
+  if (!try_direct_io) {
+    log::info("spill: {}: buffered I/O (direct I/O not asked for)", path_);
+    return;
   }
   int flags = ::fcntl(fd_, F_GETFL);
   direct_ = flags >= 0 && ::fcntl(fd_, F_SETFL, flags | O_DIRECT) == 0;

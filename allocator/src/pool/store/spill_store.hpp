@@ -45,7 +45,8 @@ class SpillStore {
 
   // Creates `dir` (one level, mode 0700) if missing. limit 0 = no limit but the disk's.
   // Throws invalid_argument when dir is unusable (not a directory, not writable, ...).
-  SpillStore(const std::string& dir, std::size_t limit);
+  // try_direct_io false: buffered I/O even where O_DIRECT would be taken.
+  SpillStore(const std::string& dir, std::size_t limit, bool try_direct_io = true);
   ~SpillStore();
   SpillStore(const SpillStore&) = delete;
   SpillStore& operator=(const SpillStore&) = delete;
@@ -73,7 +74,7 @@ class SpillStore {
   static std::size_t remove_stale(const std::string& dir);
 
  private:
-  void open_file();
+  void open_file(bool try_direct_io);
   void disable_direct_io(int err) noexcept;
   [[noreturn]] void throw_write_error(int err, std::uint64_t offset, std::size_t bytes) const;
   void truncate_to_extents() noexcept;
