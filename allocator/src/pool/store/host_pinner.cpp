@@ -1,16 +1,56 @@
 // HostPinner; the design note and invariants are in host_pinner.hpp.
 #include "pool/store/host_pinner.hpp"
 
+#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <exception>
+#include <set>
 
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 
 namespace torpor {
+
+namespace {
+
+// Every live HostPinner, so that a fork never copies one whose mutex a worker holds: the child
+// would wait on it forever. pthread_atfork takes every pinner's mutex before the fork and gives
+// it back on both sides after it (the child's copy forgets the parent's workers first).
+struct Pinners {
+  std::mutex mu;
+  std::set<HostPinner*> live;
+};
+
+Pinners& pinners() {
+  static Pinners* p = new Pinners;  // never destroyed: a fork may happen during exit
+  return *p;
+}
+
+}  // namespace
+
+void HostPinner::before_fork() noexcept {
+  Pinners& p = pinners();
+  p.mu.lock();
+  for (HostPinner* h : p.live) h->mu_.lock();
+}
+
+void HostPinner::after_fork_in_parent() noexcept {
+  Pinners& p = pinners();
+  for (HostPinner* h : p.live) h->mu_.unlock();
+  p.mu.unlock();
+}
+
+void HostPinner::after_fork_in_child() noexcept {
+  Pinners& p = pinners();
+  for (HostPinner* h : p.live) {
+    h->forget_parent_workers_locked();
+    h->mu_.unlock();
+  }
+  p.mu.unlock();
+}
 
 HostPinner::HostPinner(Driver& driver, int device, int threads) : driver_(driver), device_(device), owner_(::getpid()) {
   if (threads <= 0) {
@@ -18,9 +58,19 @@ HostPinner::HostPinner(Driver& driver, int device, int threads) : driver_(driver
     threads = static_cast<int>(std::clamp(hw == 0 ? 4U : hw, 1U, 16U));
   }
   threads_ = threads;
+  static const int registered = ::pthread_atfork(&before_fork, &after_fork_in_parent, &after_fork_in_child);
+  (void)registered;  // on failure the first call in a child still forgets the parent's workers
+  Pinners& p = pinners();
+  std::lock_guard lock(p.mu);
+  p.live.insert(this);
 }
 
 HostPinner::~HostPinner() {
+  {
+    Pinners& p = pinners();
+    std::lock_guard lock(p.mu);
+    p.live.erase(this);
+  }
   std::unique_lock lock(mu_);
   forget_parent_workers_locked();
   for (Slice& s : queue_) s.job->cancel_ = true;

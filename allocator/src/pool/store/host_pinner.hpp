@@ -17,10 +17,11 @@
 //     it then (after host_unregister when ready);
 //   - worker threads exist only while there is work (at most `threads`); the destructor cancels
 //     whatever is still queued and joins them;
-//   - in a forked child the parent's workers do not exist: the first call there forgets them
-//     (their std::thread objects are leaked, never joined: joining a thread of another process
-//     fails) and the child starts its own. Slices a parent worker held at the fork are lost with
-//     it, so a job they belong to never settles in the child.
+//   - in a forked child the parent's workers do not exist: the child's copy forgets them at the
+//     fork (their std::thread objects are leaked, never joined: joining a thread of another
+//     process fails) and starts its own. A fork waits for no worker to hold the pinner's mutex
+//     (pthread_atfork). Slices a parent worker was touching at the fork are lost with it, so a
+//     job they belong to never settles in the child: fork only when no pinning is in flight.
 // Thread-safe.
 #pragma once
 
@@ -96,6 +97,10 @@ class HostPinner {
   void settle(PinJob& job, PinJob::Status status);
   void reap_locked();
   void forget_parent_workers_locked();
+  // pthread_atfork handlers over every live HostPinner (see host_pinner.cpp).
+  static void before_fork() noexcept;
+  static void after_fork_in_parent() noexcept;
+  static void after_fork_in_child() noexcept;
 
   Driver& driver_;
   int device_;
