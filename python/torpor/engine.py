@@ -22,13 +22,16 @@ The interface:
   ``has_parameters``: whether registered parameters lie in the tag's segments on the device).
   None keeps each MemPool's class. The policy applies inside the pool's sleep (the re-mark is a
   sleep hook), so its marks and the sleep are one step. ``wake_up(tags)``, ``tag_states()``,
-  ``stats()``, ``release_host_store()`` as torpor's.
+  ``stats()``, ``release_host_store()`` as torpor's; ``configure_host_store(host_store_limit,
+  spill_dir)``: torpor.configure's host-store options (before the first allocation), the others
+  as last configured.
 - ``use_pool(tag, memory_class)``: allocations of the block in torpor under that tag and class;
   ``graph(...)``: a CUDA graph capture in a torpor graph pool (torpor.graph); ``graph_pool``,
   ``capture_into(tag, memory_class)`` (every capture of the block in that graph pool),
   ``capturing_into()``, ``release_graph_pool(tag)``, ``nccl_graph_register_off()``: as in
   torpor.torch.graphs.
-- ``register_parameters(module, preserve)``: as torpor.register_parameters.
+- ``register_parameters(module, preserve)``: as torpor.register_parameters. ``tag_at(device,
+  address)``: the tag of the use_pool segment holding an address.
 - ``add_tag_hooks(tag, before_sleep=None, after_wake=None) -> id``: ``before_sleep(tag, level)``
   runs inside every sleep of `tag` (levels 1 and 2), after the re-mark and before anything moves:
   an exception aborts that device's sleep with nothing moved, and the sleep raises it.
@@ -74,6 +77,7 @@ tag_states = api.tag_states
 is_graph_tag = routing.is_graph_tag  # whether a torpor tag holds CUDA graph pools (torpor.graph)
 stats = api.stats
 release_host_store = api.release_host_store
+configure_host_store = api.configure_host_store  # the host-store options of the torch pools, kept the rest
 
 
 # -- routing and parameters ------------------------------------------------------------------
@@ -91,6 +95,17 @@ capturing_into = graphs.capturing_into
 release_graph_pool = graphs.release_graph_pool
 nccl_graph_register_off = graphs.nccl_graph_register_off
 register_parameters = parameters.register_parameters
+
+
+def tag_at(device: int, address: int) -> str | None:
+    """The tag of the use_pool MemPool whose segment on `device` holds `address` (None: none)."""
+    for (tag, _cls, dev), pool in routing.every_mempool():
+        if dev != device:
+            continue
+        for seg in routing.own_segments(pool, device):
+            if seg["address"] <= address < seg["address"] + seg["total_size"]:
+                return tag
+    return None
 
 
 # -- tag hooks -------------------------------------------------------------------------------
@@ -237,6 +252,7 @@ __all__ = [
     "as_runtime_errors",
     "capture_into",
     "capturing_into",
+    "configure_host_store",
     "cuda_torch",
     "graph",
     "graph_pool",
@@ -253,6 +269,7 @@ __all__ = [
     "set_memory_margin",
     "sleep",
     "stats",
+    "tag_at",
     "tag_states",
     "use_pool",
     "wake_up",

@@ -9,8 +9,8 @@ name, a default (the value an unset variable reads as), what it does, and its ki
 - ``text``: the value as set (the default when unset or empty);
 - ``flag``: set to anything but 0, false, no, off (any case) or empty means on, as
   options.cpp's kill switches parse;
-- ``exact``: on only when the value is exactly the row's ``on`` text (torch_memory_saver reads
-  TMS_INIT_ENABLE as ``== "1"``);
+- ``exact``: on only when the value is exactly one of the row's ``on`` texts (torch_memory_saver's
+  get_bool_env_var, csrc/utils.h at 4a43c97, takes 1, true, TRUE, yes, YES; anything else is off);
 - ``alloc_conf``: PyTorch's allocator settings, ``key:value`` items separated by commas.
 """
 
@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass
 
 _FALSY = ("", "0", "false", "no", "off")
+_TMS_TRUE = ("1", "true", "TRUE", "yes", "YES")
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Variable:
     default: str
     description: str
     kind: str  # text, flag, exact, alloc_conf
-    on: str = ""  # kind exact: the value that means on
+    on: tuple[str, ...] = ()  # kind exact: the values that mean on
 
 
 VARIABLES: tuple[Variable, ...] = (
@@ -60,9 +61,50 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "TMS_INIT_ENABLE",
         "",
-        "torch_memory_saver's preload-mode switch: torpor.tms warns that it captures only regions",
+        "torch_memory_saver's preload-mode switch: every cudaMalloc of a thread is in a region from the start "
+        "(libtorpor_preload.so reads it too, in C, with the same values)",
         "exact",
-        on="1",
+        on=_TMS_TRUE,
+    ),
+    Variable(
+        "TMS_INIT_ENABLE_CPU_BACKUP",
+        "",
+        "torch_memory_saver: allocations outside an explicit region choice keep a CPU backup (preload mode)",
+        "exact",
+        on=_TMS_TRUE,
+    ),
+    Variable(
+        "TMS_INIT_CPU_BACKUP_BACKEND",
+        "",
+        "torch_memory_saver's default cpu_backup_backend, mmap or pinned (empty: pinned); mmap makes "
+        "torpor.tms configure the pools' host store pageable",
+        "text",
+    ),
+    Variable(
+        "TMS_INIT_ENABLE_DISK_BACKUP",
+        "",
+        "torch_memory_saver: allocations outside an explicit region choice back up to disk (preload mode)",
+        "exact",
+        on=_TMS_TRUE,
+    ),
+    Variable(
+        "TMS_RETAIN_CPU_BACKUP",
+        "",
+        "torch_memory_saver's retain_cpu_backup at start: host backups stay after resume",
+        "exact",
+        on=_TMS_TRUE,
+    ),
+    Variable(
+        "TMS_DISK_BACKUP_DIR",
+        "",
+        "torch_memory_saver's process-wide disk backup directory: torpor.tms puts the pools' disk tier there",
+        "text",
+    ),
+    Variable(
+        "LD_PRELOAD",
+        "",
+        "torpor.tms.configure_subprocess() puts libtorpor_preload.so first on it for children (preload mode)",
+        "text",
     ),
     Variable(
         "NCCL_GRAPH_REGISTER",
@@ -102,7 +144,7 @@ def enabled(name: str) -> bool:
     row = variable(name)
     value = os.environ.get(row.name, row.default)
     if row.kind == "exact":
-        return value == row.on
+        return value in row.on
     if row.kind != "flag":
         raise KeyError(f"{name} is a {row.kind} variable, not a switch")
     return value.strip().lower() not in _FALSY
@@ -130,12 +172,13 @@ def set_default(name: str, value: str) -> bool:
 
 
 @contextlib.contextmanager
-def prepended_path(name: str, entry: str):
-    """Inside: `entry` first on the path-list variable `name` (os.pathsep-separated), for the
-    child processes started there; the previous value (or its absence) comes back after."""
+def prepended_path(name: str, entry: str, separator: str = os.pathsep):
+    """Inside: `entry` first on the path-list variable `name` (`separator`-separated: the dynamic
+    loader splits LD_PRELOAD at ':' and spaces), for the child processes started there; the
+    previous value (or its absence) comes back after."""
     row = variable(name)
     previous = os.environ.get(row.name)
-    os.environ[row.name] = os.pathsep.join([entry] + ([previous] if previous else []))
+    os.environ[row.name] = separator.join([entry] + ([previous] if previous else []))
     try:
         yield
     finally:
@@ -145,4 +188,13 @@ def prepended_path(name: str, entry: str):
             os.environ[row.name] = previous
 
 
-__all__ = ["VARIABLES", "Variable", "alloc_conf_true", "enabled", "is_set", "prepended_path", "text", "variable"]
+__all__ = [
+    "VARIABLES",
+    "Variable",
+    "alloc_conf_true",
+    "enabled",
+    "is_set",
+    "prepended_path",
+    "text",
+    "variable",
+]

@@ -24,19 +24,34 @@ torch_memory_saver/entrypoint.py and csrc/core.cpp):
   stays the same, so CUDA graphs captured over these tensors replay after resume.
 - ``disable()``: tensors created inside go to PyTorch's own memory even inside a region, and that
   memory goes back to the device when they are freed after the block.
-- ``retain_cpu_backup`` (default False): keep the host copies after resume. While True,
-  ``get_cpu_backup`` shows the copy of the last pause after resume too.
+- ``retain_cpu_backup`` (default False, or TMS_RETAIN_CPU_BACKUP=1): keep the host copies after
+  resume. A resume without it gives them back (torpor.release_host_store: the whole pool's).
 - ``memory_margin_bytes = n``: refuse a new segment (PyTorch's out-of-memory error) when it would
-  leave less than n bytes of the device free (torpor_torch_set_memory_margin).
+  leave less than n bytes of the device free (torpor_torch_set_memory_margin), as
+  torch_memory_saver's malloc checks margin + allocation size against cudaMemGetInfo's free bytes.
 - ``get_cpu_backup(x, zero_copy=False)``: a CPU tensor (x's dtype and shape) with the host copy of
-  x's bytes: while paused, its backup; after resume, None unless retain_cpu_backup is set.
-  torpor always returns a copy: zero_copy is accepted and gives a copy too, since torpor's host
-  store reuses its memory for the next pause.
-- ``set_disk_backup_dir(path)`` and ``region(enable_disk_backup=True)``: torch_memory_saver chooses
-  disk per region; torpor's disk tier is per pool: the backups beyond the pool's page-locked
-  limit go to files (``torpor.configure(host_store_limit=..., spill_dir=...)`` before the first
-  allocation, then regions with ``enable_cpu_backup=True``). Both raise torpor.Unavailable saying
-  so, rather than keep the bytes somewhere the caller did not ask for.
+  x's bytes: while paused, its backup; after resume, the copy when the resume retained it, None
+  after a resume without retain_cpu_backup (torch_memory_saver returns its slot whenever it exists,
+  csrc/core.cpp get_cpu_backup_pointer at 4a43c97). ``zero_copy=True`` returns a view of one host
+  buffer per tensor that keeps its address across retained resumes and is refilled by every pause
+  (torch_memory_saver's slot): torpor's own host store moves its blocks, so that buffer is a copy
+  of the store, made only for zero-copy callers, and dropped (its memory freed) when the pool no
+  longer holds a copy (a resume without retain, x freed).
+- ``cpu_backup_backend`` ("pinned" or "mmap"; default TMS_INIT_CPU_BACKUP_BACKEND, else pinned):
+  the kind of memory of the zero-copy buffer of the tensors of that region's tag (page-locked, or
+  anonymous pageable memory given back to the system when the buffer is dropped; regions of one
+  tag share torpor's MemPool, so the tag's last backup region decides). torpor's own
+  backups live in its host store, whose tier is per pool: page-locked by default;
+  TMS_INIT_CPU_BACKUP_BACKEND=mmap makes it pageable (host_store_limit below one block) before
+  the first allocation. Either way a resume without retain gives the store's memory back.
+- ``set_disk_backup_dir(path)`` (or TMS_DISK_BACKUP_DIR; /tmp when neither, as torch_memory_saver)
+  and ``region(enable_disk_backup=True)``: the pools' disk tier in that directory (one spill file
+  for the pools, not a file per allocation), configured before the first allocation in a region;
+  a disk region's bytes are kept bit-exact (class state). torpor's tier is per pool, so once a
+  disk directory is set every backup of the process goes there, those of enable_cpu_backup regions
+  too (still restored bit-exact, and get_cpu_backup reads them back from the file, where
+  torch_memory_saver returns None for a disk-backed tensor). Setting it after the pools hold
+  memory is torpor.Unavailable, saying so.
 - ``cuda_graph(cuda_graph, pool=None, stream=None, capture_error_mode="global", tag="default",
   enable_cpu_backup=False)``: torch.cuda.graph with the graph's memory in torpor (torpor.graph):
   ``pause(tag)`` releases it with the tag's regions, ``resume(tag)`` maps it back at the same
@@ -55,6 +70,11 @@ torch_memory_saver/entrypoint.py and csrc/core.cpp):
   captures allocations outside regions; torpor does not).
 - ``configure_subprocess()``: a context in which child processes started from here resolve
   ``import torch_memory_saver`` to this module too (the shim directory goes first on PYTHONPATH).
+
+torch_memory_saver's variables, read through torpor.environment with its values (1, true, TRUE,
+yes, YES mean on): TMS_RETAIN_CPU_BACKUP, TMS_INIT_CPU_BACKUP_BACKEND, TMS_DISK_BACKUP_DIR here;
+TMS_INIT_ENABLE, TMS_INIT_ENABLE_CPU_BACKUP, TMS_INIT_ENABLE_DISK_BACKUP by the preload library
+(they describe allocations outside region(), which only it sees).
 
 Where torch_memory_saver exits the process, torpor raises or is idempotent, by design:
 
@@ -76,6 +96,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import mmap
+import os
 import pathlib
 import sys
 import threading
@@ -94,11 +116,10 @@ _CPU_BACKUP_BACKENDS = ("mmap", "pinned")
 _HOOK_MODES = ("preload", "torch")
 SHIM_DIR = pathlib.Path(__file__).resolve().parent / "_shims"
 
-DISK_TIER_MISSING = (
-    "torch_memory_saver's per-region disk backup has no torpor equivalent: torpor's disk tier is per pool "
-    "(backups beyond the page-locked limit go to files): call torpor.configure(host_store_limit=..., "
-    "spill_dir=...) before the first allocation and use region(enable_cpu_backup=True)"
-)
+_DISK_DIR_DEFAULT = "/tmp"  # torch_memory_saver's, without TMS_DISK_BACKUP_DIR (csrc/disk_backend.cpp)
+# A host-store limit below the store's 2 MiB block puts every backup beyond it: in pageable memory,
+# or with a spill directory on disk (torpor/pool.hpp, PoolOptions::host_store_limit).
+_EVERY_BACKUP_BEYOND_THE_LIMIT = 1
 
 
 def graph_tag(tag: str) -> str:
@@ -113,9 +134,56 @@ def _check_backup_backend(enable_cpu_backup: bool, cpu_backup_backend: Optional[
         raise InvalidArgument("cpu_backup_backend requires enable_cpu_backup=True")
     if cpu_backup_backend not in _CPU_BACKUP_BACKENDS:
         raise InvalidArgument(
-            f"cpu_backup_backend {cpu_backup_backend!r} is not one of {', '.join(_CPU_BACKUP_BACKENDS)} "
-            f"(torpor keeps every backup in its own host store either way)"
+            f"cpu_backup_backend {cpu_backup_backend!r} is not one of {', '.join(_CPU_BACKUP_BACKENDS)}"
         )
+
+
+def default_backup_backend() -> str:
+    """TMS_INIT_CPU_BACKUP_BACKEND, or "pinned" (torch_memory_saver's cpu_backup_kind_from_str: an
+    unset or empty value is pinned, anything but mmap or pinned an error)."""
+    value = environment.text("TMS_INIT_CPU_BACKUP_BACKEND")
+    if not value:
+        return "pinned"
+    if value not in _CPU_BACKUP_BACKENDS:
+        raise InvalidArgument(
+            f"TMS_INIT_CPU_BACKUP_BACKEND={value!r} is not one of {', '.join(_CPU_BACKUP_BACKENDS)}: "
+            f"set it to one of them, or unset it for pinned"
+        )
+    return value
+
+
+def _store_request(disk_dir: Optional[str]) -> Optional[tuple[int, Optional[str]]]:
+    """The host-store options (host_store_limit, spill_dir) the torch_memory_saver settings ask of
+    torpor's pools, or None for torpor's own (every backup page-locked)."""
+    if disk_dir is not None:
+        return (_EVERY_BACKUP_BEYOND_THE_LIMIT, disk_dir)
+    if default_backup_backend() == "mmap":
+        return (_EVERY_BACKUP_BEYOND_THE_LIMIT, None)
+    return None
+
+
+class _HostBackup:
+    """The host memory behind get_cpu_backup(x, zero_copy=True): torch_memory_saver hands out a
+    view of its backup slot, whose address stays across a retained resume and is refilled by the
+    next pause. torpor's host store moves and reuses its blocks, so the C API only copies out of
+    it (torpor_read_host_copy); this buffer is the stable slot, of the region's backend kind:
+    page-locked ("pinned") or anonymous pageable memory ("mmap", given back to the system when
+    the buffer is dropped at a resume without retain_cpu_backup)."""
+
+    def __init__(self, torch, x, kind: str):
+        self.kind = kind
+        self.device = x.device.index
+        self.address = x.data_ptr()
+        self.nbytes = x.numel() * x.element_size()
+        if kind == "pinned":
+            self.tensor = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
+        else:
+            self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.tensor = torch.frombuffer(self._map, dtype=x.dtype).view(x.shape)
+
+    def refill(self) -> Optional[bool]:
+        """Copy the pool's host copy in; engine.read_host_copy's answer (None: no copy)."""
+        return engine.read_host_copy(self.device, self.address, self.nbytes, self.tensor.data_ptr())
 
 
 class TorchMemorySaver:
@@ -126,8 +194,12 @@ class TorchMemorySaver:
     def __init__(self):
         self._lock = threading.Lock()
         self._tags: set[str] = set()  # every tag a region or a cuda_graph created
-        self._retain_cpu_backup = False
+        self._retain_cpu_backup = environment.enabled("TMS_RETAIN_CPU_BACKUP")
         self._hook_mode = "torch"
+        self._disk_dir: Optional[str] = environment.text("TMS_DISK_BACKUP_DIR") or None
+        self._store_applied: Optional[tuple] = None  # the host-store options put on the pools
+        self._backends: dict[str, str] = {}  # tag -> backend of its last region with a backup
+        self._host_backups: dict[tuple[int, int, int], _HostBackup] = {}
 
     # -- regions ---------------------------------------------------------------------------
 
@@ -142,12 +214,13 @@ class TorchMemorySaver:
         _check_backup_backend(enable_cpu_backup, cpu_backup_backend)
         if enable_cpu_backup and enable_disk_backup:
             raise InvalidArgument("enable_cpu_backup and enable_disk_backup are mutually exclusive")
-        if enable_disk_backup:
-            raise Unavailable(DISK_TIER_MISSING)
         text(tag, "region: tag")
-        cls = MemoryClass.STATE if enable_cpu_backup else MemoryClass.CACHE
+        self._apply_store(disk=enable_disk_backup)
+        cls = MemoryClass.STATE if (enable_cpu_backup or enable_disk_backup) else MemoryClass.CACHE
         with self._lock:
             self._tags.add(tag)
+            if enable_cpu_backup:
+                self._backends[tag] = cpu_backup_backend or default_backup_backend()
         with engine.use_pool(tag, memory_class=cls):
             yield
 
@@ -165,6 +238,7 @@ class TorchMemorySaver:
         """torch.cuda.graph with the graph's memory pauseable under `tag` (see the module note)."""
         _check_backup_backend(enable_cpu_backup, cpu_backup_backend)
         text(tag, "cuda_graph: tag")
+        self._apply_store(disk=False)
         cls = MemoryClass.STATE if enable_cpu_backup else MemoryClass.CACHE
         with engine.graph(
             cuda_graph,
@@ -207,8 +281,11 @@ class TorchMemorySaver:
     def pause(self, tag: Optional[str] = None) -> None:
         """Release the memory of `tag` (None: every region's tag): backed-up bytes go to host
         memory, the rest is discarded. Pausing a paused tag does nothing."""
+        tags = self._selected(tag, "pause", asleep=False)
         with as_runtime_errors():
-            engine.sleep(1, self._selected(tag, "pause", asleep=False))
+            engine.sleep(1, tags)
+            if tags:
+                self._refill_host_backups()
 
     def resume(self, tag: Optional[str] = None) -> None:
         """Map the memory of `tag` (None: every region's tag) again at the same addresses and
@@ -221,8 +298,53 @@ class TorchMemorySaver:
 
     def _drop_host_copies(self) -> None:
         # torpor keeps host copies after wake to skip unchanged bytes at the next pause;
-        # torch_memory_saver frees them unless retained.
+        # torch_memory_saver frees them unless retained (csrc/core.cpp, resume, at 4a43c97).
         engine.release_host_store()
+        self._refill_host_backups()
+
+    def _refill_host_backups(self) -> None:
+        """After a pause or a resume: every zero-copy backup holds the pool's host copy again (a
+        pause wrote new bytes into torch_memory_saver's slot), or is dropped where the pool holds
+        none any more (a resume without retain_cpu_backup frees the slot; so does freeing x)."""
+        with self._lock:
+            backups = list(self._host_backups.items())
+        for key, backup in backups:
+            try:
+                kept = backup.refill() is not None
+            except (InvalidState, InvalidArgument):
+                kept = False  # discarded, or no longer an allocation of the pool
+            if not kept:
+                with self._lock:
+                    self._host_backups.pop(key, None)
+
+    def _apply_store(self, disk: bool) -> None:
+        """Put the host-store options that the backup settings ask for on torpor's pools, once,
+        before their first allocation: a disk directory (TMS_DISK_BACKUP_DIR, set_disk_backup_dir,
+        or /tmp for a region with enable_disk_backup) makes the pools' disk tier hold every backup;
+        TMS_INIT_CPU_BACKUP_BACKEND=mmap makes every backup pageable."""
+        with self._lock:
+            disk_dir = self._disk_dir
+            if disk and disk_dir is None:
+                disk_dir = _DISK_DIR_DEFAULT
+            wanted = _store_request(disk_dir)
+            if wanted is None or wanted == self._store_applied:
+                return
+            try:
+                engine.configure_host_store(host_store_limit=wanted[0], spill_dir=wanted[1])
+            except InvalidState as e:
+                raise Unavailable(
+                    f"torpor.tms: {self._store_reason(wanted)} needs torpor's pools configured for it, and they "
+                    f"already hold memory ({e}); torpor's host store is per pool: set it before the first "
+                    f"CUDA allocation in a region (set TMS_DISK_BACKUP_DIR / TMS_INIT_CPU_BACKUP_BACKEND in the "
+                    f"environment, or call set_disk_backup_dir first)"
+                ) from None
+            self._store_applied, self._disk_dir = wanted, disk_dir  # only once the pools took it
+
+    @staticmethod
+    def _store_reason(wanted: tuple) -> str:
+        if wanted[1] is not None:
+            return f"disk backup into {wanted[1]!r}"
+        return "cpu_backup_backend mmap (TMS_INIT_CPU_BACKUP_BACKEND)"
 
     # -- settings ----------------------------------------------------------------------------
 
@@ -266,7 +388,23 @@ class TorchMemorySaver:
         engine.set_memory_margin(value)
 
     def set_disk_backup_dir(self, path: str) -> None:
-        raise Unavailable(DISK_TIER_MISSING)
+        """The process-wide directory of disk backups (created if missing, as torch_memory_saver's):
+        torpor's disk tier, one spill file there for every backup of the pools. Before the first
+        allocation in a region (torpor.Unavailable after: the pools' host store is fixed)."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise InvalidArgument(f"set_disk_backup_dir: {path!r} is not a path")
+        path = os.fspath(path)
+        if not path or "\0" in path:
+            raise InvalidArgument(f"set_disk_backup_dir: {path!r} is not a directory name")
+        os.makedirs(path, exist_ok=True)
+        with self._lock:
+            previous, self._disk_dir = self._disk_dir, path
+        try:
+            self._apply_store(disk=True)
+        except Exception:
+            with self._lock:
+                self._disk_dir = previous
+            raise
 
     # -- backups -----------------------------------------------------------------------------
 
@@ -279,17 +417,31 @@ class TorchMemorySaver:
             raise InvalidArgument(
                 f"get_cpu_backup: the tensor is not contiguous (shape {tuple(x.shape)}, " f"stride {x.stride()})"
             )
-        out = torch.empty(x.shape, dtype=x.dtype, device="cpu")
         nbytes = x.numel() * x.element_size()
         if nbytes == 0:
-            return out
+            return torch.empty(x.shape, dtype=x.dtype, device="cpu")
+        key = (x.device.index, x.data_ptr(), nbytes)
+        with self._lock:
+            backup = self._host_backups.get(key) if zero_copy else None
+        fresh = backup is None and zero_copy
+        if fresh:
+            tag = engine.tag_at(x.device.index, x.data_ptr())
+            with self._lock:
+                kind = self._backends.get(tag) or default_backup_backend()
+            backup = _HostBackup(torch, x, kind)
+        out = backup.tensor if zero_copy else torch.empty(x.shape, dtype=x.dtype, device="cpu")
         try:
-            asleep = engine.read_host_copy(x.device.index, x.data_ptr(), nbytes, out.data_ptr())
+            copied = engine.read_host_copy(x.device.index, x.data_ptr(), nbytes, out.data_ptr())
         except InvalidState as e:
             raise InvalidState(f"{e} (was the tensor created in a region without enable_cpu_backup=True?)") from None
-        if asleep is None:
-            return None  # awake without a retained copy
-        return out if (asleep or self._retain_cpu_backup) else None
+        if copied is None:  # awake without a retained copy: torch_memory_saver's slot was freed
+            with self._lock:
+                self._host_backups.pop(key, None)
+            return None
+        if fresh:
+            with self._lock:
+                self._host_backups[key] = backup
+        return out
 
 
 def configure_subprocess():
