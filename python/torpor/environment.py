@@ -9,8 +9,9 @@ name, a default (the value an unset variable reads as), what it does, and its ki
 - ``text``: the value as set (the default when unset or empty);
 - ``flag``: set to anything but 0, false, no, off (any case) or empty means on, as
   options.cpp's kill switches parse;
-- ``exact``: on only when the value is exactly one of the row's ``on`` texts (torch_memory_saver's
-  get_bool_env_var, csrc/utils.h at 4a43c97, takes 1, true, TRUE, yes, YES; anything else is off);
+- ``exact``: on only when the value is exactly one of the row's ``on`` texts; with ``off`` texts,
+  a value in neither is torpor.InvalidArgument (torch_memory_saver's get_bool_env_var, csrc/utils.h
+  at 4a43c97: 1, true, TRUE, yes, YES on; 0, false, FALSE, no, NO off; anything else exits);
 - ``alloc_conf``: PyTorch's allocator settings, ``key:value`` items separated by commas.
 """
 
@@ -20,8 +21,11 @@ import contextlib
 import os
 from dataclasses import dataclass
 
+from .errors import InvalidArgument
+
 _FALSY = ("", "0", "false", "no", "off")
 _TMS_TRUE = ("1", "true", "TRUE", "yes", "YES")
+_TMS_FALSE = ("", "0", "false", "FALSE", "no", "NO")  # unset reads as "" too
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,7 @@ class Variable:
     description: str
     kind: str  # text, flag, exact, alloc_conf
     on: tuple[str, ...] = ()  # kind exact: the values that mean on
+    off: tuple[str, ...] = ()  # kind exact: the values that mean off; when given, any other is an error
 
 
 VARIABLES: tuple[Variable, ...] = (
@@ -65,6 +70,7 @@ VARIABLES: tuple[Variable, ...] = (
         "(libtorpor_preload.so reads it too, in C, with the same values)",
         "exact",
         on=_TMS_TRUE,
+        off=_TMS_FALSE,
     ),
     Variable(
         "TMS_INIT_ENABLE_CPU_BACKUP",
@@ -72,6 +78,7 @@ VARIABLES: tuple[Variable, ...] = (
         "torch_memory_saver: allocations outside an explicit region choice keep a CPU backup (preload mode)",
         "exact",
         on=_TMS_TRUE,
+        off=_TMS_FALSE,
     ),
     Variable(
         "TMS_INIT_CPU_BACKUP_BACKEND",
@@ -86,6 +93,7 @@ VARIABLES: tuple[Variable, ...] = (
         "torch_memory_saver: allocations outside an explicit region choice back up to disk (preload mode)",
         "exact",
         on=_TMS_TRUE,
+        off=_TMS_FALSE,
     ),
     Variable(
         "TMS_RETAIN_CPU_BACKUP",
@@ -93,6 +101,7 @@ VARIABLES: tuple[Variable, ...] = (
         "torch_memory_saver's retain_cpu_backup at start: host backups stay after resume",
         "exact",
         on=_TMS_TRUE,
+        off=_TMS_FALSE,
     ),
     Variable(
         "TMS_DISK_BACKUP_DIR",
@@ -144,6 +153,12 @@ def enabled(name: str) -> bool:
     row = variable(name)
     value = os.environ.get(row.name, row.default)
     if row.kind == "exact":
+        if row.off and value not in row.on and value not in row.off:
+            # torch_memory_saver exits the process on such a value (get_bool_env_var)
+            raise InvalidArgument(
+                f"{row.name}={value!r} is neither on ({', '.join(row.on)}) nor off "
+                f"({', '.join(v for v in row.off if v)}, or unset)"
+            )
         return value in row.on
     if row.kind != "flag":
         raise KeyError(f"{name} is a {row.kind} variable, not a switch")
