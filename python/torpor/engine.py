@@ -217,6 +217,11 @@ def as_runtime_errors():
 # -- what torch_memory_saver's API needs of the C library --------------------------------------
 
 
+def library_path() -> str:
+    """The path of the libtorpor.so this process loaded (torpor._lib's search)."""
+    return _lib.library_path()
+
+
 def memory_margin() -> int:
     """Bytes of device memory a new segment must leave free (torpor_torch_memory_margin)."""
     return int(_lib.lib().torpor_torch_memory_margin())
@@ -257,6 +262,7 @@ __all__ = [
     "graph",
     "graph_pool",
     "keep_everything",
+    "library_path",
     "memory_margin",
     "nccl_graph_register_off",
     "read_host_copy",

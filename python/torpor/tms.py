@@ -105,7 +105,7 @@ from typing import Optional
 
 from . import engine, environment
 from .engine import as_runtime_errors
-from .errors import InvalidArgument, InvalidState, Unavailable
+from .errors import InternalError, InvalidArgument, InvalidState, LibraryNotFound, OutOfMemory, Unavailable
 from .pool import MemoryClass
 from .values import text
 
@@ -120,6 +120,65 @@ _DISK_DIR_DEFAULT = "/tmp"  # torch_memory_saver's, without TMS_DISK_BACKUP_DIR 
 # A host-store limit below the store's 2 MiB block puts every backup beyond it: in pageable memory,
 # or with a spill directory on disk (torpor/pool.hpp, PoolOptions::host_store_limit).
 _EVERY_BACKUP_BEYOND_THE_LIMIT = 1
+PRELOAD_NAME = "libtorpor_preload.so"
+_CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation, what tms_pause / tms_resume return for OOM
+
+
+def preload_library_path() -> str:
+    """libtorpor_preload.so of the libtorpor.so torpor loaded: beside it (an installed tree), or
+    in the build tree's preload/ beside its allocator/. LibraryNotFound when neither exists."""
+    lib = pathlib.Path(engine.library_path()).resolve()
+    candidates = [lib.parent / PRELOAD_NAME, lib.parent.parent / "preload" / PRELOAD_NAME]
+    for c in candidates:
+        if c.is_file():
+            return str(c)
+    raise LibraryNotFound(
+        f"{PRELOAD_NAME} (torch_memory_saver's preload mode) is not beside {lib}: looked in "
+        f"{', '.join(str(c.parent) for c in candidates)}; build the torpor_preload target"
+    )
+
+
+def _preloaded() -> str:
+    """The libtorpor_preload.so on this process's LD_PRELOAD (exactly one, as torch_memory_saver
+    asserts of its own, hooks/mode_preload.py at 4a43c97)."""
+    value = environment.text("LD_PRELOAD")
+    found = [p for p in value.replace(" ", ":").split(":") if pathlib.Path(p).name.startswith("libtorpor_preload")]
+    if len(found) != 1:
+        raise Unavailable(
+            f"hook_mode='preload' needs exactly one {PRELOAD_NAME} on LD_PRELOAD when the process starts "
+            f"(LD_PRELOAD={value!r}): start it inside torpor.tms.configure_subprocess(), or with "
+            f"LD_PRELOAD=$(python3 -m torpor.tms --preload-path)"
+        )
+    return found[0]
+
+
+def _bind_preload(path: str) -> ctypes.CDLL:
+    """The preloaded library through ctypes, with torch_memory_saver's prototypes
+    (binary_wrapper.py at 4a43c97)."""
+    cdll = ctypes.CDLL(path)
+    c_bool, c_char_p = ctypes.c_bool, ctypes.c_char_p
+    for name, args, res in (
+        ("tms_set_current_tag", [c_char_p], None),
+        ("tms_get_current_tag", [], c_char_p),
+        ("tms_set_interesting_region", [c_bool], None),
+        ("tms_get_interesting_region", [], c_bool),
+        ("tms_set_enable_cpu_backup", [c_bool], None),
+        ("tms_get_enable_cpu_backup", [], c_bool),
+        ("tms_set_cpu_backup_backend", [c_char_p], None),
+        ("tms_get_cpu_backup_backend", [], c_char_p),
+        ("tms_set_enable_disk_backup", [c_bool], None),
+        ("tms_get_enable_disk_backup", [], c_bool),
+        ("tms_set_disk_backup_dir", [c_char_p], None),
+        ("tms_pause", [c_char_p], ctypes.c_int),
+        ("tms_resume", [c_char_p], ctypes.c_int),
+        ("set_memory_margin_bytes", [ctypes.c_uint64], None),
+        ("tms_set_retain_cpu_backup", [c_bool], None),
+        ("tms_get_retain_cpu_backup", [], c_bool),
+        ("tms_get_cpu_backup_pointer", [ctypes.c_void_p, ctypes.c_uint64], ctypes.c_void_p),
+    ):
+        fn = getattr(cdll, name)
+        fn.argtypes, fn.restype = args, res
+    return cdll
 
 
 def graph_tag(tag: str) -> str:
@@ -200,6 +259,8 @@ class TorchMemorySaver:
         self._store_applied: Optional[tuple] = None  # the host-store options put on the pools
         self._backends: dict[str, str] = {}  # tag -> backend of its last region with a backup
         self._host_backups: dict[tuple[int, int, int], _HostBackup] = {}
+        self._cdll: Optional[ctypes.CDLL] = None  # the preload library, in hook_mode "preload"
+        self._mem_pools: dict = {}  # preload mode: (tag, cpu, disk, backend, device) -> MemPool
 
     # -- regions ---------------------------------------------------------------------------
 
@@ -215,6 +276,10 @@ class TorchMemorySaver:
         if enable_cpu_backup and enable_disk_backup:
             raise InvalidArgument("enable_cpu_backup and enable_disk_backup are mutually exclusive")
         text(tag, "region: tag")
+        if self._cdll is not None:
+            with self._preload_region(tag, enable_cpu_backup, enable_disk_backup, cpu_backup_backend):
+                yield
+            return
         self._apply_store(disk=enable_disk_backup)
         cls = MemoryClass.STATE if (enable_cpu_backup or enable_disk_backup) else MemoryClass.CACHE
         with self._lock:
@@ -238,6 +303,14 @@ class TorchMemorySaver:
         """torch.cuda.graph with the graph's memory pauseable under `tag` (see the module note)."""
         _check_backup_backend(enable_cpu_backup, cpu_backup_backend)
         text(tag, "cuda_graph: tag")
+        if self._cdll is not None:
+            # as torch_memory_saver's preload mode: the capture's private pool cudaMallocs its
+            # segments inside the region, so they are the preload library's
+            torch = engine.cuda_torch()
+            with torch.cuda.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
+                with self._region_config(tag, enable_cpu_backup, False, cpu_backup_backend):
+                    yield
+            return
         self._apply_store(disk=False)
         cls = MemoryClass.STATE if enable_cpu_backup else MemoryClass.CACHE
         with engine.graph(
@@ -258,12 +331,76 @@ class TorchMemorySaver:
         PyTorch's default allocator, dropped at exit: its memory goes back once those tensors die).
         """
         torch = engine.cuda_torch()
+        cdll = self._cdll
+        was = cdll.tms_get_interesting_region() if cdll is not None else False
+        if cdll is not None:
+            cdll.tms_set_interesting_region(False)
         pool = torch.cuda.memory.MemPool()
         try:
             with torch.cuda.memory.use_mem_pool(pool):
                 yield
         finally:
             del pool
+            if cdll is not None:
+                cdll.tms_set_interesting_region(was)
+
+    # -- preload mode ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _region_config(self, tag: str, cpu: bool, disk: bool, backend: Optional[str]):
+        """The preload library's thread settings for the block, the previous ones after
+        (torch_memory_saver's _with_region_config)."""
+        cdll = self._cdll
+        saved = (
+            cdll.tms_get_current_tag(),
+            cdll.tms_get_interesting_region(),
+            cdll.tms_get_enable_cpu_backup(),
+            cdll.tms_get_cpu_backup_backend(),
+            cdll.tms_get_enable_disk_backup(),
+        )
+
+        def put(tag_b, interesting, cpu_b, backend_b, disk_b):
+            cdll.tms_set_current_tag(tag_b)
+            cdll.tms_set_interesting_region(interesting)
+            cdll.tms_set_enable_cpu_backup(cpu_b)
+            if backend_b is not None:
+                cdll.tms_set_cpu_backup_backend(backend_b)
+            cdll.tms_set_enable_disk_backup(disk_b)
+
+        put(tag.encode(), True, cpu, backend.encode() if backend else None, disk)
+        try:
+            yield
+        finally:
+            put(*saved)
+
+    @contextlib.contextmanager
+    def _preload_region(self, tag: str, cpu: bool, disk: bool, backend: Optional[str]):
+        # A MemPool per region kind, as torch_memory_saver's: PyTorch caches freed blocks per pool,
+        # so a block of a region's segment is never handed to an allocation outside the region.
+        torch = engine.cuda_torch()
+        device = torch.cuda.current_device()
+        resolved = (backend or self._cdll.tms_get_cpu_backup_backend().decode()) if cpu else ""
+        key = (tag, cpu, disk, resolved, device)
+        with self._lock:
+            pool = self._mem_pools.get(key)
+            if pool is None:
+                pool = self._mem_pools[key] = torch.cuda.memory.MemPool()
+            self._tags.add(tag)
+        with torch.cuda.memory.use_mem_pool(pool):
+            with self._region_config(tag, cpu, disk, backend):
+                yield
+
+    def _preload_call(self, name: str, tag: Optional[str]) -> None:
+        code = getattr(self._cdll, name)(tag.encode() if tag else None)
+        if code == 0:
+            return
+        cls = OutOfMemory if code == _CUDA_ERROR_MEMORY_ALLOCATION else InternalError
+        raise engine.runtime_error(
+            cls(
+                f"{name}({tag!r}) failed with CUDA error {code} (libtorpor_preload.so says why on stderr); calling it "
+                f"again once the cause is gone completes it"
+            )
+        )
 
     # -- pause and resume --------------------------------------------------------------------
 
@@ -281,6 +418,10 @@ class TorchMemorySaver:
     def pause(self, tag: Optional[str] = None) -> None:
         """Release the memory of `tag` (None: every region's tag): backed-up bytes go to host
         memory, the rest is discarded. Pausing a paused tag does nothing."""
+        if self._cdll is not None:
+            if tag is not None:
+                text(tag, "pause: tag (None means every tag)")
+            return self._preload_call("tms_pause", tag)
         tags = self._selected(tag, "pause", asleep=False)
         with as_runtime_errors():
             engine.sleep(1, tags)
@@ -290,6 +431,10 @@ class TorchMemorySaver:
     def resume(self, tag: Optional[str] = None) -> None:
         """Map the memory of `tag` (None: every region's tag) again at the same addresses and
         restore the backed-up bytes. Resuming an awake tag does nothing."""
+        if self._cdll is not None:
+            if tag is not None:
+                text(tag, "resume: tag (None means every tag)")
+            return self._preload_call("tms_resume", tag)
         tags = self._selected(tag, "resume", asleep=True)
         with as_runtime_errors():
             engine.wake_up(tags)
@@ -358,21 +503,32 @@ class TorchMemorySaver:
 
     @hook_mode.setter
     def hook_mode(self, value: str) -> None:
+        """ "torch" (regions through PyTorch's pluggable allocator, in process) or "preload"
+        (libtorpor_preload.so on LD_PRELOAD interposes cudaMalloc: see the module note). Before
+        the first region: the two keep their memory apart."""
         if value not in _HOOK_MODES:
             raise InvalidArgument(f"hook_mode {value!r} is not one of {', '.join(_HOOK_MODES)}")
-        if value == "preload" and environment.enabled("TMS_INIT_ENABLE"):
-            logger.warning(
-                "torpor.tms: TMS_INIT_ENABLE=1 asks torch_memory_saver's preload mode to capture every "
-                "allocation; torpor captures only those made inside region()"
-            )
+        if value == self._hook_mode:
+            return
+        with self._lock:
+            if self._tags:
+                raise InvalidState(
+                    f"hook_mode: regions of hook_mode {self._hook_mode!r} exist already "
+                    f"({', '.join(sorted(self._tags))}); set hook_mode before the first region"
+                )
+        self._cdll = _bind_preload(_preloaded()) if value == "preload" else None
         self._hook_mode = value
 
     @property
     def retain_cpu_backup(self) -> bool:
+        if self._cdll is not None:
+            return bool(self._cdll.tms_get_retain_cpu_backup())
         return self._retain_cpu_backup
 
     @retain_cpu_backup.setter
     def retain_cpu_backup(self, value: bool) -> None:
+        if self._cdll is not None:
+            self._cdll.tms_set_retain_cpu_backup(bool(value))
         self._retain_cpu_backup = bool(value)
 
     @property
@@ -397,6 +553,9 @@ class TorchMemorySaver:
         if not path or "\0" in path:
             raise InvalidArgument(f"set_disk_backup_dir: {path!r} is not a directory name")
         os.makedirs(path, exist_ok=True)
+        if self._cdll is not None:
+            self._cdll.tms_set_disk_backup_dir(path.encode())
+            return
         with self._lock:
             previous, self._disk_dir = self._disk_dir, path
         try:
@@ -420,6 +579,8 @@ class TorchMemorySaver:
         nbytes = x.numel() * x.element_size()
         if nbytes == 0:
             return torch.empty(x.shape, dtype=x.dtype, device="cpu")
+        if self._cdll is not None:
+            return self._preload_backup(torch, x, nbytes, zero_copy)
         key = (x.device.index, x.data_ptr(), nbytes)
         with self._lock:
             backup = self._host_backups.get(key) if zero_copy else None
@@ -443,10 +604,31 @@ class TorchMemorySaver:
                 self._host_backups[key] = backup
         return out
 
+    def _preload_backup(self, torch, x, nbytes: int, zero_copy: bool):
+        """torch_memory_saver's get_cpu_backup over the preload library's slot (entrypoint.py)."""
+        address = self._cdll.tms_get_cpu_backup_pointer(x.data_ptr(), nbytes)
+        if not address:
+            return None
+        raw = (ctypes.c_uint8 * nbytes).from_address(address)
+        out = torch.frombuffer(raw, dtype=x.dtype).view(x.shape)
+        return out if zero_copy else out.clone()
 
+
+@contextlib.contextmanager
 def configure_subprocess():
-    """Child processes started inside resolve ``import torch_memory_saver`` to torpor.tms."""
-    return environment.prepended_path("PYTHONPATH", shim_path())
+    """Child processes started inside resolve ``import torch_memory_saver`` to torpor.tms and, as
+    torch_memory_saver's configure_subprocess does for its own binary, start with
+    libtorpor_preload.so first on LD_PRELOAD (hook_mode "preload", its default and SGLang's).
+    Without the preload library (not built) the children get only the shim, and a warning says so."""
+    with environment.prepended_path("PYTHONPATH", shim_path()):
+        try:
+            preload = preload_library_path()
+        except LibraryNotFound as e:
+            logger.warning("torpor.tms.configure_subprocess: %s; children can use hook_mode='torch' only", e)
+            yield
+            return
+        with environment.prepended_path("LD_PRELOAD", preload, separator=":"):
+            yield
 
 
 def shim_path() -> str:
@@ -469,6 +651,7 @@ __all__ = [
     "TorchMemorySaver",
     "configure_subprocess",
     "install",
+    "preload_library_path",
     "shim_path",
     "torch_memory_saver",
 ]
@@ -483,9 +666,17 @@ def _main(argv=None) -> int:
         action="store_true",
         help="print the directory to put first on PYTHONPATH",
     )
+    ap.add_argument(
+        "--preload-path",
+        action="store_true",
+        help=f"print the path of {PRELOAD_NAME} to put on LD_PRELOAD (hook_mode 'preload')",
+    )
     args = ap.parse_args(argv)
     if args.shim_path:
         print(shim_path())
+        return 0
+    if args.preload_path:
+        print(preload_library_path())
         return 0
     ap.print_help()
     return 0
