@@ -197,6 +197,12 @@ def _check_backup_backend(enable_cpu_backup: bool, cpu_backup_backend: Optional[
         )
 
 
+def _parameters_only(tag: str, memory_class: MemoryClass, has_parameters: bool) -> MemoryClass:
+    """keep_buffers' policy (a level-2 sleep): in a tag holding registered parameters every other
+    byte is state (offloaded, restored in place); a tag without them keeps its regions' class."""
+    return MemoryClass.STATE if has_parameters else memory_class
+
+
 def default_backup_backend() -> str:
     """TMS_INIT_CPU_BACKUP_BACKEND, or "pinned" (torch_memory_saver's cpu_backup_kind_from_str: an
     unset or empty value is pinned, anything but mmap or pinned an error)."""
@@ -260,6 +266,7 @@ class TorchMemorySaver:
         self._backends: dict[str, str] = {}  # tag -> backend of its last region with a backup
         self._host_backups: dict[tuple[int, int, int], _HostBackup] = {}
         self._cdll: Optional[ctypes.CDLL] = None  # the preload library, in hook_mode "preload"
+        self._buffers_kept: set[str] = set()  # tags whose pause discards parameters only (keep_buffers)
         self._mem_pools: dict = {}  # preload mode: (tag, cpu, disk, backend, device) -> MemPool
 
     # -- regions ---------------------------------------------------------------------------
@@ -344,6 +351,20 @@ class TorchMemorySaver:
             if cdll is not None:
                 cdll.tms_set_interesting_region(was)
 
+    def keep_buffers(self, tag: str = "weights") -> None:
+        """Opt-in, torpor's upgrade of torch_memory_saver's policy: from now on a pause of `tag`
+        discards only the registered parameters (engine.register_parameters) of its regions and
+        keeps every other byte (buffers, tensors computed at load) bit-exact in place, even in a
+        region without a CPU backup. torpor.sglang.register_model calls it for SGLang's weights."""
+        text(tag, "keep_buffers: tag")
+        if self._cdll is not None:
+            raise Unavailable(
+                "keep_buffers: in hook_mode 'preload' the allocations are cudaMalloc's, not PyTorch's, so torpor "
+                "cannot tell parameters from buffers; use hook_mode 'torch' for SGLang's weights"
+            )
+        with self._lock:
+            self._buffers_kept.add(tag)
+
     # -- preload mode ------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -423,8 +444,12 @@ class TorchMemorySaver:
                 text(tag, "pause: tag (None means every tag)")
             return self._preload_call("tms_pause", tag)
         tags = self._selected(tag, "pause", asleep=False)
+        with self._lock:
+            kept = [t for t in tags if t in self._buffers_kept]
         with as_runtime_errors():
-            engine.sleep(1, tags)
+            engine.sleep(1, [t for t in tags if t not in kept])
+            if kept:
+                engine.sleep(2, kept, _parameters_only)
             if tags:
                 self._refill_host_backups()
 
