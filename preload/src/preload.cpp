@@ -62,26 +62,38 @@ void say(const std::string& message) { std::fprintf(stderr, "[torpor_preload] %s
 
 // -- the real runtime ----------------------------------------------------------------------------
 
-template <class Fn>
-Fn next_symbol(const char* name) {
-  // RTLD_NEXT: the definition after this library's in the lookup order, i.e. libcudart's.
-  return reinterpret_cast<Fn>(dlsym(RTLD_NEXT, name));
-}
-
 using malloc_fn = cuda_error (*)(void**, size_t);
 using free_fn = cuda_error (*)(void*);
 using get_device_fn = cuda_error (*)(int*);
 
+// RTLD_NEXT: the definition after this library's in the lookup order, i.e. libcudart's. Resolved
+// at the first call that needs it, and again while it is missing: the runtime may be loaded after
+// this library (PyTorch opens it with its CUDA libraries), as torch_memory_saver's APIForwarder.
+template <class Fn>
+Fn next_symbol(std::atomic<Fn>& cache, const char* name) {
+  Fn fn = cache.load(std::memory_order_acquire);
+  if (fn == nullptr) {
+    fn = reinterpret_cast<Fn>(dlsym(RTLD_NEXT, name));
+    cache.store(fn, std::memory_order_release);
+  }
+  return fn;
+}
+
 struct Runtime {
-  malloc_fn malloc = next_symbol<malloc_fn>("cudaMalloc");
-  free_fn free = next_symbol<free_fn>("cudaFree");
-  get_device_fn get_device = next_symbol<get_device_fn>("cudaGetDevice");
-  malloc_fn malloc_host = next_symbol<malloc_fn>("cudaMallocHost");
-  free_fn free_host = next_symbol<free_fn>("cudaFreeHost");
+  std::atomic<malloc_fn> malloc_{nullptr};
+  std::atomic<free_fn> free_{nullptr};
+  std::atomic<get_device_fn> get_device_{nullptr};
+  std::atomic<malloc_fn> malloc_host_{nullptr};
+  std::atomic<free_fn> free_host_{nullptr};
+  malloc_fn malloc() { return next_symbol(malloc_, "cudaMalloc"); }
+  free_fn free() { return next_symbol(free_, "cudaFree"); }
+  get_device_fn get_device() { return next_symbol(get_device_, "cudaGetDevice"); }
+  malloc_fn malloc_host() { return next_symbol(malloc_host_, "cudaMallocHost"); }
+  free_fn free_host() { return next_symbol(free_host_, "cudaFreeHost"); }
 };
 
-const Runtime& runtime() {
-  static const Runtime r;
+Runtime& runtime() {
+  static Runtime r;
   return r;
 }
 
@@ -167,16 +179,16 @@ State& state() {
 void release_slot(Slot& slot) {
   if (slot.host == nullptr) return;
   if (slot.pinned)
-    runtime().free_host(slot.host);
+    runtime().free_host()(slot.host);
   else
     munmap(slot.host, slot.bytes);
   slot = Slot{};
 }
 
 bool make_slot(Slot& slot, size_t bytes, const std::string& backend) {
-  if (backend == "pinned" && runtime().malloc_host != nullptr && runtime().free_host != nullptr) {
+  if (backend == "pinned" && runtime().malloc_host() != nullptr && runtime().free_host() != nullptr) {
     void* p = nullptr;
-    if (runtime().malloc_host(&p, bytes) == cuda_success && p != nullptr) {
+    if (runtime().malloc_host()(&p, bytes) == cuda_success && p != nullptr) {
       slot = Slot{p, bytes, true};
       return true;
     }
@@ -287,10 +299,10 @@ cuda_error sleep_or_wake(const std::string& tag, bool sleep) {
 extern "C" {
 
 __attribute__((visibility("default"))) cuda_error cudaMalloc(void** ptr, size_t size) {
-  const Runtime& rt = runtime();
+  Runtime& rt = runtime();
   if (!config.is_interesting() || size == 0) {
-    if (rt.malloc == nullptr) return cuda_error_unknown;  // no runtime after this library
-    return rt.malloc(ptr, size);
+    malloc_fn real = rt.malloc();
+    return real == nullptr ? cuda_error_unknown : real(ptr, size);  // unknown: no runtime after this library
   }
   if (ptr == nullptr) return cuda_error_invalid_value;
   bool cpu = config.enable_cpu_backup();
@@ -300,8 +312,8 @@ __attribute__((visibility("default"))) cuda_error cudaMalloc(void** ptr, size_t 
     return cuda_error_invalid_value;
   }
   int device = 0;
-  if (rt.get_device != nullptr) {
-    cuda_error e = rt.get_device(&device);
+  if (get_device_fn get = rt.get_device()) {
+    cuda_error e = get(&device);
     if (e != cuda_success) return e;
   }
   if (disk) {
@@ -343,8 +355,8 @@ __attribute__((visibility("default"))) cuda_error cudaFree(void* ptr) {
     std::lock_guard lock(s.mu);
     auto it = s.allocations.find(reinterpret_cast<std::uintptr_t>(ptr));
     if (it == s.allocations.end()) {
-      const Runtime& rt = runtime();
-      return rt.free == nullptr ? cuda_error_unknown : rt.free(ptr);
+      free_fn real = runtime().free();
+      return real == nullptr ? cuda_error_unknown : real(ptr);
     }
     a = it->second;
     s.allocations.erase(it);
