@@ -203,6 +203,22 @@ def prepended_path(name: str, entry: str, separator: str = os.pathsep):
             os.environ[row.name] = previous
 
 
+@contextlib.contextmanager
+def replaced(key: str, value: str):
+    """Inside: any variable `key` (listed here or not: a write for child processes, as
+    torch_memory_saver's change_env in its tests) set to `value`; its previous value or absence
+    after."""
+    previous = os.environ.get(key)
+    os.environ[key] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = previous
+
+
 __all__ = [
     "VARIABLES",
     "Variable",
@@ -210,6 +226,7 @@ __all__ = [
     "enabled",
     "is_set",
     "prepended_path",
+    "replaced",
     "text",
     "variable",
 ]

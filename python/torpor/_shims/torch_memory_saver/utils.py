@@ -1,9 +1,9 @@
 """torch_memory_saver.utils' helpers that its tests import (is_xpu, change_env; utils.py at
 fzyzcjy/torch_memory_saver 4a43c97)."""
 
-import contextlib
 import functools
-import os
+
+from torpor import environment
 
 
 @functools.lru_cache(maxsize=1)
@@ -15,15 +15,6 @@ def is_xpu() -> bool:
     return hasattr(torch, "xpu") and torch.xpu.is_available()
 
 
-@contextlib.contextmanager
 def change_env(key: str, value: str):
     """`key` set to `value` inside, its previous value (or absence) after."""
-    old = os.environ.get(key)
-    os.environ[key] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = old
+    return environment.replaced(key, value)
