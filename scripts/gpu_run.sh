@@ -97,7 +97,7 @@ ensure_built() {
   [ $built = 1 ] && return 0
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE="${TORPOR_GPU_BUILD_TYPE:-Release}" > "$OUT/configure.log" 2>&1 &&
     cmake --build "$build" -j "$(nproc)" ${TORPOR_BUILD_TARGETS:+--target $TORPOR_BUILD_TARGETS} > "$OUT/build.log" 2>&1 || {
-      echo "build failed"; tail -40 "$OUT/configure.log" "$OUT/build.log"; exit 1; }
+      echo "build failed"; tail -n 40 "$OUT/configure.log" "$OUT/build.log"; exit 1; }
   built=1
 }
 
