@@ -39,7 +39,7 @@ def register_model(model, saver: tms.TorchMemorySaver | None = None, tag: str = 
     engine.register_parameters(model)
 
 
-def patch_model_runner(model_runner_class, saver: tms.TorchMemorySaver | None = None) -> None:
+def patch_model_runner(model_runner_class, saver: tms.TorchMemorySaver | None = None, tag: str = WEIGHTS) -> None:
     """Wrap ``model_runner_class.load_model`` so that every model it loads is registered
     (register_model on ``self.model`` after it returns). Idempotent."""
     load = getattr(model_runner_class, "load_model", None)
@@ -51,7 +51,7 @@ def patch_model_runner(model_runner_class, saver: tms.TorchMemorySaver | None = 
     @functools.wraps(load)
     def load_model(self, *args, **kwargs):
         out = load(self, *args, **kwargs)
-        register_model(self.model, saver)
+        register_model(self.model, saver, tag)
         return out
 
     load_model._torpor_registers = True
