@@ -64,12 +64,17 @@ torch_memory_saver/entrypoint.py and csrc/core.cpp):
   graph's memory is discarded on pause (its intermediates are rewritten by the next replay; mark
   static inputs and outputs with torpor.mark_state to keep them); with enable_cpu_backup=True all
   of it is kept. `pool` must be a torpor graph pool (another such graph's pool()).
-- ``hook_mode`` ("preload" or "torch"): accepted and remembered; torpor always works in process,
-  through PyTorch's pluggable allocator, so both behave as "torch": only tensors created inside
-  ``region()`` are pauseable (torch_memory_saver's preload mode with TMS_INIT_ENABLE=1 also
-  captures allocations outside regions; torpor does not).
+- ``hook_mode``: "torch" (the default here; torch_memory_saver's is "preload"): regions through
+  PyTorch's pluggable allocator, in process. "preload": libtorpor_preload.so, which must be on
+  LD_PRELOAD when the process starts (torpor.Unavailable otherwise, saying how), interposes the
+  CUDA runtime's cudaMalloc / cudaFree; this module then drives it through ctypes with
+  torch_memory_saver's entry points (region settings per thread, a MemPool per region kind,
+  pause / resume / retain / backups / disk directory in the library; TMS_INIT_ENABLE=1 captures
+  every allocation from the start; README says what it cannot capture). Set it before the first
+  region. keep_buffers (torpor.sglang) needs "torch".
 - ``configure_subprocess()``: a context in which child processes started from here resolve
-  ``import torch_memory_saver`` to this module too (the shim directory goes first on PYTHONPATH).
+  ``import torch_memory_saver`` to this module too (the shim directory goes first on PYTHONPATH)
+  and start with libtorpor_preload.so first on LD_PRELOAD, as torch_memory_saver's own.
 
 torch_memory_saver's variables, read through torpor.environment with its values (1, true, TRUE,
 yes, YES mean on): TMS_RETAIN_CPU_BACKUP, TMS_INIT_CPU_BACKUP_BACKEND, TMS_DISK_BACKUP_DIR here;
