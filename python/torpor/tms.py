@@ -584,8 +584,10 @@ class TorchMemorySaver:
             raise InvalidArgument(f"set_disk_backup_dir: {path!r} is not a directory name")
         os.makedirs(path, exist_ok=True)
         if self._cdll is not None:
+            # The library configures the pools' disk tier from torpor's default options; then the
+            # same tier with this process's torpor.configure() options (the last configure before
+            # the first allocation is the pools').
             self._cdll.tms_set_disk_backup_dir(path.encode())
-            return
         with self._lock:
             previous, self._disk_dir = self._disk_dir, path
         try:
