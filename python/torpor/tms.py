@@ -416,6 +416,22 @@ class TorchMemorySaver:
             with self._region_config(tag, cpu, disk, backend):
                 yield
 
+    # torch_memory_saver's own examples (test/examples/nested_region.py, cpu_backup.py at 4a43c97)
+    # reach into its implementation: _ensure_initialized(), _impl._binary_wrapper.cdll (the C
+    # library), _impl._mem_pools and _impl._with_region_config. In preload mode the same exist
+    # here, over libtorpor_preload.so, so those examples run unmodified.
+
+    def _ensure_initialized(self) -> None:
+        """torch_memory_saver initialises lazily; torpor.tms is ready from the start."""
+
+    @property
+    def _impl(self):
+        if self._cdll is None:
+            raise AttributeError(
+                "torpor.tms has torch_memory_saver's _impl (its C library) in hook_mode 'preload' only"
+            )
+        return _PreloadImpl(self)
+
     def _preload_call(self, name: str, tag: Optional[str]) -> None:
         code = getattr(self._cdll, name)(tag.encode() if tag else None)
         if code == 0:
@@ -644,6 +660,18 @@ class TorchMemorySaver:
         raw = (ctypes.c_uint8 * nbytes).from_address(address)
         out = torch.frombuffer(raw, dtype=x.dtype).view(x.shape)
         return out if zero_copy else out.clone()
+
+
+class _PreloadImpl:
+    """What torch_memory_saver's examples use of its _TorchMemorySaverImpl (entrypoint.py)."""
+
+    def __init__(self, saver: TorchMemorySaver):
+        self._saver = saver
+        self._binary_wrapper = type("BinaryWrapper", (), {"cdll": saver._cdll})()
+        self._mem_pools = saver._mem_pools  # same keys: (tag, cpu, disk, backend or "", device)
+
+    def _with_region_config(self, tag, enable_cpu_backup, cpu_backup_backend=None, enable_disk_backup=False):
+        return self._saver._region_config(tag, enable_cpu_backup, enable_disk_backup, cpu_backup_backend)
 
 
 @contextlib.contextmanager

@@ -96,10 +96,15 @@ saver.pause("weights")
 saver.resume("weights")
 out["none_after_plain_resume"] = saver.get_cpu_backup(x) is None
 out["kept_again"] = pool.read(w, N) == data
+cdll = saver._impl._binary_wrapper.cdll  # as TMS's examples reach it
+out["impl"] = [saver._ensure_initialized() is None, cdll.tms_get_current_tag(), cdll.tms_get_interesting_region()]
+with saver._impl._with_region_config(tag="cfg", enable_cpu_backup=True, cpu_backup_backend="mmap"):
+    out["impl"] += [cdll.tms_get_current_tag(), cdll.tms_get_cpu_backup_backend(), cdll.tms_get_interesting_region()]
+out["impl"] += [cdll.tms_get_current_tag(), ("weights", True, False, "pinned", 0) in saver._impl._mem_pools]
 for p in (w, kv, d, outside):
     assert rt.cudaFree(p) == 0
 out["freed"] = not pool.contains(w)
-print(json.dumps(out))
+print(json.dumps(out, default=lambda b: b.decode()))
 """
 
 
@@ -131,6 +136,16 @@ def test_preload_mode_routes_regions_to_torpor_and_the_rest_to_the_runtime():
     assert r["backup_exact"] and r["same_address"], "zero_copy: the slot, same address after a retained resume"
     assert r["kept"] and r["discarded"] and r["kept_again"]
     assert r["none_after_plain_resume"] and r["freed"]
+    assert r["impl"] == [
+        True,
+        "default",
+        False,
+        "cfg",
+        "mmap",
+        True,
+        "default",
+        True,
+    ], "TMS's _impl, as its examples use it"
 
 
 def test_control_hook_mode_preload_without_the_library_on_ld_preload_is_refused():
