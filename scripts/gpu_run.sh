@@ -5,7 +5,7 @@
 #   scripts/gpu_run.sh [stage ...]     stages: probe tests readme bench-sleep bench-sleep-threads python
 #                                      bench-first-sleep first-sleep-variance bench-torch-sleep
 #                                      torch-sleep-profile host-store
-#                                      engines graphs vllm-today
+#                                      engines graphs vllm-today tms-examples sglang-sequence
 #                                      distributed symmetric symmetric-nccl tail tail-bench stress
 #                                      stress-tail
 #                                      (default: probe tests)
@@ -64,6 +64,18 @@
 # torch-sleep-profile.txt, .json, -cprofile.txt). host-store runs the host-store and spill tests on
 # the GPU (registration, O_DIRECT detection: the log says which path ran).
 #
+# tms-examples (1 GPU; the multi-device examples need 2: nvidia-h200-x2 runs them too, else they
+# SKIP) runs torch_memory_saver's own test/examples/ through its own test/test_examples.py, both
+# unmodified, against torpor.tms in both hook modes (its harness parametrizes them; preload mode
+# through torpor.tms.configure_subprocess, i.e. libtorpor_preload.so on LD_PRELOAD). The copy
+# comes from TORPOR_TMS_SRC (a torch_memory_saver checkout in an ignored folder, e.g.
+# .anchors/torch_memory_saver carried along); the stage fails naming it when it is absent. Each
+# example and mode with its result: tms-examples.txt (pytest's log in tms-examples.log).
+# sglang-sequence (1 GPU) runs SGLang's release / update / resume sequence with real PyTorch
+# (tests/python/sglang_gpu_sequence.py): torpor with torpor.sglang.register_model (buffers exact
+# before the stash), the control under torch_memory_saver's policy, and torch_memory_saver itself
+# when TORPOR_TMS_SRC builds (its figures beside torpor's): sglang-*.json, sglang-sequence.txt.
+#
 # distributed (2 GPUs; nvidia-h200-x2) runs torpor.distributed over a real torch.distributed group,
 # gloo and nccl, one process per GPU (tests/python/test_distributed_gpu.py; SKIP with one GPU).
 #
@@ -94,7 +106,7 @@ ensure_built() {
   [ $built = 1 ] && return 0
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE="${TORPOR_GPU_BUILD_TYPE:-Release}" > "$OUT/configure.log" 2>&1 &&
     cmake --build "$build" -j "$(nproc)" ${TORPOR_BUILD_TARGETS:+--target $TORPOR_BUILD_TARGETS} > "$OUT/build.log" 2>&1 || {
-      echo "build failed"; tail -40 "$OUT/configure.log" "$OUT/build.log"; exit 1; }
+      echo "build failed"; tail -n 40 "$OUT/configure.log" "$OUT/build.log"; exit 1; }
   built=1
 }
 
@@ -141,7 +153,9 @@ stress_stale_weights() {
 }
 
 for stage in "${stages[@]}"; do
-  [ "$stage" = readme ] || ensure_built
+  # tms-examples without its source fails at once, before a build it cannot use
+  [ "$stage" = readme ] || { [ "$stage" = tms-examples ] && [ ! -f "${TORPOR_TMS_SRC:-}/test/test_examples.py" ]; } ||
+    ensure_built
   case "$stage" in
     probe)
       $build/tools/torpor probe --json > "$OUT/probe.json" || status=1
@@ -379,6 +393,56 @@ for stage in "${stages[@]}"; do
       grep -E "^=+ .*(passed|failed|skipped|error).* in .*=+$|^(FAILED|ERROR|SKIPPED) |graph pool|outside torpor" \
         "$OUT/graphs-pytest.log"
       run_stress graphs 120 --ranks 1
+      ;;
+    tms-examples)
+      if [ -z "${TORPOR_TMS_SRC:-}" ] || [ ! -f "${TORPOR_TMS_SRC}/test/test_examples.py" ]; then
+        echo "tms-examples: TORPOR_TMS_SRC='${TORPOR_TMS_SRC:-}' is not a torch_memory_saver checkout with" \
+          "test/test_examples.py: bring one into an ignored folder (e.g. .anchors/torch_memory_saver, carried)" \
+          "and set TORPOR_TMS_SRC to it"
+        status=1
+      else
+        ensure_built
+        work=$PWD/$build/tms-examples
+        rm -rf "$work" && cp -r "$TORPOR_TMS_SRC/test" "$work"  # a copy: pytest writes beside the files
+        pyenv=(env TORPOR_LIBRARY="$PWD/$build/allocator/libtorpor.so"
+          PYTHONPATH="$PWD/python/torpor/_shims:$PWD/python" PYTHONDONTWRITEBYTECODE=1)
+        (cd "$work" && timeout 560 "${pyenv[@]}" python3 -m pytest -v -rs -p no:cacheprovider test_examples.py \
+          --junitxml="$OUT/tms-examples.xml") > "$OUT/tms-examples.log" 2>&1 || status=1
+        python3 - "$OUT/tms-examples.xml" > "$OUT/tms-examples.txt" <<'EOF3' || status=1
+import sys
+import xml.etree.ElementTree as ET
+for case in ET.parse(sys.argv[1]).getroot().iter("testcase"):
+    result = "passed"
+    for kind in ("failure", "error", "skipped"):
+        node = case.find(kind)
+        if node is not None:
+            result = f"{kind}: {(node.get('message') or '').splitlines()[0][:160] if node.get('message') else ''}"
+    print(f"{case.get('name'):60s} {result}")
+EOF3
+        cat "$OUT/tms-examples.txt"
+        tail -3 "$OUT/tms-examples.log"
+      fi
+      ;;
+    sglang-sequence)
+      ensure_built
+      pyenv=(env TORPOR_LIBRARY="$PWD/$build/allocator/libtorpor.so" PYTHONPATH="$PWD/python" PYTHONDONTWRITEBYTECODE=1)
+      : > "$OUT/sglang-sequence.txt"
+      for engine in torpor torpor-tms-policy; do
+        timeout 300 "${pyenv[@]}" python3 tests/python/sglang_gpu_sequence.py --engine "$engine" \
+          --json "$OUT/sglang-$engine.json" >> "$OUT/sglang-sequence.txt" 2>&1 || status=1
+      done
+      tms_dir=$PWD/$build/tms
+      if [ -n "${TORPOR_TMS_SRC:-}" ] && [ ! -d "$tms_dir/torch_memory_saver" ]; then
+        TMS_CUDA_MAJOR=13 timeout 300 python3 -m pip install --no-build-isolation --no-deps --no-index \
+          --target "$tms_dir" "$TORPOR_TMS_SRC" > "$OUT/tms-build.log" 2>&1 || echo "torch_memory_saver build failed (tms-build.log)"
+      fi
+      if [ -d "$tms_dir/torch_memory_saver" ]; then
+        timeout 300 env PYTHONPATH="$tms_dir" PYTHONDONTWRITEBYTECODE=1 python3 tests/python/sglang_gpu_sequence.py \
+          --engine tms --json "$OUT/sglang-tms.json" >> "$OUT/sglang-sequence.txt" 2>&1 || status=1
+      else
+        echo "sglang-sequence: torch_memory_saver not built (set TORPOR_TMS_SRC): its row is skipped" | tee -a "$OUT/sglang-sequence.txt"
+      fi
+      cat "$OUT/sglang-sequence.txt"
       ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac

@@ -23,14 +23,17 @@ The interface:
   None keeps each MemPool's class. The policy applies inside the pool's sleep (the re-mark is a
   sleep hook), so its marks and the sleep are one step. ``fill_on_wake(fill)``: a block whose
   wakes fill discarded bytes with `fill` on every device pool. ``wake_up(tags)``, ``tag_states()``,
-  ``stats()``, ``release_host_store()`` as torpor's.
+  ``stats()``, ``release_host_store()`` as torpor's; ``configure_host_store(host_store_limit,
+  spill_dir)``: torpor.configure's host-store options (before the first allocation), the others
+  as last configured.
 - ``use_pool(tag, memory_class)``: allocations of the block in torpor under that tag and class;
   ``graph(...)``: a CUDA graph capture in a torpor graph pool (torpor.graph); ``graph_pool``,
   ``capture_into(tag, memory_class)`` (every capture of the block in that graph pool),
   ``capturing_into()``, ``release_graph_pool(tag)``, ``nccl_graph_register_off()``: as in
   torpor.torch.graphs.
 - ``register_parameters(module, preserve)``: as torpor.register_parameters; ``add_preserve(globs)``:
-  its preserve globs without a module.
+  its preserve globs without a module. ``tag_at(device, address)``: the tag of the use_pool
+  segment holding an address.
 - ``add_tag_hooks(tag, before_sleep=None, after_wake=None) -> id``: ``before_sleep(tag, level)``
   runs inside every sleep of `tag` (levels 1 and 2), after the re-mark and before anything moves:
   an exception aborts that device's sleep with nothing moved, and the sleep raises it.
@@ -98,6 +101,7 @@ tag_states = api.tag_states
 is_graph_tag = routing.is_graph_tag  # whether a torpor tag holds CUDA graph pools (torpor.graph)
 stats = api.stats
 release_host_store = api.release_host_store
+configure_host_store = api.configure_host_store  # the host-store options of the torch pools, kept the rest
 
 
 # -- routing and parameters ------------------------------------------------------------------
@@ -125,6 +129,17 @@ def add_preserve(globs) -> None:
         if not isinstance(g, str) or not g:
             raise InvalidType(f"add_preserve: glob {g!r} is not a non-empty string")
     routing.add_preserve(globs)
+
+
+def tag_at(device: int, address: int) -> str | None:
+    """The tag of the use_pool MemPool whose segment on `device` holds `address` (None: none)."""
+    for (tag, _cls, dev), pool in routing.every_mempool():
+        if dev != device:
+            continue
+        for seg in routing.own_segments(pool, device):
+            if seg["address"] <= address < seg["address"] + seg["total_size"]:
+                return tag
+    return None
 
 
 # -- tag hooks -------------------------------------------------------------------------------
@@ -284,6 +299,11 @@ def as_runtime_errors():
 # -- what torch_memory_saver's API needs of the C library --------------------------------------
 
 
+def library_path() -> str:
+    """The path of the libtorpor.so this process loaded (torpor._lib's search)."""
+    return _lib.library_path()
+
+
 def memory_margin() -> int:
     """Bytes of device memory a new segment must leave free (torpor_torch_memory_margin)."""
     return int(_lib.lib().torpor_torch_memory_margin())
@@ -321,11 +341,13 @@ __all__ = [
     "as_runtime_errors",
     "capture_into",
     "capturing_into",
+    "configure_host_store",
     "cuda_torch",
     "fill_on_wake",
     "graph",
     "graph_pool",
     "keep_everything",
+    "library_path",
     "memory_margin",
     "nccl_graph_register_off",
     "read_host_copy",
@@ -339,6 +361,7 @@ __all__ = [
     "set_memory_margin",
     "sleep",
     "stats",
+    "tag_at",
     "tag_states",
     "use_pool",
     "wake_up",

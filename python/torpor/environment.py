@@ -9,8 +9,9 @@ name, a default (the value an unset variable reads as), what it does, and its ki
 - ``text``: the value as set (the default when unset or empty);
 - ``flag``: set to anything but 0, false, no, off (any case) or empty means on, as
   options.cpp's kill switches parse;
-- ``exact``: on only when the value is exactly the row's ``on`` text (torch_memory_saver reads
-  TMS_INIT_ENABLE as ``== "1"``);
+- ``exact``: on only when the value is exactly one of the row's ``on`` texts; with ``off`` texts,
+  a value in neither is torpor.InvalidArgument (torch_memory_saver's get_bool_env_var, csrc/utils.h
+  at 4a43c97: 1, true, TRUE, yes, YES on; 0, false, FALSE, no, NO off; anything else exits);
 - ``alloc_conf``: PyTorch's allocator settings, ``key:value`` items separated by commas.
 """
 
@@ -20,7 +21,11 @@ import contextlib
 import os
 from dataclasses import dataclass
 
+from .errors import InvalidArgument
+
 _FALSY = ("", "0", "false", "no", "off")
+_TMS_TRUE = ("1", "true", "TRUE", "yes", "YES")
+_TMS_FALSE = ("", "0", "false", "FALSE", "no", "NO")  # unset reads as "" too
 
 
 @dataclass(frozen=True)
@@ -29,7 +34,8 @@ class Variable:
     default: str
     description: str
     kind: str  # text, flag, exact, alloc_conf
-    on: str = ""  # kind exact: the value that means on
+    on: tuple[str, ...] = ()  # kind exact: the values that mean on
+    off: tuple[str, ...] = ()  # kind exact: the values that mean off; when given, any other is an error
 
 
 VARIABLES: tuple[Variable, ...] = (
@@ -66,9 +72,54 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "TMS_INIT_ENABLE",
         "",
-        "torch_memory_saver's preload-mode switch: torpor.tms warns that it captures only regions",
+        "torch_memory_saver's preload-mode switch: every cudaMalloc of a thread is in a region from the start "
+        "(libtorpor_preload.so reads it too, in C, with the same values)",
         "exact",
-        on="1",
+        on=_TMS_TRUE,
+        off=_TMS_FALSE,
+    ),
+    Variable(
+        "TMS_INIT_ENABLE_CPU_BACKUP",
+        "",
+        "torch_memory_saver: allocations outside an explicit region choice keep a CPU backup (preload mode)",
+        "exact",
+        on=_TMS_TRUE,
+        off=_TMS_FALSE,
+    ),
+    Variable(
+        "TMS_INIT_CPU_BACKUP_BACKEND",
+        "",
+        "torch_memory_saver's default cpu_backup_backend, mmap or pinned (empty: pinned); mmap makes "
+        "torpor.tms configure the pools' host store pageable",
+        "text",
+    ),
+    Variable(
+        "TMS_INIT_ENABLE_DISK_BACKUP",
+        "",
+        "torch_memory_saver: allocations outside an explicit region choice back up to disk (preload mode)",
+        "exact",
+        on=_TMS_TRUE,
+        off=_TMS_FALSE,
+    ),
+    Variable(
+        "TMS_RETAIN_CPU_BACKUP",
+        "",
+        "torch_memory_saver's retain_cpu_backup at start: host backups stay after resume",
+        "exact",
+        on=_TMS_TRUE,
+        off=_TMS_FALSE,
+    ),
+    Variable(
+        "TMS_DISK_BACKUP_DIR",
+        "",
+        "torch_memory_saver's process-wide disk backup directory: torpor.tms puts the pools' disk tier there",
+        "text",
+    ),
+    Variable(
+        "LD_PRELOAD",
+        "",
+        "torpor.tms.configure_subprocess() puts libtorpor_preload.so first on it for children (preload mode)",
+        "text",
     ),
     Variable(
         "NCCL_GRAPH_REGISTER",
@@ -120,7 +171,13 @@ def enabled(name: str) -> bool:
     row = variable(name)
     value = os.environ.get(row.name, row.default)
     if row.kind == "exact":
-        return value == row.on
+        if row.off and value not in row.on and value not in row.off:
+            # torch_memory_saver exits the process on such a value (get_bool_env_var)
+            raise InvalidArgument(
+                f"{row.name}={value!r} is neither on ({', '.join(row.on)}) nor off "
+                f"({', '.join(v for v in row.off if v)}, or unset)"
+            )
+        return value in row.on
     if row.kind != "flag":
         raise KeyError(f"{name} is a {row.kind} variable, not a switch")
     return value.strip().lower() not in _FALSY
@@ -175,12 +232,13 @@ def set_default(name: str, value: str) -> bool:
 
 
 @contextlib.contextmanager
-def prepended_path(name: str, entry: str):
-    """Inside: `entry` first on the path-list variable `name` (os.pathsep-separated), for the
-    child processes started there; the previous value (or its absence) comes back after."""
+def prepended_path(name: str, entry: str, separator: str = os.pathsep):
+    """Inside: `entry` first on the path-list variable `name` (`separator`-separated: the dynamic
+    loader splits LD_PRELOAD at ':' and spaces), for the child processes started there; the
+    previous value (or its absence) comes back after."""
     row = variable(name)
     previous = os.environ.get(row.name)
-    os.environ[row.name] = os.pathsep.join([entry] + ([previous] if previous else []))
+    os.environ[row.name] = separator.join([entry] + ([previous] if previous else []))
     try:
         yield
     finally:
@@ -190,16 +248,33 @@ def prepended_path(name: str, entry: str):
             os.environ[row.name] = previous
 
 
+@contextlib.contextmanager
+def replaced(key: str, value: str):
+    """Inside: any variable `key` (listed here or not: a write for child processes, as
+    torch_memory_saver's change_env in its tests) set to `value`; its previous value or absence
+    after."""
+    previous = os.environ.get(key)
+    os.environ[key] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = previous
+
+
 __all__ = [
     "ALLOC_CONF_PRECEDENCE",
     "VARIABLES",
-    "Variable",
     "alloc_conf",
     "alloc_conf_true",
-    "with_alloc_flag",
     "enabled",
     "is_set",
     "prepended_path",
+    "replaced",
+    "with_alloc_flag",
+    "Variable",
     "text",
     "variable",
 ]

@@ -126,6 +126,30 @@ TEST(Options, BackendInAnyCaseAndUnknownNamed) {
   EXPECT_THROW(open_driver(), invalid_argument);
 }
 
+// torch_memory_saver's switches (csrc/utils.h get_bool_env_var at 4a43c97): 1, true, yes on, 0,
+// false, no off, anything else refused (TMS exits); its backend is pinned unless mmap.
+TEST(Options, TorchMemorySaverSwitchesTakeItsValues) {
+  using options::id;
+  EXPECT_FALSE(options::tms_switch(id::tms_init_enable)) << "unset: off";
+  for (const char* on : {"1", "true", "TRUE", "yes", "YES"}) {
+    ScopedEnv env("TMS_INIT_ENABLE", on);
+    EXPECT_TRUE(options::tms_switch(id::tms_init_enable)) << on;
+  }
+  for (const char* off : {"0", "false", "NO"}) {
+    ScopedEnv env("TMS_RETAIN_CPU_BACKUP", off);
+    EXPECT_FALSE(options::tms_switch(id::tms_retain_cpu_backup)) << off;
+  }
+  {
+    ScopedEnv env("TMS_INIT_ENABLE_CPU_BACKUP", "2");
+    const std::string what = refusal([] { options::tms_switch(id::tms_init_enable_cpu_backup); });
+    EXPECT_TRUE(contains(what, "TMS_INIT_ENABLE_CPU_BACKUP='2'")) << what;
+  }
+  EXPECT_EQ(options::tms_cpu_backup_backend(), "pinned");
+  ScopedEnv mmap("TMS_INIT_CPU_BACKUP_BACKEND", "mmap");
+  EXPECT_EQ(options::tms_cpu_backup_backend(), "mmap");
+  EXPECT_EQ(options::tms_disk_backup_dir(), "/tmp");
+}
+
 TEST(Options, HostDevicesWholeNumberInRange) {
   {
     ScopedEnv env("TORPOR_HOST_DEVICES", "64");

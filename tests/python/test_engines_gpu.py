@@ -217,8 +217,10 @@ def test_tms_cuda_graph():
     assert result["out"].item() == 202
 
 
-def test_tms_cpu_backup():
-    with tms.region(tag="e.cpu", enable_cpu_backup=True):
+@pytest.mark.parametrize("backend", ["mmap", "pinned"])
+def test_tms_cpu_backup(backend):
+    """test/examples/cpu_backup.py at 4a43c97: both backends, then the zero-copy slot's address."""
+    with tms.region(tag="e.cpu", enable_cpu_backup=True, cpu_backup_backend=backend):
         with_backup = torch.full((20_000_000,), 10, dtype=torch.uint8, device="cuda")
         typed = torch.randn((10, 20, 30), dtype=torch.float32, device="cuda")
         typed_expected = typed.cpu()
@@ -243,6 +245,27 @@ def test_tms_cpu_backup():
     tms.resume("e.cpu")
     assert tms.get_cpu_backup(typed) is None
     del unrelated
+    expected = torch.arange(4096, dtype=torch.int64).remainder(251).to(torch.uint8)
+    with tms.region(tag=f"e.zc.{backend}", enable_cpu_backup=True, cpu_backup_backend=backend):
+        retained = expected.to("cuda")
+    tms.pause(f"e.zc.{backend}")
+    first = tms.get_cpu_backup(retained, zero_copy=True)
+    first_ptr = first.data_ptr()
+    assert torch.equal(first, expected)
+    assert first.is_pinned() == (backend == "pinned")
+    tms.retain_cpu_backup = True
+    try:
+        tms.resume(f"e.zc.{backend}")
+        after = tms.get_cpu_backup(retained, zero_copy=True)
+        assert after.data_ptr() == first_ptr and torch.equal(after, expected)
+        retained.add_(1)
+        tms.pause(f"e.zc.{backend}")
+        assert torch.equal(first, (expected + 1)), "the pause renewed the slot in place"
+    finally:
+        tms.retain_cpu_backup = False
+    tms.resume(f"e.zc.{backend}")
+    assert tms.get_cpu_backup(retained) is None
+    assert torch.equal(retained.cpu(), expected + 1)
 
 
 def test_tms_nested_region():

@@ -8,6 +8,7 @@ import pathlib
 import pytest
 
 from conftest import REPO
+import torpor
 from torpor import environment
 
 PACKAGE = REPO / "python" / "torpor"
@@ -65,10 +66,17 @@ def test_a_flag_parses_as_the_c_options_kill_switches(monkeypatch, value, on):
 
 
 def test_exact_rows_alloc_conf_and_path_lists(monkeypatch):
-    monkeypatch.setenv("TMS_INIT_ENABLE", "true")
-    assert not environment.enabled("TMS_INIT_ENABLE"), "torch_memory_saver compares with '1' exactly"
-    monkeypatch.setenv("TMS_INIT_ENABLE", "1")
-    assert environment.enabled("TMS_INIT_ENABLE")
+    # torch_memory_saver's get_bool_env_var (csrc/utils.h at 4a43c97): five texts on, five off,
+    # anything else an error (it exits the process)
+    for on in ("1", "true", "TRUE", "yes", "YES"):
+        monkeypatch.setenv("TMS_INIT_ENABLE", on)
+        assert environment.enabled("TMS_INIT_ENABLE"), on
+    for off in ("0", "false", "FALSE", "no", "NO", ""):
+        monkeypatch.setenv("TMS_INIT_ENABLE", off)
+        assert not environment.enabled("TMS_INIT_ENABLE"), off
+    monkeypatch.setenv("TMS_INIT_ENABLE", "True")
+    with pytest.raises(torpor.InvalidArgument, match="TMS_INIT_ENABLE='True' is neither on"):
+        environment.enabled("TMS_INIT_ENABLE")
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:64, expandable_segments : True")
     assert environment.alloc_conf_true("expandable_segments")

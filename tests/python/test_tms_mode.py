@@ -16,7 +16,15 @@ import fake_torch
 import torpor
 from torpor import tms
 from torpor.torch import graphs
-from conftest import MiB, POISON, REPO, TORCH_POOL_OPTIONS, pattern, subprocess_env, fresh_torch_layer
+from conftest import (
+    MiB,
+    POISON,
+    REPO,
+    TORCH_POOL_OPTIONS,
+    pattern,
+    subprocess_env,
+    fresh_torch_layer,
+)
 
 
 class HostTensor(fake_torch.Tensor):
@@ -36,6 +44,23 @@ class HostTensor(fake_torch.Tensor):
 
     def tobytes(self):
         return self._buf.raw[: self._nbytes]
+
+
+class HostView(fake_torch.Tensor):
+    """A CPU tensor over memory someone else owns (torch.frombuffer's result), its owner kept."""
+
+    def __init__(self, owner, shape, dtype):
+        n = len(owner)
+        self._owner = owner
+        super().__init__(ctypes.addressof(ctypes.c_char.from_buffer(owner)), n, None, shape)
+        self.device, self.is_cuda, self.dtype = fake_torch._Device("cpu", None), False, dtype
+
+    def view(self, shape):
+        self.shape = shape
+        return self
+
+    def tobytes(self):
+        return ctypes.string_at(self.data_ptr(), self._nbytes)
 
 
 class NativeAllocator:
@@ -61,12 +86,21 @@ def torch(monkeypatch):
     )
     empty = fake_torch.empty
 
-    def empty_anywhere(*args, device=None, dtype=None, **kwargs):
+    host_memory = []  # the kind of every host buffer made: "pinned" or "pageable"
+
+    def empty_anywhere(*args, device=None, dtype=None, pin_memory=False, **kwargs):
         if device == "cpu":
+            host_memory.append("pinned" if pin_memory else "pageable")
             return HostTensor(args[0], dtype)
         return empty(*args, **kwargs)
 
+    def frombuffer(buffer, dtype=None):
+        host_memory.append("mmap")
+        return HostView(buffer, (len(buffer),), dtype)
+
     monkeypatch.setattr(fake_torch, "empty", empty_anywhere)
+    monkeypatch.setattr(fake_torch, "frombuffer", frombuffer, raising=False)
+    monkeypatch.setattr(fake_torch, "host_memory", host_memory, raising=False)
     saver = tms.TorchMemorySaver()
     yield fake_torch, saver
     torpor.wake_up()
@@ -180,6 +214,45 @@ def test_get_cpu_backup_follows_torch_memory_savers_rules(torch):
         saver.get_cpu_backup(outside)
 
 
+@pytest.mark.parametrize("backend", ["mmap", "pinned"])
+def test_zero_copy_backup_keeps_its_address_across_retained_resumes_as_tms_example(torch, backend):
+    """torch_memory_saver's test/examples/cpu_backup.py (4a43c97), the per-device loop: one host
+    slot per tensor whose address survives a retained resume and whose bytes each pause renews;
+    a resume without retain frees it (None)."""
+    torch, saver = torch
+    with saver.region(tag="tms.zc", enable_cpu_backup=True, cpu_backup_backend=backend):
+        x = torch.empty(64 << 10)
+    with saver.region(tag="tms.zc.other", enable_cpu_backup=True):
+        other = torch.empty(64 << 10)
+    first_bytes = write(x, 21)
+    other_bytes = write(other, 22)
+    made = len(torch.host_memory)
+    saver.pause("tms.zc")
+    first = saver.get_cpu_backup(x, zero_copy=True)
+    assert torch.host_memory[made:] == [backend], "the slot is of the region's backend"
+    first_ptr = first.data_ptr()
+    assert first.tobytes() == first_bytes and read(other) == other_bytes
+    saver.retain_cpu_backup = True
+    saver.resume("tms.zc")
+    after = saver.get_cpu_backup(x, zero_copy=True)
+    assert after.data_ptr() == first_ptr and after.tobytes() == first_bytes
+    assert read(x) == first_bytes
+    saver.retain_cpu_backup = False  # no resume since: the retained slot is still there
+    assert saver.get_cpu_backup(x, zero_copy=True).data_ptr() == first_ptr
+    second_bytes = write(x, 23)
+    saver.pause("tms.zc")
+    assert first.tobytes() == second_bytes, "a pause renews the slot a held view shows"
+    second = saver.get_cpu_backup(x, zero_copy=True)
+    assert second.data_ptr() == first_ptr and second.tobytes() == second_bytes
+    copy = saver.get_cpu_backup(x)
+    assert copy.data_ptr() != first_ptr and copy.tobytes() == second_bytes, "zero_copy=False: a copy"
+    assert len(torch.host_memory) == made + 2, "one slot, and the one copy just asked for"
+    saver.resume("tms.zc")  # retain is off: the slot goes
+    assert read(x) == second_bytes
+    assert saver.get_cpu_backup(x) is None and saver.get_cpu_backup(x, zero_copy=True) is None
+    assert all(k[1] != x.data_ptr() for k in saver._host_backups), "the slot's memory was dropped"
+
+
 def test_disable_allocates_outside_torpor_even_inside_a_region(torch):
     torch, saver = torch
     with saver.region(tag="tms.disable"):
@@ -210,17 +283,20 @@ def test_memory_margin_refuses_segments_that_would_eat_it(torch):
         saver.memory_margin_bytes = 1 << 60
 
 
-def test_settings_and_what_is_not_here(torch):
+def test_settings_and_what_is_not_here(torch, tmp_path):
     torch, saver = torch
     assert saver.enabled and saver.retain_cpu_backup is False
     saver.hook_mode = "torch"
-    saver.hook_mode = "preload"
-    assert saver.hook_mode == "preload"
+    with pytest.raises(torpor.Unavailable, match="libtorpor_preload.so on LD_PRELOAD"):
+        saver.hook_mode = "preload"  # this process did not start with it (test_tms_preload does)
+    assert saver.hook_mode == "torch"
     with pytest.raises(torpor.InvalidArgument, match="hook_mode 'ld_preload'"):
         saver.hook_mode = "ld_preload"
-    with pytest.raises(torpor.Unavailable, match="disk tier"):
-        saver.set_disk_backup_dir("/tmp/tms")
-    with pytest.raises(torpor.Unavailable, match="disk tier"):
+    # The pools hold memory already (earlier tests): their host store cannot get a disk tier now.
+    with pytest.raises(torpor.Unavailable, match="already hold memory.*before the first CUDA allocation"):
+        saver.set_disk_backup_dir(str(tmp_path / "disk"))
+    assert (tmp_path / "disk").is_dir() and saver._disk_dir is None, "created, as TMS does; not kept"
+    with pytest.raises(torpor.Unavailable, match="disk backup into '/tmp'"):
         with saver.region(enable_disk_backup=True):
             pass
     with pytest.raises(ValueError, match="cpu_backup_backend requires enable_cpu_backup"):
@@ -358,7 +434,10 @@ def test_cuda_graph_memory_pauses_with_its_tag_and_the_graph_replays_after_resum
 def test_tags_the_c_api_would_cut_are_refused_everywhere(torch, tag):
     # A NUL ended the C string: the region allocated in tag "m", and pause("m\0x") paused nothing.
     torch, saver = torch
-    for enter in (lambda: saver.region(tag=tag), lambda: saver.cuda_graph(torch.cuda.CUDAGraph(), tag=tag)):
+    for enter in (
+        lambda: saver.region(tag=tag),
+        lambda: saver.cuda_graph(torch.cuda.CUDAGraph(), tag=tag),
+    ):
         with pytest.raises(torpor.InvalidArgument, match="tag"):
             with enter():
                 pass

@@ -18,6 +18,9 @@ namespace {
 constexpr std::array<std::string_view, 5> log_levels = {"off", "error", "warn", "info", "debug"};
 constexpr std::array<std::string_view, 3> backends = {"auto", "host", "cuda"};
 constexpr std::array<std::string_view, 2> host_modes = {"sync", "async"};
+// torch_memory_saver's get_bool_env_var (csrc/utils.h at 4a43c97) takes these, in two cases each.
+constexpr std::array<std::string_view, 6> tms_switch_values = {"1", "true", "yes", "0", "false", "no"};
+constexpr std::array<std::string_view, 2> tms_backends = {"pinned", "mmap"};
 
 constexpr std::int64_t max_host_devices = 64;
 // The host backend only accounts device memory; the bound keeps every sum of sizes far from
@@ -30,7 +33,7 @@ constexpr std::int64_t max_group_timeout_ms = std::int64_t{24} * 60 * 60 * 1000;
 constexpr std::int64_t max_world_size = 65536;
 
 // clang-format off
-constexpr std::array<Option, 15> rows = {{
+constexpr std::array<Option, 21> rows = {{
   {id::log, "TORPOR_LOG", "warn", "log level: off, error, warn, info or debug (any case)",
    kind::choice, 0, 0, log_levels},
   {id::backend, "TORPOR_BACKEND", "auto",
@@ -65,6 +68,23 @@ constexpr std::array<Option, 15> rows = {{
    "NVSHMEM's kill switch, honoured like TORCH_SYMM_MEM_DISABLE_MULTICAST", kind::disable},
   {id::nccl_nvls_enable, "NCCL_NVLS_ENABLE", "",
    "NCCL's switch: 0 (or false, no, off) is a kill switch for torpor too", kind::nvls_enable},
+  {id::tms_init_enable, "TMS_INIT_ENABLE", "0",
+   "the preload library: every cudaMalloc of a thread is in a torch_memory_saver region from the start (1, true, "
+   "yes; 0, false, no)", kind::choice, 0, 0, tms_switch_values},
+  {id::tms_init_enable_cpu_backup, "TMS_INIT_ENABLE_CPU_BACKUP", "0",
+   "the preload library: a thread's regions keep a CPU backup until it says otherwise", kind::choice, 0, 0,
+   tms_switch_values},
+  {id::tms_init_cpu_backup_backend, "TMS_INIT_CPU_BACKUP_BACKEND", "pinned",
+   "the preload library's cpu_backup_backend until a region says otherwise: pinned or mmap", kind::choice, 0, 0,
+   tms_backends},
+  {id::tms_init_enable_disk_backup, "TMS_INIT_ENABLE_DISK_BACKUP", "0",
+   "the preload library: a thread's regions back up to disk until it says otherwise", kind::choice, 0, 0,
+   tms_switch_values},
+  {id::tms_retain_cpu_backup, "TMS_RETAIN_CPU_BACKUP", "0",
+   "the preload library: host backups stay after resume (torch_memory_saver's retain_cpu_backup)", kind::choice,
+   0, 0, tms_switch_values},
+  {id::tms_disk_backup_dir, "TMS_DISK_BACKUP_DIR", "/tmp",
+   "the preload library's disk backups: the pools' disk tier in this directory", kind::text},
 }};
 // clang-format on
 
@@ -247,6 +267,15 @@ std::optional<int> world_size() {
 std::string tmpdir() { return *value(id::tmpdir); }
 
 std::string nccl_library() { return *value(id::nccl_library); }
+
+bool tms_switch(id key) {
+  const std::string v = *value(key);
+  return v == "1" || v == "true" || v == "yes";
+}
+
+std::string tms_cpu_backup_backend() { return *value(id::tms_init_cpu_backup_backend); }
+
+std::string tms_disk_backup_dir() { return *value(id::tms_disk_backup_dir); }
 
 bool switch_set(const Option& o, const std::optional<std::string>& text) {
   if (!text) return false;

@@ -43,6 +43,12 @@ enum class id {
   torch_symm_mem_disable_multicast,
   nvshmem_disable_nvls,
   nccl_nvls_enable,
+  tms_init_enable,
+  tms_init_enable_cpu_backup,
+  tms_init_cpu_backup_backend,
+  tms_init_enable_disk_backup,
+  tms_retain_cpu_backup,
+  tms_disk_backup_dir,
 };
 
 // How a row's text is parsed and validated.
@@ -93,6 +99,12 @@ std::optional<int> rank();                      // TORPOR_RANK (no default)
 std::optional<int> world_size();                // TORPOR_WORLD_SIZE (no default)
 std::string tmpdir();                           // TMPDIR
 std::string nccl_library();                     // TORPOR_NCCL_LIBRARY
+// torch_memory_saver's variables, read by the preload library (preload/): a switch row
+// (tms_init_enable, tms_init_enable_cpu_backup, tms_init_enable_disk_backup, tms_retain_cpu_backup)
+// is on for 1, true, yes (any case), off for 0, false, no or unset; anything else is refused.
+bool tms_switch(id key);
+std::string tms_cpu_backup_backend();  // TMS_INIT_CPU_BACKUP_BACKEND: "pinned" or "mmap"
+std::string tms_disk_backup_dir();     // TMS_DISK_BACKUP_DIR
 
 // Whether a kill switch row counts as set for the text (nothing: unset). Pure.
 bool switch_set(const Option& o, const std::optional<std::string>& text);

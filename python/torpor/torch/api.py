@@ -49,6 +49,30 @@ def configure(
         spill_limit=spill_limit,
     )
     _lib.check(_lib.lib().torpor_torch_configure(ctypes.byref(o)))
+    _configured.clear()
+    _configured.update(
+        backend=backend,
+        fill_on_wake=fill_on_wake,
+        va_bytes=va_bytes,
+        skip_unchanged=skip_unchanged,
+        host_store_limit=host_store_limit,
+        host_store_prepare=host_store_prepare,
+        spill_dir=spill_dir,
+        spill_limit=spill_limit,
+    )
+
+
+# The options of the last configure() from Python (empty: the library's defaults), so that a mode
+# that sets only the host-store part (torpor.tms's disk and pageable backups) keeps the rest.
+_configured: dict = {}
+
+
+def configure_host_store(*, host_store_limit: int, spill_dir=None) -> None:
+    """configure() with the last options but host_store_limit and spill_dir (before the first
+    allocation, as configure)."""
+    options = dict(_configured)
+    options.update(host_store_limit=host_store_limit, spill_dir=spill_dir)
+    configure(**options)
 
 
 def _default_class(tag: str) -> MemoryClass:

@@ -1,0 +1,316 @@
+// libtorpor_preload.so on the host backend: this program calls cudaMalloc / cudaFree as an
+// application linked against the CUDA runtime does (here the fake of fake_cudart.h), runs with
+// the preload library on LD_PRELOAD (tests/CMakeLists.txt), and reaches torch_memory_saver's
+// entry points by name with dlsym, as TMS's Python layer does with ctypes. The oracles: the bytes
+// written before a pause (kept, or discarded to torpor's 0xFF poison), the fake runtime's count of
+// its own blocks, torpor's pool (torpor_find: who holds an address), the spill file's size.
+#include <dlfcn.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "fake_cudart.h"
+#include "torpor/torch_allocator.h"
+#include "torpor/torpor.h"
+
+namespace {
+
+template <class Fn>
+Fn entry(const char* name) {
+  auto fn = reinterpret_cast<Fn>(dlsym(RTLD_DEFAULT, name));
+  if (fn == nullptr) ADD_FAILURE() << name << " is not exported (is libtorpor_preload.so on LD_PRELOAD?)";
+  return fn;
+}
+
+struct Tms {
+  void (*set_interesting_region)(bool) = entry<void (*)(bool)>("tms_set_interesting_region");
+  bool (*get_interesting_region)() = entry<bool (*)()>("tms_get_interesting_region");
+  void (*set_current_tag)(const char*) = entry<void (*)(const char*)>("tms_set_current_tag");
+  const char* (*get_current_tag)() = entry<const char* (*)()>("tms_get_current_tag");
+  void (*set_enable_cpu_backup)(bool) = entry<void (*)(bool)>("tms_set_enable_cpu_backup");
+  bool (*get_enable_cpu_backup)() = entry<bool (*)()>("tms_get_enable_cpu_backup");
+  void (*set_cpu_backup_backend)(const char*) = entry<void (*)(const char*)>("tms_set_cpu_backup_backend");
+  const char* (*get_cpu_backup_backend)() = entry<const char* (*)()>("tms_get_cpu_backup_backend");
+  void (*set_enable_disk_backup)(bool) = entry<void (*)(bool)>("tms_set_enable_disk_backup");
+  bool (*get_enable_disk_backup)() = entry<bool (*)()>("tms_get_enable_disk_backup");
+  void (*set_disk_backup_dir)(const char*) = entry<void (*)(const char*)>("tms_set_disk_backup_dir");
+  void (*set_memory_margin_bytes)(std::uint64_t) = entry<void (*)(std::uint64_t)>("set_memory_margin_bytes");
+  void (*set_retain_cpu_backup)(bool) = entry<void (*)(bool)>("tms_set_retain_cpu_backup");
+  bool (*get_retain_cpu_backup)() = entry<bool (*)()>("tms_get_retain_cpu_backup");
+  int (*pause)(const char*) = entry<int (*)(const char*)>("tms_pause");
+  int (*resume)(const char*) = entry<int (*)(const char*)>("tms_resume");
+  std::uint8_t* (*get_cpu_backup_pointer)(const std::uint8_t*, std::uint64_t) =
+      entry<std::uint8_t* (*)(const std::uint8_t*, std::uint64_t)>("tms_get_cpu_backup_pointer");
+};
+
+const Tms& tms() {
+  static const Tms t;
+  return t;
+}
+
+// The torch pools' options, before the first allocation: discarded bytes come back as 0xFF.
+void configure_poison() {
+  static bool done = [] {
+    torpor_pool_options o;
+    torpor_pool_options_init(&o);
+    o.backend = TORPOR_BACKEND_HOST;
+    o.fill_on_wake = TORPOR_FILL_POISON;
+    o.va_bytes = size_t{1} << 30;
+    EXPECT_EQ(torpor_torch_configure(&o), TORPOR_OK) << torpor_last_error();
+    return true;
+  }();
+  (void)done;
+}
+
+std::vector<std::uint8_t> pattern(size_t n, unsigned seed) {
+  std::vector<std::uint8_t> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<std::uint8_t>((i * 131 + seed * 7 + i / 4096) % 251);  // never 0xFF
+  return v;
+}
+
+bool in_torpor(const void* p) {
+  torpor_pool_t pool = nullptr;
+  if (torpor_torch_pool(0, &pool) != TORPOR_OK) return false;
+  void* base = nullptr;
+  size_t bytes = 0;
+  return torpor_find(pool, p, &base, &bytes) == TORPOR_OK;
+}
+
+// A region as torch_memory_saver's Python layer opens one (entrypoint.py _with_region_config).
+struct Region {
+  Region(const char* tag, bool cpu_backup, const char* backend = nullptr, bool disk = false)
+      : backend_before(tms().get_cpu_backup_backend()) {
+    tms().set_current_tag(tag);
+    tms().set_interesting_region(true);
+    tms().set_enable_cpu_backup(cpu_backup);
+    if (backend != nullptr) tms().set_cpu_backup_backend(backend);
+    tms().set_enable_disk_backup(disk);
+  }
+  ~Region() {
+    tms().set_interesting_region(false);
+    tms().set_enable_cpu_backup(false);
+    tms().set_enable_disk_backup(false);
+    tms().set_current_tag("default");
+    tms().set_cpu_backup_backend(backend_before.c_str());
+  }
+  std::string backend_before;
+};
+
+void* device_alloc(size_t n) {
+  void* p = nullptr;
+  EXPECT_EQ(cudaMalloc(&p, n), 0);
+  return p;
+}
+
+constexpr size_t N = size_t{4} << 20;
+
+TEST(Preload, OutsideARegionEveryCallGoesToTheRealRuntime) {
+  configure_poison();
+  ASSERT_FALSE(tms().get_interesting_region()) << "TMS_INIT_ENABLE is unset: no region at start";
+  size_t before = fake_cudart_live_device_blocks();
+  void* p = device_alloc(N);
+  EXPECT_EQ(fake_cudart_live_device_blocks(), before + 1);
+  EXPECT_FALSE(in_torpor(p));
+  EXPECT_EQ(cudaFree(p), 0);
+  EXPECT_EQ(fake_cudart_live_device_blocks(), before);
+  EXPECT_EQ(cudaFree(nullptr), 0) << "cudaFree(NULL) is the runtime's no-op";
+}
+
+TEST(Preload, APauseDiscardsARegionWithoutBackupAndKeepsOneWithABackup) {
+  configure_poison();
+  size_t before = fake_cudart_live_device_blocks();
+  void* cache = nullptr;
+  void* kept = nullptr;
+  {
+    Region r("kv_cache", false);
+    cache = device_alloc(N);
+  }
+  {
+    Region r("weights", true);
+    kept = device_alloc(N);
+  }
+  EXPECT_EQ(fake_cudart_live_device_blocks(), before) << "the region's memory is torpor's, not the runtime's";
+  ASSERT_TRUE(in_torpor(cache) && in_torpor(kept));
+  auto c = pattern(N, 1), k = pattern(N, 2);
+  std::memcpy(cache, c.data(), N);
+  std::memcpy(kept, k.data(), N);
+  EXPECT_EQ(tms().pause(nullptr), 0);
+  EXPECT_EQ(tms().pause(nullptr), 0) << "a second pause is a no-op (torch_memory_saver exits)";
+  EXPECT_EQ(tms().resume(nullptr), 0);
+  EXPECT_EQ(tms().resume(nullptr), 0) << "resuming awake memory is a no-op";
+  EXPECT_EQ(std::memcmp(kept, k.data(), N), 0) << "a backed-up region comes back bit-exact";
+  std::vector<std::uint8_t> poison(N, 0xFF);
+  EXPECT_EQ(std::memcmp(cache, poison.data(), N), 0) << "a region without backup was discarded";
+  EXPECT_EQ(cudaFree(cache), 0);
+  EXPECT_EQ(cudaFree(kept), 0);
+  EXPECT_FALSE(in_torpor(cache));
+}
+
+TEST(Preload, APauseOfOneTagLeavesTheOthersAwakeAndItsResumeRestoresIt) {
+  configure_poison();
+  void* a = nullptr;
+  void* b = nullptr;
+  {
+    Region r("tag_a", true);
+    a = device_alloc(N);
+  }
+  {
+    Region r("tag_b", true);
+    b = device_alloc(N);
+  }
+  auto pa = pattern(N, 3), pb = pattern(N, 4);
+  std::memcpy(a, pa.data(), N);
+  std::memcpy(b, pb.data(), N);
+  EXPECT_EQ(tms().pause("tag_a"), 0);
+  EXPECT_EQ(std::memcmp(b, pb.data(), N), 0) << "tag_b stays mapped and readable";
+  auto pb2 = pattern(N, 5);
+  std::memcpy(b, pb2.data(), N);
+  EXPECT_EQ(tms().resume("tag_a"), 0);
+  EXPECT_EQ(std::memcmp(a, pa.data(), N), 0);
+  EXPECT_EQ(std::memcmp(b, pb2.data(), N), 0);
+  EXPECT_EQ(tms().pause("no_such_tag"), 0) << "a tag no region used: nothing to do";
+  EXPECT_EQ(cudaFree(a), 0);
+  EXPECT_EQ(cudaFree(b), 0);
+}
+
+TEST(Preload, TheBackupPointerKeepsItsAddressAcrossARetainedResumeAndGoesWithout) {
+  configure_poison();
+  void* x = nullptr;
+  void* lost = nullptr;
+  {
+    Region r("retained", true, "pinned");
+    x = device_alloc(N);
+  }
+  {
+    Region r("retained", false);
+    lost = device_alloc(N);
+  }
+  auto first = pattern(N, 6);
+  std::memcpy(x, first.data(), N);
+  auto* gx = static_cast<const std::uint8_t*>(x);
+  EXPECT_EQ(tms().get_cpu_backup_pointer(gx, N), nullptr) << "awake and never paused: no backup";
+  size_t host_before = fake_cudart_live_host_blocks();
+  ASSERT_EQ(tms().pause("retained"), 0);
+  std::uint8_t* p1 = tms().get_cpu_backup_pointer(gx, N);
+  ASSERT_NE(p1, nullptr);
+  EXPECT_TRUE(fake_cudart_is_host_block(p1)) << "backend pinned: page-locked through cudaMallocHost";
+  EXPECT_EQ(std::memcmp(p1, first.data(), N), 0);
+  EXPECT_EQ(tms().get_cpu_backup_pointer(gx + 4096, 16), p1 + 4096) << "an inner range: the slot plus its offset";
+  EXPECT_EQ(tms().get_cpu_backup_pointer(static_cast<const std::uint8_t*>(lost), N), nullptr)
+      << "a region without backup has none";
+  tms().set_retain_cpu_backup(true);
+  ASSERT_TRUE(tms().get_retain_cpu_backup());
+  ASSERT_EQ(tms().resume("retained"), 0);
+  EXPECT_EQ(tms().get_cpu_backup_pointer(gx, N), p1) << "retained: same host address after resume";
+  auto second = pattern(N, 7);
+  std::memcpy(x, second.data(), N);
+  ASSERT_EQ(tms().pause("retained"), 0);
+  EXPECT_EQ(std::memcmp(p1, second.data(), N), 0) << "the pause renewed the slot in place";
+  tms().set_retain_cpu_backup(false);
+  ASSERT_EQ(tms().resume("retained"), 0);
+  EXPECT_EQ(std::memcmp(x, second.data(), N), 0);
+  EXPECT_EQ(tms().get_cpu_backup_pointer(gx, N), nullptr) << "a resume without retain frees the slot";
+  EXPECT_EQ(fake_cudart_live_host_blocks(), host_before) << "its page-locked memory went back";
+  EXPECT_EQ(cudaFree(x), 0);
+  EXPECT_EQ(cudaFree(lost), 0);
+}
+
+TEST(Preload, FreeingPausedMemoryGivesItBack) {
+  configure_poison();
+  void* p = nullptr;
+  {
+    Region r("freed_paused", true, "mmap");
+    p = device_alloc(N);
+  }
+  ASSERT_EQ(tms().pause("freed_paused"), 0);
+  ASSERT_NE(tms().get_cpu_backup_pointer(static_cast<const std::uint8_t*>(p), N), nullptr);
+  EXPECT_EQ(cudaFree(p), 0);
+  EXPECT_FALSE(in_torpor(p));
+  EXPECT_EQ(tms().get_cpu_backup_pointer(static_cast<const std::uint8_t*>(p), N), nullptr);
+  EXPECT_EQ(tms().resume("freed_paused"), 0) << "nothing left under the tag";
+}
+
+TEST(Preload, SettingsReadBackAsTorchMemorySaversDo) {
+  EXPECT_STREQ(tms().get_current_tag(), "default");
+  tms().set_current_tag("x");
+  EXPECT_STREQ(tms().get_current_tag(), "x");
+  tms().set_current_tag(nullptr);
+  EXPECT_STREQ(tms().get_current_tag(), "x") << "a null tag is refused, the current one kept";
+  tms().set_current_tag("default");
+  EXPECT_STREQ(tms().get_cpu_backup_backend(), "pinned");
+  tms().set_cpu_backup_backend("mmap");
+  EXPECT_STREQ(tms().get_cpu_backup_backend(), "mmap");
+  tms().set_cpu_backup_backend("disk");
+  EXPECT_STREQ(tms().get_cpu_backup_backend(), "mmap") << "an unknown backend is refused";
+  tms().set_cpu_backup_backend("pinned");
+  EXPECT_FALSE(tms().get_enable_cpu_backup());
+  EXPECT_FALSE(tms().get_enable_disk_backup());
+  {
+    Region r("both", true, nullptr, true);
+    void* p = reinterpret_cast<void*>(1);
+    EXPECT_EQ(cudaMalloc(&p, N), 1) << "CPU and disk backup together: cudaErrorInvalidValue";
+  }
+  tms().set_memory_margin_bytes(std::uint64_t{1} << 62);  // more than TORPOR_TORCH_MEMORY_MARGIN_MAX: refused
+  EXPECT_EQ(torpor_torch_memory_margin(), 0u);
+}
+
+TEST(InitEnable, EveryAllocationIsInARegionFromTheStart) {
+  const char* v = std::getenv("TMS_INIT_ENABLE");
+  ASSERT_TRUE(v != nullptr && std::string(v) == "1") << "run with TMS_INIT_ENABLE=1 (tests/CMakeLists.txt)";
+  configure_poison();
+  ASSERT_TRUE(tms().get_interesting_region());
+  size_t before = fake_cudart_live_device_blocks();
+  void* p = device_alloc(N);
+  EXPECT_TRUE(in_torpor(p));
+  EXPECT_EQ(fake_cudart_live_device_blocks(), before);
+  tms().set_interesting_region(false);
+  void* q = device_alloc(N);
+  EXPECT_FALSE(in_torpor(q)) << "a region turned off: the runtime's again";
+  EXPECT_EQ(cudaFree(p), 0);
+  EXPECT_EQ(cudaFree(q), 0);
+}
+
+TEST(Disk, ADiskRegionBacksUpIntoTorporsDiskTierInTheDirectory) {
+  std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("torpor_preload_disk_" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  tms().set_disk_backup_dir(dir.c_str());  // before the first allocation, as torch_memory_saver's example
+  void* p = nullptr;
+  void* q = nullptr;
+  {
+    Region r("disk", false, nullptr, true);
+    p = device_alloc(N);
+  }
+  {
+    Region r("disk_cache", false);
+    q = device_alloc(N);
+  }
+  auto data = pattern(N, 9);
+  std::memcpy(p, data.data(), N);
+  std::memcpy(q, data.data(), N);
+  ASSERT_EQ(tms().pause(nullptr), 0);
+  std::uintmax_t on_disk = 0;
+  for (const auto& f : std::filesystem::directory_iterator(dir)) on_disk += std::filesystem::file_size(f.path());
+  torpor_pool_t pool = nullptr;
+  ASSERT_EQ(torpor_torch_pool(0, &pool), TORPOR_OK);
+  std::string stats(1 << 16, '\0');
+  size_t needed = 0;
+  ASSERT_EQ(torpor_stats_json(pool, stats.data(), stats.size(), &needed), TORPOR_OK);
+  EXPECT_GE(on_disk, N) << "the disk region's bytes are in a file of the directory: " << stats.c_str();
+  EXPECT_EQ(tms().get_cpu_backup_pointer(static_cast<const std::uint8_t*>(p), N), nullptr)
+      << "as torch_memory_saver: a disk backup has no CPU pointer";
+  ASSERT_EQ(tms().resume(nullptr), 0);
+  EXPECT_EQ(std::memcmp(p, data.data(), N), 0);
+  EXPECT_NE(std::memcmp(q, data.data(), N), 0) << "the region without backup was discarded";
+  EXPECT_EQ(cudaFree(p), 0);
+  EXPECT_EQ(cudaFree(q), 0);
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace

@@ -1,0 +1,169 @@
+"""torpor.tms in hook_mode "preload" on the host backend: a child process starts with
+libtorpor_preload.so on LD_PRELOAD (the way torpor.tms.configure_subprocess() starts SGLang's
+schedulers) and a fake CUDA runtime after it (tests/preload/fake_cudart.cpp, what RTLD_NEXT finds
+in place of libcudart), and calls cudaMalloc by name as PyTorch's caching allocator does. The
+oracles: who holds an address (torpor's pool or the fake runtime), the bytes written before a
+pause, torch_memory_saver's get_cpu_backup results (test/examples/cpu_backup.py at 4a43c97)."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+
+from torpor import engine, tms
+from conftest import REPO, subprocess_env
+
+CHILD = f"""
+import ctypes, json, os, sys
+sys.path.insert(0, {str(REPO / "tests" / "python")!r})
+import fake_torch
+sys.modules["torch"] = fake_torch
+fake_torch.Tensor.dtype = "uint8"
+
+
+class HostBytes(fake_torch.Tensor):
+    def __init__(self, raw):
+        self.raw = raw
+        super().__init__(ctypes.addressof(raw), len(raw), None)
+        self.device, self.is_cuda = fake_torch._Device("cpu", None), False
+
+    def view(self, shape):
+        return self
+
+    def clone(self):
+        return HostBytes((ctypes.c_uint8 * len(self.raw)).from_buffer_copy(self.raw))
+
+    def tobytes(self):
+        return bytes(self.raw)
+
+
+fake_torch.frombuffer = lambda raw, dtype=None: HostBytes(raw)
+
+import torpor
+from torpor.tms import torch_memory_saver as saver
+
+torpor.configure(backend="host", fill_on_wake="poison", va_bytes=1 << 30)
+out = {{}}
+if sys.argv[1] == "no_preload":
+    try:
+        saver.hook_mode = "preload"
+    except torpor.Unavailable as e:
+        out["refused"] = str(e)
+    print(json.dumps(out))
+    sys.exit(0)
+saver.hook_mode = "preload"
+rt = ctypes.CDLL(None)  # the global lookup, as libcudart's callers: the interposer's cudaMalloc first
+rt.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+rt.cudaFree.argtypes = [ctypes.c_void_p]
+N = 4 << 20
+
+
+def cuda_malloc(n):
+    p = ctypes.c_void_p()
+    assert rt.cudaMalloc(ctypes.byref(p), n) == 0
+    return p.value
+
+
+with saver.region(tag="weights", enable_cpu_backup=True):
+    w = cuda_malloc(N)
+    with saver.disable():
+        d = cuda_malloc(N)
+with saver.region(tag="kv_cache"):
+    kv = cuda_malloc(N)
+outside = cuda_malloc(N)
+pool = torpor.Pool.torch(0)
+out["held"] = [pool.contains(w), pool.contains(kv), pool.contains(d), pool.contains(outside)]
+data, lost = os.urandom(N), bytes(range(200)) * (N // 200) + bytes(N % 200)
+pool.write(w, data)
+pool.write(kv, lost)
+x = fake_torch.Tensor(w, N, 0, element_size=1)
+out["before_pause"] = saver.get_cpu_backup(x) is None
+saver.pause()
+saver.pause()  # torch_memory_saver exits here; torpor does nothing
+first = saver.get_cpu_backup(x, zero_copy=True)
+out["backup_exact"] = first.tobytes() == data
+saver.retain_cpu_backup = True
+saver.resume()
+again = saver.get_cpu_backup(x, zero_copy=True)
+out["same_address"] = again.data_ptr() == first.data_ptr()
+out["kept"] = pool.read(w, N) == data
+out["discarded"] = pool.read(kv, N) == b"\\xff" * N
+saver.retain_cpu_backup = False
+saver.pause("weights")
+saver.resume("weights")
+out["none_after_plain_resume"] = saver.get_cpu_backup(x) is None
+out["kept_again"] = pool.read(w, N) == data
+cdll = saver._impl._binary_wrapper.cdll  # as TMS's examples reach it
+out["impl"] = [saver._ensure_initialized() is None, cdll.tms_get_current_tag(), cdll.tms_get_interesting_region()]
+with saver._impl._with_region_config(tag="cfg", enable_cpu_backup=True, cpu_backup_backend="mmap"):
+    out["impl"] += [cdll.tms_get_current_tag(), cdll.tms_get_cpu_backup_backend(), cdll.tms_get_interesting_region()]
+out["impl"] += [cdll.tms_get_current_tag(), ("weights", True, False, "pinned", 0) in saver._impl._mem_pools]
+for p in (w, kv, d, outside):
+    assert rt.cudaFree(p) == 0
+out["freed"] = not pool.contains(w)
+print(json.dumps(out, default=lambda b: b.decode()))
+"""
+
+
+def _libraries():
+    build = pathlib.Path(engine.library_path()).resolve().parent.parent
+    preload, fake = build / "preload" / tms.PRELOAD_NAME, build / "tests" / "libtorpor_fake_cudart.so"
+    if not (preload.is_file() and fake.is_file()):
+        pytest.skip(f"build the torpor_preload and torpor_preload_tests targets first (no {preload} or {fake})")
+    return preload, fake
+
+
+def run(mode, preload_env):
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, mode],
+        env=subprocess_env(TORPOR_LOG="off", **preload_env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_preload_mode_routes_regions_to_torpor_and_the_rest_to_the_runtime():
+    preload, fake = _libraries()
+    r = run("preload", {"LD_PRELOAD": f"{preload}:{fake}", "TORPOR_LIBRARY": engine.library_path()})
+    assert r["held"] == [True, True, False, False], "regions in torpor; disable() and outside: the runtime"
+    assert r["before_pause"], "awake and never paused: no backup"
+    assert r["backup_exact"] and r["same_address"], "zero_copy: the slot, same address after a retained resume"
+    assert r["kept"] and r["discarded"] and r["kept_again"]
+    assert r["none_after_plain_resume"] and r["freed"]
+    assert r["impl"] == [
+        True,
+        "default",
+        False,
+        "cfg",
+        "mmap",
+        True,
+        "default",
+        True,
+    ], "TMS's _impl, as its examples use it"
+
+
+def test_control_hook_mode_preload_without_the_library_on_ld_preload_is_refused():
+    r = run("no_preload", {"LD_PRELOAD": ""})
+    assert "needs exactly one libtorpor_preload.so on LD_PRELOAD" in r["refused"]
+
+
+def test_configure_subprocess_puts_the_preload_library_first_on_ld_preload(monkeypatch):
+    preload, _ = _libraries()
+    monkeypatch.setenv("LD_PRELOAD", "/other.so")
+    with tms.configure_subprocess():
+        code = (
+            "import os; print(os.environ['LD_PRELOAD']); import torch_memory_saver; print(torch_memory_saver.__name__)"
+        )
+        out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True)
+    lines = out.stdout.split()
+    assert lines[0] == f"{preload}:/other.so", out.stderr
+    assert lines[1] == "torpor.tms", "the shim resolves import torch_memory_saver to torpor.tms"
+    import os
+
+    assert os.environ["LD_PRELOAD"] == "/other.so", "the previous value comes back"
