@@ -2,7 +2,7 @@
 fake_torch, device memory from torpor's host backend. The oracle is torch_memory_saver's own
 behaviour (torch_memory_saver/entrypoint.py, csrc/core.cpp, its README and test/examples), with
 the documented differences where it exits the process. Discarded bytes come back poisoned (0xFF).
-torch_memory_saver's examples run against this mode with real PyTorch in test_tms_gpu.py."""
+torch_memory_saver's examples run against this mode with real PyTorch in test_engines_gpu.py."""
 
 import ctypes
 import itertools
