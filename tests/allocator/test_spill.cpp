@@ -745,6 +745,28 @@ TEST(Spill, StaleFilesOfProcessesThatAreGoneAreRemovedAndLiveOnesKept) {
   EXPECT_EQ(dir.files(), (std::set<std::string>{live_tmp, "unrelated.bin"}));
 }
 
+// Issue 31 item 5: a spill limit without a spill directory was accepted and did nothing (the
+// caller meant to bound a disk tier that is not there): refused, naming both options.
+TEST(Spill, ASpillLimitWithoutASpillDirIsRefused) {
+  HostDriver d(HostBackend::options());
+  PoolOptions o;
+  o.va_bytes = 64 * MiB;
+  o.host_store_limit = 1;
+  o.spill_limit = 4 * MiB;
+  try {
+    Pool pool(d, o);
+    FAIL() << "a spill_limit without a spill_dir must be refused";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("spill_limit"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("spill_dir"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(d.counters().reservations, 0u) << "nothing was made";
+  TempDir dir;
+  o.spill_dir = dir.path;
+  Pool pool(d, o);  // with the directory the same limit is fine
+  EXPECT_FALSE(pool.stats().spill_path.empty());
+}
+
 TEST(Spill, AnUnusableDirectoryIsRefusedAtCreation) {
   TempDir dir;
   dir.touch("a-file");
