@@ -373,12 +373,37 @@ int default_ranks(Backend backend) {
   return sel.driver->capabilities().host_memory ? 2 : sel.driver->device_count();
 }
 
-LaunchOptions model_launch(Backend backend, int ranks, bool processes, int group_timeout_s, int tail_wait_timeout_ms) {
+void GroupTimeout::add_flags(CLI::App* cmd, const std::string& help) {
+  cmd->add_option("--timeout", seconds, help)->check(CLI::Range(1, max_timeout_s))->capture_default_str();
+  cmd->add_option("--timeout-ms", worker_ms, "Internal: the launcher's resolved group timeout, in ms")
+      ->check(CLI::Range(std::int64_t{1}, static_cast<std::int64_t>(max_group_timeout.count())))
+      ->group("");
+}
+
+void GroupTimeout::resolve(const CLI::App* cmd) {
+  // Read (and so validated) even when a flag overrides it.
+  const std::optional<std::string> env = options::raw(options::id::group_timeout_ms);
+  const std::chrono::milliseconds from_env = env ? options::group_timeout() : std::chrono::milliseconds{0};
+  flag_given = cmd->count("--timeout-ms") > 0 || cmd->count("--timeout") > 0;
+  if (cmd->count("--timeout-ms") > 0)
+    value = std::chrono::milliseconds(worker_ms);
+  else if (cmd->count("--timeout") > 0)
+    value = std::chrono::seconds(seconds);
+  else if (env)
+    value = from_env;
+  else
+    value = std::chrono::seconds(seconds);
+}
+
+std::vector<std::string> GroupTimeout::worker_args() const { return {"--timeout-ms", std::to_string(value.count())}; }
+
+LaunchOptions model_launch(Backend backend, int ranks, bool processes, std::chrono::milliseconds group_timeout,
+                           int tail_wait_timeout_ms) {
   LaunchOptions lo;
   lo.ranks = ranks;
   lo.processes = processes;
   lo.backend = backend;
-  lo.group.timeout = std::chrono::seconds(group_timeout_s);
+  lo.group.timeout = group_timeout;
   lo.failure_grace = std::chrono::milliseconds(tail_wait_timeout_ms) + lo.group.timeout + std::chrono::seconds(5);
   return lo;
 }

@@ -9,7 +9,9 @@
 // without unwinding: those threads still use the driver and the group).
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -58,10 +60,11 @@ struct LaunchResult {
 int default_ranks(Backend backend);
 
 // The launch of a command that runs the tiny model on every rank (stress, rl-loop): `ranks` of
-// `backend`, as processes or threads, every group wait bounded by `group_timeout_s`; after a
+// `backend`, as processes or threads, every group wait bounded by `group_timeout`; after a
 // failure the others get the tail's wait bound (`tail_wait_timeout_ms`) plus the group's to
 // notice. The caller adds the worker command line.
-LaunchOptions model_launch(Backend backend, int ranks, bool processes, int group_timeout_s, int tail_wait_timeout_ms);
+LaunchOptions model_launch(Backend backend, int ranks, bool processes, std::chrono::milliseconds group_timeout,
+                           int tail_wait_timeout_ms);
 
 // The driver a launch uses: `backend`, with the host backend's emulated machine big enough for
 // `ranks` devices (TORPOR_HOST_DEVICES and TORPOR_HOST_DEVICE_MEMORY otherwise apply).
@@ -96,6 +99,27 @@ bool write_json_file(const std::string& path, const nlohmann::json& j, std::stri
 // The accepted range of every --timeout (seconds): 0 would silently become the default and a
 // larger value overflows the group's clocks.
 inline constexpr int max_timeout_s = 86400;
+
+// The bound on every group wait of a command that runs ranks (stress, rl-loop, symmetric-check):
+// --timeout (seconds) when given; else TORPOR_GROUP_TIMEOUT_MS when set, so the variable works
+// for the CLI as it does for the library; else the command's own default. An invalid variable is
+// an invalid_argument naming it, flag or not: a value that is set but ignored hides a typo. A
+// process launch hands its workers the resolved value (--timeout-ms, hidden), so every rank of a
+// run waits the same, whatever their environment says.
+struct GroupTimeout {
+  int seconds = 60;                    // --timeout's target; holds the command's default until given
+  std::int64_t worker_ms = 0;          // --timeout-ms, from the launcher; 0 = not given
+  std::chrono::milliseconds value{0};  // after resolve(): what the group gets
+  bool flag_given = false;             // after resolve(): --timeout or --timeout-ms was given
+
+  // Registers --timeout (help text `help`) and the hidden --timeout-ms on `cmd`.
+  void add_flags(CLI::App* cmd, const std::string& help);
+  // Sets value from the flags, the environment and the default, in that order; call in the
+  // command's callback, after any default that depends on other flags is set in `seconds`.
+  void resolve(const CLI::App* cmd);
+  // The worker's command line: --timeout-ms <value>.
+  std::vector<std::string> worker_args() const;
+};
 
 // A progress line on stderr, rewritten in place, when stderr is a terminal (nothing otherwise).
 class Progress {

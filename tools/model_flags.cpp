@@ -80,10 +80,8 @@ void add_model_flags(CLI::App* cmd, ModelFlags& f) {
       ->group(g);
 }
 
-void add_rank_run_flags(CLI::App* cmd, int& group_timeout_s, bool& progress, ModelFlags& model, bool& worker) {
-  cmd->add_option("--timeout", group_timeout_s, "Bound on every group wait, in seconds")
-      ->check(CLI::Range(1, max_timeout_s))
-      ->capture_default_str();
+void add_rank_run_flags(CLI::App* cmd, GroupTimeout& group_timeout, bool& progress, ModelFlags& model, bool& worker) {
+  group_timeout.add_flags(cmd, "Bound on every group wait, in seconds (default: TORPOR_GROUP_TIMEOUT_MS when set)");
   cmd->add_flag(
       "--no-progress", [&progress](std::int64_t) { progress = false; }, "No progress line on the terminal");
   add_model_flags(cmd, model);

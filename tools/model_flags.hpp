@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "launch.hpp"
 #include "torpor/fusion/compute.hpp"
 #include "torpor/fusion/tiny_moe.hpp"
 #include "torpor/group.hpp"
@@ -37,7 +38,7 @@ void add_model_flags(CLI::App* cmd, ModelFlags& flags);
 // What every command that runs the model over ranks ends its flags with: --timeout (every group
 // wait, in seconds), --no-progress, the model's flags, and the hidden --worker (one rank of a
 // process launch).
-void add_rank_run_flags(CLI::App* cmd, int& group_timeout_s, bool& progress, ModelFlags& model, bool& worker);
+void add_rank_run_flags(CLI::App* cmd, GroupTimeout& group_timeout, bool& progress, ModelFlags& model, bool& worker);
 
 // One rank's engine. Members are destroyed model first, pool last.
 struct RankEngine {

@@ -38,7 +38,7 @@ struct RlOptions {
   double train_fraction = 0.95;
   std::string train_cap = "1G";
   std::string json;
-  int group_timeout_s = 60;
+  GroupTimeout group_timeout;  // 60 s unless the flags or TORPOR_GROUP_TIMEOUT_MS say otherwise
   bool progress = true;
   bool worker = false;
 };
@@ -114,6 +114,7 @@ nlohmann::json rl_rank(const RlOptions& o, Driver& driver, Group& group, int dev
   };
 
   nlohmann::json result = {{"rank", rank},
+                           {"group_timeout_ms", group.timeout().count()},
                            {"device", device},
                            {"device_name", driver.device_properties(device).name},
                            {"backend", std::string(driver.backend_name())},
@@ -175,7 +176,7 @@ LaunchOptions rl_launch_options(RlOptions& o) {
     throw invalid_argument(fmt::format("--update-scale {}: use a number in (0, 1000]", o.update_scale));
   if (!(o.train_fraction >= 0.9 && o.train_fraction <= 1.0))
     throw invalid_argument(fmt::format("--train-fraction {}: must be in [0.9, 1]", o.train_fraction));
-  LaunchOptions lo = model_launch(backend, o.ranks, o.processes, o.group_timeout_s, o.model.wait_timeout_ms);
+  LaunchOptions lo = model_launch(backend, o.ranks, o.processes, o.group_timeout.value, o.model.wait_timeout_ms);
   lo.worker_args = {"rl-loop",          "--worker",
                     "--backend",        o.backend,
                     "--ranks",          std::to_string(o.ranks),
@@ -183,8 +184,9 @@ LaunchOptions rl_launch_options(RlOptions& o) {
                     "--update-seed",    std::to_string(o.update_seed),
                     "--update-scale",   fmt::format("{}", o.update_scale),
                     "--train-fraction", fmt::format("{}", o.train_fraction),
-                    "--train-cap",      o.train_cap,
-                    "--timeout",        std::to_string(o.group_timeout_s)};
+                    "--train-cap",      o.train_cap};
+  auto t = o.group_timeout.worker_args();
+  lo.worker_args.insert(lo.worker_args.end(), t.begin(), t.end());
   if (!o.progress) lo.worker_args.emplace_back("--no-progress");
   auto m = o.model.args();
   lo.worker_args.insert(lo.worker_args.end(), m.begin(), m.end());
@@ -298,11 +300,12 @@ void add_rl_loop(CLI::App& app, int& exit_code) {
                   "Host backend only: at most this much host memory for the training phase")
       ->capture_default_str();
   cmd->add_option("--json", o->json, "Also write the results as JSON to this file");
-  add_rank_run_flags(cmd, o->group_timeout_s, o->progress, o->model, o->worker);
-  cmd->callback([o, &exit_code] {
+  add_rank_run_flags(cmd, o->group_timeout, o->progress, o->model, o->worker);
+  cmd->callback([o, cmd, &exit_code] {
+    o->group_timeout.resolve(cmd);
     if (o->worker) {
       GroupOptions go;
-      go.timeout = std::chrono::seconds(o->group_timeout_s);
+      go.timeout = o->group_timeout.value;
       exit_code = run_worker(parse_backend(o->backend), go,
                              [o](Driver& d, Group& g, int dev) { return rl_rank(*o, d, g, dev); });
     } else {

@@ -23,8 +23,9 @@ std::vector<std::string> worker_args(const StressOptions& o, int ranks) {
                                 "--backend",      o.backend,
                                 "--ranks",        std::to_string(ranks),
                                 "--cycles",       std::to_string(o.cycles),
-                                "--fill-on-wake", o.fill,
-                                "--timeout",      std::to_string(o.group_timeout_s)};
+                                "--fill-on-wake", o.fill};
+  auto t = o.group_timeout.worker_args();
+  a.insert(a.end(), t.begin(), t.end());
   for (const auto& g : o.preserve) {
     a.emplace_back("--preserve");
     a.push_back(g);
@@ -49,7 +50,7 @@ int stress_main(StressOptions o) {
   if (o.negative_rank < 0 || o.negative_rank >= o.ranks)
     throw invalid_argument(fmt::format("--negative-control-rank {}: use a rank in [0, {}] ({} ranks)", o.negative_rank,
                                        o.ranks - 1, o.ranks));
-  LaunchOptions lo = model_launch(backend, o.ranks, o.processes, o.group_timeout_s, o.model.wait_timeout_ms);
+  LaunchOptions lo = model_launch(backend, o.ranks, o.processes, o.group_timeout.value, o.model.wait_timeout_ms);
   lo.worker_args = worker_args(o, o.ranks);
   LaunchResult r =
       launch(lo, [&o](Driver& driver, Group& group, int device) { return stress_rank(o, driver, group, device); });
@@ -82,7 +83,7 @@ int stress_main(StressOptions o) {
 
 int stress_worker(const StressOptions& o) {
   GroupOptions go;
-  go.timeout = std::chrono::seconds(o.group_timeout_s);
+  go.timeout = o.group_timeout.value;
   return run_worker(parse_backend(o.backend), go,
                     [&o](Driver& driver, Group& group, int device) { return stress_rank(o, driver, group, device); });
 }
@@ -123,13 +124,14 @@ void add_stress(CLI::App& app, int& exit_code) {
                   "The rank whose tail state is zeroed (default: the last)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--json", o->json, "Also write the results as JSON to this file ('-': JSON on stdout, no table)");
-  add_rank_run_flags(cmd, o->group_timeout_s, o->progress, o->model, o->worker);
+  add_rank_run_flags(cmd, o->group_timeout, o->progress, o->model, o->worker);
   cmd->callback([o, cmd, &exit_code] {
     if (!o->negative_control.empty()) {
       // A short wait bound, so the failure comes quickly; the group's bound just above it.
       if (cmd->count("--wait-timeout-ms") == 0) o->model.wait_timeout_ms = 2000;
-      if (cmd->count("--timeout") == 0) o->group_timeout_s = o->model.wait_timeout_ms / 1000 + 10;
+      if (cmd->count("--timeout") == 0) o->group_timeout.seconds = o->model.wait_timeout_ms / 1000 + 10;
     }
+    o->group_timeout.resolve(cmd);
     exit_code = o->worker ? stress_worker(*o) : stress_main(*o);
   });
 }

@@ -80,6 +80,7 @@ class Plan {
       fused += p != fusion::TailPath::unfused;
     }
     for (const auto& r : m.tail_reasons()) reasons.push_back(r);
+    result_["group_timeout_ms"] = group_.timeout().count();  // what every wait of this rank is bounded by
     result_["tail_paths"] = paths;
     result_["tail_reasons"] = reasons;
     result_["fused_runners"] = fused;

@@ -37,8 +37,8 @@ struct StressOptions {
   std::string negative_control;  // "", "zero-flags" or "stale-weights"
   int negative_rank = -1;        // -1 = the last rank
   std::string json;
-  int group_timeout_s = 60;
-  bool progress = true;  // a progress line on rank 0's stderr when it is a terminal
+  GroupTimeout group_timeout;  // 60 s unless the flags or TORPOR_GROUP_TIMEOUT_MS say otherwise
+  bool progress = true;        // a progress line on rank 0's stderr when it is a terminal
   bool worker = false;
 };
 

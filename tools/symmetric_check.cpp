@@ -49,7 +49,7 @@ struct Options {
   std::string backend = "auto";
   std::string group = "unix";
   std::string json;
-  int timeout_s = 120;
+  GroupTimeout timeout{120};  // 120 s unless the flags or TORPOR_GROUP_TIMEOUT_MS say otherwise
   bool timeout_check = false;
   bool worker = false;
 };
@@ -82,7 +82,7 @@ bool matches(Pool& pool, const void* src, std::size_t bytes, int writer, int own
 
 GroupOptions group_options(const Options& o) {
   GroupOptions go;
-  go.timeout = std::chrono::seconds(o.timeout_s);
+  go.timeout = o.timeout.value;
   return go;
 }
 
@@ -165,7 +165,7 @@ std::string timeout_phase(const Options& o, Group& group) {
   const int rank = group.rank(), n = group.size();
   std::string result = "not run";
   if (!o.timeout_check || n <= 1) return result;
-  const auto t = std::chrono::seconds(o.timeout_s);
+  const auto t = o.timeout.value;
   if (rank == n - 1) {
     // Long enough for the others to give up (NCCL: its timeout, then the bootstrap's).
     std::this_thread::sleep_for(o.group == "nccl" ? t * 5 / 2 : t * 3 / 2);
@@ -248,6 +248,7 @@ nlohmann::json check_rank(const Options& o, Driver& driver, Group& bootstrap, in
                       {"own_bytes_intact", own_ok},
                       {"peer_bytes_intact", peers_ok},
                       {"group", std::string(group->kind())},
+                      {"group_timeout_ms", group->timeout().count()},
                       {"timeout_check", timeout_result},
                       {"multicast", decision.use ? std::string("used") : "not used: " + decision.reason}};
   group->barrier();
@@ -311,10 +312,12 @@ int parent(const Options& o) {
   lo.processes = true;
   lo.backend = parse_backend(o.backend);
   lo.group = group_options(o);
-  lo.worker_args = {"symmetric-check", "--worker", "--ranks",   std::to_string(o.ranks),     "--bytes", o.bytes,
-                    "--backend",       o.backend,  "--timeout", std::to_string(o.timeout_s), "--group", o.group};
+  lo.worker_args = {"symmetric-check", "--worker", "--ranks", std::to_string(o.ranks), "--bytes", o.bytes, "--backend",
+                    o.backend,         "--group",  o.group};
+  auto t = o.timeout.worker_args();
+  lo.worker_args.insert(lo.worker_args.end(), t.begin(), t.end());
   if (o.timeout_check) lo.worker_args.emplace_back("--timeout-check");
-  lo.deadline = std::chrono::seconds(o.timeout_s + 60);
+  lo.deadline = std::chrono::ceil<std::chrono::seconds>(o.timeout.value) + std::chrono::seconds(60);
   const LaunchResult launched =
       launch(lo, [&](Driver& d, Group& g, int device) { return check_rank(o, d, g, device); });
 
@@ -370,14 +373,14 @@ void add_symmetric_check(CLI::App& app, int& exit_code) {
   cmd->add_option("--bytes", o->bytes, "Symmetric buffer size per rank, K/M/G suffixes (default 1G)");
   cmd->add_option("--backend", o->backend, "auto, host or cuda")->check(CLI::IsMember({"auto", "host", "cuda"}));
   cmd->add_option("--json", o->json, "Also write the results to this file");
-  cmd->add_option("--timeout", o->timeout_s, "Group timeout in seconds (default 120)")
-      ->check(CLI::Range(1, max_timeout_s));
+  o->timeout.add_flags(cmd, "Group timeout in seconds (default: TORPOR_GROUP_TIMEOUT_MS when set, else 120)");
   cmd->add_option("--group", o->group, "unix (Unix socket rendezvous) or nccl (bytes over NCCL, fds over unix)")
       ->check(CLI::IsMember({"unix", "nccl"}));
   cmd->add_flag("--timeout-check", o->timeout_check,
                 "Also check that a missing rank is named in a timeout and that recover() restores the group");
   cmd->add_flag("--worker", o->worker, "Internal: run as one rank (group from the environment)")->group("");
-  cmd->callback([o, &exit_code] {
+  cmd->callback([o, cmd, &exit_code] {
+    o->timeout.resolve(cmd);
     exit_code = o->worker ? run_worker(parse_backend(o->backend), group_options(*o),
                                        [&](Driver& d, Group& g, int device) { return check_rank(*o, d, g, device); })
                           : parent(*o);

@@ -239,6 +239,52 @@ TEST(HostDriverAsync, AHostSpanReusedWhileAQueuedCopyTargetsItIsFlagged) {
   EXPECT_EQ(d.counters().async_conflicts, 0u);
 }
 
+// The host writing a page-locked span while a queued copy still targets it (a staging slot or
+// a host-store span reused before the copy out of it, or into it, ran) is a race on a GPU:
+// counted and logged when the copy runs. Deliberately broken orderings, each on a delayed stream
+// so the copy is surely still queued: the host refills a copy's source, and writes into a copy's
+// destination. Correct orderings are not flagged: writing after the stream is synchronized, and
+// a span written by an earlier copy on the same stream before a later copy reads it.
+TEST(HostDriverAsync, TheHostWritingASpanAQueuedCopyTargetsIsFlagged) {
+  HostDriver d(async_opts());
+  Stream s = d.stream_create(0);
+  {
+    DeviceBuffer dev(d), other(d);
+    std::memset(dev.bytes(), 0x11, G);
+    auto* span = static_cast<unsigned char*>(d.host_alloc(G));
+    std::memset(span, 0x22, G);
+    // Broken: the source refilled while the copy out of it is queued.
+    d.delay_stream(s, 50ms);
+    d.copy_async(dev.ptr(), span, G, s);
+    std::memset(span, 0x33, 4096);
+    d.stream_synchronize(s);
+    EXPECT_EQ(d.counters().async_host_writes, 1u) << "the source was refilled under a queued copy";
+    // Broken: the destination written while the copy into it is queued.
+    d.delay_stream(s, 50ms);
+    d.copy_async(span, dev.ptr(), G, s);
+    span[G - 1] = 0x44;
+    d.stream_synchronize(s);
+    EXPECT_EQ(d.counters().async_host_writes, 2u) << "the destination was written under a queued copy";
+    // Correct: the stream is synchronized before the host reuses the span.
+    d.delay_stream(s, 20ms);
+    d.copy_async(dev.ptr(), span, G, s);
+    d.stream_synchronize(s);
+    std::memset(span, 0x55, G);
+    // Correct: one stream writes the span, then reads it (staging through the span); the host
+    // does not touch it meanwhile.
+    d.delay_stream(s, 20ms);
+    d.copy_async(span, dev.ptr(), G, s);
+    d.copy_async(other.ptr(), span, G, s);
+    d.stream_synchronize(s);
+    EXPECT_EQ(d.counters().async_host_writes, 2u) << "nothing changed the spans under a queued copy";
+    EXPECT_EQ(std::memcmp(other.bytes(), dev.bytes(), G), 0) << "the staged copy went through in order";
+    d.host_free(span);
+  }
+  d.stream_destroy(s);
+  EXPECT_EQ(d.counters().async_conflicts, 0u);
+  EXPECT_EQ(d.counters().async_races, 0u);
+}
+
 TEST(HostDriverAsync, DestroyingAStreamOrTheDriverFinishesItsWork) {
   std::atomic<int> ran{0};
   {

@@ -161,44 +161,9 @@ TYPED_TEST(EngineTest, MediumAllocationsShareGrowingSlabsAndEmptySlabsGoBack) {
   EXPECT_EQ(pool.stats().mapped_bytes, 0u);
 }
 
-TYPED_TEST(EngineTest, DeviceHashEqualsTheCpuReference) {
-  Pool pool(this->driver(), this->small_pool());
-  std::size_t n = 3 * this->granularity() + 1000;
-  void* p = pool.allocate(n, {"t", MemoryClass::state, ""});
-  std::mt19937_64 rng(5);
-  auto bytes = random_bytes(rng, n);
-  write(pool, p, bytes);
-  std::vector<HashRange> ranges;
-  std::vector<Hash128> expected;
-  for (std::size_t off : {std::size_t{0}, std::size_t{1}, std::size_t{8}, std::size_t{16}, std::size_t{100}}) {
-    for (std::size_t len : {std::size_t{1}, std::size_t{7}, std::size_t{16}, std::size_t{17}, std::size_t{4096},
-                            (std::size_t{1} << 20) + 24, n - 100}) {
-      if (off + len > n) continue;
-      ranges.push_back(HashRange{at(p, off), len});
-      expected.push_back(content_hash::compute(bytes.data() + off, len));
-    }
-  }
-  std::vector<Hash128> got(ranges.size());
-  Stream s = this->driver().stream_create(0);
-  this->driver().hash(ranges, got.data(), s);
-  for (std::size_t i = 0; i < ranges.size(); ++i)
-    EXPECT_EQ(got[i], expected[i]) << "range " << i << " bytes " << ranges[i].bytes;
-  // One changed byte, and two swapped words, change the hash.
-  Hash128 before = got.back();
-  std::uint8_t x = static_cast<std::uint8_t>(bytes[500] + 1);
-  pool.copy(at(p, 500), &x, 1);
-  Hash128 after;
-  this->driver().hash(std::span<const HashRange>(&ranges.back(), 1), &after, s);
-  EXPECT_NE(after, before);
-  std::vector<std::uint8_t> swapped(bytes.begin(), bytes.begin() + 16);
-  std::swap_ranges(swapped.begin(), swapped.begin() + 8, swapped.begin() + 8);
-  EXPECT_NE(content_hash::compute(swapped.data(), 16), content_hash::compute(bytes.data(), 16));
-  this->driver().stream_destroy(s);
-  pool.deallocate(p);
-}
-
-// The host twin of DeviceHashEqualsTheCpuReference: the CPU reference (content_hash::compute,
-// which HostDriver::hash also uses) held against the hash computed here from the definition in
+// The content hash computed here from the definition in content_hash.hpp, independently of the
+// library's content_hash::compute (which HostDriver::hash also uses) and of the CUDA kernel: the
+// oracle of DeviceHashEqualsTheDefinition on every backend and of the CPU reference below. From the definition in
 // content_hash.hpp, written independently: words assembled byte by byte (little-endian, the last
 // one zero-padded), lane a the splitmix64 finalizer of word ^ (index + 1) * golden, lane b
 // murmur3's fmix64 of word + (index + 1) * 0xD6E8FEB86659FD93, summed mod 2^64 from the last word
@@ -238,6 +203,46 @@ Hash128 hash(const std::vector<std::uint8_t>& bytes) {
                  fmix64(b + ((n ^ 0x5851F42D4C957F2DULL) + 1) * 0xD6E8FEB86659FD93ULL)};
 }
 }  // namespace by_definition
+
+// The driver's hash (HostDriver: the CPU code; cuda: the kernel) against the definition computed
+// independently in this file, never against the library's own function.
+TYPED_TEST(EngineTest, DeviceHashEqualsTheDefinition) {
+  Pool pool(this->driver(), this->small_pool());
+  std::size_t n = 3 * this->granularity() + 1000;
+  void* p = pool.allocate(n, {"t", MemoryClass::state, ""});
+  std::mt19937_64 rng(5);
+  auto bytes = random_bytes(rng, n);
+  write(pool, p, bytes);
+  std::vector<HashRange> ranges;
+  std::vector<Hash128> expected;
+  for (std::size_t off : {std::size_t{0}, std::size_t{1}, std::size_t{8}, std::size_t{16}, std::size_t{100}}) {
+    for (std::size_t len : {std::size_t{1}, std::size_t{7}, std::size_t{16}, std::size_t{17}, std::size_t{4096},
+                            (std::size_t{1} << 20) + 24, n - 100}) {
+      if (off + len > n) continue;
+      ranges.push_back(HashRange{at(p, off), len});
+      expected.push_back(
+          by_definition::hash(std::vector<std::uint8_t>(bytes.begin() + static_cast<std::ptrdiff_t>(off),
+                                                        bytes.begin() + static_cast<std::ptrdiff_t>(off + len))));
+    }
+  }
+  std::vector<Hash128> got(ranges.size());
+  Stream s = this->driver().stream_create(0);
+  this->driver().hash(ranges, got.data(), s);
+  for (std::size_t i = 0; i < ranges.size(); ++i)
+    EXPECT_EQ(got[i], expected[i]) << "range " << i << " bytes " << ranges[i].bytes;
+  // One changed byte, and two swapped words, change the hash.
+  Hash128 before = got.back();
+  std::uint8_t x = static_cast<std::uint8_t>(bytes[500] + 1);
+  pool.copy(at(p, 500), &x, 1);
+  Hash128 after;
+  this->driver().hash(std::span<const HashRange>(&ranges.back(), 1), &after, s);
+  EXPECT_NE(after, before);
+  std::vector<std::uint8_t> swapped(bytes.begin(), bytes.begin() + 16);
+  std::swap_ranges(swapped.begin(), swapped.begin() + 8, swapped.begin() + 8);
+  EXPECT_NE(by_definition::hash(swapped), by_definition::hash({bytes.begin(), bytes.begin() + 16}));
+  this->driver().stream_destroy(s);
+  pool.deallocate(p);
+}
 
 TEST(ContentHash, CpuReferenceIsTheDefinitionComputedIndependently) {
   // splitmix64 from seed 0: 0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F.

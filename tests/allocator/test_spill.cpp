@@ -26,6 +26,7 @@
 #include "support/backends.hpp"
 #include "torpor/error.hpp"
 #include "torpor/host_driver.hpp"
+#include "torpor/testing/spill_faults.hpp"
 
 namespace torpor::test {
 namespace {
@@ -202,6 +203,7 @@ TYPED_TEST(SpillTest, ABackupSplitByAFreeIsReadBackFromAnUnalignedOffset) {
   // these reads start off the direct-I/O alignment, so the bytes must be moved into place.
   static_assert(SpillStore::alignment == 4096);
   std::vector<std::uint8_t> out(5000);
+  const std::uint64_t unaligned_before = SpillFaults::unaligned_reads();
   for (std::size_t k = 0; k <= SpillStore::alignment; ++k) {
     std::size_t n = k % 3 == 0 ? 5000 - k : 1 + k % 97;
     HostCopyRead r = pool.read_host_copy(static_cast<std::uint8_t*>(c.p) + k, n, out.data());
@@ -209,6 +211,8 @@ TYPED_TEST(SpillTest, ABackupSplitByAFreeIsReadBackFromAnUnalignedOffset) {
     ASSERT_TRUE(std::equal(out.begin(), out.begin() + static_cast<std::ptrdiff_t>(n), c.bytes.begin() + k))
         << "c read from offset " << k << ", " << n << " bytes";
   }
+  EXPECT_GE(SpillFaults::unaligned_reads() - unaligned_before, SpillStore::alignment - 1)
+      << "every read but the aligned one starts off the alignment and moves the bytes into place";
   for (std::size_t k = 0; k < 1000; k += 7) {
     HostCopyRead r = pool.read_host_copy(static_cast<std::uint8_t*>(b.p) + k, 1000 - k, out.data());
     ASSERT_TRUE(r.copied) << "offset " << k;
@@ -384,6 +388,7 @@ TEST(Spill, ReadsAtUnalignedOffsetsReturnTheBytesWritten) {
       EXPECT_EQ(std::memcmp(buf, bytes.data() + from, len), 0) << "from " << from << ", " << len << " bytes";
     }
   }
+  EXPECT_GT(SpillFaults::unaligned_reads(), 0u);
   std::free(buf);
   store.free(off, n);
 }
@@ -528,6 +533,179 @@ TYPED_TEST(SpillTest, ARealFullDiskIsOutOfMemoryAndLosesNothing) {
   EXPECT_EQ(read(pool, big.p, big.bytes.size()), big.bytes);
 }
 
+// Clears the selected spill faults however the test ends.
+struct SpillFaultScope {
+  SpillFaultScope() { SpillFaults::clear(); }
+  ~SpillFaultScope() { SpillFaults::clear(); }
+};
+
+// ENOSPC (and EDQUOT) where no small file system can be mounted: the spill store's fallocate or
+// pwrite returns it, at every position a clean sleep of tag "b" makes that call, in a first sleep
+// and at level 2 in a later cycle (retained copies of "a" on disk). Each time: out_of_memory
+// naming the cause, "b" awake with every byte, nothing of the failed sleep held on disk, a new
+// allocation into "b" works; once the disk has room the same sleep and a wake are bit-exact.
+TYPED_TEST(SpillTest, ADiskFullAtAnyClaimOrWriteIsOutOfMemoryThatLosesNothing) {
+  SpillFaultScope scope;
+  struct Case {
+    SpillCall call;
+    int err;
+    bool later_cycle;
+  };
+  const Case cases[] = {{SpillCall::fallocate, ENOSPC, false},
+                        {SpillCall::pwrite, ENOSPC, false},
+                        {SpillCall::pwrite, EDQUOT, false},
+                        {SpillCall::pwrite, ENOSPC, true}};  // (later: the disk blocks held have room)
+  std::size_t tried = 0;
+  for (const Case& c : cases) {
+    auto setup = [&](Pool& pool, std::vector<typename TestFixture::Item>& a,
+                     std::vector<typename TestFixture::Item>& b) {
+      std::mt19937_64 rng(23);
+      std::size_t g = this->granularity();
+      for (std::size_t n : {std::size_t{5000}, g + 4097, 2 * g + 300001})
+        a.push_back(this->make(pool, "a", n, MemoryClass::state, "a", rng));
+      // More than the slack of the disk block "a" grew, so "b" claims disk space of its own.
+      for (std::size_t n : {std::size_t{777}, g - 1, 3 * g + 13, HostStore::block_rounding + 5}) {
+        b.push_back(this->make(pool, "b", n, MemoryClass::state, "s", rng));
+        b.push_back(this->make(pool, "b", n + 3, MemoryClass::parameter, "p", rng));
+      }
+      pool.sleep(1, {"a"});
+      if (c.later_cycle) {  // a first cycle of "b", then new bytes: the next sleep writes again
+        pool.sleep(1, {"b"});
+        pool.wake_up({"b"});
+        for (auto& it : b) {
+          it.bytes = random_bytes(rng, it.bytes.size());
+          write(pool, it.p, it.bytes);
+        }
+        // and more of it than the retained copies hold: the next sleep claims disk again.
+        b.push_back(this->make(pool, "b", HostStore::block_rounding + 9, MemoryClass::state, "s2", rng));
+        b.push_back(this->make(pool, "b", 4 * g, MemoryClass::parameter, "p2", rng));
+      }
+    };
+    SCOPED_TRACE(::testing::Message() << "call " << static_cast<int>(c.call) << ", " << std::strerror(c.err)
+                                      << (c.later_cycle ? ", level 2 in a later cycle" : ", first sleep"));
+    const int level = c.later_cycle ? 2 : 1;
+    std::uint64_t count = 0;
+    {
+      TempDir dir;
+      Pool pool(this->driver(), this->spilling(dir.path, 1));
+      std::vector<typename TestFixture::Item> a, b;
+      setup(pool, a, b);
+      std::uint64_t before = SpillFaults::calls(c.call);
+      pool.sleep(level, {"b"});
+      count = SpillFaults::calls(c.call) - before;
+    }
+    ASSERT_GT(count, 0u) << "a clean sleep of b makes this call";
+    for (std::uint64_t k = 0; k < count; k += std::max<std::uint64_t>(1, count / 6)) {
+      SCOPED_TRACE(::testing::Message() << "call " << static_cast<int>(c.call) << " #" << k + 1 << " of " << count
+                                        << " fails with " << std::strerror(c.err)
+                                        << (c.later_cycle ? ", level 2 in a later cycle" : ", first sleep"));
+      ++tried;
+      TempDir dir;
+      Pool pool(this->driver(), this->spilling(dir.path, 1));
+      std::vector<typename TestFixture::Item> a, b;
+      setup(pool, a, b);
+      const std::size_t held = pool.stats().spill_used_bytes;
+      SpillFaults::fail(c.call, c.err, k);
+      try {
+        pool.sleep(level, {"b"});
+        ADD_FAILURE() << "a full disk must fail the sleep";
+      } catch (const out_of_memory& e) {
+        EXPECT_NE(std::string(e.what()).find(std::strerror(c.err)), std::string::npos) << e.what();
+      }
+      EXPECT_GT(SpillFaults::failures(), 0u);
+      SpillFaults::clear();
+      // A chunk whose bytes reached the disk before the failure stays asleep (the sleep stopped
+      // there); every other one is awake with its bytes, and the tag is asleep exactly when one
+      // of its chunks is.
+      EXPECT_TRUE(pool.asleep("a"));
+      std::size_t b_asleep = 0;
+      for (auto& it : b) {
+        if (pool.find(it.p)->asleep) {
+          ++b_asleep;
+          continue;
+        }
+        ASSERT_EQ(read(pool, it.p, it.bytes.size()), it.bytes) << "b keeps its bytes";
+      }
+      EXPECT_EQ(pool.asleep("b"), b_asleep > 0);
+      if (c.call == SpillCall::fallocate && !c.later_cycle && k == 0)
+        EXPECT_EQ(b_asleep, 0u) << "the first claim of disk fails before any byte moves";
+      PoolStats st = pool.stats();
+      EXPECT_EQ(st.host_store_used_bytes + st.spill_used_bytes, st.host_copies_bytes)
+          << "the disk holds the backups and retained copies, nothing of the failed part of the sleep";
+      if (b_asleep == 0 && !c.later_cycle) EXPECT_EQ(st.spill_used_bytes, held) << "nothing of b on disk";
+      if (b_asleep == 0) {
+        void* probe = nullptr;
+        EXPECT_NO_THROW(probe = pool.allocate(100, {"b", MemoryClass::state, "probe"})) << "b is awake";
+        if (probe != nullptr) pool.deallocate(probe);
+      }
+      if (HostDriver* h = this->host()) EXPECT_EQ(h->live_physical_bytes(0), pool.stats().mapped_bytes);
+      pool.sleep(level, {"b"});  // the disk has room again
+      pool.wake_up();
+      for (auto& it : a) EXPECT_EQ(read(pool, it.p, it.bytes.size()), it.bytes);
+      for (std::size_t i = 0; i < b.size(); ++i) {
+        auto v = read(pool, b[i].p, b[i].bytes.size());
+        if (level == 2 && i % 2 == 1)  // the parameters, discarded at level 2
+          EXPECT_TRUE(this->all_poison(v)) << "b item " << i;
+        else
+          EXPECT_EQ(v, b[i].bytes) << "b item " << i;
+      }
+      if (::testing::Test::HasFailure()) return;
+    }
+  }
+  EXPECT_GE(tried, 4u);
+}
+
+// A read of the disk tier that fails at wake (EIO from pread, at several positions): the wake is a
+// typed error naming the file, what did not come back stays asleep with its backup, every tag
+// that woke is awake and takes allocations; the retry wakes every byte.
+TYPED_TEST(SpillTest, AnIoErrorReadingTheDiskAtWakeKeepsTheBackupsAndARetryWorks) {
+  SpillFaultScope scope;
+  std::uint64_t count = 0;
+  {
+    TempDir dir;
+    Pool pool(this->driver(), this->spilling(dir.path, 1));
+    std::mt19937_64 rng(29);
+    this->items(pool, rng);
+    pool.sleep(1);
+    std::uint64_t before = SpillFaults::calls(SpillCall::pread);
+    pool.wake_up();
+    count = SpillFaults::calls(SpillCall::pread) - before;
+  }
+  ASSERT_GT(count, 0u);
+  for (std::uint64_t k : {std::uint64_t{0}, count / 2, count - 1}) {
+    SCOPED_TRACE(::testing::Message() << "pread #" << k + 1 << " of " << count << " fails with EIO");
+    TempDir dir;
+    Pool pool(this->driver(), this->spilling(dir.path, 1));
+    std::mt19937_64 rng(29);
+    auto items = this->items(pool, rng);
+    pool.sleep(1);
+    SpillFaults::fail(SpillCall::pread, EIO, k, 1);
+    try {
+      pool.wake_up();
+      ADD_FAILURE() << "a failed disk read must fail the wake";
+    } catch (const error& e) {
+      EXPECT_NE(std::string(e.what()).find(pool.stats().spill_path), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(std::strerror(EIO)), std::string::npos) << e.what();
+    }
+    SpillFaults::clear();
+    std::size_t asleep = 0;
+    for (auto& it : items) {
+      if (pool.find(it.p)->asleep) {
+        ++asleep;
+        continue;
+      }
+      EXPECT_EQ(read(pool, it.p, it.bytes.size()), it.bytes) << "a chunk that woke holds its bytes";
+    }
+    EXPECT_GT(asleep, 0u);
+    EXPECT_TRUE(pool.asleep("weights"));
+    if (HostDriver* h = this->host()) EXPECT_EQ(h->live_physical_bytes(0), pool.stats().mapped_bytes);
+    pool.wake_up();
+    EXPECT_FALSE(pool.asleep("weights"));
+    for (auto& it : items) EXPECT_EQ(read(pool, it.p, it.bytes.size()), it.bytes);
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
 TEST(Spill, StaleFilesOfProcessesThatAreGoneAreRemovedAndLiveOnesKept) {
   TempDir dir;
   std::string me = std::to_string(::getpid());
@@ -565,6 +743,28 @@ TEST(Spill, StaleFilesOfProcessesThatAreGoneAreRemovedAndLiveOnesKept) {
   ::close(live);
   EXPECT_EQ(SpillStore::remove_stale(dir.path), 1u) << "unlocked now";
   EXPECT_EQ(dir.files(), (std::set<std::string>{live_tmp, "unrelated.bin"}));
+}
+
+// Issue 31 item 5: a spill limit without a spill directory was accepted and did nothing (the
+// caller meant to bound a disk tier that is not there): refused, naming both options.
+TEST(Spill, ASpillLimitWithoutASpillDirIsRefused) {
+  HostDriver d(HostBackend::options());
+  PoolOptions o;
+  o.va_bytes = 64 * MiB;
+  o.host_store_limit = 1;
+  o.spill_limit = 4 * MiB;
+  try {
+    Pool pool(d, o);
+    FAIL() << "a spill_limit without a spill_dir must be refused";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("spill_limit"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("spill_dir"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(d.counters().reservations, 0u) << "nothing was made";
+  TempDir dir;
+  o.spill_dir = dir.path;
+  Pool pool(d, o);  // with the directory the same limit is fine
+  EXPECT_FALSE(pool.stats().spill_path.empty());
 }
 
 TEST(Spill, AnUnusableDirectoryIsRefusedAtCreation) {

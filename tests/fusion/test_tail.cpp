@@ -294,6 +294,50 @@ TEST_P(TailThreads, SpecialPartialsGiveTheDefinitionsBitsOnBothPaths) {
     }
 }
 
+// Random inputs on random shapes (hidden a multiple of 64 up to 8192, top_k 1..8, with and without
+// the shared expert, both modes, token counts up to the maximum), a new seed per call: both paths
+// give the definition's bits (tail_oracle.hpp, written in the tests) on every rank's share. On the
+// host backend the paths run kernels/reference, so a 1-ulp change anywhere in the CPU reference
+// (rounding, the FMA order, the tree, the inverse root) fails here on ordinary inputs, not only on
+// the special ones above.
+TEST_P(TailThreads, RandomInputsOfRandomShapesGiveTheDefinitionsBitsOnBothPaths) {
+  const int n = GetParam();
+  Rng pick{0x5EED0000u + static_cast<std::uint64_t>(n)};
+  for (int round = 0; round < 4; ++round) {
+    const int hidden = 64 * (1 + static_cast<int>(pick.next() % 24)) * (round == 3 ? 5 : 1);  // up to 7680
+    const int top_k = 1 + static_cast<int>(pick.next() % 8);
+    const bool shared = pick.next() % 2 == 0;
+    const TailMode mode = round % 2 == 0 ? TailMode::all_reduce : TailMode::reduce_scatter;
+    const TailShape s = shape(hidden, top_k, shared, mode);
+    std::vector<CallInputs> calls;
+    std::vector<std::vector<bf16>> want;
+    for (int i = 0; i < 3; ++i) {
+      const int tokens = 1 + static_cast<int>(pick.next() % static_cast<std::uint64_t>(s.max_tokens));
+      calls.push_back(random_call(s, n, tokens, pick.next()));
+      want.push_back(tail_by_definition(s, calls.back()));
+    }
+    for (bool fused : {true, false}) {
+      SCOPED_TRACE(::testing::Message() << "hidden " << hidden << ", top_k " << top_k << (shared ? ", shared" : "")
+                                        << ", " << fusion::to_string(mode) << (fused ? ", fused" : ", unfused"));
+      TailOptions o = patient();
+      o.allow_fused = fused;
+      ThreadWorld w(n, false);
+      EXPECT_EQ(on_threads(n,
+                           [&](int r) {
+                             RankTail rt(w.host, *w.groups[static_cast<std::size_t>(r)], s, o);
+                             for (std::size_t i = 0; i < calls.size(); ++i) {
+                               rt.run(calls[i]);
+                               const auto [begin, end] = rows_of(s, calls[i].tokens, r, n);
+                               const std::string bad = first_difference(rt.outputs(calls[i].tokens), want[i], s.hidden,
+                                                                        begin, end, "the definition");
+                               require(bad.empty(), "call " + std::to_string(i) + ": " + bad);
+                             }
+                           }),
+                "");
+    }
+  }
+}
+
 // A NaN input makes its row NaN on every rank (nothing hides it, nothing hangs on it), and the
 // checker never accepts it.
 TEST_P(TailThreads, NanPropagatesAndNeverPasses) {

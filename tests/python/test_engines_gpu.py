@@ -2,7 +2,10 @@
 
 - vLLM mode: the tests of vLLM's tests/basic_correctness/test_cumem.py that do not start an
   engine (the commits are in README's vLLM section), restated against torpor.vllm.CuMemAllocator.
-  vLLM measures "mapped" through its handles; here it is torpor's per-tag mapped_bytes.
+  They measure as vLLM's do (vllm-project/vllm tests/basic_correctness/test_cumem.py at 04a070d):
+  the device's free memory from torch.cuda.mem_get_info grows across a sleep; here it must grow
+  by at least the bytes the tags hold, and fall back at wake. torpor's per-tag mapped_bytes is
+  checked beside it, never instead of it.
 - torch_memory_saver mode: its test/examples/*.py that apply to CUDA in one process (simple,
   cpu_backup, nested_region, rl_example, training_engine), restated against torpor.tms.
   multi_device needs two GPUs with one region each; it is skipped with one GPU. cuda_graph (its
@@ -55,9 +58,13 @@ def test_vllm_basic_cumem():
     assert torch.allclose(x + y + z, torch.full_like(x, 3))
     before = mapped("e.basic")
     assert before >= y.nbytes + z.nbytes
+    free_bytes = device_free()
     allocator.sleep(offload_tags="e.basic")
+    free_bytes_after_sleep = device_free()
+    assert free_bytes_after_sleep - free_bytes >= y.nbytes + z.nbytes, "the device got the tag's memory back"
     assert mapped("e.basic") == 0
     allocator.wake_up()
+    assert free_bytes_after_sleep - device_free() >= y.nbytes + z.nbytes, "wake mapped it again"
     assert mapped("e.basic") == before
     assert torch.allclose(x + y + z, torch.full_like(x, 3))
 
@@ -132,9 +139,13 @@ def test_vllm_cumem_with_cudagraph():
         y = model(x)
     before = mapped("e.graph_w", "e.graph_discard")
     assert before >= weight.nbytes + cache.nbytes
+    free_bytes = device_free()
     allocator.sleep(offload_tags="e.graph_w")
+    free_bytes_after_sleep = device_free()
+    assert free_bytes_after_sleep - free_bytes >= weight.nbytes + cache.nbytes, "the device got the memory back"
     assert mapped("e.graph_w", "e.graph_discard") == 0
     allocator.wake_up()
+    assert free_bytes_after_sleep - device_free() >= weight.nbytes + cache.nbytes, "wake mapped it again"
     assert mapped("e.graph_w", "e.graph_discard") == before
     x.random_()
     graph.replay()

@@ -2,7 +2,7 @@
 fake_torch, device memory from torpor's host backend. The oracle is torch_memory_saver's own
 behaviour (torch_memory_saver/entrypoint.py, csrc/core.cpp, its README and test/examples), with
 the documented differences where it exits the process. Discarded bytes come back poisoned (0xFF).
-torch_memory_saver's examples run against this mode with real PyTorch in test_tms_gpu.py."""
+torch_memory_saver's examples run against this mode with real PyTorch in test_engines_gpu.py."""
 
 import ctypes
 import itertools
@@ -343,6 +343,79 @@ print("resumed")
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "raised: torpor_wake_up:" in out.stdout and out.stdout.rstrip().endswith("resumed")
+
+
+def test_get_cpu_backup_and_read_host_copy_of_sub_ranges_read_the_disk_tier_at_unaligned_offsets(
+    tmp_path,
+):
+    """Backups on disk (host_store_limit=1 and a spill_dir): get_cpu_backup of tensors that
+    PyTorch packs at 512-byte steps inside one segment, and engine.read_host_copy of sub-ranges
+    from 4097 consecutive start offsets, read the spill file off its 4 KiB direct-I/O alignment
+    (the aligned window is read and the bytes moved into place; spill_store.cpp). The oracle is
+    the bytes written. In a child: the torch pool's options are fixed once per process."""
+    code = f"""
+import ctypes, sys
+sys.path.insert(0, {str(REPO / "tests" / "python")!r})
+import fake_torch
+sys.modules["torch"] = fake_torch
+import torpor
+from conftest import pattern
+from torpor import engine, tms
+
+torpor.configure(backend="host", va_bytes=1 << 30, fill_on_wake="poison", host_store_limit=1,
+                 spill_dir={str(tmp_path)!r})
+
+
+class HostTensor(fake_torch.Tensor):
+    def __init__(self, shape, dtype):
+        n = 1
+        for s in shape:
+            n *= s
+        self._buf = ctypes.create_string_buffer(max(1, n * 4))
+        super().__init__(ctypes.addressof(self._buf), n * 4, None, shape)
+        self.device, self.is_cuda, self.dtype = fake_torch._Device("cpu", None), False, dtype
+
+
+empty = fake_torch.empty
+fake_torch.empty = lambda *a, device=None, dtype=None, **k: (
+    HostTensor(a[0], dtype) if device == "cpu" else empty(*a, **k)
+)
+fake_torch.Tensor.dtype = "float32"
+saver = tms.TorchMemorySaver()
+pool = torpor.Pool.torch(0)
+with saver.region(tag="tms.disk", enable_cpu_backup=True):
+    tensors = [fake_torch.empty(n) for n in (1000, 3000, 4100, 5000, 12, 9000)]
+data = []
+for i, t in enumerate(tensors):
+    data.append(pattern(t._nbytes, 40 + i))
+    pool.write(t.data_ptr(), data[-1])
+offsets = [t.data_ptr() % 4096 for t in tensors]
+assert any(o != 0 for o in offsets), offsets
+saver.pause()
+assert pool.stats()["spill_used_bytes"] > 0, "the backups are on disk"
+for i, t in enumerate(tensors):
+    got = saver.get_cpu_backup(t)
+    assert got is not None and got._buf.raw[: t._nbytes] == data[i], f"tensor {{i}} at offset {{offsets[i]}}"
+big, big_data = tensors[-1], data[-1]
+buf = ctypes.create_string_buffer(9000)
+for k in range(4097):
+    n = 9000 - k if k % 3 == 0 else 1 + k % 97
+    assert engine.read_host_copy(0, big.data_ptr() + k, n, ctypes.addressof(buf)) is True
+    assert buf.raw[:n] == big_data[k : k + n], f"from offset {{k}}, {{n}} bytes"
+saver.resume()
+for i, t in enumerate(tensors):
+    assert pool.read(t.data_ptr(), t._nbytes) == data[i]
+print("ok", offsets)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=subprocess_env(TORPOR_LOG="error"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.startswith("ok"), out.stdout
 
 
 def test_import_torch_memory_saver_resolves_to_torpor_only_when_asked():

@@ -3,7 +3,7 @@ device memory from torpor's host backend. The oracle is what vLLM's CuMemAllocat
 same calls (vllm/device_allocator/cumem.py, README's vLLM section): a tag in offload_tags keeps
 every byte, any other tag loses every byte, unless torpor knows its parameters. Discarded bytes
 come back poisoned (0xFF), so "kept" and "lost" are told apart by the bytes themselves.
-The same checks with real PyTorch on a GPU are in test_vllm_gpu.py."""
+vLLM's test_cumem.py restated with real PyTorch on a GPU is in test_engines_gpu.py (the vLLM mode part)."""
 
 import subprocess
 import sys

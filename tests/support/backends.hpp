@@ -103,6 +103,7 @@ class BackendTest : public ::testing::Test {
       HostDriverCounters c = h->counters();
       EXPECT_EQ(c.async_conflicts, 0u) << "memory was unmapped or freed while queued device work still touched it";
       EXPECT_EQ(c.async_races, 0u) << "queued work on two streams touched the same bytes with nothing ordering them";
+      EXPECT_EQ(c.async_host_writes, 0u) << "the host changed a page-locked span while a queued copy still targeted it";
     }
   }
   Driver& driver() { return *driver_; }

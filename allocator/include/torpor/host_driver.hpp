@@ -93,10 +93,12 @@ struct HostDriverCounters {
   std::size_t streams = 0;
   std::size_t events = 0;
   std::size_t multicast_objects = 0;
-  std::size_t async_pending = 0;    // queued operations not completed yet (asynchronous mode)
-  std::size_t async_conflicts = 0;  // unmaps and host_frees refused: a queued operation touched the memory
-  std::size_t async_races = 0;      // operations that ran while an earlier one queued on another stream and
-                                    // not ordered before them still touched the same bytes (one of them writing)
+  std::size_t async_pending = 0;      // queued operations not completed yet (asynchronous mode)
+  std::size_t async_conflicts = 0;    // unmaps and host_frees refused: a queued operation touched the memory
+  std::size_t async_races = 0;        // operations that ran while an earlier one queued on another stream and
+                                      // not ordered before them still touched the same bytes (one of them writing)
+  std::size_t async_host_writes = 0;  // queued copies whose page-locked host span the host changed between
+                                      // queueing and running (a span reused while a copy still targets it)
 };
 
 // What multicast_at() reports about the multicast object mapped at an address.
@@ -238,6 +240,10 @@ class HostDriver final : public Driver {
     std::uint64_t stream = 0;
     const char* call = "";
     bool writes = false;
+    // A page-locked host span of a copy, fingerprinted when the copy was queued (watched), when
+    // no queued operation that writes it could change it before the copy runs legitimately.
+    bool watched = false;
+    std::size_t fingerprint = 0;
   };
   bool in_pinned_block(const void* p) const;                       // caller holds mu_
   bool in_reservation(const void* p) const;                        // caller holds mu_
@@ -264,6 +270,7 @@ class HostDriver final : public Driver {
   std::uint64_t next_op_ = 1;
   std::atomic<std::size_t> async_conflicts_{0};
   std::atomic<std::size_t> async_races_{0};
+  std::atomic<std::size_t> async_host_writes_{0};
   std::unique_ptr<HostAsyncEngine> async_;  // set in the asynchronous mode
 };
 

@@ -25,6 +25,7 @@
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <string_view>
 #include <thread>
 
 #include "driver/host_driver_async.hpp"
@@ -770,6 +771,12 @@ void HostDriver::unregister_in_flight(std::uint64_t op) noexcept {
   in_flight_.erase(op);
 }
 
+namespace {
+std::size_t fingerprint_of(std::uintptr_t lo, std::uintptr_t hi) {
+  return std::hash<std::string_view>{}(std::string_view(reinterpret_cast<const char*>(lo), hi - lo));
+}
+}  // namespace
+
 // Run by an operation's worker just before the operation: an operation queued earlier on another
 // stream that still touches the same bytes (one of the two writing) was not ordered before this
 // one by an event or a synchronisation (it would have completed), so on a GPU the two race: a
@@ -789,6 +796,16 @@ void HostDriver::flag_races(std::uint64_t op) noexcept {
                    "wait for it on the second stream",
                    b.call, b.stream, b.lo, b.hi, a.call, a.stream, a.lo, a.hi);
       }
+  // A watched host span whose bytes changed since the copy was queued: nothing queued could
+  // write it (see copy_async), so the host did, under a copy that still targets it. On a GPU the
+  // copy would take the new bytes or overwrite them, depending on timing.
+  for (const InFlight& r : mine->second) {
+    if (!r.watched || fingerprint_of(r.lo, r.hi) == r.fingerprint) continue;
+    ++async_host_writes_;
+    log::error("HostDriver: the host changed [{:#x}, {:#x}) after a {} on stream {} that {} it was queued and "
+               "before it ran; wait for the copy (an event or the stream) before reusing the span",
+               r.lo, r.hi, r.call, r.stream, r.writes ? "writes" : "reads");
+  }
 }
 
 void HostDriver::refuse_if_in_flight(std::uintptr_t lo, std::uintptr_t hi, const char* call) {
@@ -846,6 +863,18 @@ void HostDriver::copy_async(void* dst, const void* src, std::size_t bytes, Strea
       };
       add(src, src_pageable, false);
       add(dst, dst_pageable, true);
+      // Fingerprint the page-locked host side, unless a queued operation writes it (then it may
+      // change before this copy runs, legitimately on the same stream; flag_races covers others).
+      for (InFlight& t : touched) {
+        if (!in_pinned_block(reinterpret_cast<const void*>(t.lo))) continue;
+        bool written_by_queued = false;
+        for (const auto& [op, ranges] : in_flight_)
+          for (const InFlight& r : ranges)
+            if (r.writes && r.lo < t.hi && t.lo < r.hi) written_by_queued = true;
+        if (written_by_queued) continue;
+        t.watched = true;
+        t.fingerprint = fingerprint_of(t.lo, t.hi);
+      }
     }
   }
   if (!async_) {
@@ -1029,6 +1058,7 @@ HostDriverCounters HostDriver::counters() const {
   c.async_pending = async_ ? async_->pending() : 0;
   c.async_conflicts = async_conflicts_.load();
   c.async_races = async_races_.load();
+  c.async_host_writes = async_host_writes_.load();
   return c;
 }
 

@@ -10,6 +10,7 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <csignal>
 #include <cstdlib>
@@ -21,6 +22,7 @@
 
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
+#include "torpor/testing/spill_faults.hpp"
 
 namespace torpor {
 
@@ -67,6 +69,107 @@ void prepare_dir(const std::string& dir) {
   if (::access(dir.c_str(), W_OK | X_OK) != 0)
     throw invalid_argument(fmt::format("spill directory {} is not writable: {}", dir, errno_text(errno)));
 }
+
+// Test-selected failures (torpor/testing/spill_faults.hpp). `armed` keeps the production path to
+// one relaxed load per call; the rest is under a mutex, taken only while a test has selected one.
+struct FaultState {
+  std::atomic<bool> armed{false};
+  std::mutex mu;
+  struct Rule {
+    int err = 0;
+    std::size_t skip = 0;
+    std::size_t count = 0;
+  };
+  Rule rules[static_cast<int>(SpillCall::count_)];
+  std::size_t failures = 0;
+  std::atomic<std::uint64_t> calls[static_cast<int>(SpillCall::count_)] = {};
+  std::atomic<std::uint64_t> unaligned_reads{0};
+};
+
+FaultState& fault_state() {
+  static auto* s = new FaultState;  // never destroyed: exit handlers may still spill or read
+  return *s;
+}
+
+// The three file system calls of the store, each failing instead when a test selected it.
+int sys_fallocate(int fd, int mode, off_t off, off_t len) {
+  if (int err = SpillFaults::take(SpillCall::fallocate)) {
+    errno = err;
+    return -1;
+  }
+  return ::fallocate(fd, mode, off, len);
+}
+
+ssize_t sys_pwrite(int fd, const void* buf, std::size_t n, off_t off) {
+  if (int err = SpillFaults::take(SpillCall::pwrite)) {
+    errno = err;
+    return -1;
+  }
+  return ::pwrite(fd, buf, n, off);
+}
+
+ssize_t sys_pread(int fd, void* buf, std::size_t n, off_t off) {
+  if (int err = SpillFaults::take(SpillCall::pread)) {
+    errno = err;
+    return -1;
+  }
+  return ::pread(fd, buf, n, off);
+}
+
+}  // namespace
+
+void SpillFaults::fail(SpillCall which, int err, std::size_t skip, std::size_t count) {
+  auto i = static_cast<int>(which);
+  if (i < 0 || i >= static_cast<int>(SpillCall::count_) || err <= 0)
+    throw invalid_argument(fmt::format("SpillFaults::fail: call {} or errno {} out of range", i, err));
+  FaultState& s = fault_state();
+  std::lock_guard lock(s.mu);
+  s.rules[i] = {err, skip, count};
+  s.armed.store(true);
+}
+
+void SpillFaults::clear() noexcept {
+  FaultState& s = fault_state();
+  std::lock_guard lock(s.mu);
+  for (auto& r : s.rules) r = {};
+  s.failures = 0;
+  s.armed.store(false);
+}
+
+std::size_t SpillFaults::failures() noexcept {
+  FaultState& s = fault_state();
+  std::lock_guard lock(s.mu);
+  return s.failures;
+}
+
+std::uint64_t SpillFaults::calls(SpillCall which) noexcept {
+  auto i = static_cast<int>(which);
+  return i >= 0 && i < static_cast<int>(SpillCall::count_) ? fault_state().calls[i].load() : 0;
+}
+
+std::uint64_t SpillFaults::unaligned_reads() noexcept { return fault_state().unaligned_reads.load(); }
+
+void SpillFaults::count_unaligned_read() noexcept {
+  fault_state().unaligned_reads.fetch_add(1, std::memory_order_relaxed);
+}
+
+int SpillFaults::take(SpillCall which) noexcept {
+  FaultState& s = fault_state();
+  s.calls[static_cast<int>(which)].fetch_add(1, std::memory_order_relaxed);
+  if (!s.armed.load(std::memory_order_relaxed)) return 0;
+  std::lock_guard lock(s.mu);
+  FaultState::Rule& r = s.rules[static_cast<int>(which)];
+  if (r.err == 0 || r.count == 0) return 0;
+  if (r.skip > 0) {
+    --r.skip;
+    return 0;
+  }
+  --r.count;
+  ++s.failures;
+  return r.err;
+}
+
+namespace {
 
 // While alive, SIGXFSZ is blocked in this thread, and one that a write past RLIMIT_FSIZE raised
 // here is taken off again before the mask is restored: the write fails with EFBIG, which becomes
@@ -239,7 +342,7 @@ std::uint64_t SpillStore::allocate(std::size_t bytes) {
   auto off = space_.allocate(bytes, alignment);
   if (!off) throw out_of_memory(fmt::format("spill: no file offset left for {} bytes in {}", bytes, path_));
   if (can_fallocate_ &&
-      ::fallocate(fd_, FALLOC_FL_KEEP_SIZE, static_cast<off_t>(*off), static_cast<off_t>(bytes)) != 0) {
+      sys_fallocate(fd_, FALLOC_FL_KEEP_SIZE, static_cast<off_t>(*off), static_cast<off_t>(bytes)) != 0) {
     int err = errno;
     if (disk_full(err)) {
       space_.free(*off, bytes);
@@ -303,7 +406,7 @@ void SpillStore::write(std::uint64_t offset, const std::byte* buffer, std::size_
   FileSizeSignalGuard no_sigxfsz;
   std::size_t done = 0;
   while (done < bytes) {
-    ssize_t n = ::pwrite(fd_, buffer + done, bytes - done, static_cast<off_t>(offset + done));
+    ssize_t n = sys_pwrite(fd_, buffer + done, bytes - done, static_cast<off_t>(offset + done));
     if (n > 0) {
       done += static_cast<std::size_t>(n);
       continue;
@@ -324,7 +427,7 @@ void SpillStore::read(std::uint64_t offset, std::byte* buffer, std::size_t bytes
   std::size_t want = static_cast<std::size_t>(hi - lo);
   std::size_t done = 0;
   while (done < want) {
-    ssize_t n = ::pread(fd_, buffer + done, want - done, static_cast<off_t>(lo + done));
+    ssize_t n = sys_pread(fd_, buffer + done, want - done, static_cast<off_t>(lo + done));
     if (n > 0) {
       done += static_cast<std::size_t>(n);
       continue;
@@ -341,7 +444,10 @@ void SpillStore::read(std::uint64_t offset, std::byte* buffer, std::size_t bytes
     throw error(fmt::format("spill: reading {} bytes at offset {} of {} failed: {}", want - done, lo + done, path_,
                             n == 0 ? std::string("unexpected end of file") : errno_text(err)));
   }
-  if (offset != lo) std::memmove(buffer, buffer + (offset - lo), bytes);
+  if (offset != lo) {
+    std::memmove(buffer, buffer + (offset - lo), bytes);
+    SpillFaults::count_unaligned_read();
+  }
 }
 
 }  // namespace torpor

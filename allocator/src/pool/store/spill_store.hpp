@@ -26,6 +26,8 @@
 // file and the cause; space is claimed (fallocate) when an extent is allocated, so a full disk
 // usually shows before any byte moves. SIGXFSZ is blocked in the writing thread around a write and
 // the one the write raised is taken off, so a file-size limit never ends the process.
+// fallocate, pwrite and pread go through wrappers that a test can make fail with a chosen errno
+// (torpor/testing/spill_faults.hpp), for a full disk where no small file system can be mounted.
 // Not thread-safe: the pool locks.
 #pragma once
 
