@@ -33,6 +33,12 @@ The interface:
   runs inside every sleep of `tag` (levels 1 and 2), after the re-mark and before anything moves:
   an exception aborts that device's sleep with nothing moved, and the sleep raises it.
   ``after_wake(tag, ok)`` runs after every wake of `tag`. ``remove_tag_hooks(id)``.
+- ``intend_sleep(mode, plan, default_level)``: the mode's sleep, declared so that the host store
+  is page-locked in the background once the model is loaded (torpor.torch.prepare; with
+  TORPOR_PREPARE_SLEEP): ``plan(level, tags) -> [(level, tags, policy), ...]`` are the sleeps the
+  mode's own sleep at `level` makes on a device pool holding `tags`. ``prepare_for_sleep()`` runs
+  that preparation now (it also runs by itself when a tag's outermost use_pool block exits and
+  after register_parameters). The first sleep then finds the store pinned (stats' host_store_*).
 - ``runtime_error(e)``, ``as_runtime_errors()``: torpor's typed errors as RuntimeError subclasses
   too (vLLM and its tests catch RuntimeError), with torpor's message.
 - ``cuda_torch()``, ``memory_margin()`` / ``set_memory_margin(n)``, ``read_host_copy(...)``: what
@@ -50,7 +56,7 @@ from typing import Callable
 from . import _lib
 from .errors import InvalidState, InvalidType, TorporError, error_for
 from .pool import ClassLike, MemoryClass, Pool, Tags
-from .torch import api, graphs, parameters, routing
+from .torch import api, graphs, parameters, prepare, routing
 from .torch.remark import ClassPolicy, pool_class
 from .torch.runtime import cuda_torch
 from .values import INT_MAX, SIZE_MAX, whole
@@ -91,6 +97,19 @@ capturing_into = graphs.capturing_into
 release_graph_pool = graphs.release_graph_pool
 nccl_graph_register_off = graphs.nccl_graph_register_off
 register_parameters = parameters.register_parameters
+
+
+# -- the host store before the first sleep ----------------------------------------------------
+
+
+def intend_sleep(mode: str, plan: prepare.Plan, default_level: int) -> None:
+    """Declare the mode's sleep (see the module note); the last mode to declare wins."""
+    prepare.intend(mode, plan, default_level)
+
+
+def prepare_for_sleep() -> dict[int, int]:
+    """Start page-locking what the declared sleep needs, on every device. {device: bytes added}."""
+    return prepare.after_load()
 
 
 # -- tag hooks -------------------------------------------------------------------------------
@@ -240,9 +259,12 @@ __all__ = [
     "cuda_torch",
     "graph",
     "graph_pool",
+    "intend_sleep",
     "keep_everything",
     "memory_margin",
     "nccl_graph_register_off",
+    "pool_class",
+    "prepare_for_sleep",
     "read_host_copy",
     "register_parameters",
     "release_graph_pool",

@@ -71,6 +71,13 @@ VARIABLES: tuple[Variable, ...] = (
         "text",
     ),
     Variable(
+        "TORPOR_PREPARE_SLEEP",
+        "auto",
+        "host store page-locked in the background once the model is loaded (torpor.torch.prepare): auto "
+        "(engine modes, for their default sleep level), 1 or 2 (that level, torpor.use_pool too), off",
+        "text",
+    ),
+    Variable(
         "PYTHONPATH",
         "",
         "torpor.tms.configure_subprocess() puts the torch_memory_saver shim first on it for children",

@@ -43,6 +43,8 @@ enum class id {
   torch_symm_mem_disable_multicast,
   nvshmem_disable_nvls,
   nccl_nvls_enable,
+  sysfs_root,
+  host_pci_bus_ids,
 };
 
 // How a row's text is parsed and validated.
@@ -93,6 +95,8 @@ std::optional<int> rank();                      // TORPOR_RANK (no default)
 std::optional<int> world_size();                // TORPOR_WORLD_SIZE (no default)
 std::string tmpdir();                           // TMPDIR
 std::string nccl_library();                     // TORPOR_NCCL_LIBRARY
+std::string sysfs_root();                       // TORPOR_SYSFS_ROOT: where /sys is (a fake tree in tests)
+std::vector<std::string> host_pci_bus_ids();    // TORPOR_HOST_PCI_BUS_IDS, comma-separated, per device
 
 // Whether a kill switch row counts as set for the text (nothing: unset). Pure.
 bool switch_set(const Option& o, const std::optional<std::string>& text);
