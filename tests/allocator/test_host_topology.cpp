@@ -125,7 +125,9 @@ TEST(HostTopology, TheStoresBlocksAreBoundToTheNodeBeforeFirstTouch) {
   int probe = 0;
   if (!memory_policy_of(&probe)) GTEST_SKIP() << "get_mempolicy is refused here (no NUMA support or seccomp)";
   {
-    HostStore s(d, {.numa_node = 0});
+    HostStoreOptions so;
+    so.numa_node = 0;
+    HostStore s(d, so);
     s.reserve(4 * MiB);
     HostSpan span = s.allocate(MiB);
     auto policy = memory_policy_of(span.ptr);

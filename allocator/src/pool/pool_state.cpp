@@ -135,12 +135,13 @@ Allocation* Pool::State::containing(device_ptr p) const {
 }
 
 HostStoreOptions Pool::State::host_store_options(const PoolOptions& o, Driver& d) {
-  HostStoreOptions h{.device = o.device,
-                     .pinned_limit = o.host_store_limit,
-                     .pin_block_bytes = o.host_pin_block_bytes,
-                     .pin_threads = o.host_pin_threads,
-                     .spill_dir = o.spill_dir,
-                     .spill_limit = o.spill_limit};
+  HostStoreOptions h;
+  h.device = o.device;
+  h.pinned_limit = o.host_store_limit;
+  h.pin_block_bytes = o.host_pin_block_bytes;
+  h.pin_threads = o.host_pin_threads;
+  h.spill_dir = o.spill_dir;
+  h.spill_limit = o.spill_limit;
   h.sys_root = options::sysfs_root();
   h.memlock_charged = d.capabilities().host_register_charged_to_memlock;
   const NumaPlacement numa = numa_placement(h.sys_root, d.device_properties(o.device).pci_bus_id);
