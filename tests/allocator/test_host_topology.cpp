@@ -168,6 +168,9 @@ TEST(HostTopology, TheBudgetIsTheLeastOfTheLimitsThatApply) {
   EXPECT_EQ(b.bytes, 16 * GiB - 1 * GiB - 2 * GiB);
   EXPECT_EQ(pin_budget(4 * GiB, cg, 0, false, 0).bytes, 4 * GiB) << "the user's smaller limit wins";
   EXPECT_EQ(pin_budget(4 * GiB, cg, 0, false, 0).source, "host_store_limit");
+  // Inactive file cache (model files read at load) is reclaimable: not counted as used.
+  const CgroupMemory cached{.limit = 16 * GiB, .usage = 15 * GiB, .reclaimable = 11 * GiB, .file = "memory.max"};
+  EXPECT_EQ(pin_budget(0, cached, 0, false, 0).bytes, 16 * GiB - 4 * GiB - 2 * GiB);
   const CgroupMemory full{.limit = 8 * GiB, .usage = 8 * GiB, .file = "memory.max"};
   b = pin_budget(0, full, 0, false, 0);
   EXPECT_GT(b.bytes, 0u) << "a full cgroup is a limit, not 'no limit'";
@@ -188,17 +191,21 @@ TEST(HostTopology, CgroupLimitsAreReadFromV2ThenV1) {
   EXPECT_EQ(cgroup_memory(sys.root()).limit, 0u);
   sys.write("fs/cgroup/memory/memory.limit_in_bytes", std::to_string(6 * GiB));
   sys.write("fs/cgroup/memory/memory.usage_in_bytes", std::to_string(GiB));
+  sys.write("fs/cgroup/memory/memory.stat", "cache 8192\ntotal_inactive_file 4096");
   CgroupMemory v1 = cgroup_memory(sys.root());
   EXPECT_EQ(v1.limit, 6 * GiB);
   EXPECT_EQ(v1.usage, GiB);
+  EXPECT_EQ(v1.reclaimable, 4096u);
   EXPECT_NE(v1.file.find("memory.limit_in_bytes"), std::string::npos);
   sys.write("fs/cgroup/memory.max", "max");
   EXPECT_EQ(cgroup_memory(sys.root()).limit, 0u) << "v2 present and unlimited wins over v1";
   sys.write("fs/cgroup/memory.max", std::to_string(2 * GiB));
   sys.write("fs/cgroup/memory.current", std::to_string(512 * MiB));
+  sys.write("fs/cgroup/memory.stat", "anon 1000\nfile 4096\ninactive_file 2048\nactive_file 2048");
   CgroupMemory v2 = cgroup_memory(sys.root());
   EXPECT_EQ(v2.limit, 2 * GiB);
   EXPECT_EQ(v2.usage, 512 * MiB);
+  EXPECT_EQ(v2.reclaimable, 2048u);
 }
 
 PoolOptions small_pool() {

@@ -47,6 +47,16 @@ std::string sysfs_bus_id(std::string_view bus_id) {
   return id;
 }
 
+// `key`'s value in a memory.stat file ("key value" lines), 0 when missing.
+std::size_t stat_value(const std::string& path, std::string_view key) {
+  std::ifstream f(path);
+  std::string k;
+  unsigned long long v = 0;
+  while (f >> k >> v)
+    if (k == key) return static_cast<std::size_t>(v);
+  return 0;
+}
+
 // v1 reports "no limit" as PAGE_COUNTER_MAX pages, just under 2^63.
 constexpr std::size_t unlimited_threshold = std::size_t{1} << 62;
 
@@ -153,10 +163,12 @@ CgroupMemory cgroup_memory(std::string_view sys_root) {
     m.limit = *limit;
     m.file = v2;
     m.usage = read_size(join(sys_root, "/fs/cgroup/memory.current")).value_or(0);
+    m.reclaimable = stat_value(join(sys_root, "/fs/cgroup/memory.stat"), "inactive_file");
   } else if (auto limit1 = read_size(v1)) {
     m.limit = *limit1;
     m.file = v1;
     m.usage = read_size(join(sys_root, "/fs/cgroup/memory/memory.usage_in_bytes")).value_or(0);
+    m.reclaimable = stat_value(join(sys_root, "/fs/cgroup/memory/memory.stat"), "total_inactive_file");
   }
   return m;
 }
@@ -171,7 +183,7 @@ PinBudget pin_budget(std::size_t user_limit, const CgroupMemory& cgroup, std::si
                      std::size_t held) {
   PinBudget b;
   b.cgroup_limit = cgroup.limit;
-  b.cgroup_usage = cgroup.usage;
+  b.cgroup_usage = cgroup.usage > cgroup.reclaimable ? cgroup.usage - cgroup.reclaimable : 0;
   b.memlock_limit = memlock;
   b.memlock_charged = memlock_charged;
   b.source = "none";
@@ -186,7 +198,9 @@ PinBudget pin_budget(std::size_t user_limit, const CgroupMemory& cgroup, std::si
   if (cgroup.limit != 0) {
     // The cgroup's usage includes what the store pinned already: that stays the store's.
     const std::size_t reserve = cgroup.limit / 8;
-    const std::size_t others = cgroup.usage > held ? cgroup.usage - held : 0;
+    // Inactive file cache (the model files just read) is reclaimed before anything is killed.
+    const std::size_t used = cgroup.usage > cgroup.reclaimable ? cgroup.usage - cgroup.reclaimable : 0;
+    const std::size_t others = used > held ? used - held : 0;
     const std::size_t room = cgroup.limit > others + reserve ? cgroup.limit - others - reserve : 0;
     // A cap of 0 would read as "no limit": the smallest nonzero cap pins nothing more than 1 byte
     // of blocks, which rounds to none.

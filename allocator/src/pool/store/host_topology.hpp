@@ -13,8 +13,8 @@
 // registration is charged to it: DriverCapabilities says; the CUDA driver's is not). The budget is
 // the least of: the user's host_store_limit, RLIMIT_MEMLOCK (when charged and finite), and the
 // cgroup's room (memory.max of cgroup v2, else v1's memory.limit_in_bytes; less what the cgroup
-// uses now, less an eighth of the limit kept for everything else). Beyond it the store gives
-// pageable memory (copied through the staging ring) or, with a spill directory, the disk tier.
+// uses now but its inactive file cache, less an eighth of the limit kept for everything else). Beyond it the store
+// gives pageable memory (copied through the staging ring) or, with a spill directory, the disk tier.
 //
 // Every reader takes the root of the system tree (/sys; TORPOR_SYSFS_ROOT for tests, pointing at a
 // fake tree) and returns "unknown" rather than throwing on a missing or unreadable file.
@@ -68,7 +68,8 @@ struct PinBudget {
 struct CgroupMemory {
   std::size_t limit = 0;
   std::size_t usage = 0;
-  std::string file;  // the limit's file, for messages
+  std::size_t reclaimable = 0;  // inactive file cache (memory.stat), which usage counts
+  std::string file;             // the limit's file, for messages
 };
 CgroupMemory cgroup_memory(std::string_view sys_root);
 // RLIMIT_MEMLOCK's soft limit, 0 when unlimited.
