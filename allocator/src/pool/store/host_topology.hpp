@@ -57,7 +57,7 @@ struct PinBudget {
   std::size_t bytes = 0;          // page-locked bytes at most; 0 = no limit
   std::string source;             // what set it: "none", "host_store_limit", "cgroup memory.max", ...
   std::size_t cgroup_limit = 0;   // the cgroup's memory limit (0 = none found)
-  std::size_t cgroup_usage = 0;   // what the cgroup used when read
+  std::size_t cgroup_usage = 0;   // what the cgroup used when read, less its inactive file cache
   std::size_t memlock_limit = 0;  // RLIMIT_MEMLOCK soft limit (0 = unlimited)
   bool memlock_charged = false;   // whether registration is charged to it (and so it counts)
 };
