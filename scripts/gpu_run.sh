@@ -4,7 +4,7 @@
 #
 #   scripts/gpu_run.sh [stage ...]     stages: probe tests readme bench-sleep bench-sleep-threads python
 #                                      bench-first-sleep first-sleep-variance bench-torch-sleep
-#                                      torch-sleep-profile host-store
+#                                      torch-sleep-profile host-store bench-fixed-costs bench-multi-pool
 #                                      engines graphs vllm-today tms-examples sglang-sequence
 #                                      distributed symmetric symmetric-nccl tail tail-bench stress
 #                                      stress-tail
@@ -75,6 +75,12 @@
 # (tests/python/sglang_gpu_sequence.py): torpor with torpor.sglang.register_model (buffers exact
 # before the stash), the control under torch_memory_saver's policy, and torch_memory_saver itself
 # when TORPOR_TMS_SRC builds (its figures beside torpor's): sglang-*.json, sglang-sequence.txt.
+# bench-fixed-costs (1 GPU) is issue 30's fixed-cost record: torpor_bench_fixed sweeps 100 to
+# 10,000 one-granule chunks and reports each phase (unchanged L1 sleep, L1 wake, L2 sleep, L2 wake)
+# per chunk and per call, beside the floor of each driver call timed in the same run
+# (bench-fixed-costs.txt, .json). bench-multi-pool (any number of GPUs; on one, N pools share it)
+# sleeps and wakes 1, 2, 4 and 8 pools at once from threads and sets the aggregate rate beside the
+# host's own memcpy bandwidth measured in the same process (bench-multi-pool.txt, .json).
 #
 # distributed (2 GPUs; nvidia-h200-x2) runs torpor.distributed over a real torch.distributed group,
 # gloo and nccl, one process per GPU (tests/python/test_distributed_gpu.py; SKIP with one GPU).
@@ -214,6 +220,17 @@ for stage in "${stages[@]}"; do
       echo "== 16 GiB pinned, the rest on disk:"
       grep -E "spill|^host store|^cycle|first_l1_sleep|torpor L1" "$OUT/bench-first-sleep-spill.txt"
       cat "$OUT/disk-baseline.txt"
+      ;;
+    bench-fixed-costs)
+      timeout 540 $build/bench/torpor_bench_fixed --json "$OUT/bench-fixed-costs.json" \
+        > "$OUT/bench-fixed-costs.txt" 2>&1 || status=1
+      cat "$OUT/bench-fixed-costs.txt"
+      ;;
+    bench-multi-pool)
+      # 4 GiB per pool: 8 pools hold 32 GiB of device memory and 32 GiB of pinned host store.
+      timeout 540 $build/bench/torpor_bench_multi --pools 1 2 4 8 --bytes 4G --json "$OUT/bench-multi-pool.json" \
+        > "$OUT/bench-multi-pool.txt" 2>&1 || status=1
+      cat "$OUT/bench-multi-pool.txt"
       ;;
     first-sleep-variance)
       # The unprepared first sleep, three times in a row, each with the kernel's huge-page and

@@ -184,6 +184,7 @@ def _prototypes(lib: ctypes.CDLL) -> None:
         "torpor_mark_ranges": (I, [P, S, PP, PS, ctypes.POINTER(ctypes.c_int), CC]),
         "torpor_release_host_store": (I, [P, PS]),
         "torpor_prepare_host_store": (I, [P, S, I, PS]),
+        "torpor_sleep_host_bytes": (I, [P, I, CC, S, PS]),
         "torpor_set_preserve": (I, [P, CC, S]),
         "torpor_sleep": (I, [P, I, CC, S]),
         "torpor_wake_up": (I, [P, CC, S]),

@@ -46,6 +46,12 @@ The interface:
   ``after_map(tag)`` after every wake, once per device pool, when `tag` is fully mapped there
   (idempotent: it runs for tags that never slept too), and after a failed sleep for each tag whose
   before_unmap ran and that it left mapped. ``remove_mapping_hooks(id)``.
+- ``intend_sleep(mode, plan, default_level)``: the mode's sleep, declared so that the host store
+  is page-locked in the background once the model is loaded (torpor.torch.prepare; with
+  TORPOR_PREPARE_SLEEP): ``plan(level, tags) -> [(level, tags, policy), ...]`` are the sleeps the
+  mode's own sleep at `level` makes on a device pool holding `tags`. ``prepare_for_sleep()`` runs
+  that preparation now (it also runs by itself when a tag's outermost use_pool block exits and
+  after register_parameters). The first sleep then finds the store pinned (stats' host_store_*).
 - ``runtime_error(e)``, ``as_runtime_errors()``: torpor's typed errors as RuntimeError subclasses
   too (vLLM and its tests catch RuntimeError), with torpor's message.
 - ``cuda_torch()``, ``memory_margin()`` / ``set_memory_margin(n)``, ``read_host_copy(...)``: what
@@ -63,7 +69,7 @@ from typing import Callable
 from . import _lib
 from .errors import InvalidState, InvalidType, TorporError, error_for
 from .pool import ClassLike, MemoryClass, Pool, Tags
-from .torch import api, graphs, parameters, routing
+from .torch import api, graphs, parameters, prepare, routing
 from .torch.remark import ClassPolicy, pool_class
 from .torch.runtime import cuda_torch
 from .values import INT_MAX, SIZE_MAX, whole
@@ -140,6 +146,17 @@ def tag_at(device: int, address: int) -> str | None:
             if seg["address"] <= address < seg["address"] + seg["total_size"]:
                 return tag
     return None
+# -- the host store before the first sleep ----------------------------------------------------
+
+
+def intend_sleep(mode: str, plan: prepare.Plan, default_level: int) -> None:
+    """Declare the mode's sleep (see the module note); the last mode to declare wins."""
+    prepare.intend(mode, plan, default_level)
+
+
+def prepare_for_sleep() -> dict[int, int]:
+    """Start page-locking what the declared sleep needs, on every device. {device: bytes added}."""
+    return prepare.after_load()
 
 
 # -- tag hooks -------------------------------------------------------------------------------
@@ -346,10 +363,13 @@ __all__ = [
     "fill_on_wake",
     "graph",
     "graph_pool",
+    "intend_sleep",
     "keep_everything",
     "library_path",
     "memory_margin",
     "nccl_graph_register_off",
+    "pool_class",
+    "prepare_for_sleep",
     "read_host_copy",
     "register_parameters",
     "release_graph_pool",

@@ -138,6 +138,11 @@ VARIABLES: tuple[Variable, ...] = (
         "",
         "vLLM's: after each wake the vLLM mode gives its host copies back (torpor.release_host_store)",
         "flag",
+        "TORPOR_PREPARE_SLEEP",
+        "auto",
+        "host store page-locked in the background once the model is loaded (torpor.torch.prepare): auto "
+        "(engine modes, for their default sleep level), 1 or 2 (that level, torpor.use_pool too), off",
+        "text",
     ),
     Variable(
         "PYTHONPATH",

@@ -447,6 +447,20 @@ class Pool(_lib.Closing):
         _lib.check(_lib.lib().torpor_prepare_host_store(self.handle, n, 1 if wait else 0, ctypes.byref(added)))
         return added.value
 
+    def sleep_host_bytes(self, level: int | SleepLevel = 1, tags: Tags = None) -> int:
+        """The host store bytes a sleep at `level` of `tags` (None = all) would hold with the
+        classes marked now: what to prepare_host_store() before a first sleep."""
+        level = sleep_level(level)
+        tags = tag_list(tags)
+        if tags == []:
+            return 0
+        arr, n = _lib.encode_list(tags or [])
+        out = ctypes.c_size_t(0)
+        _lib.check(
+            _lib.lib().torpor_sleep_host_bytes(self.handle, int(level), arr if tags else None, n, ctypes.byref(out))
+        )
+        return out.value
+
     def stats(self) -> dict:
         """Pool statistics: mapped bytes, per tag and class (the C API's JSON document)."""
         return _json(_lib.lib().torpor_stats_json, self.handle)

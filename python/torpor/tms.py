@@ -298,6 +298,7 @@ class TorchMemorySaver:
             self._tags.add(tag)
             if enable_cpu_backup:
                 self._backends[tag] = cpu_backup_backend or default_backup_backend()
+        engine.intend_sleep("torch_memory_saver", self._planned, 1)
         with engine.use_pool(tag, memory_class=cls):
             yield
 
@@ -456,6 +457,11 @@ class TorchMemorySaver:
             wanted = set(self._tags) if tag is None else {tag}
         wanted |= {graph_tag(t) for t in wanted if engine.is_graph_tag(graph_tag(t))}
         return sorted(t for t, sleeping in engine.tag_states().items() if t in wanted and sleeping == asleep)
+
+    def _planned(self, level: int, tags: list[str]) -> list:
+        """What pause() does, whatever the level: one level-1 sleep of the regions' tags, each
+        with its region's class (torpor.engine's preparation of the host store)."""
+        return [(1, self._selected(None, "pause", asleep=False), engine.pool_class)]
 
     def pause(self, tag: Optional[str] = None) -> None:
         """Release the memory of `tag` (None: every region's tag): backed-up bytes go to host

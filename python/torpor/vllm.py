@@ -181,6 +181,7 @@ class CuMemAllocator:
 
     @contextlib.contextmanager
     def _tagged(self, tag: str):
+        engine.intend_sleep("vllm", self._planned, 1)  # LLM.sleep()'s default level
         with engine.use_pool(tag):
             self._pool_tags.append(tag)
             try:
@@ -224,14 +225,26 @@ class CuMemAllocator:
 
     # -- sleep -------------------------------------------------------------------------------
 
+    def _steps(self, offload: tuple[str, ...], tags: list[str]) -> list:
+        offload = offload + (self.cudagraph_tag,)  # vLLM backs the graph pool up at every level
+        return [
+            (1, [t for t in tags if t in offload], keep_everything),
+            (2, [t for t in tags if t not in offload], _discard),
+        ]
+
+    def _planned(self, level: int, tags: list[str]) -> list:
+        """vLLM's worker sleep at `level`: offload_tags=("weights",) at 1, () at 2 (torpor.engine's
+        preparation of the host store)."""
+        return self._steps((WEIGHTS,) if level == 1 else (), tags)
+
     def sleep(self, offload_tags: tuple[str, ...] | str | None = None) -> None:
         offload = (self.default_tag,) if offload_tags is None else _tag_tuple(offload_tags, "sleep")
-        offload = offload + (self.cudagraph_tag,)  # vLLM backs the graph pool up at every level
         awake = [t for t, asleep in sorted(engine.tag_states().items()) if not asleep]
+        (_, kept, _), (_, gone, _) = self._steps(offload, awake)
         with as_runtime_errors():
             self.last_reports = {
-                "offload": engine.sleep(1, [t for t in awake if t in offload], keep_everything),
-                "discard": engine.sleep(2, [t for t in awake if t not in offload], _discard),
+                "offload": engine.sleep(1, kept, keep_everything),
+                "discard": engine.sleep(2, gone, _discard),
             }
 
     def discard(self, tags: tuple[str, ...] | str) -> None:

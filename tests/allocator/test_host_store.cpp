@@ -4,9 +4,11 @@
 // host_alloc'ed bytes is the oracle for what is page-locked.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include "pool/store/host_store.hpp"
 #include "support/backends.hpp"
@@ -189,6 +191,78 @@ TEST(HostStorePool, NoCopyLandsInHostMemoryWhosePinningIsNotDone) {
   pool.wake_up();
   for (std::size_t i = 0; i < items.ptrs.size(); ++i)
     EXPECT_EQ(std::memcmp(items.ptrs[i], items.bytes[i].data(), MiB), 0) << "allocation " << i;
+}
+
+// An engine starts the preparation when its model is loaded and may sleep at once: the first
+// sleep that races the preparation waits for it and never pins the same bytes twice. HostDriver
+// refuses a registration that overlaps a registered range, and its count of registered bytes is
+// the oracle: every page-locked byte is counted once, and no more than one level-1 sleep needs.
+TEST(HostStorePool, AFirstSleepRacingThePreparationWaitsForItAndPinsNothingTwice) {
+  for (int round = 0; round < 6; ++round) {
+    HostDriverOptions ho = HostBackend::options();
+    ho.require_page_locked_copies = true;
+    ho.host_register_delay = std::chrono::milliseconds(round % 3 * 5);
+    HostDriver d(ho);
+    PoolOptions o;
+    o.va_bytes = 256 * MiB;
+    o.medium_limit = 0;
+    o.copy_piece_bytes = 512 << 10;
+    o.host_pin_block_bytes = 2 * MiB;
+    o.host_pin_threads = 2;
+    Pool pool(d, o);
+    auto items = fill_direct(pool, 8, MiB, MemoryClass::state, 10 + round);
+    const std::size_t need = pool.sleep_host_bytes(1);
+    ASSERT_EQ(need, 8 * HostStore::reserved_size(MiB));
+    std::atomic<std::size_t> added{0};
+    std::atomic<bool> go{false};
+    std::thread preparer([&] {
+      while (!go) std::this_thread::yield();
+      added = pool.prepare_host_store();
+    });
+    go = true;
+    if (round % 2 == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    TransitionReport r = pool.sleep(1);
+    preparer.join();
+    pool.wait_host_store();
+    EXPECT_EQ(r.bytes_offloaded, 8 * MiB) << "round " << round;
+    PoolStats st = pool.stats();
+    EXPECT_EQ(st.host_store_pinned_bytes, d.counters().registered_bytes) << "round " << round;
+    EXPECT_EQ(d.counters().registered_bytes, align_up(need, HostStore::block_rounding))
+        << "round " << round << ": whichever came first pinned it, the other added nothing (prepare added "
+        << added.load() << ")";
+    pool.wake_up();
+    for (std::size_t i = 0; i < items.ptrs.size(); ++i)
+      ASSERT_EQ(std::memcmp(items.ptrs[i], items.bytes[i].data(), MiB), 0) << "round " << round << " allocation " << i;
+  }
+}
+
+// What a level-2-only workload prepares: its state bytes, not its parameters; per tag.
+TEST(HostStorePool, SleepHostBytesCountsWhatEachLevelKeeps) {
+  HostDriver d(HostBackend::options());
+  PoolOptions o;
+  o.va_bytes = 256 * MiB;
+  o.medium_limit = 0;
+  Pool pool(d, o);
+  auto params = fill_direct(pool, 3, MiB, MemoryClass::parameter, 20);
+  auto state = fill_direct(pool, 2, MiB, MemoryClass::state, 21);
+  void* kv = pool.allocate(4 * MiB, {"kv_cache", MemoryClass::cache, ""});
+  const std::size_t one = HostStore::reserved_size(MiB);
+  EXPECT_EQ(pool.sleep_host_bytes(0), 0u);
+  EXPECT_EQ(pool.sleep_host_bytes(1), 5 * one);
+  EXPECT_EQ(pool.sleep_host_bytes(2), 2 * one) << "level 2 keeps only the state";
+  EXPECT_EQ(pool.sleep_host_bytes(1, {"kv_cache"}), 0u) << "cache never travels";
+  EXPECT_THROW(pool.sleep_host_bytes(1, {"nope"}), invalid_argument);
+  EXPECT_THROW(pool.sleep_host_bytes(3), invalid_argument);
+  EXPECT_EQ(pool.prepare_host_store(pool.sleep_host_bytes(2)), align_up(2 * one, HostStore::block_rounding));
+  pool.wait_host_store();
+  TransitionReport r = pool.sleep(2);
+  EXPECT_FALSE(has_phase(r, "host_pinning_wait")) << "the level-2 sleep found its store prepared";
+  EXPECT_EQ(pool.sleep_host_bytes(2), 2 * one) << "asleep: the backups it holds";
+  pool.wake_up();
+  for (std::size_t i = 0; i < state.ptrs.size(); ++i)
+    EXPECT_EQ(std::memcmp(state.ptrs[i], state.bytes[i].data(), MiB), 0);
+  (void)params;
+  pool.deallocate(kv);
 }
 
 // The store maps the blocks it adds at once in one mapping (pinning then overlaps the copies):

@@ -6,6 +6,8 @@
 #include "support/backends.hpp"
 #include "torpor/content_hash.hpp"
 #include "torpor/error.hpp"
+#include "torpor/host_driver.hpp"
+#include "torpor/testing/fault_injecting_driver.hpp"
 
 namespace torpor::test {
 namespace {
@@ -259,6 +261,66 @@ TEST(ContentHash, CpuReferenceIsTheDefinitionComputedIndependently) {
       EXPECT_EQ(content_hash::compute(range.data(), range.size()), by_definition::hash(range))
           << "offset " << off << " bytes " << len;
     }
+}
+
+// Fixed costs (issue 30): a chunk with nothing to copy costs no event call. The driver's own count
+// of calls is the oracle; the bytes after each wake say the skipped waits were not needed.
+TEST(EngineFixedCosts, ChunksWithNothingToCopyRecordAndWaitForNoEvent) {
+  HostDriver host(HostBackend::options());
+  FaultInjectingDriver d(host);
+  PoolOptions o;
+  o.va_bytes = std::size_t{256} << 20;
+  Pool pool(d, o);
+  constexpr int n = 8;
+  std::vector<void*> ptrs;
+  std::vector<std::vector<std::uint8_t>> bytes;
+  for (int i = 0; i < n; ++i) {
+    ptrs.push_back(pool.allocate(64 << 10, {"weights", MemoryClass::parameter, "p" + std::to_string(i), true}));
+    bytes.emplace_back(64 << 10, static_cast<std::uint8_t>(i + 1));
+    pool.copy(ptrs.back(), bytes.back().data(), bytes.back().size());
+  }
+  auto calls = [&] { return std::pair{d.calls(DriverCall::event_record), d.calls(DriverCall::event_synchronize)}; };
+  auto check = [&](const char* when) {
+    for (int i = 0; i < n; ++i) {
+      std::vector<std::uint8_t> back(bytes[i].size());
+      pool.copy(back.data(), ptrs[i], back.size());
+      ASSERT_EQ(back, bytes[i]) << when << ", allocation " << i;
+    }
+  };
+  auto before = calls();
+  pool.sleep(1);
+  auto after = calls();
+  EXPECT_EQ(after.first - before.first, std::size_t{n}) << "the first sleep copies every chunk";
+  pool.wake_up();
+  check("first wake");
+
+  before = calls();
+  TransitionReport r = pool.sleep(1);
+  after = calls();
+  EXPECT_EQ(r.bytes_offloaded, 0u);
+  EXPECT_EQ(r.chunks, std::size_t{n});
+  EXPECT_EQ(after.first - before.first, 0u) << "an unchanged sleep records no event";
+  EXPECT_EQ(after.second - before.second, 0u) << "and waits for none";
+  pool.wake_up();
+  check("unchanged wake");
+
+  bytes[3][100] ^= 0xff;
+  pool.copy(ptrs[3], bytes[3].data(), bytes[3].size());
+  before = calls();
+  r = pool.sleep(1);
+  after = calls();
+  EXPECT_EQ(r.bytes_offloaded, std::size_t{64} << 10) << "the changed chunk is copied";
+  EXPECT_EQ(after.first - before.first, 1u) << "one event: the changed chunk's";
+  pool.wake_up();
+  check("one changed chunk");
+
+  before = calls();
+  r = pool.sleep(2);
+  after = calls();
+  EXPECT_EQ(r.bytes_offloaded, 0u);
+  EXPECT_EQ(after.first - before.first, 0u) << "level 2 discards the parameters: no copy, no event";
+  pool.wake_up();
+  for (void* p : ptrs) pool.deallocate(p);
 }
 
 }  // namespace

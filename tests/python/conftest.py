@@ -45,7 +45,9 @@ def fresh_torch_layer(monkeypatch) -> None:
     """A test's own view of torpor.torch's registries (MemPools, registered modules, re-marks),
     as if nothing had been allocated through PyTorch yet; the state-span sources stay (modules
     register them once, at import)."""
-    from torpor.torch import parameters, remark, routing
+    from torpor.torch import parameters, prepare, remark, routing
+
+    prepare.forget()  # no engine mode of an earlier test intends a sleep
 
     monkeypatch.setattr(routing, "registry", routing.Registry())
     monkeypatch.setattr(parameters, "registry", parameters.Registry())

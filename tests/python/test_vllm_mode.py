@@ -102,6 +102,7 @@ def test_offloaded_tags_keep_every_byte_and_the_others_lose_theirs(torch):
 def test_a_repeated_sleep_reuses_the_re_marks_of_both_its_steps(torch, monkeypatch):
     """vLLM's sleep re-marks the offloaded tags and the discarded ones apart; an unchanged second
     sleep reuses both (work in PyTorch's default pool in between, as an engine's forward does)."""
+    monkeypatch.setenv("TORPOR_PREPARE_SLEEP", "off")  # else the load's preparation takes the first snapshots
     allocator = CuMemAllocator.get_instance()
     e = Engine(torch, allocator)
     torpor.register_parameters(e.model)

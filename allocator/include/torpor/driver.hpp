@@ -70,6 +70,7 @@ struct DeviceProperties {
   bool posix_fd_handles_supported = false;
   std::size_t granularity = 0;       // minimum granularity for create/map
   bool multicast_attribute = false;  // CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED
+  std::string pci_bus_id;            // "0000:3b:00.0" (cuDeviceGetPCIBusId); "" when unknown
 };
 
 struct MemoryInfo {
@@ -98,6 +99,9 @@ struct DriverCapabilities {
   bool make_current = false;
   // live_physical_bytes() works: the driver keeps an exact account of live physical memory.
   bool physical_accounting = false;
+  // host_register() is charged to RLIMIT_MEMLOCK, so the host store's page-locked budget
+  // counts that limit (host_topology.hpp).
+  bool host_register_charged_to_memlock = false;
 };
 
 std::string_view to_string(DriverCapabilities::Compute c) noexcept;

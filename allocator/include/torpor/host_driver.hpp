@@ -77,6 +77,11 @@ struct HostDriverOptions {
   // or registered), else misuse. Pageable copies are legal in CUDA, so this is off by default; a
   // test turns it on to prove that nothing is copied into host memory whose pinning is not done.
   bool require_page_locked_copies = false;
+  // The emulated devices' PCI bus ids, in order ("" or missing: none), and whether host_register
+  // counts against RLIMIT_MEMLOCK (the capability): a fake topology for the host store's NUMA
+  // placement and budget (TORPOR_HOST_PCI_BUS_IDS with TORPOR_SYSFS_ROOT).
+  std::vector<std::string> pci_bus_ids;
+  bool host_register_charged_to_memlock = false;
 };
 
 // Exact accounting, for tests and `torpor probe`.
@@ -125,7 +130,8 @@ class HostDriver final : public Driver {
             .host_memory = true,
             .multicast = DriverCapabilities::Multicast::emulated,
             .make_current = false,
-            .physical_accounting = true};
+            .physical_accounting = true,
+            .host_register_charged_to_memlock = options_.host_register_charged_to_memlock};
   }
 
   int device_count() override;

@@ -205,6 +205,20 @@ struct PoolStats {
   std::string spill_path;                     // the spill file ("" without a disk tier)
   bool spill_direct_io = false;               // the spill file takes O_DIRECT
   bool host_registration_refused = false;     // page-locking by registration failed once
+  // The page-locked budget, derived at every growth of the store from host_store_limit, the
+  // cgroup's memory limit (less its other usage and an eighth kept for the process) and
+  // RLIMIT_MEMLOCK where registration counts against it. Beyond it backups are pageable (through
+  // the staging ring) or, with spill_dir, on disk; host_store_capped says a growth was cut short.
+  std::size_t host_store_budget_bytes = 0;   // 0 = no limit
+  std::string host_store_budget_source;      // "none", "host_store_limit", "cgroup <file>", "RLIMIT_MEMLOCK"
+  std::size_t host_cgroup_limit_bytes = 0;   // 0 = none found
+  std::size_t host_memlock_limit_bytes = 0;  // RLIMIT_MEMLOCK, 0 = unlimited
+  bool host_memlock_charged = false;         // registration counts against it (driver capability)
+  bool host_store_capped = false;
+  // NUMA: the node the store's page-locked blocks prefer (the device's, from its PCI bus id), -1
+  // for none (one node, unknown), and why.
+  int host_numa_node = -1;
+  std::string host_numa_placement;
   // Host store bytes the backups and retained copies hold, every tier (their spans, rounding
   // included): equals host_store_used_bytes + spill_used_bytes, which the store counts on its own.
   std::size_t host_copies_bytes = 0;
@@ -354,6 +368,10 @@ class Pool {
   // a later first sleep copies at full speed instead of waiting for pinning. Returns at once,
   // with the bytes being added. Call it while the engine loads its model.
   std::size_t prepare_host_store(std::size_t bytes = 0);
+  // The host store bytes a sleep at `level` (0, 1, 2) of `tags` (empty: all) would hold with the
+  // classes marked now: what an engine prepares before its first sleep (a level-2-only workload
+  // needs only its state bytes). Unknown tags are invalid_argument, as for sleep().
+  std::size_t sleep_host_bytes(int level, const std::vector<std::string>& tags = {}) const;
   // Blocks until no host store block is being pinned (without holding up other calls).
   void wait_host_store();
   // Reclassify several ranges at once, in order (later ranges win where they overlap): what an

@@ -160,6 +160,10 @@ torpor_status torpor_remove_tag_hooks(torpor_pool_t pool, unsigned long long id)
  * Host bytes (held, page-locked, being pinned, used, retained, on disk) are in the stats JSON. */
 torpor_status torpor_release_host_store(torpor_pool_t pool, size_t* released);
 torpor_status torpor_prepare_host_store(torpor_pool_t pool, size_t bytes, int wait, size_t* added);
+/* The host store bytes a sleep at `level` of `tags` (NULL/0: all) would hold with the classes
+ * marked now (0 for level 0): what to pass torpor_prepare_host_store before a first sleep. */
+torpor_status torpor_sleep_host_bytes(torpor_pool_t pool, int level, const char* const* tags, size_t count,
+                                      size_t* bytes);
 
 /* JSON documents. Writes at most `capacity` bytes (NUL included) to `buffer` and the full
  * size needed (NUL included) to *needed; call again with a larger buffer if it did not fit. */

@@ -400,6 +400,16 @@ torpor_status torpor_set_preserve(torpor_pool_t pool, const char* const* globs, 
                    [&](CPool& p) { p.pool->set_preserve(to_strings(globs, count, "globs")); });
 }
 
+torpor_status torpor_sleep_host_bytes(torpor_pool_t pool, int level, const char* const* tags, size_t count,
+                                      size_t* bytes) {
+  if (bytes == nullptr) return fail(TORPOR_ERROR_INVALID_ARGUMENT, "torpor_sleep_host_bytes: bytes is NULL");
+  *bytes = 0;
+  return with_pool("torpor_sleep_host_bytes", pool, [&](CPool& p) {
+    auto t = to_strings(tags, count, "tags");
+    *bytes = p.pool->sleep_host_bytes(level, t);
+  });
+}
+
 torpor_status torpor_sleep(torpor_pool_t pool, int level, const char* const* tags, size_t count) {
   return with_pool("torpor_sleep", pool, [&](CPool& p) {
     auto t = to_strings(tags, count, "tags");

@@ -19,7 +19,10 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(PoolStats, device, backend, va_bytes, va_used
                                    cached_bytes, chunks, allocations, host_store_bytes, host_store_pinned_bytes,
                                    host_store_pinning_bytes, host_store_pageable_bytes, host_store_used_bytes,
                                    retained_bytes, spill_bytes, spill_used_bytes, spill_path, spill_direct_io,
-                                   host_registration_refused, pending_releases, address_ranges_bytes)
+                                   host_registration_refused, host_store_budget_bytes, host_store_budget_source,
+                                   host_cgroup_limit_bytes, host_memlock_limit_bytes, host_memlock_charged,
+                                   host_store_capped, host_numa_node, host_numa_placement, pending_releases,
+                                   address_ranges_bytes)
 
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(TransitionReport, operation, level, tags, chunks, bytes_offloaded, bytes_skipped,
                                    bytes_hashed, bytes_staged, bytes_spilled, pieces, bytes_discarded, bytes_released,

@@ -33,7 +33,7 @@ constexpr std::int64_t max_group_timeout_ms = std::int64_t{24} * 60 * 60 * 1000;
 constexpr std::int64_t max_world_size = 65536;
 
 // clang-format off
-constexpr std::array<Option, 21> rows = {{
+constexpr std::array<Option, 23> rows = {{
   {id::log, "TORPOR_LOG", "warn", "log level: off, error, warn, info or debug (any case)",
    kind::choice, 0, 0, log_levels},
   {id::backend, "TORPOR_BACKEND", "auto",
@@ -85,6 +85,13 @@ constexpr std::array<Option, 21> rows = {{
    0, 0, tms_switch_values},
   {id::tms_disk_backup_dir, "TMS_DISK_BACKUP_DIR", "/tmp",
    "the preload library's disk backups: the pools' disk tier in this directory", kind::text},
+  {id::sysfs_root, "TORPOR_SYSFS_ROOT", "/sys",
+   "where the host store reads the machine: the GPU's NUMA node (bus/pci/devices/<bus id>/numa_node, "
+   "devices/system/node/online) and the cgroup memory limit (fs/cgroup/memory.max or v1's "
+   "memory/memory.limit_in_bytes); tests point it at a fake tree", kind::text},
+  {id::host_pci_bus_ids, "TORPOR_HOST_PCI_BUS_IDS", "",
+   "the host backend's PCI bus ids of its emulated devices, comma-separated (e.g. 0000:3b:00.0,0000:86:00.0): "
+   "a fake topology for the host store's NUMA placement", kind::text},
 }};
 // clang-format on
 
@@ -276,6 +283,25 @@ bool tms_switch(id key) {
 std::string tms_cpu_backup_backend() { return *value(id::tms_init_cpu_backup_backend); }
 
 std::string tms_disk_backup_dir() { return *value(id::tms_disk_backup_dir); }
+
+std::string sysfs_root() { return *value(id::sysfs_root); }
+
+std::vector<std::string> host_pci_bus_ids() {
+  std::vector<std::string> out;
+  auto text = value(id::host_pci_bus_ids);
+  if (!text) return out;
+  std::string_view rest = *text;
+  while (true) {
+    std::size_t comma = rest.find(',');
+    std::string_view item = rest.substr(0, comma);
+    while (!item.empty() && item.front() == ' ') item.remove_prefix(1);
+    while (!item.empty() && item.back() == ' ') item.remove_suffix(1);
+    out.emplace_back(item);
+    if (comma == std::string_view::npos) break;
+    rest.remove_prefix(comma + 1);
+  }
+  return out;
+}
 
 bool switch_set(const Option& o, const std::optional<std::string>& text) {
   if (!text) return false;

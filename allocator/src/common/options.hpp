@@ -49,6 +49,8 @@ enum class id {
   tms_init_enable_disk_backup,
   tms_retain_cpu_backup,
   tms_disk_backup_dir,
+  sysfs_root,
+  host_pci_bus_ids,
 };
 
 // How a row's text is parsed and validated.
@@ -105,6 +107,8 @@ std::string nccl_library();                     // TORPOR_NCCL_LIBRARY
 bool tms_switch(id key);
 std::string tms_cpu_backup_backend();  // TMS_INIT_CPU_BACKUP_BACKEND: "pinned" or "mmap"
 std::string tms_disk_backup_dir();     // TMS_DISK_BACKUP_DIR
+std::string sysfs_root();                       // TORPOR_SYSFS_ROOT: where /sys is (a fake tree in tests)
+std::vector<std::string> host_pci_bus_ids();    // TORPOR_HOST_PCI_BUS_IDS, comma-separated, per device
 
 // Whether a kill switch row counts as set for the text (nothing: unset). Pure.
 bool switch_set(const Option& o, const std::optional<std::string>& text);

@@ -58,6 +58,7 @@ HostDriverOptions host_driver_options_from_env() {
   o.devices = options::host_devices();
   o.device_bytes = options::host_device_memory();
   o.async = options::host_async();
+  o.pci_bus_ids = options::host_pci_bus_ids();
   return o;
 }
 

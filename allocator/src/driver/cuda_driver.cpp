@@ -79,12 +79,13 @@ namespace torpor {
   X(cuLaunchKernel, 4000)
 
 // Optional: multicast needs a recent driver; absence only means "no multicast".
-#define TORPOR_CUDA_OPTIONAL(X)  \
-  X(cuMulticastCreate, 12010)    \
-  X(cuMulticastAddDevice, 12010) \
-  X(cuMulticastBindMem, 12010)   \
-  X(cuMulticastUnbind, 12010)    \
-  X(cuMulticastGetGranularity, 12010)
+#define TORPOR_CUDA_OPTIONAL(X)       \
+  X(cuMulticastCreate, 12010)         \
+  X(cuMulticastAddDevice, 12010)      \
+  X(cuMulticastBindMem, 12010)        \
+  X(cuMulticastUnbind, 12010)         \
+  X(cuMulticastGetGranularity, 12010) \
+  X(cuDeviceGetPCIBusId, 4010)
 
 namespace {
 
@@ -341,6 +342,10 @@ DeviceProperties CudaDriver::device_properties(int device) {
   p.vmm_supported = attribute(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED);
   p.posix_fd_handles_supported = attribute(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED);
   p.multicast_attribute = attribute(CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED);
+  if (d.cuDeviceGetPCIBusId_ != nullptr) {
+    char bus[64] = {};  // "0000:3b:00.0": the host store's NUMA node comes from it
+    if (d.cuDeviceGetPCIBusId_(bus, static_cast<int>(sizeof bus), dev) == CUDA_SUCCESS) p.pci_bus_id = bus;
+  }
   if (p.vmm_supported) {
     auto context = d.bind(device, "cuMemGetAllocationGranularity");
     CUmemAllocationProp prop = d.prop(device, false);
@@ -378,7 +383,10 @@ DriverCapabilities CudaDriver::capabilities() const noexcept {
           .multicast =
               impl_->has_multicast() ? DriverCapabilities::Multicast::hardware : DriverCapabilities::Multicast::none,
           .make_current = true,
-          .physical_accounting = false};
+          .physical_accounting = false,
+          // The NVIDIA driver pins registered pages in its kernel module, not with mlock: they
+          // are charged to the cgroup, not to RLIMIT_MEMLOCK.
+          .host_register_charged_to_memlock = false};
 }
 
 device_ptr CudaDriver::reserve(std::size_t bytes, std::size_t alignment) {

@@ -206,6 +206,8 @@ DeviceProperties HostDriver::device_properties(int device) {
   p.posix_fd_handles_supported = true;
   p.granularity = options_.granularity;
   p.multicast_attribute = options_.multicast_attribute;
+  if (static_cast<std::size_t>(device) < options_.pci_bus_ids.size())
+    p.pci_bus_id = options_.pci_bus_ids[static_cast<std::size_t>(device)];
   return p;
 }
 

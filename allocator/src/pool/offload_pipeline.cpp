@@ -10,6 +10,7 @@ namespace torpor {
 
 void OffloadPipeline::issue(std::size_t k, Stream stream) {
   ChunkPlan& cp = plan_.chunks[k];
+  bool copied = false;
   for (Piece& p : cp.pieces) {
     if (p.skip) {
       r_.bytes_skipped += p.bytes;
@@ -17,8 +18,11 @@ void OffloadPipeline::issue(std::size_t k, Stream stream) {
     }
     offload_to_span(s_, p.span, cp.chunk->va + p.offset, p.bytes, stream, r_);
     r_.bytes_offloaded += p.bytes;
+    copied = true;
   }
+  if (!copied) return;  // nothing in flight reads the chunk: its worker releases it at once
   s_.driver.event_record(s_.events[k], stream);
+  recorded_[k] = 1;
 }
 
 void OffloadPipeline::sample_copies(std::size_t k) {
@@ -34,8 +38,10 @@ void OffloadPipeline::release_loop() {
   while (auto k = issued_.pop()) {
     if (worker_failed_) continue;  // drain after a failure
     try {
-      s_.driver.event_synchronize(s_.events[*k]);
-      sample_copies(*k);
+      if (recorded_[*k]) {
+        s_.driver.event_synchronize(s_.events[*k]);
+        sample_copies(*k);
+      }
       plan_.chunks[*k].chunk->unmap_and_release(s_.memory);  // a failed release is deferred
     } catch (...) {
       std::lock_guard lock(worker_mu_);

@@ -15,7 +15,11 @@
 //   - released(k) is true exactly for the chunks whose memory is gone (released, or deferred in
 //     ChunkMemory), and only those may be marked asleep; every other chunk is still mapped
 //     with its handle;
-//   - the report's copy counters are written by the issuing thread alone.
+//   - the report's copy counters are written by the issuing thread alone;
+//   - a chunk with nothing to copy (every piece unchanged, or none survives the level) records
+//     no event and its worker waits for none: no device work of the sleep touches it (the hash
+//     of its pieces returned before the pipeline starts), so an unchanged or level-2 sleep costs
+//     no event call per chunk.
 #pragma once
 
 #include <atomic>
@@ -32,7 +36,7 @@ namespace torpor {
 class OffloadPipeline {
  public:
   OffloadPipeline(Pool::State& s, SleepPlan& plan, TransitionReport& r)
-      : s_(s), plan_(plan), r_(r), released_(plan.chunks.size(), 0) {}
+      : s_(s), plan_(plan), r_(r), released_(plan.chunks.size(), 0), recorded_(plan.chunks.size(), 0) {}
 
   // Runs to the end or to the first failure, which error() then holds; returns after every
   // worker joined. Records the "offload_and_release" phase when nothing failed.
@@ -52,6 +56,7 @@ class OffloadPipeline {
   TransitionReport& r_;
   IndexQueue issued_;
   std::vector<char> released_;  // written by the worker that released chunk k, read after join
+  std::vector<char> recorded_;  // chunk k's event was recorded (written before k is queued)
   std::exception_ptr issue_error_;
   std::mutex worker_mu_;  // guards worker_error_
   std::exception_ptr worker_error_;

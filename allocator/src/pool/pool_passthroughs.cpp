@@ -131,6 +131,13 @@ std::size_t Pool::prepare_host_store(std::size_t bytes) {
   return state_->host.prepare(bytes != 0 ? bytes : level1_host_bytes(*state_));
 }
 
+std::size_t Pool::sleep_host_bytes(int level, const std::vector<std::string>& tags) const {
+  if (level < 0 || level > 2) throw invalid_argument(fmt::format("sleep_host_bytes: level {} is not 0, 1 or 2", level));
+  std::lock_guard lock(state_->mu);
+  const std::vector<std::string> resolved = state_->resolve_tags(tags, "sleep_host_bytes");
+  return torpor::sleep_host_bytes(*state_, &resolved, static_cast<SleepLevel>(level));
+}
+
 void Pool::wait_host_store() {
   state_->host.pinner().wait_all();  // thread-safe: other calls go on meanwhile
   std::lock_guard lock(state_->mu);

@@ -7,7 +7,9 @@
 
 #include <algorithm>
 
+#include "common/options.hpp"
 #include "pool/sleep_policy.hpp"
+#include "pool/store/host_topology.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 
@@ -130,6 +132,24 @@ Allocation* Pool::State::containing(device_ptr p) const {
   if (up == allocations.begin()) return nullptr;
   Allocation* a = std::prev(up)->second.get();
   return p < a->base + a->bytes ? a : nullptr;
+}
+
+HostStoreOptions Pool::State::host_store_options(const PoolOptions& o, Driver& d) {
+  HostStoreOptions h;
+  h.device = o.device;
+  h.pinned_limit = o.host_store_limit;
+  h.pin_block_bytes = o.host_pin_block_bytes;
+  h.pin_threads = o.host_pin_threads;
+  h.spill_dir = o.spill_dir;
+  h.spill_limit = o.spill_limit;
+  h.spill_try_direct_io = o.spill_try_direct_io;
+  h.sys_root = options::sysfs_root();
+  h.memlock_charged = d.capabilities().host_register_charged_to_memlock;
+  const NumaPlacement numa = numa_placement(h.sys_root, d.device_properties(o.device).pci_bus_id);
+  h.numa_node = numa.node;
+  h.numa_reason = numa.reason;
+  if (numa.node >= 0) log::info("pool: device {}: host store on NUMA node {} ({})", o.device, numa.node, numa.reason);
+  return h;
 }
 
 std::vector<std::string> Pool::State::resolve_tags(const std::vector<std::string>& requested,

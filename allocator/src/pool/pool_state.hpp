@@ -58,17 +58,11 @@ struct Pool::State {
         memory(d, o.device, o.exportable),
         staging(d, o.device, o.staging_slots, o.staging_slot_bytes),
         va(o.va_bytes),
-        host(d, host_store_options(o)) {}
+        host(d, host_store_options(o, d)) {}
 
-  static HostStoreOptions host_store_options(const PoolOptions& o) {
-    return HostStoreOptions{.device = o.device,
-                            .pinned_limit = o.host_store_limit,
-                            .pin_block_bytes = o.host_pin_block_bytes,
-                            .pin_threads = o.host_pin_threads,
-                            .spill_dir = o.spill_dir,
-                            .spill_limit = o.spill_limit,
-                            .spill_try_direct_io = o.spill_try_direct_io};
-  }
+  // The pool's options, and the machine as the driver and TORPOR_SYSFS_ROOT show it: the NUMA
+  // node of the device, whether registration counts against RLIMIT_MEMLOCK (host_topology.hpp).
+  static HostStoreOptions host_store_options(const PoolOptions& o, Driver& d);
 
   Driver& driver;
   const PoolOptions& options;

@@ -65,6 +65,14 @@ PoolStats Pool::stats() const {
   st.spill_bytes = hs.disk_bytes;
   st.spill_used_bytes = hs.disk_used_bytes;
   st.host_registration_refused = hs.registration_refused;
+  st.host_store_budget_bytes = hs.budget_bytes;
+  st.host_store_budget_source = hs.budget_source;
+  st.host_cgroup_limit_bytes = hs.cgroup_limit;
+  st.host_memlock_limit_bytes = hs.memlock_limit;
+  st.host_memlock_charged = hs.memlock_charged;
+  st.host_store_capped = hs.capped;
+  st.host_numa_node = hs.numa_node;
+  st.host_numa_placement = hs.numa_reason;
   if (const SpillStore* spill = s.host.spill()) {
     st.spill_path = spill->path();
     st.spill_direct_io = spill->direct_io();

@@ -148,19 +148,24 @@ SleepPlan select_chunks(const Pool::State& s, const std::vector<std::string>& ta
   return plan;
 }
 
-std::size_t level1_host_bytes(const Pool::State& s) {
+std::size_t sleep_host_bytes(const Pool::State& s, const std::vector<std::string>* tags, SleepLevel level) {
   std::size_t bytes = 0;
+  if (level == SleepLevel::none) return 0;
   for (auto& [va, c] : s.chunks) {
+    if (tags != nullptr && !has_tag(*tags, c->tag)) continue;
     if (c->awake) {
       ChunkPlan cp{c.get(), {}, 0};
-      split_into_pieces(s, cp, SleepLevel::offload);
+      split_into_pieces(s, cp, level);
       for (const Piece& p : cp.pieces) bytes += HostStore::reserved_size(p.bytes);
     } else {
+      // A backup already held; a deeper sleep would drop some of it, but the store holds it now.
       for (auto& [off, b] : c->backups) bytes += b.span.bytes;
     }
   }
   return bytes;
 }
+
+std::size_t level1_host_bytes(const Pool::State& s) { return sleep_host_bytes(s, nullptr, SleepLevel::offload); }
 
 void plan_offload(Pool::State& s, SleepPlan& plan, TransitionReport& r) {
   for (auto& cp : plan.chunks) {

@@ -63,8 +63,11 @@ SleepPlan select_chunks(const Pool::State& s, const std::vector<std::string>& ta
 // Steps 1-5 above; records r.pieces, r.bytes_hashed and the "hash" and "host_pinning_wait" phases. On failure the
 // caller gives back the spans already taken (free_spans).
 void plan_offload(Pool::State& s, SleepPlan& plan, TransitionReport& r);
-// The host store bytes (reserved sizes) a level-1 sleep of every chunk would hold: the pieces of
-// the awake chunks and the backups of the asleep ones. What prepare_host_store(0) pins.
+// The host store bytes (reserved sizes) a sleep at `level` of the chunks of `tags` (nullptr: every
+// chunk) would hold, with the classes marked now: the pieces of the awake chunks that survive the
+// level and the backups of the asleep ones. What Pool::sleep_host_bytes reports.
+std::size_t sleep_host_bytes(const Pool::State& s, const std::vector<std::string>* tags, SleepLevel level);
+// sleep_host_bytes of every chunk at level 1: what prepare_host_store(0) pins.
 std::size_t level1_host_bytes(const Pool::State& s);
 
 }  // namespace torpor

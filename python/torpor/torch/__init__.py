@@ -29,6 +29,8 @@ another's underscore names):
   that skips an unchanged one, and the registry of state-span sources graphs feed.
 - sleep_hook: the re-mark as a sleep hook of each device's torpor pool (torpor_add_sleep_hook),
   so it runs inside every sleep of those pools, collective ones included.
+- prepare: the host store page-locked in the background once the model is loaded, for the sleep an
+  engine mode declared (TORPOR_PREPARE_SLEEP; triggered by use_pool and register_parameters).
 - graphs: CUDA graphs captured into torpor graph pools (torpor.graph, torpor.graph_pool,
   torpor.mark_state).
 - api: configure, use_pool, sleep, wake_up, stats, the host-store calls.

@@ -13,7 +13,7 @@ from ..errors import InvalidArgument, InvalidState, OutOfMemory, error_for
 from ..pool import ClassLike, MemoryClass, Pool, Tags, pool_options, tag_list, to_memory_class
 from ..tags import KV_CACHE
 from ..values import SleepLevel, text
-from . import remark, routing, sleep_hook
+from . import prepare, remark, routing, sleep_hook
 from .runtime import cuda_torch, device_index, keep_current_device
 
 
@@ -121,12 +121,14 @@ def use_pool(tag: str = "default", memory_class: ClassLike | None = None, device
     with routing.registry.lock:
         pool = routing.mempool(torch, tag, dev, cls)
         pool.active += 1
+    completed = loaded = False
     try:
         failures = lib.torpor_torch_failures(None)
         oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
         try:
             with routing.routed(torch, tag, cls), torch.cuda.memory.use_mem_pool(pool.mempool, dev):
                 yield pool.mempool
+            completed = True
         except oom as e:
             status = ctypes.c_int(0)
             if lib.torpor_torch_failures(ctypes.byref(status)) != failures:
@@ -137,6 +139,9 @@ def use_pool(tag: str = "default", memory_class: ClassLike | None = None, device
             pool.active -= 1
             if pool.active == 0 and not pool.retired:
                 routing.release_empty_segments(pool, dev, tag)
+                loaded = True
+        if loaded and completed:
+            prepare.after_load()  # the outermost block of the tag: what it loaded may sleep
 
 
 def pools() -> dict[int, Pool]:

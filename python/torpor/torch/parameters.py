@@ -175,4 +175,16 @@ def register_parameters(module, preserve=None, prefix: str = "") -> Registration
             result.nbytes += s.nbytes
         if marks:
             pool.mark_ranges(marks)
+    for hook in list(_on_registered):
+        hook(result)
     return result
+
+
+_on_registered: list = []  # called with the Registration after every register_parameters
+
+
+def on_registered(hook) -> None:
+    """Call `hook(registration)` after every register_parameters (torpor.torch.prepare's trigger:
+    registered parameters change what a level-2 sleep keeps). Hooks must not raise."""
+    if hook not in _on_registered:
+        _on_registered.append(hook)

@@ -32,16 +32,21 @@ def with_policy(policy: remark.ClassPolicy):
         _local.policy = previous
 
 
+def remark_now(device: int, tags: list[str], policy: remark.ClassPolicy) -> None:
+    """The re-mark that a sleep of `tags` on `device` with `policy` makes first, now
+    (torpor.torch.prepare sizes the host store from the classes it leaves)."""
+    if not any(routing.pools_of(t, device) for t in tags):
+        return  # tags of the C API alone (or a registry reset by a test): nothing of PyTorch's
+    torch = torch_module()
+    spans = parameters.registered_spans().get(device, [])
+    states = remark.state_spans().get(device, [])
+    counters = remark.block_counters(torch, device)
+    remark.refresh_classes(torch, device, tags, spans, states, policy, counters)
+
+
 def _remark(device: int):
     def before_sleep(level, tags: list[str]) -> None:
-        if not any(routing.pools_of(t, device) for t in tags):
-            return  # tags of the C API alone (or a registry reset by a test): nothing of PyTorch's
-        torch = torch_module()
-        spans = parameters.registered_spans().get(device, [])
-        states = remark.state_spans().get(device, [])
-        counters = remark.block_counters(torch, device)
-        policy = getattr(_local, "policy", remark.pool_class)
-        remark.refresh_classes(torch, device, tags, spans, states, policy, counters)
+        remark_now(device, tags, getattr(_local, "policy", remark.pool_class))
 
     return before_sleep
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <fstream>
 #include <limits>
 #include <mutex>
@@ -33,8 +34,9 @@ void note_huge_pages_once() {
   });
 }
 
-// Anonymous read-write memory, 2 MiB-aligned so that huge pages can back all of it.
-std::byte* map_for_pinning(std::size_t bytes) {
+// Anonymous read-write memory, 2 MiB-aligned so that huge pages can back all of it, bound to
+// prefer `node` (>= 0) before anything touches it: the first fault places a page.
+std::byte* map_for_pinning(std::size_t bytes, int node) {
   const std::size_t align = HostStore::block_rounding;
   void* raw = ::mmap(nullptr, bytes + align, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (raw == MAP_FAILED) return nullptr;
@@ -47,6 +49,15 @@ std::byte* map_for_pinning(std::size_t bytes) {
 #ifdef MADV_HUGEPAGE
   if (::madvise(p, bytes, MADV_HUGEPAGE) != 0) log::debug("host store: madvise(MADV_HUGEPAGE) refused");
 #endif
+  if (node >= 0 && !prefer_numa_node(p, bytes, node)) {
+    static std::once_flag once;
+    const int err = errno;
+    std::call_once(once, [&] {
+      log::info("host store: binding page-locked memory to NUMA node {} (mbind) was refused (errno {}); the pages "
+                "land where they are first touched",
+                node, err);
+    });
+  }
   note_huge_pages_once();
   return p;
 }
@@ -119,10 +130,43 @@ std::size_t HostStore::pinned_held() const noexcept {
   return n;
 }
 
-std::size_t HostStore::pinned_room() const noexcept {
-  if (options_.pinned_limit == 0) return std::numeric_limits<std::size_t>::max();
+PinBudget HostStore::budget() {
+  if (options_.sys_root.empty()) {
+    PinBudget b;
+    b.bytes = options_.pinned_limit;
+    b.source = options_.pinned_limit != 0 ? "host_store_limit" : "none";
+    last_budget_ = b;
+    return b;
+  }
+  last_budget_ = read_pin_budget(options_.sys_root, options_.pinned_limit, options_.memlock_charged, pinned_held());
+  return last_budget_;
+}
+
+std::size_t HostStore::limit_now() { return budget().bytes; }
+
+std::size_t HostStore::pinned_room() {
+  const std::size_t limit = limit_now();
+  if (limit == 0) return std::numeric_limits<std::size_t>::max();
   std::size_t have = pinned_held();
-  return have >= options_.pinned_limit ? 0 : options_.pinned_limit - have;
+  return have >= limit ? 0 : limit - have;
+}
+
+// Once per store, when the budget (not the user's own limit) first keeps a growth from being
+// page-locked: what set the budget, and where the bytes go instead.
+void HostStore::note_capped(std::size_t wanted, std::size_t got) {
+  if (got >= wanted) return;
+  const bool first = !capped_;
+  capped_ = true;
+  if (!first || last_budget_.source == "host_store_limit") return;
+  log::warn("host store: page-locked memory is capped at {} bytes by {} ({}); {} of the {} bytes asked for are not "
+            "page-locked: they go {} (set host_store_limit and spill_dir to choose, or raise the limit)",
+            last_budget_.bytes, last_budget_.source,
+            last_budget_.source == "RLIMIT_MEMLOCK"
+                ? fmt::format("ulimit -l is {} bytes", last_budget_.memlock_limit)
+                : fmt::format("limit {} bytes, {} in use, an eighth kept for the rest of the process",
+                              last_budget_.cgroup_limit, last_budget_.cgroup_usage),
+            wanted - got, wanted,
+            spill_ ? "to the disk tier (spill_dir)" : "to pageable memory, copied through the pinned staging ring");
 }
 
 void HostStore::note_refusal(const Block& b) {
@@ -169,7 +213,7 @@ HostStore::Block& HostStore::add_pinned_blocks(std::size_t bytes, std::size_t fi
 // the mapping on the pinning, block after block. Each block is unmapped on its own later (munmap
 // of part of a mapping).
 HostStore::Block& HostStore::add_registered_blocks(std::size_t bytes, std::size_t first_block) {
-  std::byte* base = map_for_pinning(bytes);
+  std::byte* base = map_for_pinning(bytes, options_.numa_node);
   if (base == nullptr)
     throw out_of_memory(
         fmt::format("host backing store could not map {} bytes to page-lock ({} held)", bytes, capacity()));
@@ -257,6 +301,7 @@ void HostStore::reserve(std::size_t bytes) {
   // one pageable or disk block.
   std::size_t room = pinned_room();
   std::size_t pinned = room >= align_up(need, block_rounding) ? need : (room / block_rounding) * block_rounding;
+  note_capped(need, pinned);
   if (pinned > 0) add_pinned_blocks(pinned, options_.pin_block_bytes);
   if (need > pinned) add_block(need - pinned, spill_ ? HostTier::disk : HostTier::pageable);
 }
@@ -271,11 +316,17 @@ std::size_t HostStore::prepare(std::size_t bytes) {
     throw invalid_argument(fmt::format("prepare_host_store: {} bytes is more than this machine's {} bytes of memory; "
                                        "pass at most that, or 0 for what a level-1 sleep of everything needs",
                                        bytes, memory));
-  std::size_t target = options_.pinned_limit == 0 ? bytes : std::min(bytes, options_.pinned_limit);
+  const std::size_t limit = limit_now();
+  std::size_t target = limit == 0 ? bytes : std::min(bytes, limit);
   const std::size_t have = pinned_held();
-  if (have >= target) return 0;
-  std::size_t n = align_up(target - have, block_rounding);
-  if (options_.pinned_limit != 0) n = std::min(n, pinned_room() / block_rounding * block_rounding);
+  if (have >= target) {
+    note_capped(bytes, target);
+    return 0;
+  }
+  const std::size_t wanted = align_up(target - have, block_rounding);
+  std::size_t n = wanted;
+  if (limit != 0) n = std::min(n, pinned_room() / block_rounding * block_rounding);
+  note_capped(bytes > have ? bytes - have : 0, n);
   if (n == 0) return 0;
   add_pinned_blocks(n, options_.pin_block_bytes);
   return n;
@@ -301,6 +352,7 @@ HostSpan HostStore::allocate(std::size_t bytes, std::size_t remaining, std::size
   // pin_block_bytes.
   std::size_t grow = std::max(rounded, std::min(options_.pin_block_bytes, remaining));
   const std::size_t room = pinned_room() / block_rounding * block_rounding;
+  note_capped(std::max(rounded, remaining), std::min(room, std::max(rounded, remaining)));
   Block* b = nullptr;
   if (room >= align_up(rounded, block_rounding)) {
     grow = std::max(rounded, std::min(grow, room));
@@ -383,6 +435,16 @@ std::uint64_t HostStore::file_offset(const std::byte* p) const {
 HostStoreStats HostStore::stats() const {
   HostStoreStats st;
   st.registration_refused = registration_refused_;
+  st.budget_bytes = last_budget_.bytes;
+  st.budget_source =
+      last_budget_.source.empty() ? (options_.pinned_limit ? "host_store_limit" : "none") : last_budget_.source;
+  if (last_budget_.source.empty()) st.budget_bytes = options_.pinned_limit;
+  st.cgroup_limit = last_budget_.cgroup_limit;
+  st.memlock_limit = last_budget_.memlock_limit;
+  st.memlock_charged = options_.memlock_charged;
+  st.capped = capped_;
+  st.numa_node = options_.numa_node;
+  st.numa_reason = options_.numa_reason;
   for (auto& b : blocks_) {
     std::size_t used = b->space.used_bytes();
     switch (b->tier()) {

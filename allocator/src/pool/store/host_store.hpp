@@ -13,12 +13,17 @@
 //             Where registration is refused (one log line), that block's spans are pageable and
 //             the store grows with Driver::host_alloc from then on;
 //   pageable  beyond `pinned_limit`: ordinary memory, moved through the pinned staging ring;
-//   disk      beyond `pinned_limit` when a spill directory is set, instead of pageable memory:
+//   disk      beyond the limit when a spill directory is set, instead of pageable memory:
 //             extents of a SpillStore file. A disk block is a span of reserved, inaccessible
 //             addresses standing for its extent (file offset = block offset + address - base),
 //             so spans of every tier are split and freed by address alike, and a stray access
 //             to one faults.
 // A steady cycle allocates nothing: blocks are kept until release_unused() or destruction.
+//
+// Like the machine (host_topology.hpp): with `sys_root` set, the page-locked limit is the budget
+// derived at every growth from pinned_limit, the cgroup's memory limit and RLIMIT_MEMLOCK (where
+// registration is charged to it); a growth the budget cuts short logs once why and what happens
+// instead. Registered blocks are bound to prefer `numa_node` (the device's) before first touch.
 //
 // Invariants: every span lies inside one block (so one registration covers a pinned copy);
 // disk spans start at file offsets aligned to SpillStore::alignment and cover whole aligned
@@ -37,6 +42,7 @@
 
 #include "common/range_allocator.hpp"
 #include "pool/store/host_pinner.hpp"
+#include "pool/store/host_topology.hpp"
 #include "pool/store/spill_store.hpp"
 #include "torpor/driver.hpp"
 
@@ -59,6 +65,10 @@ struct HostStoreOptions {
   std::string spill_dir;                               // beyond the limit: files here (empty: pageable)
   std::size_t spill_limit = 0;                         // disk bytes at most; 0 = no limit
   bool spill_try_direct_io = true;                     // false: buffered I/O on the spill file
+  std::string sys_root;                                // derive the budget from this /sys ("": pinned_limit only)
+  bool memlock_charged = false;                        // registration counts against RLIMIT_MEMLOCK
+  int numa_node = -1;                                  // node the pinned blocks prefer; -1: first touch
+  std::string numa_reason;                             // why that node (stats)
 };
 
 struct HostStoreStats {
@@ -69,6 +79,14 @@ struct HostStoreStats {
   std::size_t disk_bytes = 0;      // spill file extents held
   std::size_t disk_used_bytes = 0;
   bool registration_refused = false;
+  std::size_t budget_bytes = 0;   // page-locked bytes at most, as last derived (0 = no limit)
+  std::string budget_source;      // what set it ("none", "host_store_limit", "cgroup ...", "RLIMIT_MEMLOCK")
+  std::size_t cgroup_limit = 0;   // the cgroup memory limit seen (0 = none)
+  std::size_t memlock_limit = 0;  // RLIMIT_MEMLOCK (0 = unlimited)
+  bool memlock_charged = false;
+  bool capped = false;  // a growth was cut short by the budget
+  int numa_node = -1;   // node the pinned blocks prefer (-1: none)
+  std::string numa_reason;
 };
 
 class HostStore {
@@ -122,6 +140,8 @@ class HostStore {
   std::size_t blocks() const noexcept { return blocks_.size(); }
   std::size_t growths() const noexcept { return growths_; }  // blocks ever added
   std::size_t pinned_limit() const noexcept { return options_.pinned_limit; }
+  // The page-locked budget now (derives it again; see the note above).
+  PinBudget budget();
   int pin_threads() const noexcept { return pinner_.threads(); }
   // Thread-safe: waiting for the pinning needs no pool lock.
   HostPinner& pinner() noexcept { return pinner_; }
@@ -148,7 +168,9 @@ class HostStore {
   std::unique_ptr<Block> allocated_block(std::size_t bytes);
   std::unique_ptr<Block> add_beyond_limit_block(std::size_t bytes);
   void unregister_if_ready(Block& b);
-  std::size_t pinned_room() const noexcept;
+  std::size_t pinned_room();
+  std::size_t limit_now();  // the budget's bytes (0 = none), noting it for stats
+  void note_capped(std::size_t wanted, std::size_t got);
   std::size_t pinned_held() const noexcept;  // toward the limit
   Block* block_of(const std::byte* p) const;
   Block* fitting(std::size_t bytes, bool (*want)(const Block&));
@@ -163,6 +185,8 @@ class HostStore {
   std::map<const std::byte*, Block*> by_base_;  // for lookups by address
   std::size_t growths_ = 0;
   bool registration_refused_ = false;
+  PinBudget last_budget_;
+  bool capped_ = false;
 };
 
 }  // namespace torpor
