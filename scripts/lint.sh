@@ -5,7 +5,7 @@
 #                 the build compiles, with its compile_commands.json (build/, or
 #                 TORPOR_LINT_BUILD=DIR; scripts/test.sh's first configure exports it)
 #   flake8        Python lint (.flake8) on every tracked .py file
-#   black         Python format (python/pyproject.toml's [tool.black]) of the same files, --check
+#   black         Python format (pyproject.toml's [tool.black]) of the same files, --check
 # `scripts/lint.sh --fix` applies clang-format and black instead of checking (no linters then).
 #
 # A tool that is missing is skipped, saying so, and does not fail the run (the GPU machines have
@@ -145,9 +145,9 @@ start=$SECONDS
 if formatter black 23 black; then
   bl=$(cat "$tmp/black.tool")
   if [ "$fix" = 1 ]; then
-    "$bl" -q --config python/pyproject.toml "${py_files[@]}"
+    "$bl" -q --config pyproject.toml "${py_files[@]}"
     say "black applied to ${#py_files[@]} files"
-  elif "$bl" --check --config python/pyproject.toml "${py_files[@]}" 2> "$tmp/black.log"; then
+  elif "$bl" --check --config pyproject.toml "${py_files[@]}" 2> "$tmp/black.log"; then
     say "black: ${#py_files[@]} files ok ($((SECONDS - start)) s)"
   else
     head -20 "$tmp/black.log"

@@ -6,9 +6,11 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <string>
 
 #include "commands.hpp"
 #include "torpor/log.hpp"
+#include "torpor/torpor.h"
 
 int main(int argc, char** argv) {
   torpor::log::current_level();  // reports an unknown TORPOR_LOG now, not at the first message
@@ -17,6 +19,9 @@ int main(int argc, char** argv) {
   try {
     CLI::App app{"torpor: a sleep-mode-aware GPU memory pool allocator on CUDA virtual memory"};
     app.require_subcommand(1);
+    // The library's version (VERSION at the repository root, through torpor_version()): the CLI
+    // reports what it runs on, so a stale libtorpor beside a new CLI shows here.
+    app.set_version_flag("--version", std::string("torpor ") + torpor_version());
     int exit_code = 0;
     torpor::cli::add_probe(app, exit_code);
     torpor::cli::add_symmetric_check(app, exit_code);
