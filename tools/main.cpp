@@ -1,4 +1,5 @@
 // torpor: the command-line tool. `torpor probe` reports what torpor sees on this machine;
+// `torpor doctor` judges it (can torpor run at full speed here, and the fix for each finding);
 // `torpor symmetric-check` runs symmetric memory through sleep across processes; `torpor stress`
 // runs the sleep-mode test plan on a tiny MoE model; `torpor rl-loop` the RL weight-update loop.
 #include <CLI/CLI.hpp>
@@ -24,6 +25,7 @@ int main(int argc, char** argv) {
     app.set_version_flag("--version", std::string("torpor ") + torpor_version());
     int exit_code = 0;
     torpor::cli::add_probe(app, exit_code);
+    torpor::cli::add_doctor(app, exit_code);
     torpor::cli::add_symmetric_check(app, exit_code);
     torpor::cli::add_stress(app, exit_code);
     torpor::cli::add_rl_loop(app, exit_code);

@@ -30,7 +30,7 @@ constexpr std::int64_t max_group_timeout_ms = std::int64_t{24} * 60 * 60 * 1000;
 constexpr std::int64_t max_world_size = 65536;
 
 // clang-format off
-constexpr std::array<Option, 15> rows = {{
+constexpr std::array<Option, 18> rows = {{
   {id::log, "TORPOR_LOG", "warn", "log level: off, error, warn, info or debug (any case)",
    kind::choice, 0, 0, log_levels},
   {id::backend, "TORPOR_BACKEND", "auto",
@@ -65,6 +65,14 @@ constexpr std::array<Option, 15> rows = {{
    "NVSHMEM's kill switch, honoured like TORCH_SYMM_MEM_DISABLE_MULTICAST", kind::disable},
   {id::nccl_nvls_enable, "NCCL_NVLS_ENABLE", "",
    "NCCL's switch: 0 (or false, no, off) is a kill switch for torpor too", kind::nvls_enable},
+  {id::nccl_graph_register, "NCCL_GRAPH_REGISTER", "",
+   "NCCL's graph buffer registration (on when unset): it would pin torpor's graph memory through sleep; "
+   "torpor.graph sets 0 when unset, torpor doctor reports it", kind::text},
+  {id::pytorch_cuda_alloc_conf, "PYTORCH_CUDA_ALLOC_CONF", "",
+   "PyTorch's allocator settings: expandable_segments:True is turned off inside torpor's pools (Python), "
+   "torpor doctor reports it", kind::text},
+  {id::pytorch_alloc_conf, "PYTORCH_ALLOC_CONF", "",
+   "PyTorch's newer name for PYTORCH_CUDA_ALLOC_CONF, read the same way", kind::text},
 }};
 // clang-format on
 

@@ -43,6 +43,9 @@ enum class id {
   torch_symm_mem_disable_multicast,
   nvshmem_disable_nvls,
   nccl_nvls_enable,
+  nccl_graph_register,
+  pytorch_cuda_alloc_conf,
+  pytorch_alloc_conf,
 };
 
 // How a row's text is parsed and validated.
@@ -93,6 +96,8 @@ std::optional<int> rank();                      // TORPOR_RANK (no default)
 std::optional<int> world_size();                // TORPOR_WORLD_SIZE (no default)
 std::string tmpdir();                           // TMPDIR
 std::string nccl_library();                     // TORPOR_NCCL_LIBRARY
+// NCCL_GRAPH_REGISTER, PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF are other programs'
+// settings that `torpor doctor` reports through raw(); torpor's C++ code does not act on them.
 
 // Whether a kill switch row counts as set for the text (nothing: unset). Pure.
 bool switch_set(const Option& o, const std::optional<std::string>& text);

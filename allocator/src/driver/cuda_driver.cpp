@@ -341,6 +341,7 @@ DeviceProperties CudaDriver::device_properties(int device) {
   p.vmm_supported = attribute(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED);
   p.posix_fd_handles_supported = attribute(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED);
   p.multicast_attribute = attribute(CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED);
+  p.fabric_handles_supported = attribute(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED);
   if (p.vmm_supported) {
     auto context = d.bind(device, "cuMemGetAllocationGranularity");
     CUmemAllocationProp prop = d.prop(device, false);
