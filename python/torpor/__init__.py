@@ -28,7 +28,7 @@ variables the package reads are one table, torpor.environment.
 """
 
 from . import distributed, errors, tags, tms, vllm
-from ._lib import last_error, library_path, library_version
+from ._lib import cmake_dir, last_error, library_path, library_version
 from ._version import VERSION as __version__  # noqa: F401 - the package version, not an API name
 from .errors import (
     DriverError,
@@ -85,6 +85,7 @@ __all__ = [
     "TorchUnavailable",
     "TorporError",
     "Unavailable",
+    "cmake_dir",
     "configure",
     "distributed",
     "errors",

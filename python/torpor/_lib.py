@@ -288,6 +288,21 @@ def library_path() -> str:
     return _path
 
 
+def cmake_dir() -> str:
+    """The CMake package that `pip install .` put in the package (torpor/_lib/lib/cmake/torpor):
+    pass it as ``-Dtorpor_DIR=...`` (or its prefix, ``torpor/_lib``, in CMAKE_PREFIX_PATH) and
+    ``find_package(torpor)`` gives torpor::torpor, torpor::kernels and torpor::fusion. Raises
+    LibraryNotFound when the package was installed without one (TORPOR_LIBRARY bundled a
+    prebuilt library, or the package is used from a checkout)."""
+    path = _PACKAGE_DIR / "_lib" / "lib" / "cmake" / "torpor"
+    if not (path / "torporConfig.cmake").is_file():
+        raise LibraryNotFound(
+            f"no CMake package in {path}: this torpor was not installed with `pip install .` building the library "
+            f"(TORPOR_LIBRARY unset); in a checkout, use `cmake --install build --prefix DIR` and DIR/lib/cmake/torpor"
+        )
+    return str(path)
+
+
 def library_version() -> str:
     """torpor_version() of the loaded library: the VERSION it was built from (torpor.__version__
     is the package's; the two differ only when the library comes from another checkout)."""
