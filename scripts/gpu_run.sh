@@ -181,6 +181,12 @@ for stage in "${stages[@]}"; do
       # The README's two CI commands as they are (issue 17: green on a GPU machine), in a checkout
       # of their own builds (build/, build-asan/, build-tsan/); sanitizers skipped to fit the
       # device tool's 10-minute limit unless TORPOR_README_SANITIZERS=1.
+      # First the main command, as the README writes it (its first sh block), timed.
+      main_command=$(awk '/^```sh$/ {n++; next} /^```$/ {if (n == 1) exit} n == 1' README.md)
+      started=$SECONDS
+      ( timeout 590 bash -c "$main_command" ) > "$OUT/readme-main.log" 2>&1 || status=1
+      echo "== README main command ($((SECONDS - started)) s): $main_command"
+      grep -E "PASS|FAIL" "$OUT/readme-main.log" | tail -3
       ( timeout 590 env TORPOR_SKIP_SANITIZERS=$([ "${TORPOR_README_SANITIZERS:-0}" = 1 ] && echo 0 || echo 1) \
           bash -c 'scripts/install-deps.sh && scripts/test.sh' ) > "$OUT/readme.log" 2>&1 || status=1
       grep -E "install-deps:|tests passed|tests failed|torpor: all tests passed|\*\*\*Failed|Timeout" "$OUT/readme.log" | tail -30

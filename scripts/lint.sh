@@ -3,9 +3,11 @@
 #   clang-format  every tracked C++ and CUDA file against .clang-format (--dry-run --Werror)
 #   clang-tidy    .clang-tidy's checks on the C++ sources of allocator/, fusion/ and tools/ that
 #                 the build compiles, with its compile_commands.json (build/, or
-#                 TORPOR_LINT_BUILD=DIR; scripts/test.sh's first configure exports it)
+#                 TORPOR_LINT_BUILD=DIR; scripts/test.sh's first configure exports it); a file
+#                 whose inputs are unchanged since it passed is not analysed again (the cache
+#                 below, TORPOR_TIDY_CACHE)
 #   flake8        Python lint (.flake8) on every tracked .py file
-#   black         Python format (python/pyproject.toml's [tool.black]) of the same files, --check
+#   black         Python format (pyproject.toml's [tool.black]) of the same files, --check
 # `scripts/lint.sh --fix` applies clang-format and black instead of checking (no linters then).
 #
 # A tool that is missing is skipped, saying so, and does not fail the run (the GPU machines have
@@ -99,22 +101,66 @@ elif [ ! -f "$build/compile_commands.json" ]; then
 else
   [ "$(major_version "$ct")" = 14 ] || say "clang-tidy: $ct is not version 14, which the tree is checked with;" \
     "a newer one may report findings of checks that 14 lacks"
-  # The sources this build compiles (a build without CUDA has no cuda_*.cpp of fusion/).
-  python3 - "$build/compile_commands.json" > "$tmp/tidy.files" <<'EOF'
-import json, os, subprocess, sys
-compiled = {os.path.realpath(e["file"]) for e in json.load(open(sys.argv[1]))}
+  # The sources this build compiles (a build without CUDA has no cuda_*.cpp of fusion/), each with
+  # its cache key: a file whose key passed before is not analysed again (TORPOR_TIDY_CACHE, default
+  # $build/tidy-cache/). The key hashes everything the result depends on: clang-tidy's and the
+  # compiler's versions, .clang-tidy, the file's compile command and its preprocessed text with
+  # comments and line markers (the file and every header it includes, as this build sees them,
+  # NOLINT comments included), so an edit anywhere it reaches analyses it again. Preprocessing
+  # costs a small part of an analysis; findings are never cached.
+  cache=${TORPOR_TIDY_CACHE:-$build/tidy-cache}
+  mkdir -p "$cache"
+  python3 - "$build/compile_commands.json" "$ct" "$cache" "$jobs" > "$tmp/tidy.files" <<'EOF'
+import concurrent.futures, hashlib, json, os, shlex, subprocess, sys
+db, tidy, cache, jobs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+entries = {os.path.realpath(e["file"]): e for e in json.load(open(db))}
 tracked = subprocess.run(["git", "ls-files", "allocator/*.cpp", "fusion/*.cpp", "tools/*.cpp"],
                          capture_output=True, text=True, check=True).stdout.split()
+common = hashlib.sha256()
+common.update(subprocess.run([tidy, "--version"], capture_output=True).stdout)
+common.update(open(".clang-tidy", "rb").read())
+def key(f):
+    e = entries[os.path.realpath(f)]
+    args = e["arguments"] if "arguments" in e else shlex.split(e["command"])
+    pre, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "-o" or a in ("-MF", "-MT", "-MQ"):
+            skip = True
+        elif a not in ("-c", "-MD", "-MMD"):
+            pre.append(a)
+    h = common.copy()
+    h.update(subprocess.run([args[0], "--version"], capture_output=True).stdout)
+    h.update(" ".join(args).encode())
+    r = subprocess.run(pre + ["-E", "-C", "-o", "-"], cwd=e["directory"], capture_output=True)
+    if r.returncode != 0:
+        return f, ""  # analysed (and its error shown) by clang-tidy
+    h.update(r.stdout)
+    return f, h.hexdigest()
+built = [f for f in tracked if os.path.realpath(f) in entries]
+with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+    keyed = dict(pool.map(key, built))
 for f in tracked:
-    print(f if os.path.realpath(f) in compiled else "-" + f)
+    if f not in keyed:
+        print("-" + f)
+    elif keyed[f] and os.path.exists(os.path.join(cache, keyed[f])):
+        print("=" + f)
+    else:
+        print(f"{f} {keyed[f] or 'none'}")
 EOF
-  mapfile -t tidy_files < <(grep -v '^-' "$tmp/tidy.files")
+  mapfile -t tidy_jobs < <(grep -v '^[-=]' "$tmp/tidy.files")
   not_built=$(grep -c '^-' "$tmp/tidy.files")
+  cached=$(grep -c '^=' "$tmp/tidy.files")
+  tidy_files=()
+  for j in "${tidy_jobs[@]}"; do tidy_files+=("${j%% *}"); done
   mkdir -p "$tmp/tidy"
-  # One clang-tidy per file, $jobs at a time; a file's output is kept when it has findings.
-  printf '%s\n' "${tidy_files[@]}" | xargs -P "$jobs" -I{} sh -c \
-    'log="$3/$(echo "$2" | tr / _)"; "$0" -p "$1" --quiet --warnings-as-errors="*" "$2" > "$log" 2>&1 || touch "$log.failed"' \
-    "$ct" "$build" {} "$tmp/tidy"
+  # One clang-tidy per file, $jobs at a time; a file's output is kept when it has findings, and
+  # its key goes into the cache when it has none.
+  printf '%s\n' "${tidy_jobs[@]}" | xargs -r -P "$jobs" -L1 sh -c \
+    'log="$3/$(echo "$4" | tr / _)"; if "$0" -p "$1" --quiet --warnings-as-errors="*" "$4" > "$log" 2>&1; then
+       [ "$5" = none ] || touch "$2/$5"; else touch "$log.failed"; fi' \
+    "$ct" "$build" "$cache" "$tmp/tidy"
   mapfile -t tidy_failed < <(find "$tmp/tidy" -name '*.failed' | sort)
   if [ ${#tidy_failed[@]} -gt 0 ]; then
     for f in "${tidy_failed[@]}"; do grep -v ' warnings\? generated\.$' "${f%.failed}"; done
@@ -122,7 +168,8 @@ EOF
         "on its line with NOLINT(check): reason"
     failed+=(clang-tidy)
   else
-    say "clang-tidy: ${#tidy_files[@]} files ok ($((SECONDS - start)) s; $not_built not compiled by $build/, not checked)"
+    say "clang-tidy: $((${#tidy_files[@]} + cached)) files ok ($((SECONDS - start)) s; $cached unchanged since they" \
+        "passed (cache $cache), $not_built not compiled by $build/, not checked)"
   fi
 fi
 
@@ -145,9 +192,9 @@ start=$SECONDS
 if formatter black 23 black; then
   bl=$(cat "$tmp/black.tool")
   if [ "$fix" = 1 ]; then
-    "$bl" -q --config python/pyproject.toml "${py_files[@]}"
+    "$bl" -q --config pyproject.toml "${py_files[@]}"
     say "black applied to ${#py_files[@]} files"
-  elif "$bl" --check --config python/pyproject.toml "${py_files[@]}" 2> "$tmp/black.log"; then
+  elif "$bl" --check --config pyproject.toml "${py_files[@]}" 2> "$tmp/black.log"; then
     say "black: ${#py_files[@]} files ok ($((SECONDS - start)) s)"
   else
     head -20 "$tmp/black.log"

@@ -4,8 +4,9 @@
 #   build/        release build, CUDA backend compiled when nvcc is present; every test
 #                 (cuda-typed tests skip, saying why, when no GPU is present), then an
 #                 install and a project outside the tree built against it with find_package,
-#                 then scripts/lint.sh (format and lint; clang-tidy uses this build's
-#                 compile_commands.json)
+#                 then scripts/check_wheel.sh (pip install . in a fresh venv, the package
+#                 and a C++ consumer from it), then scripts/lint.sh (format and lint;
+#                 clang-tidy uses this build's compile_commands.json)
 #   build-asan/   host backend under AddressSanitizer + UndefinedBehaviorSanitizer; every test
 #                 executable's tests (the torpor CLI's runs, cli.*, are the first build's)
 #   build-tsan/   host backend under ThreadSanitizer; the threaded tests, from the test files that
@@ -38,6 +39,10 @@ cmake -S tests/consumer -B build/_consumer -G Ninja -DCMAKE_PREFIX_PATH="$PWD/bu
 cmake --build build/_consumer > /dev/null
 LD_LIBRARY_PATH="$PWD/build/_install/lib:${LD_LIBRARY_PATH:-}" build/_consumer/consumer
 stage_done "install and consumer"
+# `pip install .` in a fresh venv builds libtorpor (build/_python/, ccache) and bundles it, with its
+# CMake package: the package imports outside the checkout and a consumer builds from the wheel.
+scripts/check_wheel.sh
+stage_done "wheel"
 scripts/lint.sh
 stage_done lint
 

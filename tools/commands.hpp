@@ -7,6 +7,7 @@
 namespace torpor::cli {
 
 void add_probe(CLI::App& app, int& exit_code);
+void add_doctor(CLI::App& app, int& exit_code);
 void add_symmetric_check(CLI::App& app, int& exit_code);
 void add_stress(CLI::App& app, int& exit_code);
 void add_rl_loop(CLI::App& app, int& exit_code);

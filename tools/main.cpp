@@ -1,4 +1,5 @@
 // torpor: the command-line tool. `torpor probe` reports what torpor sees on this machine;
+// `torpor doctor` judges it (can torpor run at full speed here, and the fix for each finding);
 // `torpor symmetric-check` runs symmetric memory through sleep across processes; `torpor stress`
 // runs the sleep-mode test plan on a tiny MoE model; `torpor rl-loop` the RL weight-update loop.
 #include <CLI/CLI.hpp>
@@ -6,9 +7,11 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <string>
 
 #include "commands.hpp"
 #include "torpor/log.hpp"
+#include "torpor/torpor.h"
 
 int main(int argc, char** argv) {
   torpor::log::current_level();  // reports an unknown TORPOR_LOG now, not at the first message
@@ -17,8 +20,12 @@ int main(int argc, char** argv) {
   try {
     CLI::App app{"torpor: a sleep-mode-aware GPU memory pool allocator on CUDA virtual memory"};
     app.require_subcommand(1);
+    // The library's version (VERSION at the repository root, through torpor_version()): the CLI
+    // reports what it runs on, so a stale libtorpor beside a new CLI shows here.
+    app.set_version_flag("--version", std::string("torpor ") + torpor_version());
     int exit_code = 0;
     torpor::cli::add_probe(app, exit_code);
+    torpor::cli::add_doctor(app, exit_code);
     torpor::cli::add_symmetric_check(app, exit_code);
     torpor::cli::add_stress(app, exit_code);
     torpor::cli::add_rl_loop(app, exit_code);

@@ -28,7 +28,8 @@ variables the package reads are one table, torpor.environment.
 """
 
 from . import distributed, errors, tags, tms, vllm
-from ._lib import last_error, library_path
+from ._lib import cmake_dir, last_error, library_path, library_version
+from ._version import VERSION as __version__  # noqa: F401 - the package version, not an API name
 from .errors import (
     DriverError,
     InternalError,
@@ -65,7 +66,6 @@ from .torch import (
 )
 from .vllm import CuMemAllocator
 
-__version__ = "0.1.0"
 
 __all__ = [
     "CuMemAllocator",
@@ -85,6 +85,7 @@ __all__ = [
     "TorchUnavailable",
     "TorporError",
     "Unavailable",
+    "cmake_dir",
     "configure",
     "distributed",
     "errors",
@@ -94,6 +95,7 @@ __all__ = [
     "graph_pools",
     "last_error",
     "library_path",
+    "library_version",
     "mark_state",
     "memory_nodes",
     "pools",

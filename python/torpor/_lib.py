@@ -6,7 +6,8 @@ order, the first hit wins:
 
 1. ``TORPOR_LIBRARY``: a path to the library. When set it must load; torpor does not fall
    back to another copy, so a wrong path is an error rather than a surprise.
-2. The copy bundled into the package when it was installed (``torpor/_lib/libtorpor.so``).
+2. The copy bundled into the package when it was installed (``torpor/_lib/lib/libtorpor.so``,
+   built by ``pip install .``: setup.py at the repository root).
 3. The repository's build directories when the package is used from a checkout:
    ``build/allocator/`` then ``build-gpu/allocator/``.
 4. The system's library path (``libtorpor.so.0``, where ``cmake --install`` puts it).
@@ -85,7 +86,7 @@ class PoolOptions(ctypes.Structure):
 
 def _candidates() -> list[tuple[str, str]]:
     """(path, where it came from) in search order, after TORPOR_LIBRARY."""
-    out = [(str(_PACKAGE_DIR / "_lib" / "libtorpor.so"), "bundled with the package")]
+    out = [(str(_PACKAGE_DIR / "_lib" / "lib" / "libtorpor.so"), "bundled with the package")]
     for build in ("build", "build-gpu"):
         out.append((str(_REPO_DIR / build / "allocator" / "libtorpor.so"), f"the repository's {build}/ directory"))
     return out
@@ -207,6 +208,7 @@ def _prototypes(lib: ctypes.CDLL) -> None:
         "torpor_collective_sleep": (I, [P, P, I, CC, S]),
         "torpor_collective_wake_up": (I, [P, P, CC, S]),
         "torpor_last_error": (C, []),
+        "torpor_version": (C, []),
         "torpor_status_name": (C, [I]),
         "torpor_status_value": (I, [C]),
         "torpor_class_name": (C, [I]),
@@ -295,6 +297,27 @@ def library_path() -> str:
     lib()
     assert _path is not None
     return _path
+
+
+def cmake_dir() -> str:
+    """The CMake package that `pip install .` put in the package (torpor/_lib/lib/cmake/torpor):
+    pass it as ``-Dtorpor_DIR=...`` (or its prefix, ``torpor/_lib``, in CMAKE_PREFIX_PATH) and
+    ``find_package(torpor)`` gives torpor::torpor, torpor::kernels and torpor::fusion. Raises
+    LibraryNotFound when the package was installed without one (TORPOR_LIBRARY bundled a
+    prebuilt library, or the package is used from a checkout)."""
+    path = _PACKAGE_DIR / "_lib" / "lib" / "cmake" / "torpor"
+    if not (path / "torporConfig.cmake").is_file():
+        raise LibraryNotFound(
+            f"no CMake package in {path}: this torpor was not installed with `pip install .` building the library "
+            f"(TORPOR_LIBRARY unset); in a checkout, use `cmake --install build --prefix DIR` and DIR/lib/cmake/torpor"
+        )
+    return str(path)
+
+
+def library_version() -> str:
+    """torpor_version() of the loaded library: the VERSION it was built from (torpor.__version__
+    is the package's; the two differ only when the library comes from another checkout)."""
+    return lib().torpor_version().decode()
 
 
 def last_error() -> str:

@@ -1,6 +1,6 @@
 """torpor's vLLM plugin: with TORPOR_VLLM=1, every vLLM process uses torpor for sleep mode.
 
-The package declares ``register`` as a ``vllm.general_plugins`` entry point (python/pyproject.toml).
+The package declares ``register`` as a ``vllm.general_plugins`` entry point (pyproject.toml).
 vLLM calls every general plugin in every process it starts (``vllm.plugins.load_general_plugins``;
 VLLM_PLUGINS, when set, must list "torpor"), and a worker does it in
 ``WorkerWrapperBase.init_worker`` before it imports its worker class. With TORPOR_VLLM unset (or

@@ -32,6 +32,24 @@ def pattern(n: int, seed: int = 1) -> bytes:
     return bytes((i * 31 + seed * 7 + 3) % 251 for i in range(n))
 
 
+# What the Python build (`pip install .` at the root) reads of the repository besides python/.
+PYTHON_BUILD_FILES = ("pyproject.toml", "setup.py", "VERSION", "LICENSE", "THIRD_PARTY_NOTICES.md")
+
+
+def copy_python_source(dest: pathlib.Path) -> pathlib.Path:
+    """The repository's Python build inputs copied to dest (no CMake tree: install it with
+    TORPOR_LIBRARY set, which bundles that library instead of building one)."""
+    import shutil
+
+    dest.mkdir(parents=True)
+    for name in PYTHON_BUILD_FILES:
+        shutil.copyfile(REPO / name, dest / name)
+    shutil.copytree(
+        REPO / "python", dest / "python", ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info")
+    )
+    return dest
+
+
 def subprocess_env(**extra) -> dict:
     """The environment for a child Python that imports this checkout's package."""
     env = dict(os.environ)

@@ -1,19 +1,18 @@
 """torpor's vLLM plugin (torpor/vllm_plugin.py) against a stand-in vLLM (tests/python/stand_ins:
 the call sites of vLLM's plugin loader, allocator module, sleep-mode backends and workers, see its
 README), each case in a process of its own, as vLLM's workers are. The plugin is found the way vLLM
-finds it: an entry point of group vllm.general_plugins, declared in python/pyproject.toml."""
+finds it: an entry point of group vllm.general_plugins, declared in pyproject.toml."""
 
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
 import torpor
-from conftest import REPO, subprocess_env
+from conftest import REPO, copy_python_source, subprocess_env
 
 STAND_INS = REPO / "tests" / "python" / "stand_ins"
 KIB = 1 << 10
@@ -23,8 +22,8 @@ def declared_entry_point() -> str:
     try:
         import tomllib
     except ImportError:
-        pytest.skip("tomllib (Python >= 3.11) is needed to read the entry point from python/pyproject.toml")
-    project = tomllib.loads((REPO / "python" / "pyproject.toml").read_text())["project"]
+        pytest.skip("tomllib (Python >= 3.11) is needed to read the entry point from pyproject.toml")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     return project["entry-points"]["vllm.general_plugins"]["torpor"]
 
 
@@ -157,8 +156,7 @@ def missing_build_tools():
 
 @pytest.mark.skipif(missing_build_tools() is not None, reason=f"{missing_build_tools()} is not installed")
 def test_pip_install_declares_the_entry_point_and_ships_the_tms_shim(tmp_path):
-    src = tmp_path / "src"
-    shutil.copytree(REPO / "python", src, ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
+    src = copy_python_source(tmp_path / "src")
     site = tmp_path / "site"
     env = dict(os.environ, TORPOR_LIBRARY=torpor.library_path(), PIP_DISABLE_PIP_VERSION_CHECK="1")
     subprocess.run(

@@ -68,9 +68,10 @@ struct DeviceProperties {
   std::size_t total_bytes = 0;
   bool vmm_supported = false;
   bool posix_fd_handles_supported = false;
-  std::size_t granularity = 0;       // minimum granularity for create/map
-  bool multicast_attribute = false;  // CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED
-  std::string pci_bus_id;            // "0000:3b:00.0" (cuDeviceGetPCIBusId); "" when unknown
+  bool fabric_handles_supported = false;  // CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED (multi-node NVLink)
+  std::size_t granularity = 0;            // minimum granularity for create/map
+  bool multicast_attribute = false;       // CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED
+  std::string pci_bus_id;                 // "0000:3b:00.0" (cuDeviceGetPCIBusId); "" when unknown
 };
 
 struct MemoryInfo {

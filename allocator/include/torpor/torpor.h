@@ -16,6 +16,8 @@
 
 #include <stddef.h> /* NOLINT(modernize-deprecated-headers): a C header */
 
+#include "torpor/version.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -222,6 +224,9 @@ torpor_status torpor_collective_sleep(torpor_pool_t pool, torpor_group_t group, 
                                       size_t count);
 torpor_status torpor_collective_wake_up(torpor_pool_t pool, torpor_group_t group, const char* const* tags,
                                         size_t count);
+
+/* The library's version, "MAJOR.MINOR.PATCH" (TORPOR_VERSION of the torpor/version.h it was built with). */
+const char* torpor_version(void);
 
 const char* torpor_last_error(void);
 /* "TORPOR_ERROR_TIMEOUT" for TORPOR_ERROR_TIMEOUT, ...; "TORPOR_ERROR_UNKNOWN" for any other value. */

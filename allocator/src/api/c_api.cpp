@@ -561,6 +561,8 @@ torpor_status torpor_read_host_copy(torpor_pool_t pool, const void* ptr, size_t 
 
 const char* torpor_last_error(void) { return last_error.c_str(); }
 
+const char* torpor_version() { return TORPOR_VERSION; }
+
 const char* torpor_status_name(torpor_status s) {
   const char* name = detail::status_name_of(s);
   return name != nullptr ? name : "TORPOR_ERROR_UNKNOWN";

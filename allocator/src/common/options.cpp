@@ -33,7 +33,7 @@ constexpr std::int64_t max_group_timeout_ms = std::int64_t{24} * 60 * 60 * 1000;
 constexpr std::int64_t max_world_size = 65536;
 
 // clang-format off
-constexpr std::array<Option, 23> rows = {{
+constexpr std::array<Option, 26> rows = {{
   {id::log, "TORPOR_LOG", "warn", "log level: off, error, warn, info or debug (any case)",
    kind::choice, 0, 0, log_levels},
   {id::backend, "TORPOR_BACKEND", "auto",
@@ -92,6 +92,14 @@ constexpr std::array<Option, 23> rows = {{
   {id::host_pci_bus_ids, "TORPOR_HOST_PCI_BUS_IDS", "",
    "the host backend's PCI bus ids of its emulated devices, comma-separated (e.g. 0000:3b:00.0,0000:86:00.0): "
    "a fake topology for the host store's NUMA placement", kind::text},
+  {id::nccl_graph_register, "NCCL_GRAPH_REGISTER", "",
+   "NCCL's graph buffer registration (on when unset): it would pin torpor's graph memory through sleep; "
+   "torpor.graph sets 0 when unset, torpor doctor reports it", kind::text},
+  {id::pytorch_cuda_alloc_conf, "PYTORCH_CUDA_ALLOC_CONF", "",
+   "PyTorch's allocator settings: expandable_segments:True is turned off inside torpor's pools (Python), "
+   "torpor doctor reports it", kind::text},
+  {id::pytorch_alloc_conf, "PYTORCH_ALLOC_CONF", "",
+   "PyTorch's newer name for PYTORCH_CUDA_ALLOC_CONF, read the same way", kind::text},
 }};
 // clang-format on
 

@@ -51,6 +51,9 @@ enum class id {
   tms_disk_backup_dir,
   sysfs_root,
   host_pci_bus_ids,
+  nccl_graph_register,
+  pytorch_cuda_alloc_conf,
+  pytorch_alloc_conf,
 };
 
 // How a row's text is parsed and validated.
@@ -109,6 +112,8 @@ std::string tms_cpu_backup_backend();  // TMS_INIT_CPU_BACKUP_BACKEND: "pinned" 
 std::string tms_disk_backup_dir();     // TMS_DISK_BACKUP_DIR
 std::string sysfs_root();                       // TORPOR_SYSFS_ROOT: where /sys is (a fake tree in tests)
 std::vector<std::string> host_pci_bus_ids();    // TORPOR_HOST_PCI_BUS_IDS, comma-separated, per device
+// NCCL_GRAPH_REGISTER, PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF are other programs'
+// settings that `torpor doctor` reports through raw(); torpor's C++ code does not act on them.
 
 // Whether a kill switch row counts as set for the text (nothing: unset). Pure.
 bool switch_set(const Option& o, const std::optional<std::string>& text);

@@ -346,6 +346,7 @@ DeviceProperties CudaDriver::device_properties(int device) {
     char bus[64] = {};  // "0000:3b:00.0": the host store's NUMA node comes from it
     if (d.cuDeviceGetPCIBusId_(bus, static_cast<int>(sizeof bus), dev) == CUDA_SUCCESS) p.pci_bus_id = bus;
   }
+  p.fabric_handles_supported = attribute(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED);
   if (p.vmm_supported) {
     auto context = d.bind(device, "cuMemGetAllocationGranularity");
     CUmemAllocationProp prop = d.prop(device, false);

@@ -204,6 +204,7 @@ DeviceProperties HostDriver::device_properties(int device) {
   p.total_bytes = options_.device_bytes;
   p.vmm_supported = true;
   p.posix_fd_handles_supported = true;
+  p.fabric_handles_supported = false;  // fds only: the emulator has no fabric
   p.granularity = options_.granularity;
   p.multicast_attribute = options_.multicast_attribute;
   if (static_cast<std::size_t>(device) < options_.pci_bus_ids.size())

@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "common/options.hpp"
+#include "ranks/nccl/nccl_info.hpp"
 
 namespace torpor {
 
@@ -44,12 +45,26 @@ NcclLibrary load_nccl_library(const std::string& name) {
     return refused;
   }
   a.get_version(&a.version);
+  // By name only: the image's nccl.h may predate them, and nothing calls them yet.
+  a.comm_suspend = ::dlsym(a.handle, "ncclCommSuspend") != nullptr && ::dlsym(a.handle, "ncclCommResume") != nullptr;
   return a;
 }
 
 const NcclLibrary& nccl_library() {
   static const NcclLibrary library = load_nccl_library(options::nccl_library());
   return library;
+}
+
+NcclInfo nccl_info() {
+  const NcclLibrary& l = nccl_library();
+  NcclInfo info;
+  info.built = true;
+  info.usable = l.usable();
+  info.name = l.name;
+  info.why_not = l.why_not;
+  info.version = l.version;
+  info.comm_suspend = l.comm_suspend;
+  return info;
 }
 
 }  // namespace torpor

@@ -34,6 +34,9 @@ struct NcclLibrary {
   decltype(&ncclCommAbort) abort = nullptr;
   decltype(&ncclCommDestroy) destroy = nullptr;
   decltype(&ncclGetErrorString) error_string = nullptr;
+  // Optional: communicator suspend and resume (NCCL 2.29.7 and later), which give NCCL's own
+  // device memory back while asleep. Reported by nccl_info(); not needed to load.
+  bool comm_suspend = false;
 
   bool usable() const noexcept { return why_not.empty(); }
 };
