@@ -138,6 +138,8 @@ VARIABLES: tuple[Variable, ...] = (
         "",
         "vLLM's: after each wake the vLLM mode gives its host copies back (torpor.release_host_store)",
         "flag",
+    ),
+    Variable(
         "TORPOR_PREPARE_SLEEP",
         "auto",
         "host store page-locked in the background once the model is loaded (torpor.torch.prepare): auto "
