@@ -93,7 +93,20 @@ def build_with_cmake(build_temp: pathlib.Path, prefix: pathlib.Path):
         ]
     )
     jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL") or str(os.cpu_count() or 1)
-    run([cmake, "--build", build_dir, "-j", jobs, "--target", "torpor", "torpor_kernels", "torpor_fusion"])
+    run(
+        [
+            cmake,
+            "--build",
+            build_dir,
+            "-j",
+            jobs,
+            "--target",
+            "torpor",
+            "torpor_kernels",
+            "torpor_fusion",
+            "torpor_preload",
+        ]
+    )
     if prefix.exists():
         shutil.rmtree(prefix)
     run([cmake, "--install", build_dir], stdout=subprocess.DEVNULL)

@@ -73,6 +73,9 @@ case "$(basename "$wheel")" in
   "torpor-$want-py3-none-linux_$machine.whl") ;;
   *) fail "$(basename "$wheel"): expected the tag py3-none-linux_$machine" ;;
 esac
-"$python" -m zipfile -l "$wheel" | grep -q 'torpor/_lib/lib/libtorpor.so' || fail "$wheel lacks the library"
-"$python" -m zipfile -l "$wheel" | grep -q 'torpor/_lib/lib/cmake/torpor/torporConfig.cmake' || fail "$wheel lacks the CMake package"
+# The listing first: grep -q stops reading early, and under pipefail the lister's broken pipe
+# would fail the check.
+listing=$("$python" -m zipfile -l "$wheel")
+grep -q 'torpor/_lib/lib/libtorpor.so' <<< "$listing" || fail "$wheel lacks the library"
+grep -q 'torpor/_lib/lib/cmake/torpor/torporConfig.cmake' <<< "$listing" || fail "$wheel lacks the CMake package"
 say "PASS: $(basename "$wheel") holds the library and the CMake package ($((SECONDS - started)) s in all)"
