@@ -146,6 +146,8 @@ def tag_at(device: int, address: int) -> str | None:
             if seg["address"] <= address < seg["address"] + seg["total_size"]:
                 return tag
     return None
+
+
 # -- the host store before the first sleep ----------------------------------------------------
 
 

@@ -108,10 +108,10 @@ std::string nccl_library();                     // TORPOR_NCCL_LIBRARY
 // (tms_init_enable, tms_init_enable_cpu_backup, tms_init_enable_disk_backup, tms_retain_cpu_backup)
 // is on for 1, true, yes (any case), off for 0, false, no or unset; anything else is refused.
 bool tms_switch(id key);
-std::string tms_cpu_backup_backend();  // TMS_INIT_CPU_BACKUP_BACKEND: "pinned" or "mmap"
-std::string tms_disk_backup_dir();     // TMS_DISK_BACKUP_DIR
-std::string sysfs_root();                       // TORPOR_SYSFS_ROOT: where /sys is (a fake tree in tests)
-std::vector<std::string> host_pci_bus_ids();    // TORPOR_HOST_PCI_BUS_IDS, comma-separated, per device
+std::string tms_cpu_backup_backend();         // TMS_INIT_CPU_BACKUP_BACKEND: "pinned" or "mmap"
+std::string tms_disk_backup_dir();            // TMS_DISK_BACKUP_DIR
+std::string sysfs_root();                     // TORPOR_SYSFS_ROOT: where /sys is (a fake tree in tests)
+std::vector<std::string> host_pci_bus_ids();  // TORPOR_HOST_PCI_BUS_IDS, comma-separated, per device
 // NCCL_GRAPH_REGISTER, PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF are other programs'
 // settings that `torpor doctor` reports through raw(); torpor's C++ code does not act on them.
 
