@@ -387,11 +387,9 @@ void GroupTimeout::resolve(const CLI::App* cmd) {
   flag_given = cmd->count("--timeout-ms") > 0 || cmd->count("--timeout") > 0;
   if (cmd->count("--timeout-ms") > 0)
     value = std::chrono::milliseconds(worker_ms);
-  else if (cmd->count("--timeout") > 0)
-    value = std::chrono::seconds(seconds);
-  else if (env)
+  else if (env && cmd->count("--timeout") == 0)
     value = from_env;
-  else
+  else  // --timeout, or the command's default
     value = std::chrono::seconds(seconds);
 }
 

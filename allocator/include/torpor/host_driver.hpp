@@ -117,7 +117,7 @@ struct HostMulticastInfo {
 
 class HostDriver final : public Driver {
  public:
-  explicit HostDriver(HostDriverOptions options = {});
+  explicit HostDriver(const HostDriverOptions& options = {});
   ~HostDriver() override;
   HostDriver(const HostDriver&) = delete;
   HostDriver& operator=(const HostDriver&) = delete;

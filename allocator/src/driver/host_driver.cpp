@@ -154,7 +154,7 @@ std::string_view to_string(DriverCall c) noexcept {
   return "?";
 }
 
-HostDriver::HostDriver(HostDriverOptions options)
+HostDriver::HostDriver(const HostDriverOptions& options)
     : options_(options), counters_(std::make_shared<Counters>(std::max(options.devices, 0))) {
   if (options_.devices < 1) throw invalid_argument("HostDriver needs at least one device");
   if (options_.granularity == 0 || (options_.granularity & (options_.granularity - 1)) != 0 ||
