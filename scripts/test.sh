@@ -57,7 +57,7 @@ if [ "${TORPOR_SKIP_SANITIZERS:-0}" != 1 ]; then
         torpor_fuzz_c_api torpor_fuzz_hub_protocol
   stage_done "asan build"
   ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-    ctest --test-dir build-asan -j "$jobs" --output-on-failure -E '^cli\.'
+    ctest --test-dir build-asan -j "$jobs" --output-on-failure -E '^(cli|version)\.'
   stage_done "asan tests"
 
   cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DTORPOR_CUDA=OFF -DTORPOR_BUILD_BENCH=OFF \
