@@ -27,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "timing.hpp"
 #include "torpor/backend.hpp"
 #include "torpor/error.hpp"
 #include "torpor/pool.hpp"
@@ -34,15 +35,9 @@
 namespace {
 
 using namespace torpor;
-using clock_type = std::chrono::steady_clock;
-
-double seconds_since(clock_type::time_point t) { return std::chrono::duration<double>(clock_type::now() - t).count(); }
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-}
+using bench::clock_type;
+using bench::median;
+using bench::seconds_since;
 
 struct Options {
   std::string backend = "auto";
