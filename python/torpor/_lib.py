@@ -194,6 +194,7 @@ def _prototypes(lib: ctypes.CDLL) -> None:
         "torpor_set_fill_on_wake": (I, [P, I, ctypes.POINTER(ctypes.c_int)]),
         "torpor_add_tag_hooks": (I, [P, C, BEFORE_UNMAP_HOOK, AFTER_MAP_HOOK, P, ctypes.POINTER(ctypes.c_ulonglong)]),
         "torpor_remove_tag_hooks": (I, [P, ctypes.c_ulonglong]),
+        "torpor_run_after_map_hooks": (I, [P]),
         "torpor_stats_json": (I, [P, ctypes.c_char_p, S, PS]),
         "torpor_last_report_json": (I, [P, ctypes.c_char_p, S, PS]),
         "torpor_tags_json": (I, [P, ctypes.c_char_p, S, PS]),

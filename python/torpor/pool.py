@@ -419,11 +419,19 @@ class Pool(_lib.Closing):
     def remove_tag_hooks(self, hook_id: int) -> None:
         _hooks.remove_tag(self.handle, whole(hook_id, "remove_tag_hooks: hook_id", 0, ULLONG_MAX))
 
+    def run_after_map_hooks(self) -> None:
+        """after_map(tag) of every hooked tag that is fully mapped, as at the end of a wake
+        (torpor_run_after_map_hooks): vLLM runs its after_map hooks after every wake-up, also one
+        that selects nothing to map."""
+        _lib.check(_lib.lib().torpor_run_after_map_hooks(self.handle))
+
     def wake_up(self, tags: Tags = None) -> dict:
         """Map memory again at the same addresses for `tags` (None = all) and restore what was
-        kept. Returns the report."""
+        kept. Returns the report. An empty list maps nothing, and still runs the after_map hooks
+        of the tags that are fully mapped, as every wake does."""
         tags = tag_list(tags)
         if tags == []:
+            self.run_after_map_hooks()
             return {}
         arr, n = _lib.encode_list(tags or [])
         _lib.check(_lib.lib().torpor_wake_up(self.handle, arr if tags else None, n))

@@ -200,6 +200,33 @@ TYPED_TEST(TagHookTest, RemovedHooksAreNotCalledAndBadRegistrationsAreRefused) {
   pool.deallocate(a);
 }
 
+// A caller whose wake maps nothing (vLLM's wake_up of tags already awake, the others deferred)
+// still runs after_map for what is fully mapped, as vLLM's allocator does after every wake-up: a
+// tag asleep is not, a hooked tag with no memory yet is (vacuously mapped).
+TYPED_TEST(TagHookTest, RunAfterMapHooksCallsEveryFullyMappedHookedTagAndNoSleepingOne) {
+  std::size_t g = this->granularity();
+  Pool pool(this->driver(), this->small_pool());
+  void* w = pool.allocate(g, {"weights", MemoryClass::state, "w"});
+  void* kv = pool.allocate(g, {"kv_cache", MemoryClass::state, "kv"});
+  Log log;
+  pool.add_tag_hooks("weights", recording(log, "W"));
+  pool.add_tag_hooks("kv_cache", recording(log, "KV"));
+  pool.add_tag_hooks("later", recording(log, "L"));
+  pool.sleep(1, {"kv_cache"});
+  ASSERT_TRUE(pool.asleep("kv_cache"));
+  log.clear();
+  pool.run_after_map_hooks();
+  EXPECT_EQ(log, (Log{"W map weights", "L map later"}));
+  log.clear();
+  pool.wake_up({"weights"});  // nothing of weights is asleep: the wake maps nothing, hooks still run
+  EXPECT_EQ(log, (Log{"W map weights", "L map later"}));
+  log.clear();
+  pool.wake_up({"kv_cache"});
+  EXPECT_EQ(log, (Log{"W map weights", "KV map kv_cache", "L map later"}));
+  pool.deallocate(w);
+  pool.deallocate(kv);
+}
+
 // The C entry points: a refusal's status and text reach torpor_sleep's caller.
 struct CLog {
   std::vector<std::string> calls;

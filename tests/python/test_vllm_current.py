@@ -123,6 +123,37 @@ def test_vllm_register_tag_hooks_fire_where_vllms_allocator_runs_them(torch):  #
         tvllm.register_tag_hooks("kv_cache", None, print)
 
 
+def test_vllm_wake_that_maps_nothing_still_runs_the_after_map_hooks(torch):  # noqa: F811 - the fixture
+    """vLLM's wake_up calls run_after_map_hooks at its end whatever it selected (cumem.py,
+    vllm-project/vllm, read through index id 71436949636: every hooked tag not asleep), so a
+    transport whose registration failed on an earlier wake gets its retry on the next one."""
+    allocator = CuMemAllocator.get_instance()
+    with allocator.use_memory_pool(tag="weights"):
+        w = torch.empty(64 << 10)
+    with allocator.use_memory_pool(tag="kv_cache"):
+        kv = torch.empty(64 << 10)
+    calls = []
+    unregister = [
+        tvllm.register_tag_hooks("weights", lambda: calls.append("w unmap"), lambda: calls.append("w map")),
+        tvllm.register_tag_hooks("kv_cache", lambda: calls.append("kv unmap"), lambda: calls.append("kv map")),
+    ]
+    try:
+        allocator.wake_up(None)  # nothing asleep
+        assert calls == ["w map", "kv map"]
+        allocator.sleep(offload_tags=("weights",))
+        allocator.wake_up(["weights"])  # kv_cache deferred
+        calls.clear()
+        allocator.wake_up(["weights"])  # selects nothing: weights awake, kv_cache still deferred
+        assert calls == ["w map"], "kv_cache is asleep; weights is fully mapped"
+        calls.clear()
+        allocator.wake_up(["kv_cache"])
+        assert calls == ["w map", "kv map"]
+    finally:
+        for u in unregister:
+            u()
+    del w, kv
+
+
 # -- vLLM's options ------------------------------------------------------------------------------
 
 

@@ -346,6 +346,10 @@ class Pool {
   // invalid_argument (removed twice?).
   std::uint64_t add_tag_hooks(const std::string& tag, TagHooks hooks);
   void remove_tag_hooks(std::uint64_t id);
+  // after_map of every hooked tag that is fully mapped, as a wake that maps nothing selected runs
+  // them (vLLM calls its after_map hooks after every wake-up, whatever it selected). A hook's
+  // exception propagates after the others ran, as at the end of wake_up.
+  void run_after_map_hooks();
 
   // Synchronous copy through the pool's stream, any direction (host <-> pool memory). For
   // tests, tools and embeddings that have no stream of their own.

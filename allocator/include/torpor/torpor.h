@@ -151,6 +151,10 @@ typedef void (*torpor_after_map_hook)(void* user, torpor_pool_t pool, const char
 torpor_status torpor_add_tag_hooks(torpor_pool_t pool, const char* tag, torpor_before_unmap_hook before_unmap,
                                    torpor_after_map_hook after_map, void* user, unsigned long long* id);
 torpor_status torpor_remove_tag_hooks(torpor_pool_t pool, unsigned long long id);
+/* after_map of every hooked tag that is fully mapped, as at the end of torpor_wake_up: for a
+ * caller whose wake selects nothing to map (vLLM runs its after_map hooks after every wake-up).
+ * An after_map hook that throws (C++ callers) fails the call after the others ran. */
+torpor_status torpor_run_after_map_hooks(torpor_pool_t pool);
 
 /* Host memory. torpor_release_host_store drops the host copies kept after wake (skip_unchanged)
  * and gives every unused block of the host store back, memory and disk; *released (may be NULL)

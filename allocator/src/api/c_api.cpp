@@ -475,6 +475,10 @@ torpor_status torpor_remove_tag_hooks(torpor_pool_t pool, unsigned long long id)
   return with_pool("torpor_remove_tag_hooks", pool, [&](CPool& p) { p.pool->remove_tag_hooks(id); });
 }
 
+torpor_status torpor_run_after_map_hooks(torpor_pool_t pool) {
+  return with_pool("torpor_run_after_map_hooks", pool, [&](CPool& p) { p.pool->run_after_map_hooks(); });
+}
+
 torpor_status torpor_remove_sleep_hook(torpor_pool_t pool, unsigned long long id) {
   return with_pool("torpor_remove_sleep_hook", pool, [&](CPool& p) {
     std::lock_guard lock(p.hooks_mu);

@@ -170,6 +170,18 @@ void deepen(Pool::State& s, const SleepPlan& plan, TransitionReport& r) {
   }
 }
 
+// The hooked tags fully mapped now, with the snapshot of hooks they were taken from.
+std::pair<TagHookRegistry::Snapshot, std::vector<std::string>> hooked_tags_mapped_now(Pool::State& s) {
+  TagHookRegistry::Snapshot hooks = s.tag_hooks.snapshot();
+  std::vector<std::string> mapped;
+  {
+    std::lock_guard lock(s.mu);
+    for (const auto& t : TagHookRegistry::tags_of(hooks))
+      if (s.fully_mapped(t)) mapped.push_back(t);
+  }
+  return {std::move(hooks), std::move(mapped)};
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -214,6 +226,11 @@ TransitionReport Pool::sleep(SleepLevel level, const std::vector<std::string>& r
   }
 }
 
+void Pool::run_after_map_hooks() {
+  auto [hooks, mapped] = hooked_tags_mapped_now(*state_);
+  TagHookRegistry::after_map(hooks, mapped, true);
+}
+
 TransitionReport Pool::wake_up(const std::vector<std::string>& requested) {
   std::vector<std::string> tags;
   std::vector<SleepObserver*> observers;
@@ -223,28 +240,17 @@ TransitionReport Pool::wake_up(const std::vector<std::string>& requested) {
     observers = state_->observers;
   }
   // after_map once per wake, for the hooked tags the wake (or a failed one) left fully mapped.
-  auto mapped_now = [&] {
-    TagHookRegistry::Snapshot hooks = state_->tag_hooks.snapshot();
-    std::vector<std::string> mapped;
-    {
-      std::lock_guard lock(state_->mu);
-      for (const auto& t : TagHookRegistry::tags_of(hooks))
-        if (state_->fully_mapped(t)) mapped.push_back(t);
-    }
-    return std::make_pair(std::move(hooks), std::move(mapped));
-  };
   TransitionReport r;
   try {
     r = observed(
         observers, [&](SleepObserver& o) { o.before_wake(*this, tags); }, [&] { return wake_tags(tags); },
         [&](SleepObserver& o, bool ok) { o.after_wake(*this, tags, ok); }, "wake_up", "wake");
   } catch (...) {
-    auto [hooks, mapped] = mapped_now();
+    auto [hooks, mapped] = hooked_tags_mapped_now(*state_);
     TagHookRegistry::after_map(hooks, mapped, false);  // the wake's own error is the one to raise
     throw;
   }
-  auto [hooks, mapped] = mapped_now();
-  TagHookRegistry::after_map(hooks, mapped, true);
+  run_after_map_hooks();
   return r;
 }
 

@@ -251,11 +251,15 @@ def each_device_wake_up(selected: dict, wake_one) -> dict:
 
 def wake_up(tags: Tags = None) -> dict[int, dict]:
     """Map memory again, at the same addresses, for `tags` (None = all; vLLM's RL pattern is
-    wake_up(["weights"]), load weights, then wake_up(["kv_cache"])). Returns {device: report}."""
+    wake_up(["weights"]), load weights, then wake_up(["kv_cache"])). Returns {device: report}.
+    Every device pool runs its after_map tag hooks, also one this wake maps nothing of (an empty
+    `tags`, or none of its tags named), as vLLM's allocator does after every wake-up."""
     selected = selected_devices(tags, "wake_up")
-    if selected is None:
-        return {}
-    return each_device_wake_up(selected, lambda d, t: Pool.torch(d).wake_up(t))
+    reports = {} if selected is None else each_device_wake_up(selected, lambda d, t: Pool.torch(d).wake_up(t))
+    for device in routing.devices():
+        if device not in reports:
+            Pool.torch(device).run_after_map_hooks()
+    return reports
 
 
 def tag_states() -> dict[str, bool]:
