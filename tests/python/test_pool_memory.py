@@ -120,3 +120,40 @@ def test_a_tag_holds_several_classes_each_in_its_own_mempool(torch):
     torpor.wake_up("pm.mixed")
     assert pool.read(kept.data_ptr(), MiB) == pattern(MiB, 1)
     assert pool.read(lost.data_ptr(), MiB) == POISON * MiB
+
+
+def test_pytorch_never_frees_a_segment_torpor_gave_back_or_still_holds(torch, monkeypatch):
+    """Segments freed by PyTorch behind torpor's back: torpor gives a retired MemPool's empty
+    segments back itself (its free), while PyTorch still lists them in that MemPool; and the
+    fake frees an unused pool's free segments at empty_cache (which every torpor.sleep calls)
+    and at the MemPool's destruction, as PyTorch does. Were a torpor MemPool ever destroyed
+    (pytorch#146431: torpor leaks a reference to each), PyTorch would free the given-back
+    segment a second time, and by then torpor has handed that address to another segment: the
+    live one would go. So nothing here may reach torpor_torch_free once the registry forgets
+    the MemPools (what interpreter shutdown does)."""
+    lib = torpor._lib.lib()
+    with torpor.use_pool("pm.freed"):
+        live = torch.empty(MiB)  # keeps its small segment
+        gone = torch.empty(BIG)
+        gone.free()
+    assert not torpor.Pool.torch(0).contains(gone.data_ptr()), "given back by torpor at the block's exit"
+    with torpor.use_pool("pm.freed"):
+        again = torch.empty(BIG)  # a new MemPool; torpor reuses the address it got back
+    torpor.Pool.torch(0).write(again.data_ptr(), pattern(4096))
+    held = lambda: torpor.Pool.torch(0).stats()["tags"]["pm.freed"]["allocated_bytes"]  # noqa: E731
+    before = held()
+    failures = lib.torpor_torch_failures(None)
+    from torpor.torch import routing
+
+    routing.registry.mempools.clear()  # the test's registry forgets every MemPool it made
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    torpor.Pool.torch(0).sleep(1, ["pm.freed"])
+    torch.cuda.empty_cache()  # as at the end of torpor.sleep
+    torpor.Pool.torch(0).wake_up(["pm.freed"])
+    assert lib.torpor_torch_failures(None) == failures, "no free of a segment torpor gave back"
+    assert held() == before == 2 * MiB + BIG, "no live segment freed"
+    assert torpor.Pool.torch(0).read(again.data_ptr(), 4096) == pattern(4096)
+    assert torpor.Pool.torch(0).contains(live.data_ptr())
