@@ -7,7 +7,7 @@
 #                                      torch-sleep-profile host-store bench-fixed-costs bench-multi-pool
 #                                      engines graphs vllm-today tms-examples sglang-sequence
 #                                      distributed symmetric symmetric-nccl tail tail-bench stress
-#                                      stress-tail
+#                                      stress-tail soak
 #                                      (default: probe tests)
 #   TORPOR_GPU_BUILD=dir               the build directory (default build-gpu, type Release);
 #   TORPOR_GPU_BUILD_TYPE=type         e.g. TORPOR_GPU_BUILD=build TORPOR_GPU_BUILD_TYPE=RelWithDebInfo
@@ -30,7 +30,12 @@
 # (per-cycle memory returned by cuMemGetInfo), the negative controls (zero-flags on 2 GPUs, stale-weights), and
 # `torpor rl-loop`; tables in stress-*.txt, JSON in stress-*.json and rl-loop.json. stress-tail
 # (2 GPUs) is the part of stress that checks the tail: one process per GPU with the fused and
-# with the unfused tail (the same tokens required), and the negative control.
+# with the unfused tail (the same tokens required), and the negative control. soak (1 GPU) is
+# issue 31 item 4's long run: `torpor stress` with 1000 soak cycles (mixed levels, partial wakes)
+# on stress's soak50 model (a few hundred MiB), 2 prompts of 4 new tokens per cycle so that the
+# cycles, not the decoding, fill the time; the verdict fails on any token that differs and on
+# growth of live physical, host-store or mapped bytes, and the table lists the memory cuMemGetInfo
+# reports per cycle; bounded to 240 s (exit 124 says it ran past); soak.txt, soak.json.
 #
 # engines (1 GPU) runs the engine modes of issue 14 with real PyTorch: vLLM's test_cumem.py and
 # torch_memory_saver's examples restated (tests/python/test_engines_gpu.py), the vLLM plugin and
@@ -395,6 +400,15 @@ for stage in "${stages[@]}"; do
         --vocab 32768 --hidden 1024 --layers 4 --head-dim 128 --experts 16 --latent 256 --inter 2048 \
         --shared-inter 2048 --json "$OUT/rl-loop.json" > "$OUT/rl-loop.txt" 2>&1 || status=1
       echo "== torpor rl-loop"; cat "$OUT/rl-loop.txt"
+      ;;
+    soak)
+      timeout 240 $build/tools/torpor stress --backend cuda --no-progress --ranks 1 --cycles 1000 --prompts 2 \
+        --new-tokens 4 --vocab 32768 --hidden 1024 --layers 4 --head-dim 128 --experts 16 --latent 256 --inter 2048 \
+        --shared-inter 2048 --json "$OUT/soak.json" > "$OUT/soak.txt" 2>&1
+      rc=$?
+      [ $rc -ne 0 ] && status=1
+      echo "== torpor stress, 1000-cycle soak on 1 GPU (exit $rc$([ $rc -eq 124 ] && echo ': ran past 240 s'))"
+      grep -E "soak|PASS|FAIL|device memory|outside torpor" "$OUT/soak.txt" | tail -20
       ;;
     stress-tail)
       if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then

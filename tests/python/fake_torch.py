@@ -1,18 +1,40 @@
 """A stand-in for the part of PyTorch that torpor's embedding touches, for CI (no torch, no
-GPU). It is small on purpose and models exactly the behaviour torpor depends on:
+GPU). It models the behaviour of PyTorch's caching allocator (c10/cuda/CUDACachingAllocator.cpp)
+that torpor's PyTorch layer meets:
 
 - CUDAPluggableAllocator(path, alloc_name, free_name) loads the two entry points from the
-  library and calls them for whole segments, on the allocating thread;
-- MemPool(allocator) + use_mem_pool(pool, device) route the thread's allocations to the pool;
-  a pool caches freed blocks and never returns segments while it lives (pytorch#145168);
-- when a segment allocation fails: raise OutOfMemoryError (after the retry PyTorch makes);
+  library and calls them for whole segments, on the allocating thread, under the allocator's
+  lock (one per process here: PyTorch's is per device);
+- segments and blocks as PyTorch carves them: requests rounded to 512 bytes; requests up to
+  1 MiB from 2 MiB "small" segments, larger ones from "large" segments (20 MiB below 10 MiB,
+  else the request rounded up to 2 MiB); the smallest free block of the same pool, kind and
+  stream that fits is used (lowest address among equals), and split when the rest is at least
+  512 bytes (small) or more than 1 MiB (large); a freed block merges with its free neighbours;
+- blocks belong to the stream they were allocated on (each thread's current stream): a freed
+  block is reused only by that stream;
+- MemPool(allocator) + use_mem_pool(pool, device) route the calling thread's allocations (only
+  that thread's) to the pool; a pool counts its users (the MemPool object, a CUDA graph
+  captured into it) and caches freed blocks while it has one (pytorch#145168); once its
+  MemPool is destroyed and nothing else uses it, empty_cache() (and the MemPool's destructor)
+  release its wholly free segments through the pool allocator's free (pytorch#133327; the
+  destructor's releasePool + emptyCache(id) as in MemPool.cpp, restated from torch_npu's copy,
+  index id 56604946828);
+- when a segment allocation fails: the wholly free segments of released pools go back and the
+  allocation is retried once, then OutOfMemoryError;
 - MemPool.snapshot() lists segments with their blocks and states, in address order;
+- the current device and the current stream are the calling thread's;
 - Module.named_parameters(prefix) yields tensors with data_ptr/shape/stride/element_size;
 - CUDA graphs: cuda.graph(g, pool, stream, capture_error_mode) captures on a stream
   (capture_begin(pool) / capture_end, as torch.cuda.graph calls them); while a stream
   captures, its allocations come from the private pool of that id (a MemPool's, or a new one
   outside every torpor pool, like cudaMalloc) and launch(fn) records fn instead of running it;
   replay() runs the recorded work; blocks freed during capture stay cached in that pool.
+
+What it still simplifies (tests that depend on it say so and name their GPU twin): a CUDA graph
+is a list of Python closures, not captured kernels (test_graphs.py; test_graphs_gpu.py runs the
+real ones); a freed block is reusable at once (no record_stream, no events pending on other
+streams); no expandable segments, no max_split_size, no garbage-collection threshold; the
+default pool (outside every MemPool) hands out made-up addresses and holds no segments.
 
 Device memory is torpor's host backend, so tensor bytes are real and readable.
 """
@@ -22,16 +44,45 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import itertools
+import threading
 import types
 
-SEGMENT = 2 << 20
-ALIGN = 512
+SEGMENT = 2 << 20  # a small segment (kSmallBuffer), and the rounding of large ones (kRoundLarge)
+ALIGN = 512  # kMinBlockSize
+SMALL_SIZE = 1 << 20  # kSmallSize: requests up to this size are small
+LARGE_BUFFER = 20 << 20  # kLargeBuffer: the segment of a request between 1 MiB and 10 MiB
+MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc
 
 _ids = itertools.count(1)
-_active: dict[int, "MemPool"] = {}  # device -> pool of the (single) allocating thread
-_pools_by_id: dict[tuple, "MemPool"] = {}  # PyTorch's private pools, by id
+_lock = threading.RLock()  # the allocator's mutex: malloc, free, empty_cache and snapshots take it
+_thread = threading.local()  # .device, .streams {device: Stream}, .active {device: pool id}
+_pools_by_id: dict[tuple, "_PrivatePool"] = {}  # every pool the allocator knows, by id
 settings_calls: list[str] = []
-current = {"device": 0, "set_device_calls": 0}
+
+
+class _Current:
+    """`current["device"]`: the calling thread's current device (cudaSetDevice is per thread);
+    `current["set_device_calls"]`: every thread's set_device calls, for tests."""
+
+    calls = 0
+
+    def __getitem__(self, key):
+        if key == "device":
+            return getattr(_thread, "device", 0)
+        if key == "set_device_calls":
+            return _Current.calls
+        raise KeyError(key)
+
+    def __setitem__(self, key, value):
+        if key == "device":
+            _thread.device = value
+        elif key == "set_device_calls":
+            _Current.calls = value
+        else:
+            raise KeyError(key)
+
+
+current = _Current()
 
 
 class OutOfMemoryError(RuntimeError):
@@ -88,12 +139,11 @@ class Tensor:
         return tuple(reversed(out))
 
     def free(self):
-        """What PyTorch does when the last reference goes: the block returns to its pool."""
+        """What PyTorch does when the last reference goes: the block returns to its pool and
+        merges with its free neighbours."""
         if self._block is not None:
-            self._block["state"] = "inactive"
+            _free_block(self._block)
             self._block = None
-            _count("allocation", "freed")
-            _count("active", "freed")
 
 
 # PyTorch's cumulative block counters (torch._C._cuda_memoryStats(device)[name]["all"]), for the
@@ -141,91 +191,238 @@ class _Pluggable:
 
 
 class _NativeAllocator:
-    """cudaMalloc for a private pool without an allocator: addresses no torpor pool contains."""
+    """cudaMalloc / cudaFree for a pool without an allocator: addresses no torpor pool contains."""
+
+    freed: list = []  # (address, size) of every segment given back, for tests
 
     def malloc(self, nbytes, dev, stream):
         return 0x6000_0000_0000 + next(_ids) * (1 << 32)
 
+    def free(self, ptr, nbytes, dev, stream):
+        _NativeAllocator.freed.append((ptr, nbytes))
+
+
+class _PrivatePool:
+    """The allocator's side of a private pool (PyTorch's PrivatePool): its segments and its use
+    count. It outlives the MemPool object: a pool still used by a graph, or holding live blocks,
+    stays until empty_cache finds it unused and empty."""
+
+    def __init__(self, pool_id, allocator, device):
+        self.id, self.allocator, self.device = pool_id, allocator, device
+        self.segments = []
+        self.use_count = 0
+
+    def allocate(self, nbytes, dev):
+        """(address, block) of a new block of `nbytes` on the calling thread's stream."""
+        size = _round_size(nbytes)
+        small = size <= SMALL_SIZE
+        stream = id(_current_stream(dev))
+        with _lock:
+            block = self._best_fit(size, small, stream, dev)
+            if block is None:
+                block = self._new_segment(size, small, stream, dev)
+            rest = block["size"] - size
+            if rest >= ALIGN if small else rest > SMALL_SIZE:
+                seg = block["segment"]
+                i = seg["blocks"].index(block)
+                seg["blocks"].insert(
+                    i + 1, {"address": block["address"] + size, "size": rest, "state": "inactive", "segment": seg}
+                )
+                block["size"] = size
+            block["state"] = "active_allocated"
+            _count("allocation", "allocated")
+            _count("active", "allocated")
+            return block["address"], block
+
+    def _best_fit(self, size, small, stream, dev):
+        fits = [
+            b
+            for seg in self.segments
+            if seg["device"] == dev and seg["stream"] == stream and (seg["segment_type"] == "small") == small
+            for b in seg["blocks"]
+            if b["state"] == "inactive" and b["size"] >= size
+        ]
+        return min(fits, key=lambda b: (b["size"], b["address"])) if fits else None
+
+    def _new_segment(self, size, small, stream, dev):
+        if small:
+            seg_bytes = SEGMENT
+        elif size < MIN_LARGE_ALLOC:
+            seg_bytes = LARGE_BUFFER
+        else:
+            seg_bytes = -(-size // SEGMENT) * SEGMENT
+        ptr = self.allocator.malloc(seg_bytes, dev, None)
+        if not ptr:
+            # PyTorch gives back the cached segments of released pools and retries once.
+            _release_unused(None)
+            ptr = self.allocator.malloc(seg_bytes, dev, None)
+        if not ptr:
+            raise OutOfMemoryError(f"CUDA out of memory. Tried to allocate {size} bytes")
+        seg = {
+            "device": dev,
+            "address": ptr,
+            "total_size": seg_bytes,
+            "stream": stream,
+            "segment_type": "small" if small else "large",
+            "is_expandable": False,
+            "segment_pool_id": self.id,
+            "blocks": [],
+        }
+        seg["blocks"].append({"address": ptr, "size": seg_bytes, "state": "inactive", "segment": seg})
+        self.segments.append(seg)
+        return seg["blocks"][0]
+
+    def release_free_segments(self):
+        """Give every segment without an allocated block back through the allocator's free."""
+        with _lock:
+            keep = []
+            for seg in self.segments:
+                if len(seg["blocks"]) == 1 and seg["blocks"][0]["state"] == "inactive":
+                    self.allocator.free(seg["address"], seg["total_size"], seg["device"], None)
+                    seg["blocks"][0]["state"] = "released"  # a stale Tensor's block: never reused
+                else:
+                    keep.append(seg)
+            self.segments = keep
+
+    def snapshot(self):
+        with _lock:
+            return [
+                {
+                    **{k: v for k, v in s.items() if k != "blocks"},
+                    "blocks": [{k: v for k, v in b.items() if k != "segment"} for b in s["blocks"]],
+                }
+                for s in sorted(self.segments, key=lambda s: s["address"])
+            ]
+
+
+def _round_size(nbytes):
+    return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+
+
+def _free_block(block):
+    """A block back to its segment's free blocks, merged with free neighbours (free_block and
+    try_merge_blocks)."""
+    with _lock:
+        if block["state"] != "active_allocated":
+            return
+        block["state"] = "inactive"
+        _count("allocation", "freed")
+        _count("active", "freed")
+        blocks = block["segment"]["blocks"]
+        i = blocks.index(block)
+        if i + 1 < len(blocks) and blocks[i + 1]["state"] == "inactive":
+            block["size"] += blocks.pop(i + 1)["size"]
+        if i > 0 and blocks[i - 1]["state"] == "inactive":
+            blocks[i - 1]["size"] += blocks.pop(i)["size"]
+
+
+def _incref(pool_id, allocator=None, device=None):
+    """createOrIncrefPool: the private pool of `pool_id`, made when missing, one more user."""
+    with _lock:
+        pool = _pools_by_id.get(pool_id)
+        if pool is None:
+            pool = _pools_by_id[pool_id] = _PrivatePool(
+                pool_id, allocator if allocator is not None else _NativeAllocator(), device
+            )
+        pool.use_count += 1
+        return pool
+
+
+def _release_pool(pool_id):
+    """releasePool: one user fewer."""
+    with _lock:
+        pool = _pools_by_id.get(pool_id)
+        if pool is not None and pool.use_count > 0:
+            pool.use_count -= 1
+
+
+def _release_unused(pool_id):
+    """emptyCache's part for private pools: every pool nothing uses (or only `pool_id`'s, when
+    given) gives its wholly free segments back; a pool left with no segment is forgotten."""
+    with _lock:
+        for pid, pool in list(_pools_by_id.items()):
+            if pool.use_count == 0 and (pool_id is None or pid == pool_id):
+                pool.release_free_segments()
+                if not pool.segments:
+                    del _pools_by_id[pid]
+
+
+def empty_cache():
+    """torch.cuda.empty_cache: the cached segments of pools nothing uses any more go back. A live
+    MemPool's stay (pytorch#145168), and so do segments holding a live block."""
+    _release_unused(None)
+
 
 class MemPool:
+    """torch.cuda.MemPool: a private pool, one of its users while this object lives; destroying it
+    releases the pool and empties its cache (MemPool.cpp's destructor)."""
+
     def __init__(self, allocator=None, pool_id=None):
         self.allocator = allocator if allocator is not None else _NativeAllocator()
         self.id = pool_id if pool_id is not None else (0, next(_ids))
         self.device = current["device"]
-        self.segments = []
         self.extra_segments = []  # what a test wants snapshot() to list besides (e.g. expandable)
-        _pools_by_id[self.id] = self
+        self._pool = _incref(self.id, self.allocator, self.device)
+
+    @property
+    def segments(self):
+        return self._pool.segments
+
+    def use_count(self):
+        return self._pool.use_count
 
     def allocate(self, nbytes, dev):
-        size = -(-nbytes // ALIGN) * ALIGN
-        for seg in self.segments:
-            at = seg["address"]
-            for i, b in enumerate(seg["blocks"]):
-                if b["state"] == "inactive" and b["size"] >= size:
-                    rest = b["size"] - size
-                    b.update(size=size, state="active_allocated")
-                    if rest:
-                        seg["blocks"].insert(i + 1, {"address": at + size, "size": rest, "state": "inactive"})
-                    _count("allocation", "allocated")
-                    _count("active", "allocated")
-                    return b["address"], b
-                at += b["size"]
-        seg_bytes = max(SEGMENT, -(-size // SEGMENT) * SEGMENT)
-        ptr = None
-        for _ in range(2):  # PyTorch frees cached blocks of other pools and retries once
-            ptr = self.allocator.malloc(seg_bytes, dev, None)
-            if ptr:
-                break
-        if not ptr:
-            raise OutOfMemoryError(f"CUDA out of memory. Tried to allocate {size} bytes")
-        block = {"address": ptr, "size": size, "state": "active_allocated"}
-        blocks = [block] + (
-            [{"address": ptr + size, "size": seg_bytes - size, "state": "inactive"}] if seg_bytes > size else []
-        )
-        _count("allocation", "allocated")
-        _count("active", "allocated")
-        self.segments.append(
-            {
-                "device": dev,
-                "address": ptr,
-                "total_size": seg_bytes,
-                "is_expandable": False,
-                "segment_pool_id": self.id,
-                "blocks": blocks,
-            }
-        )
-        return ptr, block
+        return self._pool.allocate(nbytes, dev)
 
     def snapshot(self):
-        return [dict(s, blocks=[dict(b) for b in s["blocks"]]) for s in self.segments] + self.extra_segments
+        return self._pool.snapshot() + self.extra_segments
+
+    def __del__(self):
+        try:
+            _release_pool(self.id)
+            _release_unused(self.id)
+        except Exception:  # noqa: BLE001 - a destructor at interpreter exit must not raise
+            pass
+
+
+def _active_pools():
+    if not hasattr(_thread, "active"):
+        _thread.active = {}
+    return _thread.active
 
 
 @contextlib.contextmanager
 def use_mem_pool(pool, device=None):
+    """The calling thread's allocations on `device` go to `pool` inside (only this thread's:
+    _cuda_beginAllocateCurrentThreadToPool), the pool one more user meanwhile."""
     dev = current["device"] if device is None else device
-    previous = _active.get(dev)
-    _active[dev] = pool
+    active = _active_pools()
+    previous = active.get(dev)
+    _incref(pool.id)
+    active[dev] = pool.id
     try:
         yield
     finally:
         if previous is None:
-            del _active[dev]
+            del active[dev]
         else:
-            _active[dev] = previous
+            active[dev] = previous
+        _release_pool(pool.id)
 
 
 def empty(nbytes, shape=None, element_size=4):
     """A CUDA tensor on the current device: in the pool of the capture underway on the current
-    stream, else in the active pool, or (outside any pool) at a made-up address that no torpor
-    pool contains, like PyTorch's default pool."""
+    stream, else in this thread's active pool, or (outside any pool) at a made-up address that
+    no torpor pool contains, like PyTorch's default pool."""
     dev = current["device"]
-    capture = _stream_state["current"].capture
-    pool = capture.pool if capture is not None else _active.get(dev)
-    if pool is None:
-        _count("allocation", "allocated")  # PyTorch's counters are the device's, every pool's
-        _count("active", "allocated")
+    capture = _current_stream(dev).capture
+    pool_id = capture.pool_id if capture is not None else _active_pools().get(dev)
+    if pool_id is None:
+        with _lock:
+            _count("allocation", "allocated")  # PyTorch's counters are the device's, every pool's
+            _count("active", "allocated")
         return Tensor(0x7000_0000_0000 + next(_ids) * SEGMENT, nbytes, dev, shape, element_size)
-    address, block = pool.allocate(nbytes, dev)
+    address, block = _pools_by_id[pool_id].allocate(nbytes, dev)
     return Tensor(address, nbytes, dev, shape, element_size, block)
 
 
@@ -276,23 +473,44 @@ class Stream:
         self.capture = None  # the CUDAGraph capturing on this stream
 
 
-_stream_state = {"current": Stream(0)}
-_default_stream = _stream_state["current"]
+_default_streams: dict[int, Stream] = {}  # device -> its default stream, shared by every thread
+
+
+def _default_stream_of(dev):
+    with _lock:
+        if dev not in _default_streams:
+            _default_streams[dev] = Stream(dev)
+        return _default_streams[dev]
+
+
+def _current_stream(dev=None):
+    """The calling thread's current stream on `dev` (default: its current device)."""
+    dev = current["device"] if dev is None else dev
+    streams = getattr(_thread, "streams", None)
+    if streams is None:
+        streams = _thread.streams = {}
+    return streams.get(dev) or _default_stream_of(dev)
 
 
 @contextlib.contextmanager
 def _stream(s):
-    previous = _stream_state["current"]
-    _stream_state["current"] = s
+    """torch.cuda.stream(s): `s` is the calling thread's current stream on its device inside."""
+    _current_stream(s.device)  # makes this thread's table
+    streams = _thread.streams
+    previous = streams.get(s.device)
+    streams[s.device] = s
     try:
         yield
     finally:
-        _stream_state["current"] = previous
+        if previous is None:
+            del streams[s.device]
+        else:
+            streams[s.device] = previous
 
 
 def launch(fn):
     """A kernel: recorded by the capture underway on the current stream, else run now."""
-    capture = _stream_state["current"].capture
+    capture = _current_stream().capture
     if capture is not None:
         capture.work.append(fn)
     else:
@@ -307,16 +525,16 @@ class CUDAGraph:
 
     @property
     def pool(self):
-        return _pools_by_id[self.pool_id] if self.pool_id in _pools_by_id else None
+        return _pools_by_id.get(self.pool_id)
 
     def capture_begin(self, pool=None, capture_error_mode="global"):
-        stream = _stream_state["current"]
-        if stream is _default_stream:
+        stream = _current_stream()
+        if stream is _default_stream_of(stream.device):
             raise RuntimeError("CUDA graphs must be captured on a non-default stream.")
         if pool is None:
             pool = (next(_ids), 0)
-        if tuple(pool) not in _pools_by_id:
-            MemPool(None, tuple(pool))  # PyTorch makes the private pool, with no allocator: cudaMalloc
+        # The graph is one more user of its pool until reset (a new pool has no allocator: cudaMalloc).
+        _incref(tuple(pool), None, stream.device)
         self.pool_id, self.stream, self.capture_error_mode = tuple(pool), stream, capture_error_mode
         stream.capture = self
         CUDAGraph.captures.append((self, self.pool_id))
@@ -329,6 +547,18 @@ class CUDAGraph:
         assert self.captured, "replay without a capture"
         for fn in self.work:
             fn()
+
+    def reset(self):
+        """The graph's work goes and its pool has one user fewer (as when the graph is destroyed)."""
+        if self.pool_id is not None:
+            _release_pool(self.pool_id)
+            self.pool_id, self.work, self.captured = None, [], False
+
+    def __del__(self):
+        try:
+            self.reset()
+        except Exception:  # noqa: BLE001 - a destructor at interpreter exit must not raise
+            pass
 
 
 class graph:
@@ -358,12 +588,12 @@ cuda = types.SimpleNamespace(
     current_device=lambda: current["device"],
     set_device=_set_device,
     device=_device,
-    empty_cache=lambda: None,
+    empty_cache=empty_cache,
     OutOfMemoryError=OutOfMemoryError,
     MemPool=MemPool,
     Stream=Stream,
     stream=_stream,
-    current_stream=lambda: _stream_state["current"],
+    current_stream=lambda device=None: _current_stream(device),
     CUDAGraph=CUDAGraph,
     graph=graph,
     memory=types.SimpleNamespace(
@@ -381,13 +611,14 @@ def _check_pool_live_allocations(device, pool_id, expected):
     PyTorch's CUDACachingAllocator::checkPoolLiveAllocations answers."""
     live_checks.append((device, tuple(pool_id)))
     pool = _pools_by_id[tuple(pool_id)]
-    live = {
-        b["address"]
-        for seg in pool.segments
-        if seg["device"] == device
-        for b in seg["blocks"]
-        if b["state"] == "active_allocated"
-    }
+    with _lock:
+        live = {
+            b["address"]
+            for seg in pool.segments
+            if seg["device"] == device
+            for b in seg["blocks"]
+            if b["state"] == "active_allocated"
+        }
     return live == set(expected)
 
 

@@ -3,7 +3,13 @@ graphs record "kernels" (Python functions over host-backend bytes) at capture an
 replay, with the private-pool behaviour PyTorch has (allocations of the capturing stream go to
 the capture's pool; blocks freed during capture stay cached there). The oracle is plain Python
 arithmetic on the inputs; discarded bytes come back poisoned (0xFF), so a graph that replayed
-from stale memory, or memory that was not released, shows. The real thing: test_graphs_gpu.py."""
+from stale memory, or memory that was not released, shows.
+
+These tests rely on a simplification of the fake: a CUDA graph is a list of Python closures run
+at replay, not captured kernels, so what a real capture does besides allocating (a kernel
+reading memory while it captures, cuBLAS workspaces, graph memory nodes, NCCL registration) is
+not here. Their GPU twin, with real PyTorch graphs captured into torpor's pools, slept and
+replayed: test_graphs_gpu.py (scripts/gpu_run.sh python)."""
 
 import sys
 

@@ -32,22 +32,22 @@ def tag_stats(tag):
 
 def test_stats_report_mapped_allocated_and_active_bytes_per_tag(torch):
     with torpor.use_pool("pm.stats"):
-        a = torch.empty(3 * MiB)  # a 4 MiB segment
-        torch.empty(MiB)  # fits in the same segment
-        big = torch.empty(BIG)
+        a = torch.empty(3 * MiB)  # large, below 10 MiB: a 20 MiB segment, split
+        torch.empty(2 * MiB)  # large too: the rest of the same segment
+        big = torch.empty(BIG)  # 10 MiB or more: a segment of its own size
     t = tag_stats("pm.stats")
-    assert t["allocated_bytes"] == 4 * MiB + BIG, "torpor holds PyTorch's segments"
-    assert t["active_bytes"] == 3 * MiB + MiB + BIG, "PyTorch's live blocks (rounded to 512 bytes)"
+    assert t["allocated_bytes"] == 20 * MiB + BIG, "torpor holds PyTorch's segments"
+    assert t["active_bytes"] == 3 * MiB + 2 * MiB + BIG, "PyTorch's live blocks (rounded to 512 bytes)"
     assert t["mapped_bytes"] >= t["allocated_bytes"], "mapped: whole chunks (slabs included)"
     a.free()
-    assert tag_stats("pm.stats")["active_bytes"] == MiB + BIG
+    assert tag_stats("pm.stats")["active_bytes"] == 2 * MiB + BIG
     big.free()
     with torpor.use_pool("pm.stats"):
         pass  # gives the empty big segment back (see below)
     torpor.sleep(1, "pm.stats")
     t = tag_stats("pm.stats")
-    assert t["mapped_bytes"] == 0 and t["allocated_bytes"] == 4 * MiB, "asleep: nothing mapped"
-    assert t["active_bytes"] == MiB, "PyTorch's view does not change"
+    assert t["mapped_bytes"] == 0 and t["allocated_bytes"] == 20 * MiB, "asleep: nothing mapped"
+    assert t["active_bytes"] == 2 * MiB, "PyTorch's view does not change"
     torpor.wake_up("pm.stats")
 
 
@@ -60,7 +60,7 @@ def test_empty_segments_go_back_when_the_pool_block_exits(torch):
         wide.free()
         assert tag_stats("pm.quant")["mapped_bytes"] == mapped_inside, "still inside: nothing given back"
     t = tag_stats("pm.quant")
-    assert t["allocated_bytes"] == 2 * MiB, "the empty segment left torpor"
+    assert t["allocated_bytes"] == 20 * MiB, "the empty segment left torpor (2 MiB is large: a 20 MiB segment)"
     assert t["mapped_bytes"] == mapped_inside - BIG, "its memory went back to the device"
     assert not torpor.Pool.torch(0).contains(wide.data_ptr())
     # PyTorch still lists it in that MemPool: the next block allocates in a new one, so no
@@ -97,7 +97,7 @@ def test_segments_with_live_blocks_stay_and_sleeping_tags_are_left_alone(torch):
         torpor.sleep(1, "pm.asleep")
         gone.free()
     t = tag_stats("pm.asleep")
-    assert t["asleep"] and t["allocated_bytes"] == 4 * MiB, "a sleeping tag's segments are not touched"
+    assert t["asleep"] and t["allocated_bytes"] == 20 * MiB, "a sleeping tag's segments are not touched"
     torpor.wake_up("pm.asleep")
     with torpor.use_pool("pm.asleep", memory_class="cache"):
         pass
@@ -120,3 +120,40 @@ def test_a_tag_holds_several_classes_each_in_its_own_mempool(torch):
     torpor.wake_up("pm.mixed")
     assert pool.read(kept.data_ptr(), MiB) == pattern(MiB, 1)
     assert pool.read(lost.data_ptr(), MiB) == POISON * MiB
+
+
+def test_pytorch_never_frees_a_segment_torpor_gave_back_or_still_holds(torch, monkeypatch):
+    """Segments freed by PyTorch behind torpor's back: torpor gives a retired MemPool's empty
+    segments back itself (its free), while PyTorch still lists them in that MemPool; and the
+    fake frees an unused pool's free segments at empty_cache (which every torpor.sleep calls)
+    and at the MemPool's destruction, as PyTorch does. Were a torpor MemPool ever destroyed
+    (pytorch#146431: torpor leaks a reference to each), PyTorch would free the given-back
+    segment a second time, and by then torpor has handed that address to another segment: the
+    live one would go. So nothing here may reach torpor_torch_free once the registry forgets
+    the MemPools (what interpreter shutdown does)."""
+    lib = torpor._lib.lib()
+    with torpor.use_pool("pm.freed"):
+        live = torch.empty(MiB)  # keeps its small segment
+        gone = torch.empty(BIG)
+        gone.free()
+    assert not torpor.Pool.torch(0).contains(gone.data_ptr()), "given back by torpor at the block's exit"
+    with torpor.use_pool("pm.freed"):
+        again = torch.empty(BIG)  # a new MemPool; torpor reuses the address it got back
+    torpor.Pool.torch(0).write(again.data_ptr(), pattern(4096))
+    held = lambda: torpor.Pool.torch(0).stats()["tags"]["pm.freed"]["allocated_bytes"]  # noqa: E731
+    before = held()
+    failures = lib.torpor_torch_failures(None)
+    from torpor.torch import routing
+
+    routing.registry.mempools.clear()  # the test's registry forgets every MemPool it made
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    torpor.Pool.torch(0).sleep(1, ["pm.freed"])
+    torch.cuda.empty_cache()  # as at the end of torpor.sleep
+    torpor.Pool.torch(0).wake_up(["pm.freed"])
+    assert lib.torpor_torch_failures(None) == failures, "no free of a segment torpor gave back"
+    assert held() == before == 2 * MiB + BIG, "no live segment freed"
+    assert torpor.Pool.torch(0).read(again.data_ptr(), 4096) == pattern(4096)
+    assert torpor.Pool.torch(0).contains(live.data_ptr())
