@@ -328,12 +328,14 @@ int main(int argc, char** argv) {
   app.add_option_function<std::string>(
       "--large-handle-bytes", [&](const std::string& s) { o.large_handle_bytes = parse_size(s); },
       "bytes of each handle of the large-handle floor (default 512M, the scenario's chunk size)");
-  app.add_option("--large-handles", o.large_handles, "handles the large-handle floor is timed over (default 16; 0: skip)")
+  app.add_option("--large-handles", o.large_handles,
+                 "handles the large-handle floor is timed over (default 16; 0: skip)")
       ->check(CLI::Range(std::size_t{0}, std::size_t{4096}));
   app.add_option("--json", o.json, "write every number to this JSON file");
   CLI11_PARSE(app, argc, argv);
   if (o.large_handles > 0 && (o.large_handle_bytes == 0 || o.large_handle_bytes > (std::size_t{64} << 30))) {
-    fmt::print(stderr, "torpor_bench_fixed: --large-handle-bytes must be 1 byte..64G (it is rounded up to the granularity)\n");
+    fmt::print(stderr,
+               "torpor_bench_fixed: --large-handle-bytes must be 1 byte..64G (it is rounded up to the granularity)\n");
     return 2;
   }
   if (o.alloc_bytes == 0) {

@@ -470,8 +470,9 @@ int run(const Options& o) {
                         {"target", fmt::format("<= {:.3f}", first_target)},
                         {"met", first("l1_sleep") <= first_target}};
   // Fixed costs (issue 30): what a sleep or wake costs when it moves (almost) no bytes.
-  targets["issue30_l1_unchanged_sleep_seconds"] = {
-      {"value", unchanged}, {"target", "<= 0.015"}, {"met", unchanged <= 0.015}};
+  targets["issue30_l1_unchanged_sleep_seconds"] = {{"value", unchanged},
+                                                   {"target", "<= 0.015"},
+                                                   {"met", unchanged <= 0.015}};
   targets["issue30_l2_sleep_seconds"] = {{"value", s2}, {"target", "<= 0.020"}, {"met", s2 <= 0.02}};
   targets["issue30_l2_wake_seconds"] = {{"value", w2}, {"target", "<= 0.015"}, {"met", w2 <= 0.015}};
   if (o.baseline)

@@ -7,8 +7,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
-#include <string>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 

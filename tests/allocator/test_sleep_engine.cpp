@@ -381,13 +381,11 @@ TEST(EngineFixedCosts, EachPhaseMakesOnlyTheDriverCallsItCannotAvoid) {
     return c;
   };
   Counts before{};
-  auto since = [&](DriverCall k) {
-    return d.calls(k) - before[static_cast<std::size_t>(k)];
-  };
+  auto since = [&](DriverCall k) { return d.calls(k) - before[static_cast<std::size_t>(k)]; };
   auto expect_no_events_or_growth = [&](const char* phase) {
-    for (DriverCall k : {DriverCall::event_create, DriverCall::event_record, DriverCall::event_synchronize,
-                         DriverCall::stream_wait_event, DriverCall::host_alloc, DriverCall::host_register,
-                         DriverCall::stream_create})
+    for (DriverCall k :
+         {DriverCall::event_create, DriverCall::event_record, DriverCall::event_synchronize,
+          DriverCall::stream_wait_event, DriverCall::host_alloc, DriverCall::host_register, DriverCall::stream_create})
       EXPECT_EQ(since(k), 0u) << phase << ": " << to_string(k);
   };
   auto check_bytes = [&](const char* when, bool with_params) {

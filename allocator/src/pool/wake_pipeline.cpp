@@ -66,8 +66,7 @@ void WakePipeline::fill_discarded(const Chunk& c, Stream stream) {
 }
 
 void WakePipeline::issue_chunk_restores(const Chunk& c, Stream stream) {
-  if (!c.backups.empty() || (s_.options.fill_on_wake != FillOnWake::none && !c.allocations.empty()))
-    mark_used(stream);
+  if (!c.backups.empty() || (s_.options.fill_on_wake != FillOnWake::none && !c.allocations.empty())) mark_used(stream);
   for (auto& [off, b] : c.backups) {
     restore_from_span(s_, c.va + off, b.span, b.bytes, stream, r_);
     r_.bytes_restored += b.bytes;

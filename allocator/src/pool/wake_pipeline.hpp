@@ -38,7 +38,12 @@ std::vector<WakeGroup> plan_wake_groups(const Pool::State& s, const std::vector<
 class WakePipeline {
  public:
   WakePipeline(Pool::State& s, const std::vector<WakeGroup>& groups, TransitionReport& r)
-      : s_(s), groups_(groups), r_(r), mapped_(groups.size(), 0), issued_(groups.size(), 0), used_(s.streams.size(), 0) {}
+      : s_(s),
+        groups_(groups),
+        r_(r),
+        mapped_(groups.size(), 0),
+        issued_(groups.size(), 0),
+        used_(s.streams.size(), 0) {}
 
   // Runs to the end or to the first failure, which error() then holds.
   void run();
