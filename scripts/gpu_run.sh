@@ -57,8 +57,9 @@
 # the graph GPU tests (graphs-pytest.log), then `torpor stress --ranks 1` with its per-rank memory
 # report (stress-graphs.txt, stress-graphs.json).
 #
-# bench-first-sleep runs the sleep bench's first cycle against issue 15's targets, unprepared and
-# with the host store prepared during load, then with a pinned limit and the disk tier beyond it
+# bench-first-sleep runs the sleep bench's first cycle against its targets, unprepared (copies
+# overlapping the pinning, then again pinning first: --pin-before-copies) and with the host store
+# prepared during load, then with a pinned limit and the disk tier beyond it
 # (spill file under $OUT's disk, removed after). first-sleep-variance runs the unprepared first
 # sleep three times in a row with the kernel's huge-page and compaction counters around each
 # (vmstat-*.txt, meminfo-*.txt). bench-torch-sleep runs the same scenario through
@@ -210,12 +211,18 @@ for stage in "${stages[@]}"; do
       done
       ;;
     bench-first-sleep)
-      for variant in unprepared prepared; do
-        flag=$([ "$variant" = prepared ] && echo --prepare || true)
+      # unprepared: the copies overlap the pinning (the default); unprepared-pin-first: the other
+      # arrangement (--pin-before-copies), in the same run, so the record says which is faster.
+      for variant in unprepared unprepared-pin-first prepared; do
+        case $variant in
+          prepared) flag=--prepare ;;
+          unprepared-pin-first) flag=--pin-before-copies ;;
+          *) flag= ;;
+        esac
         TORPOR_LOG=info timeout 300 $build/bench/torpor_bench_sleep --no-baseline --cycles 2 $flag \
           --json "$OUT/bench-first-sleep-$variant.json" > "$OUT/bench-first-sleep-$variant.txt" 2>&1 || status=1
         echo "== first sleep, $variant:"
-        grep -E "host store|^cycle|first_l1_sleep|l1_sleep_of_ceiling|l1_wake_of_ceiling|unchanged_sleep" \
+        grep -E "host store|^cycle|L1 sleep phases|first_l1_sleep|l1_sleep_of_ceiling|l1_wake_of_ceiling|unchanged_sleep|issue30" \
           "$OUT/bench-first-sleep-$variant.txt"
       done
       spill=$(mktemp -d "$PWD/spill.XXXXXX")
@@ -270,8 +277,14 @@ for stage in "${stages[@]}"; do
       fi
       pyenv=(env TORPOR_LIBRARY="$PWD/$build/allocator/libtorpor.so" PYTHONPATH="$PWD/python:$tms_dir"
         PYTHONDONTWRITEBYTECODE=1)
-      for variant in unprepared prepared; do
-        flag=$([ "$variant" = prepared ] && echo --prepare || true)
+      # unprepared: the copies overlap the pinning (the default); unprepared-pin-first: the other
+      # arrangement (--pin-before-copies), in the same run, so the record says which is faster.
+      for variant in unprepared unprepared-pin-first prepared; do
+        case $variant in
+          prepared) flag=--prepare ;;
+          unprepared-pin-first) flag=--pin-before-copies ;;
+          *) flag= ;;
+        esac
         engines=$([ "$variant" = prepared ] && echo torpor || echo torpor,tms)
         timeout 540 "${pyenv[@]}" python3 bench/torch_sleep_bench.py --engines "$engines" --cycles 3 $flag \
           --json "$OUT/bench-torch-sleep-$variant.json" > "$OUT/bench-torch-sleep-$variant.txt" 2>&1 || status=1

@@ -7,13 +7,16 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "pool/store/host_store.hpp"
 #include "support/backends.hpp"
 #include "torpor/error.hpp"
 #include "torpor/host_driver.hpp"
+#include "torpor/testing/fault_injecting_driver.hpp"
 #include "torpor/torpor.h"
 
 namespace torpor::test {
@@ -191,6 +194,184 @@ TEST(HostStorePool, NoCopyLandsInHostMemoryWhosePinningIsNotDone) {
   pool.wake_up();
   for (std::size_t i = 0; i < items.ptrs.size(); ++i)
     EXPECT_EQ(std::memcmp(items.ptrs[i], items.bytes[i].data(), MiB), 0) << "allocation " << i;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The unprepared first sleep with the pinning overlapped (issue 30, item 2): the store grows by
+// four blocks of 2 MiB, four 512 KiB pieces each, pinned one after the other by one thread; every
+// registration takes 60 ms. The driver calls' begin and end times on the calling threads are the
+// oracle for the order (FaultInjectingDriver::observe); require_page_locked_copies makes a copy
+// into a block whose registration is not done a misuse; HostDriver's registration count and bytes
+// are the oracle for "never pinned twice" and for the books.
+
+struct CallTimeline {
+  using clock = std::chrono::steady_clock;
+  struct Entry {
+    DriverCall kind;
+    bool finished;
+    clock::time_point at;
+  };
+  std::mutex mu;
+  std::vector<Entry> entries;
+  void note(DriverCall kind, bool finished) {
+    std::lock_guard lock(mu);
+    entries.push_back({kind, finished, clock::now()});
+  }
+  void clear() {
+    std::lock_guard lock(mu);
+    entries.clear();
+  }
+  // Times of the calls of `kind` that began (finished false) or ended (true), in order.
+  std::vector<clock::time_point> times(DriverCall kind, bool finished) {
+    std::lock_guard lock(mu);
+    std::vector<clock::time_point> out;
+    for (const Entry& e : entries)
+      if (e.kind == kind && e.finished == finished) out.push_back(e.at);
+    return out;
+  }
+};
+
+struct OverlapRig {
+  static constexpr int pieces = 16;  // 512 KiB each: four per 2 MiB block
+  HostDriver host;
+  FaultInjectingDriver driver{host};
+  CallTimeline timeline;
+  std::unique_ptr<Pool> pool;
+  Direct items;
+  std::size_t registrations_before = 0;
+
+  static HostDriverOptions driver_options(std::size_t register_limit) {
+    HostDriverOptions ho = HostAsyncBackend::options();
+    ho.require_page_locked_copies = true;
+    ho.host_register_delay = std::chrono::milliseconds(60);
+    ho.host_register_limit = register_limit;
+    return ho;
+  }
+  explicit OverlapRig(bool overlap, std::size_t register_limit = 0) : host(driver_options(register_limit)) {
+    driver.observe([this](DriverCall kind, bool finished) { timeline.note(kind, finished); });
+    PoolOptions o;
+    o.va_bytes = 256 * MiB;
+    o.medium_limit = 0;  // a dedicated chunk per allocation: one piece each
+    o.copy_piece_bytes = 512 << 10;
+    o.host_pin_block_bytes = 2 * MiB;
+    o.host_pin_threads = 1;  // blocks are pinned strictly one after the other
+    o.host_pin_overlap = overlap;
+    pool = std::make_unique<Pool>(driver, o);
+    items = fill_direct(*pool, pieces, 512 << 10, MemoryClass::state, 11);
+    registrations_before = host.counters().registrations;
+    timeline.clear();
+  }
+  void expect_bytes(const char* when) {
+    for (std::size_t i = 0; i < items.ptrs.size(); ++i)
+      EXPECT_EQ(std::memcmp(items.ptrs[i], items.bytes[i].data(), items.bytes[i].size()), 0)
+          << when << ": allocation " << i;
+  }
+  // Copies that began before the i-th registration (0-based, in time order) ended.
+  std::size_t copies_before_registration_end(std::size_t i) {
+    auto regs = timeline.times(DriverCall::host_register, true);
+    auto copies = timeline.times(DriverCall::copy, false);
+    if (i >= regs.size()) return copies.size();
+    std::size_t n = 0;
+    for (auto t : copies) n += t < regs[i] ? 1 : 0;
+    return n;
+  }
+};
+
+TEST(HostStoreOverlap, TheFirstSleepCopiesIntoEachBlockWhileTheNextIsPinned) {
+  OverlapRig rig(true);
+  TransitionReport r = rig.pool->sleep(1);
+  EXPECT_EQ(r.bytes_offloaded, 8 * MiB);
+  EXPECT_EQ(r.bytes_staged, 0u) << "every copy went to page-locked memory";
+  ASSERT_EQ(rig.timeline.times(DriverCall::host_register, true).size(), 4u) << "four blocks, each pinned once";
+  EXPECT_EQ(rig.copies_before_registration_end(0), 0u) << "no copy into a block before it is page-locked";
+  EXPECT_GE(rig.copies_before_registration_end(1), 4u)
+      << "block 0's four copies were queued while block 1 was still being pinned: they waited for no later block";
+  EXPECT_GE(rig.copies_before_registration_end(3), 12u) << "blocks 0-2 copied while block 3 was pinned";
+  EXPECT_LE(rig.copies_before_registration_end(1), 4u) << "block 1's copies waited for block 1";
+  // The books: what the store calls page-locked is what the driver holds registered.
+  PoolStats st = rig.pool->stats();
+  EXPECT_EQ(st.host_store_pinned_bytes, 8 * MiB);
+  EXPECT_EQ(st.host_store_pinning_bytes, 0u);
+  EXPECT_EQ(st.host_store_used_bytes, 8 * MiB);
+  EXPECT_EQ(rig.host.counters().registered_bytes, 8 * MiB);
+  rig.pool->wake_up();
+  rig.expect_bytes("first wake");
+  // A second cycle pins nothing: the blocks stay.
+  for (std::size_t i = 0; i < rig.items.ptrs.size(); ++i) {
+    rig.items.bytes[i][7] ^= 0x5a;
+    std::memcpy(rig.items.ptrs[i], rig.items.bytes[i].data(), rig.items.bytes[i].size());
+  }
+  rig.pool->sleep(1);
+  rig.pool->wake_up();
+  rig.expect_bytes("second wake");
+  EXPECT_EQ(rig.host.counters().registrations - rig.registrations_before, 4u) << "no block was pinned twice";
+  EXPECT_EQ(rig.host.counters().registered_bytes, 8 * MiB);
+}
+
+// The other arrangement, kept for the bench (host_pin_overlap off): every block is page-locked
+// before the first copy.
+TEST(HostStoreOverlap, WithTheOverlapOffTheSleepPinsEverythingFirst) {
+  OverlapRig rig(false);
+  TransitionReport r = rig.pool->sleep(1);
+  EXPECT_EQ(r.bytes_offloaded, 8 * MiB);
+  ASSERT_EQ(rig.timeline.times(DriverCall::host_register, true).size(), 4u);
+  EXPECT_EQ(rig.copies_before_registration_end(3), 0u) << "no copy before the last block was page-locked";
+  rig.pool->wake_up();
+  rig.expect_bytes("wake");
+}
+
+// The driver refuses page-locking past 4 MiB: blocks 2 and 3, whose pinning runs while blocks 0
+// and 1 are copied into, stay pageable and their pieces go through the staging ring, as without
+// the overlap. Nothing is lost and nothing is left half-pinned.
+TEST(HostStoreOverlap, ARefusedPinMidwayFallsBackToStagingAndLosesNothing) {
+  OverlapRig rig(true, 4 * MiB);
+  TransitionReport r = rig.pool->sleep(1);
+  EXPECT_EQ(r.bytes_offloaded, 8 * MiB);
+  EXPECT_EQ(r.bytes_staged, 4 * MiB) << "the refused blocks' eight pieces went through the staging ring";
+  EXPECT_EQ(rig.copies_before_registration_end(0), 0u);
+  PoolStats st = rig.pool->stats();
+  EXPECT_EQ(st.host_store_pinned_bytes, 4 * MiB);
+  EXPECT_EQ(st.host_store_pinning_bytes, 0u) << "every block's pinning settled";
+  EXPECT_EQ(st.host_store_pageable_bytes, 4 * MiB);
+  EXPECT_EQ(rig.host.counters().registered_bytes, 4 * MiB) << "the refused blocks hold no registration";
+  rig.pool->wake_up();
+  rig.expect_bytes("wake after a refused pin");
+  rig.pool->sleep(1);
+  rig.pool->wake_up();
+  rig.expect_bytes("second cycle");
+  EXPECT_EQ(rig.host.counters().registered_bytes, 4 * MiB);
+}
+
+// A copy fails midway while later blocks are still being pinned: the sleep stops at a chunk
+// boundary (the chunks before it asleep with exact backups, the rest awake with their bytes), the
+// pinning in flight settles, and the repeat completes the sleep without pinning anything twice.
+TEST(HostStoreOverlap, AFailureMidwayLeavesNothingHalfDoneAndTheRepeatPinsNothingTwice) {
+  OverlapRig rig(true);
+  rig.driver.fail_nth(DriverCall::copy, 6);  // block 1's second piece, while blocks 2 and 3 are pinned
+  EXPECT_THROW(rig.pool->sleep(1), driver_error);
+  rig.pool->wait_host_store();
+  PoolStats st = rig.pool->stats();
+  std::size_t asleep = 0;
+  for (std::size_t i = 0; i < rig.items.ptrs.size(); ++i) {
+    auto info = rig.pool->find(rig.items.ptrs[i]);
+    ASSERT_TRUE(info.has_value());
+    if (info->asleep) {
+      EXPECT_EQ(asleep, i) << "asleep chunks are a prefix of the plan";
+      ++asleep;
+    } else {
+      EXPECT_EQ(std::memcmp(rig.items.ptrs[i], rig.items.bytes[i].data(), rig.items.bytes[i].size()), 0)
+          << "awake allocation " << i << " keeps its bytes";
+    }
+  }
+  EXPECT_EQ(asleep, 5u) << "the five chunks whose copies were queued before the failure";
+  EXPECT_EQ(st.host_store_used_bytes, asleep * (512 << 10)) << "only the asleep chunks' backups hold host memory";
+  EXPECT_EQ(st.host_store_pinning_bytes, 0u) << "the pinning in flight settled";
+  EXPECT_EQ(rig.host.counters().registrations - rig.registrations_before, 4u);
+  rig.pool->sleep(1);  // the repeat completes the sleep
+  rig.pool->wake_up();
+  rig.expect_bytes("after the failed sleep and its repeat");
+  EXPECT_EQ(rig.host.counters().registrations - rig.registrations_before, 4u) << "the repeat pinned nothing again";
+  EXPECT_EQ(rig.host.counters().registered_bytes, 8 * MiB);
 }
 
 // An engine starts the preparation when its model is loaded and may sleep at once: the first

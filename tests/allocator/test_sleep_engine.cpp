@@ -2,6 +2,10 @@
 // skip-unchanged optimisation, the handle-size policy and the device content hash.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
+#include <cstring>
+
 #include "pool/store/host_store.hpp"
 #include "support/backends.hpp"
 #include "torpor/content_hash.hpp"
@@ -321,6 +325,139 @@ TEST(EngineFixedCosts, ChunksWithNothingToCopyRecordAndWaitForNoEvent) {
   EXPECT_EQ(after.first - before.first, 0u) << "level 2 discards the parameters: no copy, no event";
   pool.wake_up();
   for (void* p : ptrs) pool.deallocate(p);
+}
+
+// Fixed costs (issue 30, item 2): the driver calls of each phase that does not move bytes are
+// the unavoidable ones, counted by the driver decorator (the oracle) against what the test
+// computes on its own from the layout: per chunk one unmap and one release to sleep, one create
+// and one map to wake; per call one device synchronize and one hash to sleep, one set-access per
+// VA-contiguous run of chunks to wake (the runs counted from the allocations' addresses), one
+// synchronize per copy stream that got work, none when a wake restores nothing; no events, no
+// per-chunk synchronizes, no host memory growth. Bytes after each wake are checked against the
+// values written.
+TEST(EngineFixedCosts, EachPhaseMakesOnlyTheDriverCallsItCannotAvoid) {
+  HostDriver host(HostBackend::options());
+  FaultInjectingDriver d(host);
+  PoolOptions o;
+  o.va_bytes = std::size_t{256} << 20;
+  o.medium_limit = 0;
+  o.small_limit = 1;  // every allocation below is a dedicated chunk of one granule
+  Pool pool(d, o);
+  const std::size_t gran = host.options().granularity;
+  constexpr int params = 8, states = 4, caches = 4;
+  struct Item {
+    void* ptr;
+    std::vector<std::uint8_t> bytes;
+    MemoryClass cls;
+    std::string tag;
+  };
+  std::vector<Item> items;
+  auto add = [&](const std::string& tag, MemoryClass cls, int i) {
+    void* p = pool.allocate(gran, {tag, cls, tag + std::to_string(i), true});
+    std::vector<std::uint8_t> b(gran, static_cast<std::uint8_t>(items.size() * 7 + 1));
+    std::memcpy(p, b.data(), b.size());
+    items.push_back({p, std::move(b), cls, tag});
+  };
+  for (int i = 0; i < params; ++i) add("weights", MemoryClass::parameter, i);
+  for (int i = 0; i < states; ++i) add("weights", MemoryClass::state, i);
+  for (int i = 0; i < caches; ++i) add("kv", MemoryClass::cache, i);
+  const std::size_t all = items.size(), weights = params + states;
+
+  // VA-contiguous runs of one granule chunks among the items of `tags` (the wake's set-access calls).
+  auto runs = [&](const std::vector<std::string>& tags) {
+    std::vector<std::uintptr_t> bases;
+    for (const Item& it : items)
+      if (std::find(tags.begin(), tags.end(), it.tag) != tags.end())
+        bases.push_back(reinterpret_cast<std::uintptr_t>(it.ptr));
+    std::sort(bases.begin(), bases.end());
+    std::size_t n = bases.empty() ? 0 : 1;
+    for (std::size_t i = 1; i < bases.size(); ++i) n += bases[i] != bases[i - 1] + gran ? 1 : 0;
+    return n;
+  };
+  using Counts = std::array<std::size_t, static_cast<std::size_t>(DriverCall::count_)>;
+  auto snapshot = [&] {
+    Counts c{};
+    for (std::size_t k = 0; k < c.size(); ++k) c[k] = d.calls(static_cast<DriverCall>(k));
+    return c;
+  };
+  Counts before{};
+  auto since = [&](DriverCall k) { return d.calls(k) - before[static_cast<std::size_t>(k)]; };
+  auto expect_no_events_or_growth = [&](const char* phase) {
+    for (DriverCall k :
+         {DriverCall::event_create, DriverCall::event_record, DriverCall::event_synchronize,
+          DriverCall::stream_wait_event, DriverCall::host_alloc, DriverCall::host_register, DriverCall::stream_create})
+      EXPECT_EQ(since(k), 0u) << phase << ": " << to_string(k);
+  };
+  auto check_bytes = [&](const char* when, bool with_params) {
+    for (std::size_t i = 0; i < items.size(); ++i) {
+      if (items[i].cls == MemoryClass::cache) continue;  // discarded by every sleep
+      if (items[i].cls == MemoryClass::parameter && !with_params) continue;
+      ASSERT_EQ(std::memcmp(items[i].ptr, items[i].bytes.data(), gran), 0) << when << ", item " << i;
+    }
+  };
+
+  pool.sleep(1);  // fills the host store and the retained copies; not what this test counts
+  pool.wake_up();
+  check_bytes("first wake", true);
+
+  before = snapshot();
+  TransitionReport r = pool.sleep(1);
+  EXPECT_EQ(r.bytes_offloaded, 0u);
+  EXPECT_EQ(since(DriverCall::unmap), all) << "unchanged level-1 sleep: one unmap per chunk";
+  EXPECT_EQ(since(DriverCall::release), all) << "one release per chunk";
+  EXPECT_EQ(since(DriverCall::hash), 1u) << "one hash launch for every piece";
+  EXPECT_EQ(since(DriverCall::device_synchronize), 1u) << "one wait for the device work, per call";
+  EXPECT_EQ(since(DriverCall::copy), 0u);
+  EXPECT_EQ(since(DriverCall::stream_synchronize), 0u);
+  EXPECT_EQ(since(DriverCall::create) + since(DriverCall::map) + since(DriverCall::set_access), 0u);
+  expect_no_events_or_growth("unchanged level-1 sleep");
+
+  before = snapshot();
+  r = pool.wake_up();
+  EXPECT_EQ(since(DriverCall::create), all) << "level-1 wake: one create per chunk";
+  EXPECT_EQ(since(DriverCall::map), all) << "one map per chunk";
+  EXPECT_EQ(since(DriverCall::set_access), runs({"weights", "kv"})) << "one set-access per contiguous run";
+  EXPECT_EQ(since(DriverCall::copy), weights) << "one restore per backup";
+  EXPECT_GE(since(DriverCall::stream_synchronize), 1u);
+  EXPECT_LE(since(DriverCall::stream_synchronize), static_cast<std::size_t>(o.copy_streams))
+      << "at most one synchronize per copy stream, per call";
+  EXPECT_EQ(since(DriverCall::hash), 1u) << "the trusted backups verified in one launch";
+  expect_no_events_or_growth("level-1 wake");
+  check_bytes("level-1 wake", true);
+
+  before = snapshot();
+  r = pool.sleep(2);
+  EXPECT_EQ(r.bytes_offloaded, 0u) << "the state is unchanged since its retained copy";
+  EXPECT_EQ(since(DriverCall::unmap), all) << "level-2 sleep: one unmap per chunk";
+  EXPECT_EQ(since(DriverCall::release), all);
+  EXPECT_EQ(since(DriverCall::hash), 1u) << "the state pieces hashed in one launch";
+  EXPECT_EQ(since(DriverCall::device_synchronize), 1u);
+  EXPECT_EQ(since(DriverCall::copy) + since(DriverCall::stream_synchronize), 0u);
+  expect_no_events_or_growth("level-2 sleep");
+
+  before = snapshot();
+  r = pool.wake_up({"kv"});
+  EXPECT_EQ(r.bytes_restored, 0u);
+  EXPECT_EQ(since(DriverCall::create), std::size_t{caches}) << "level-2 wake of the cache: one create per chunk";
+  EXPECT_EQ(since(DriverCall::map), std::size_t{caches});
+  EXPECT_EQ(since(DriverCall::set_access), runs({"kv"}));
+  EXPECT_EQ(since(DriverCall::copy) + since(DriverCall::fill) + since(DriverCall::hash), 0u);
+  EXPECT_EQ(since(DriverCall::stream_synchronize), 0u) << "nothing restored: nothing to wait for";
+  expect_no_events_or_growth("level-2 wake of the cache");
+
+  before = snapshot();
+  r = pool.wake_up({"weights"});
+  EXPECT_EQ(r.bytes_restored, std::size_t{states} * gran);
+  EXPECT_EQ(since(DriverCall::create), weights) << "level-2 wake of the weights: one create per chunk";
+  EXPECT_EQ(since(DriverCall::map), weights);
+  EXPECT_EQ(since(DriverCall::set_access), runs({"weights"}));
+  EXPECT_EQ(since(DriverCall::copy), std::size_t{states}) << "only the state travels back";
+  EXPECT_GE(since(DriverCall::stream_synchronize), 1u);
+  EXPECT_LE(since(DriverCall::stream_synchronize), static_cast<std::size_t>(o.copy_streams));
+  EXPECT_EQ(since(DriverCall::hash), 1u);
+  expect_no_events_or_growth("level-2 wake of the weights");
+  check_bytes("level-2 wake", false);
+  for (Item& it : items) pool.deallocate(it.ptr);
 }
 
 }  // namespace

@@ -121,13 +121,18 @@ struct PoolOptions {
   bool spill_try_direct_io = true;
   // Page-locking: the pinned store grows in blocks of at most host_pin_block_bytes (one mapping
   // for all the blocks a sleep or a prepare adds), first touched by host_pin_threads threads
-  // (0 = min(16, cores)) and registered block by block as the touching finishes. A sleep that grows
-  // the store waits for that pinning before it copies: registering host memory stalls the
-  // device's copies meanwhile. host_store_prepare starts pinning that many bytes in the background
+  // (0 = min(16, cores)) and registered block by block as the touching finishes. With
+  // host_pin_overlap (default) a sleep that grows the store copies into each new block as soon as
+  // that block is page-locked, while the later blocks are still being touched and registered, so
+  // the first sleep takes about the longer of the pinning and the copies instead of their sum.
+  // Off, it waits for all of the pinning before its first copy (registering host memory slowed
+  // concurrent copies in one H200 measurement, 2026-12-02b; the bench runs both so the faster
+  // arrangement is chosen from a record). host_store_prepare starts pinning that many bytes in the background
   // when the pool is created (as prepare_host_store() does), so that the first sleep, after the
   // engine loaded its model, runs at steady-state speed.
   std::size_t host_store_prepare = 0;
   int host_pin_threads = 0;
+  bool host_pin_overlap = true;
   std::size_t host_pin_block_bytes = std::size_t{1} << 30;
 };
 

@@ -81,8 +81,9 @@ void FaultInjectingDriver::before(DriverCall kind) {
                      fmt::format("{} (injected)", to_string(code)));
 }
 
-#define TORPOR_FORWARD(kind, expr) \
-  before(DriverCall::kind);        \
+#define TORPOR_FORWARD(kind, expr)                       \
+  const Observed observed_(observer_, DriverCall::kind); \
+  before(DriverCall::kind);                              \
   return inner_.expr
 
 device_ptr FaultInjectingDriver::reserve(std::size_t b, std::size_t a) { TORPOR_FORWARD(reserve, reserve(b, a)); }

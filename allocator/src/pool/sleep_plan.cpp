@@ -114,11 +114,13 @@ void take_host_spans(Pool::State& s, SleepPlan& plan, std::size_t needed) {
       }
 }
 
-// Step 5: when the store grew, the pinning of the new blocks finishes before any copy starts.
-// Registering host memory stalls the device's copies while it runs, and copies interleaved with
-// registrations take far longer than the two one after the other.
+// Step 5: when the store grew and host_pin_overlap is off, the pinning of the new blocks finishes
+// before any copy starts. With it on nothing waits here: the pinner works through the new blocks
+// in the order their spans were handed out (plan order), and the pipeline waits for each span's
+// own block before the copy into it (host_copies.cpp), so block k's copies are queued while
+// block k + 1 is still being touched and registered, and no copy waits for a later block.
 void finish_pinning(Pool::State& s, std::size_t growths_before, TransitionReport& r) {
-  if (s.host.growths() == growths_before) return;
+  if (s.host.growths() == growths_before || s.options.host_pin_overlap) return;
   auto t = clock_type::now();
   s.host.wait_pinning();
   r.phases.push_back({"host_pinning_wait", std::chrono::duration<double>(clock_type::now() - t).count()});

@@ -14,10 +14,11 @@
 //   4. create one event per chunk for the pipeline, then take a host span for each of the other
 //      pieces (the store grows by blocks sized for what the sleep still needs; a steady cycle
 //      allocates no host memory);
-//   5. when the store grew, wait for its new blocks to be page-locked: registration stalls the
-//      device's copies while it runs, so pinning first and copying after beats interleaving them
-//      ("host_pinning_wait" phase). A span in a block that prepare() is still pinning is waited
-//      for by the pipeline, before the copy into it.
+//   5. when the store grew and host_pin_overlap is off, wait for its new blocks to be page-locked
+//      before any copy ("host_pinning_wait" phase). With it on (the default) the copies overlap
+//      the pinning instead: the pipeline waits for each span's own block before the copy into it
+//      (as it does for a block that prepare() is still pinning), so copies into block k run while
+//      block k + 1 is pinned; the waits are summed in the same phase.
 //
 // Invariants once planned: every piece owns a host span; the planned chunks hold no retained
 // copies; the plan owns its spans until apply moves them into the chunks' backups, and

@@ -66,6 +66,7 @@ void WakePipeline::fill_discarded(const Chunk& c, Stream stream) {
 }
 
 void WakePipeline::issue_chunk_restores(const Chunk& c, Stream stream) {
+  if (!c.backups.empty() || (s_.options.fill_on_wake != FillOnWake::none && !c.allocations.empty())) mark_used(stream);
   for (auto& [off, b] : c.backups) {
     restore_from_span(s_, c.va + off, b.span, b.bytes, stream, r_);
     r_.bytes_restored += b.bytes;
@@ -89,8 +90,15 @@ bool WakePipeline::restore_now(Chunk& c) noexcept {
   }
 }
 
+void WakePipeline::mark_used(Stream stream) {
+  for (std::size_t i = 0; i < s_.streams.size(); ++i)
+    if (s_.streams[i].value == stream.value) used_[i] = 1;
+}
+
 void WakePipeline::synchronize_streams() {
-  for (Stream st : s_.streams) {
+  for (std::size_t i = 0; i < s_.streams.size(); ++i) {
+    if (!used_[i]) continue;  // nothing of this wake queued there: a synchronize would be a driver call for nothing
+    Stream st = s_.streams[i];
     try {
       s_.driver.stream_synchronize(st);
     } catch (...) {

@@ -4,7 +4,8 @@
 // group; the calling thread enqueues each ready group's restores (host store -> device, pageable
 // and spilled backups through the staging ring) and fills (FillOnWake) on the copy streams in rotation while
 // the next group is mapped (restores from spilled backups read the spill file into the ring,
-// host_copies.hpp). One synchronize of every copy stream at the end.
+// host_copies.hpp). One synchronize at the end of every copy stream this wake queued work on (a
+// wake with nothing to restore, the level-2 wake of a cache, synchronizes none).
 //
 // Invariants:
 //   - a group reaches the calling thread only once all its chunks are mapped with access set;
@@ -37,7 +38,12 @@ std::vector<WakeGroup> plan_wake_groups(const Pool::State& s, const std::vector<
 class WakePipeline {
  public:
   WakePipeline(Pool::State& s, const std::vector<WakeGroup>& groups, TransitionReport& r)
-      : s_(s), groups_(groups), r_(r), mapped_(groups.size(), 0), issued_(groups.size(), 0) {}
+      : s_(s),
+        groups_(groups),
+        r_(r),
+        mapped_(groups.size(), 0),
+        issued_(groups.size(), 0),
+        used_(s.streams.size(), 0) {}
 
   // Runs to the end or to the first failure, which error() then holds.
   void run();
@@ -61,6 +67,7 @@ class WakePipeline {
   void issue_chunk_restores(const Chunk& c, Stream stream);
   void fill_discarded(const Chunk& c, Stream stream);
   void synchronize_streams();
+  void mark_used(Stream stream);  // the calling thread queued work on `stream`
 
   Pool::State& s_;
   const std::vector<WakeGroup>& groups_;
@@ -73,6 +80,7 @@ class WakePipeline {
   double map_seconds_ = 0;
   // The calling thread's.
   std::vector<char> issued_;
+  std::vector<char> used_;  // per copy stream: this wake queued work there
   std::exception_ptr issue_error_;
   bool synced_ = true;
   std::exception_ptr sync_error_;

@@ -5,9 +5,8 @@
 // registered (Driver::host_register), is page-locked an order of magnitude faster (DESIGN.md's
 // performance table). The host store maps a block, advises it and submits it here; workers touch
 // the blocks' slices in submission order, and the worker that touches a block's last slice
-// registers it. So block k is registered while the workers touch block k + 1. (Registration
-// stalls the device's copies while it runs: a sleep that added blocks waits for all of them
-// before copying; see sleep_plan.hpp.)
+// registers it. So block k is registered while the workers touch block k + 1, and a sleep copies
+// into block k while block k + 1 is touched and registered (sleep_plan.hpp, host_pin_overlap).
 //
 // Invariants:
 //   - a PinJob's status goes pending -> ready (registered) | refused (registration failed: the

@@ -6,9 +6,9 @@
 //             mapping for all the blocks one growth adds), advised for huge pages, first-touched
 //             by several threads and registered (HostPinner) block by block, in blocks of at
 //             most pin_block_bytes, in the background: allocate() hands out spans in a block at
-//             once, and whoever copies waits (wait_ready) for the pinning to finish. Registration
-//             stalls the device's copies while it runs, so a sleep that grew the store waits for
-//             all of it before its first copy (sleep_plan.hpp); prepare() pins ahead of a sleep
+//             once, and whoever copies waits (wait_ready) for its block's pinning to finish, so a
+//             sleep that grew the store copies into block k while block k + 1 is pinned (or,
+//             with host_pin_overlap off, waits for all of it first: sleep_plan.hpp); prepare() pins ahead of a sleep
 //             (while an engine loads its model).
 //             Where registration is refused (one log line), that block's spans are pageable and
 //             the store grows with Driver::host_alloc from then on;

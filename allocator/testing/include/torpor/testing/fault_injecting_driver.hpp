@@ -20,6 +20,7 @@
 
 #include <array>
 #include <atomic>
+#include <functional>
 #include <mutex>
 #include <optional>
 
@@ -41,6 +42,11 @@ class FaultInjectingDriver final : public Driver {
   // From now on report `c` instead of the inner driver's capabilities (nullopt: forward them
   // again). Independent of the fault rules (clear() keeps it).
   void report_capabilities(std::optional<DriverCapabilities> c);
+  // Called with finished = false before a call of `kind` is counted, and with finished = true once
+  // it returned or threw (an injected failure included), on the calling thread. It must not throw
+  // and must be set before the driver is used from more than one thread (it is read unlocked).
+  using Observer = std::function<void(DriverCall kind, bool finished)>;
+  void observe(Observer observer) { observer_ = std::move(observer); }
 
   std::string_view backend_name() const noexcept override { return inner_.backend_name(); }
   DriverCapabilities capabilities() const noexcept override;
@@ -99,6 +105,25 @@ class FaultInjectingDriver final : public Driver {
     std::size_t seen = 0;  // calls since the rule was set
   };
   void before(DriverCall kind);
+  // Tells the observer, if any, that a call began, and that it ended when this goes out of scope.
+  class Observed {
+   public:
+    Observed(const Observer& o, DriverCall kind) : o_(o), kind_(kind) {
+      if (o_) o_(kind_, false);
+    }
+    ~Observed() {
+      try {
+        if (o_) o_(kind_, true);
+      } catch (...) {  // an observer that breaks its contract must not end the process here
+      }
+    }
+    Observed(const Observed&) = delete;
+    Observed& operator=(const Observed&) = delete;
+
+   private:
+    const Observer& o_;
+    DriverCall kind_;
+  };
 
   Driver& inner_;
   mutable std::mutex mu_;
@@ -106,6 +131,7 @@ class FaultInjectingDriver final : public Driver {
   std::array<std::size_t, static_cast<std::size_t>(DriverCall::count_)> calls_{};
   std::atomic<std::size_t> failures_{0};
   std::optional<DriverCapabilities> reported_;  // guarded by mu_
+  Observer observer_;
 };
 
 }  // namespace torpor
