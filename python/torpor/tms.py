@@ -259,7 +259,8 @@ class _HostBackup:
     do when their allocation is freed (test/examples/cpu_backup.py checks cudaHostGetFlags fails
     then, at 4a43c97); PyTorch's pin_memory would keep the block registered in its host cache.
     Without the library or a runtime that page-locks, PyTorch's pinned memory. release() is
-    idempotent; a view of the slot still held after it dangles, as torch_memory_saver's does."""
+    idempotent; a view of a page-locked slot still held after it dangles, as torch_memory_saver's
+    does (an mmap slot lives on until its last view goes)."""
 
     def __init__(self, torch, x, kind: str, lib: Optional[ctypes.CDLL]):
         self.kind = kind
@@ -291,12 +292,9 @@ class _HostBackup:
         if self._host is not None:
             host, self._host = self._host, None
             self._lib.torpor_preload_host_free(host)
-        if self._map is not None:
-            m, self._map = self._map, None
-            try:
-                m.close()
-            except BufferError:  # a view of it is still exported: the mapping goes with that view
-                pass
+        # an mmap goes with its last reference: a view handed out may still hold it (PyTorch's
+        # frombuffer keeps the object, not an export, so closing it here could leave that dangling)
+        self._map = None
 
 
 class TorchMemorySaver:
