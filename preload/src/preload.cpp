@@ -305,6 +305,7 @@ void configure_disk(const std::string& dir) {
   torpor_pool_options_init(&o);
   o.host_store_limit = 1;  // below one store block: every backup goes to the disk tier
   o.spill_dir = dir.c_str();
+  o.spill_file_per_allocation = 1;  // as torch_memory_saver: a file per disk-backed allocation
   if (torpor_torch_configure(&o) != TORPOR_OK) {
     say(fmt::format("disk backup into '{}' needs torpor's pools configured before their first allocation, and they "
                     "hold memory already ({}); set TMS_DISK_BACKUP_DIR or call set_disk_backup_dir first. Backups "

@@ -49,8 +49,9 @@ torch_memory_saver/entrypoint.py and csrc/core.cpp):
   TMS_INIT_CPU_BACKUP_BACKEND=mmap makes it pageable (host_store_limit below one block) before
   the first allocation. Either way a resume without retain gives the store's memory back.
 - ``set_disk_backup_dir(path)`` (or TMS_DISK_BACKUP_DIR; /tmp when neither, as torch_memory_saver)
-  and ``region(enable_disk_backup=True)``: the pools' disk tier in that directory (one spill file
-  for the pools, not a file per allocation), configured before the first allocation in a region;
+  and ``region(enable_disk_backup=True)``: the pools' disk tier in that directory, a file per
+  allocation as torch_memory_saver's (spill_file_per_allocation; given back with the copies at a
+  resume without retain), configured before the first allocation in a region;
   a disk region's bytes are kept bit-exact (class state). torpor's tier is per pool, so once a
   disk directory is set every backup of the process goes there, those of enable_cpu_backup regions
   too (still restored bit-exact, and get_cpu_backup reads them back from the file, where
@@ -598,7 +599,10 @@ class TorchMemorySaver:
             if wanted is None or wanted == self._store_applied:
                 return
             try:
-                engine.configure_host_store(host_store_limit=wanted[0], spill_dir=wanted[1])
+                # torch_memory_saver writes a file per disk-backed allocation (csrc/disk_backend.cpp)
+                engine.configure_host_store(
+                    host_store_limit=wanted[0], spill_dir=wanted[1], spill_file_per_allocation=wanted[1] is not None
+                )
             except InvalidState as e:
                 raise Unavailable(
                     f"torpor.tms: {self._store_reason(wanted)} needs torpor's pools configured for it, and they "
@@ -669,7 +673,7 @@ class TorchMemorySaver:
 
     def set_disk_backup_dir(self, path: str) -> None:
         """The process-wide directory of disk backups (created if missing, as torch_memory_saver's):
-        torpor's disk tier, one spill file there for every backup of the pools. Before the first
+        torpor's disk tier there, a file per allocation, for every backup of the pools. Before the first
         allocation in a region (torpor.Unavailable after: the pools' host store is fixed)."""
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidArgument(f"set_disk_backup_dir: {path!r} is not a path")

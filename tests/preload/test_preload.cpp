@@ -340,21 +340,31 @@ TEST(Disk, ADiskRegionBacksUpIntoTorporsDiskTierInTheDirectory) {
   std::filesystem::create_directories(dir);
   tms().set_disk_backup_dir(dir.c_str());  // before the first allocation, as torch_memory_saver's example
   void* p = nullptr;
+  void* p2 = nullptr;
   void* q = nullptr;
   {
     Region r("disk", false, nullptr, true);
     p = device_alloc(N);
+    p2 = device_alloc(N / 4 + 12345);  // as torch_memory_saver's example: sizes off the granularity
   }
   {
     Region r("disk_cache", false);
     q = device_alloc(N);
   }
   auto data = pattern(N, 9);
+  auto data2 = pattern(N / 4 + 12345, 10);
   std::memcpy(p, data.data(), N);
+  std::memcpy(p2, data2.data(), data2.size());
   std::memcpy(q, data.data(), N);
   ASSERT_EQ(tms().pause(nullptr), 0);
   std::uintmax_t on_disk = 0;
-  for (const auto& f : std::filesystem::directory_iterator(dir)) on_disk += std::filesystem::file_size(f.path());
+  size_t files = 0;
+  for (const auto& f : std::filesystem::directory_iterator(dir)) {
+    on_disk += std::filesystem::file_size(f.path());
+    ++files;
+  }
+  EXPECT_EQ(files, 2u) << "as torch_memory_saver: a backup file per disk-backed allocation";
+  EXPECT_GE(on_disk, N + data2.size());
   torpor_pool_t pool = nullptr;
   ASSERT_EQ(torpor_torch_pool(0, &pool), TORPOR_OK);
   std::string stats(1 << 16, '\0');
@@ -365,7 +375,9 @@ TEST(Disk, ADiskRegionBacksUpIntoTorporsDiskTierInTheDirectory) {
       << "as torch_memory_saver: a disk backup has no CPU pointer";
   ASSERT_EQ(tms().resume(nullptr), 0);
   EXPECT_EQ(std::memcmp(p, data.data(), N), 0);
+  EXPECT_EQ(std::memcmp(p2, data2.data(), data2.size()), 0);
   EXPECT_NE(std::memcmp(q, data.data(), N), 0) << "the region without backup was discarded";
+  EXPECT_EQ(cudaFree(p2), 0);
   EXPECT_EQ(cudaFree(p), 0);
   EXPECT_EQ(cudaFree(q), 0);
   std::filesystem::remove_all(dir);
