@@ -957,7 +957,7 @@ TYPED_TEST(SpillTest, AFilePerAllocationKeepsEachAllocationInAFileOfItsOwn) {
     EXPECT_TRUE(dir.files().empty()) << "no pool-wide file in this layout";
     std::mt19937_64 rng(27);
     std::vector<typename TestFixture::Item> items;
-    for (std::size_t n : {std::size_t{777}, std::size_t{4096}, 64 * KiB + 1})  // one small slab holds all three
+    for (std::size_t n : {std::size_t{4096}, 8 * KiB, 64 * KiB})  // side by side in one small slab
       items.push_back(this->make(pool, "weights", n, MemoryClass::state, "", rng));
     void* cache = pool.allocate(64 * KiB, {"weights", MemoryClass::cache, ""});
     for (int cycle = 0; cycle < 3; ++cycle) {

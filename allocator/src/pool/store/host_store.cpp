@@ -278,11 +278,15 @@ std::unique_ptr<HostStore::Block> HostStore::add_beyond_limit_block(std::size_t 
   block->space = RangeAllocator(bytes);
   if (own_file) {
     std::size_t held = 0;
+    std::size_t files = 0;
     for (auto& b : blocks_)
-      if (b->file) held += b->map_bytes;
+      if (b->file) {
+        held += b->map_bytes;
+        ++files;
+      }
     if (options_.spill_limit != 0 && held + bytes > options_.spill_limit)
       throw out_of_memory(fmt::format("disk tier: {} more bytes would pass spill_limit {} ({} held in {} files of {})",
-                                      bytes, options_.spill_limit, held, blocks_.size(), options_.spill_dir));
+                                      bytes, options_.spill_limit, held, files, options_.spill_dir));
     block->file = std::make_unique<SpillStore>(options_.spill_dir, 0, options_.spill_try_direct_io);
     block->file_offset = block->file->allocate(bytes);  // throws out_of_memory; the file goes with `block`
   } else if (spill_) {
