@@ -27,8 +27,22 @@
 //     torpor's host copy, renewed by every pause and freed by a resume without retain: the
 //     address torch_memory_saver's users hold stays valid across a retained resume.
 //   - nothing here includes cuda.h or cuda_runtime.h: cudaError_t is an int-sized enum, taken as int.
+//   - torch_memory_saver's library links the CUDA runtime, so its users resolve runtime calls through
+//     it with ctypes (test/examples/cpu_backup.py: cudaHostGetFlags, cudaGetLastError on its cdll).
+//     This library does not link the runtime: it exports those two as forwarders to the runtime the
+//     process has loaded (real_symbol: RTLD_NEXT, then the global scope, then a libcudart loaded
+//     RTLD_LOCAL, as PyTorch's is; never this library's own definition). The same library, loaded
+//     with ctypes and not preloaded, is torpor.tms's _impl in hook_mode "torch" too: its region
+//     settings mirror the Python side's, and torpor_preload_host_alloc gives the zero-copy backups
+//     there page-locked memory of their own (cudaMallocHost, freed with the backup), not PyTorch's
+//     caching host allocator, which keeps freed blocks registered.
+//   - cudaFree reports a failure only of the torpor_torch_free it made (the thread's failure count
+//     before and after that call), never an earlier failed cudaMalloc's: PyTorch frees its cache
+//     after an out-of-memory cudaMalloc and checks every cudaFree, so a stale count made its retry
+//     fail with "out of memory".
 #include <dlfcn.h>
 #include <fmt/format.h>
+#include <link.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 
@@ -79,6 +93,54 @@ Fn next_symbol(std::atomic<Fn>& cache, const char* name) {
   return fn;
 }
 
+// Where RTLD_NEXT finds no runtime (this library loaded with ctypes, RTLD_LOCAL, in hook_mode
+// "torch"), the global scope, then a libcudart that is loaded but not global (PyTorch's).
+void* loaded_cudart_symbol(const char* name) {
+  std::string found;
+  dl_iterate_phdr(
+      [](dl_phdr_info* info, size_t, void* out) -> int {
+        const char* path = info->dlpi_name;
+        if (path != nullptr && std::strstr(path, "libcudart.so") != nullptr) {
+          *static_cast<std::string*>(out) = path;
+          return 1;
+        }
+        return 0;
+      },
+      &found);
+  if (found.empty()) return nullptr;
+  void* handle = dlopen(found.c_str(), RTLD_LAZY | RTLD_NOLOAD);  // only one already loaded
+  if (handle == nullptr) return nullptr;
+  void* sym = dlsym(handle, name);
+  dlclose(handle);  // NOLOAD took a reference; the runtime stays loaded by whoever loaded it
+  return sym;
+}
+
+// Whether `sym` lies in this library. Compared by object, not by the address of an exported
+// function: a reference to one from here may bind to another library's definition of that name.
+bool in_this_library(const void* sym) {
+  Dl_info mine{};
+  Dl_info theirs{};
+  if (dladdr(reinterpret_cast<const void*>(&say), &mine) == 0 || dladdr(sym, &theirs) == 0) return false;
+  return mine.dli_fbase == theirs.dli_fbase;
+}
+
+void* real_symbol(const char* name) {
+  for (void* sym : {dlsym(RTLD_NEXT, name), dlsym(RTLD_DEFAULT, name)})
+    if (sym != nullptr && !in_this_library(sym)) return sym;
+  void* sym = loaded_cudart_symbol(name);
+  return sym != nullptr && !in_this_library(sym) ? sym : nullptr;
+}
+
+template <class Fn>
+Fn forwarded(std::atomic<Fn>& cache, const char* name) {
+  Fn fn = cache.load(std::memory_order_acquire);
+  if (fn == nullptr) {
+    fn = reinterpret_cast<Fn>(real_symbol(name));
+    cache.store(fn, std::memory_order_release);
+  }
+  return fn;
+}
+
 struct Runtime {
   std::atomic<malloc_fn> malloc_{nullptr};
   std::atomic<free_fn> free_{nullptr};
@@ -88,8 +150,8 @@ struct Runtime {
   malloc_fn malloc() { return next_symbol(malloc_, "cudaMalloc"); }
   free_fn free() { return next_symbol(free_, "cudaFree"); }
   get_device_fn get_device() { return next_symbol(get_device_, "cudaGetDevice"); }
-  malloc_fn malloc_host() { return next_symbol(malloc_host_, "cudaMallocHost"); }
-  free_fn free_host() { return next_symbol(free_host_, "cudaFreeHost"); }
+  malloc_fn malloc_host() { return forwarded(malloc_host_, "cudaMallocHost"); }
+  free_fn free_host() { return forwarded(free_host_, "cudaFreeHost"); }
 };
 
 Runtime& runtime() {
@@ -165,6 +227,7 @@ struct State {
   std::mutex mu;
   std::map<std::uintptr_t, Allocation> allocations;  // by base address
   std::map<std::uintptr_t, Slot> slots;              // by base address: get_cpu_backup_pointer's
+  std::map<std::uintptr_t, Slot> host_buffers;       // torpor_preload_host_alloc's, by address
   std::atomic<bool> retain{env_switch(torpor::options::id::tms_retain_cpu_backup)};
   std::string disk_dir;       // the directory the pools' disk tier was configured in ("" = none)
   bool disk_refused = false;  // the pools held memory when a disk tier was first asked for
@@ -242,6 +305,7 @@ void configure_disk(const std::string& dir) {
   torpor_pool_options_init(&o);
   o.host_store_limit = 1;  // below one store block: every backup goes to the disk tier
   o.spill_dir = dir.c_str();
+  o.spill_file_per_allocation = 1;  // as torch_memory_saver: a file per disk-backed allocation
   if (torpor_torch_configure(&o) != TORPOR_OK) {
     say(fmt::format("disk backup into '{}' needs torpor's pools configured before their first allocation, and they "
                     "hold memory already ({}); set TMS_DISK_BACKUP_DIR or call set_disk_backup_dir first. Backups "
@@ -367,14 +431,92 @@ __attribute__((visibility("default"))) cuda_error cudaFree(void* ptr) {
     }
   }
   release_slot(slot);
-  // Waits for the device's queued work first, as cudaFree does.
+  // Waits for the device's queued work first, as cudaFree does. Only this call's failure counts.
+  unsigned long long before = torpor_torch_failures(nullptr);
   torpor_torch_free(ptr, a.bytes, a.device, nullptr);
   torpor_status last = TORPOR_OK;
-  static thread_local unsigned long long failures_seen = 0;
-  unsigned long long failures = torpor_torch_failures(&last);
-  bool failed = failures != failures_seen;
-  failures_seen = failures;
+  bool failed = torpor_torch_failures(&last) != before;
   return failed ? status_error(last) : cuda_success;
+}
+
+// torch_memory_saver's library links the runtime: these resolve through it (see the note above).
+__attribute__((visibility("default"))) cuda_error cudaHostGetFlags(unsigned int* flags, void* host);
+__attribute__((visibility("default"))) cuda_error cudaGetLastError();
+}  // extern "C"
+
+namespace {
+
+using host_get_flags_fn = cuda_error (*)(unsigned int*, void*);
+using get_last_error_fn = cuda_error (*)();
+std::atomic<host_get_flags_fn> real_host_get_flags{nullptr};
+std::atomic<get_last_error_fn> real_get_last_error{nullptr};
+// What cudaGetLastError reports of a forwarder that found no runtime (then cleared, as the runtime's).
+thread_local cuda_error unforwarded_error = cuda_success;
+constexpr cuda_error cuda_error_initialization = 3;  // cudaErrorInitializationError: no runtime loaded
+
+}  // namespace
+
+extern "C" {
+
+__attribute__((visibility("default"))) cuda_error cudaHostGetFlags(unsigned int* flags, void* host) {
+  host_get_flags_fn real = forwarded(real_host_get_flags, "cudaHostGetFlags");
+  if (real == nullptr) {
+    static std::once_flag said;
+    std::call_once(said, [] { say("cudaHostGetFlags: no CUDA runtime is loaded in this process to forward it to"); });
+    unforwarded_error = cuda_error_initialization;
+    return unforwarded_error;
+  }
+  return real(flags, host);
+}
+
+__attribute__((visibility("default"))) cuda_error cudaGetLastError() {
+  get_last_error_fn real = forwarded(real_get_last_error, "cudaGetLastError");
+  cuda_error mine = unforwarded_error;
+  unforwarded_error = cuda_success;
+  if (real == nullptr) return mine;
+  cuda_error theirs = real();
+  return theirs != cuda_success ? theirs : mine;
+}
+
+// torpor.tms's zero-copy backups in hook_mode "torch" (not a CUDA or TMS name): host memory of
+// the backend's kind, page-locked ("pinned", cudaMallocHost through the loaded runtime; pageable
+// when there is none or it refuses, with a message) or anonymous pageable ("mmap"), given back by
+// torpor_preload_host_free. NULL (and a message) when no memory could be had.
+__attribute__((visibility("default"))) void* torpor_preload_host_alloc(std::uint64_t bytes, const char* backend) {
+  if (bytes == 0 || backend == nullptr) return nullptr;
+  if (bytes > (std::uint64_t{1} << 50)) {
+    say(fmt::format("torpor_preload_host_alloc: {} bytes is more than any host holds", bytes));
+    return nullptr;
+  }
+  Slot slot;
+  if (!make_slot(slot, static_cast<size_t>(bytes), backend)) return nullptr;
+  State& s = state();
+  std::lock_guard lock(s.mu);
+  s.host_buffers[reinterpret_cast<std::uintptr_t>(slot.host)] = slot;
+  return slot.host;
+}
+
+// Whether the buffer was one of torpor_preload_host_alloc's (and is now given back).
+__attribute__((visibility("default"))) bool torpor_preload_host_free(void* host) {
+  Slot slot;
+  {
+    State& s = state();
+    std::lock_guard lock(s.mu);
+    auto it = s.host_buffers.find(reinterpret_cast<std::uintptr_t>(host));
+    if (it == s.host_buffers.end()) return false;
+    slot = it->second;
+    s.host_buffers.erase(it);
+  }
+  release_slot(slot);
+  return true;
+}
+
+// Whether the buffer is page-locked (cudaMallocHost's) rather than pageable.
+__attribute__((visibility("default"))) bool torpor_preload_host_pinned(const void* host) {
+  State& s = state();
+  std::lock_guard lock(s.mu);
+  auto it = s.host_buffers.find(reinterpret_cast<std::uintptr_t>(host));
+  return it != s.host_buffers.end() && it->second.pinned;
 }
 
 // -- torch_memory_saver's entry points -----------------------------------------------------------

@@ -80,6 +80,7 @@ class PoolOptions(ctypes.Structure):
         ("host_store_prepare", ctypes.c_size_t),
         ("spill_dir", ctypes.c_char_p),
         ("spill_limit", ctypes.c_size_t),
+        ("spill_file_per_allocation", ctypes.c_int),
         ("_reserved", ctypes.c_char * 256),
     ]
 

@@ -115,6 +115,7 @@ def pool_options(
     host_store_prepare: int = 0,
     spill_dir: str | os.PathLike | None = None,
     spill_limit: int = 0,
+    spill_file_per_allocation: bool = False,
 ) -> _lib.PoolOptions:
     """torpor_pool_options, validated. backend: auto (TORPOR_BACKEND, else cuda when usable,
     else host), host or cuda. fill_on_wake: what discarded bytes hold after wake (none, zero,
@@ -126,7 +127,8 @@ def pool_options(
     (0 = none); beyond it backups go to pageable memory, or with spill_dir to a file there (at
     most spill_limit bytes, 0 = what the disk holds); host_store_prepare starts page-locking
     that many bytes in the background when the pool is created. spill_dir must be UTF-8 without
-    NUL (InvalidArgument otherwise)."""
+    NUL (InvalidArgument otherwise). spill_file_per_allocation: a file of its own there for each
+    allocation's backed-up bytes (torch_memory_saver's layout) instead of one file per pool."""
     o = _lib.PoolOptions()
     _lib.lib().torpor_pool_options_init(ctypes.byref(o))
     o.device = whole(device, "device", 0, INT_MAX)
@@ -138,6 +140,9 @@ def pool_options(
     o.host_store_limit = _size(host_store_limit, "host_store_limit", "0 = no limit")
     o.host_store_prepare = _size(host_store_prepare, "host_store_prepare", "0 = none")
     o.spill_limit = _size(spill_limit, "spill_limit", "0 = what the disk holds")
+    if not isinstance(spill_file_per_allocation, bool):
+        raise InvalidArgument(f"spill_file_per_allocation {spill_file_per_allocation!r} is not True or False")
+    o.spill_file_per_allocation = 1 if spill_file_per_allocation else 0
     spill = _spill_dir(spill_dir)
     if spill is not None:
         o.spill_dir = spill  # the C API copies it; ctypes keeps the bytes alive until then

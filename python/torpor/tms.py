@@ -36,7 +36,11 @@ torch_memory_saver/entrypoint.py and csrc/core.cpp):
   buffer per tensor that keeps its address across retained resumes and is refilled by every pause
   (torch_memory_saver's slot): torpor's own host store moves its blocks, so that buffer is a copy
   of the store, made only for zero-copy callers, and dropped (its memory freed) when the pool no
-  longer holds a copy (a resume without retain, x freed).
+  longer holds a copy (a resume without retain) or the tensor x is freed. A "pinned" buffer is
+  page-locked with the runtime's cudaMallocHost through the tms library and freed with
+  cudaFreeHost when dropped (PyTorch's pin_memory would keep it registered in its host cache),
+  so cudaHostGetFlags fails on it once x is gone, as torch_memory_saver's examples check; without
+  that library or a runtime, PyTorch's pinned memory.
 - ``cpu_backup_backend`` ("pinned" or "mmap"; default TMS_INIT_CPU_BACKUP_BACKEND, else pinned):
   the kind of memory of the zero-copy buffer of the tensors of that region's tag (page-locked, or
   anonymous pageable memory given back to the system when the buffer is dropped; regions of one
@@ -45,8 +49,9 @@ torch_memory_saver/entrypoint.py and csrc/core.cpp):
   TMS_INIT_CPU_BACKUP_BACKEND=mmap makes it pageable (host_store_limit below one block) before
   the first allocation. Either way a resume without retain gives the store's memory back.
 - ``set_disk_backup_dir(path)`` (or TMS_DISK_BACKUP_DIR; /tmp when neither, as torch_memory_saver)
-  and ``region(enable_disk_backup=True)``: the pools' disk tier in that directory (one spill file
-  for the pools, not a file per allocation), configured before the first allocation in a region;
+  and ``region(enable_disk_backup=True)``: the pools' disk tier in that directory, a file per
+  allocation as torch_memory_saver's (spill_file_per_allocation; given back with the copies at a
+  resume without retain), configured before the first allocation in a region;
   a disk region's bytes are kept bit-exact (class state). torpor's tier is per pool, so once a
   disk directory is set every backup of the process goes there, those of enable_cpu_backup regions
   too (still restored bit-exact, and get_cpu_backup reads them back from the file, where
@@ -71,7 +76,13 @@ torch_memory_saver/entrypoint.py and csrc/core.cpp):
   torch_memory_saver's entry points (region settings per thread, a MemPool per region kind,
   pause / resume / retain / backups / disk directory in the library; TMS_INIT_ENABLE=1 captures
   every allocation from the start; README says what it cannot capture). Set it before the first
-  region. keep_buffers (torpor.sglang) needs "torch".
+  region. keep_buffers (torpor.sglang) needs "torch". In both modes ``_impl._binary_wrapper.cdll``
+  is that library (in "torch" loaded with ctypes, not preloaded, so it interposes nothing; the
+  regions here mirror their settings into it, so tms_get_* answer what the Python side does),
+  ``_impl._mem_pools`` holds the regions' MemPools under torch_memory_saver's keys and
+  ``_impl._with_region_config`` sets the library's thread settings; the library exports the CUDA
+  runtime's cudaHostGetFlags and cudaGetLastError as forwarders to the runtime the process loaded,
+  as torch_memory_saver's library, which links the runtime, resolves them.
 - ``configure_subprocess()``: a context in which child processes started from here resolve
   ``import torch_memory_saver`` to this module too (the shim directory goes first on PYTHONPATH)
   and start with libtorpor_preload.so first on LD_PRELOAD, as torch_memory_saver's own.
@@ -106,6 +117,7 @@ import os
 import pathlib
 import sys
 import threading
+import weakref
 from typing import Optional
 
 from . import engine, environment
@@ -180,6 +192,9 @@ def _bind_preload(path: str) -> ctypes.CDLL:
         ("tms_set_retain_cpu_backup", [c_bool], None),
         ("tms_get_retain_cpu_backup", [], c_bool),
         ("tms_get_cpu_backup_pointer", [ctypes.c_void_p, ctypes.c_uint64], ctypes.c_void_p),
+        ("torpor_preload_host_alloc", [ctypes.c_uint64, c_char_p], ctypes.c_void_p),
+        ("torpor_preload_host_free", [ctypes.c_void_p], c_bool),
+        ("torpor_preload_host_pinned", [ctypes.c_void_p], c_bool),
     ):
         fn = getattr(cdll, name)
         fn.argtypes, fn.restype = args, res
@@ -238,15 +253,32 @@ class _HostBackup:
     next pause. torpor's host store moves and reuses its blocks, so the C API only copies out of
     it (torpor_read_host_copy); this buffer is the stable slot, of the region's backend kind:
     page-locked ("pinned") or anonymous pageable memory ("mmap", given back to the system when
-    the buffer is dropped at a resume without retain_cpu_backup)."""
+    the buffer is dropped at a resume without retain_cpu_backup).
 
-    def __init__(self, torch, x, kind: str):
+    Page-locked slots come from the tms library (torpor_preload_host_alloc: cudaMallocHost of the
+    loaded runtime) and go back with cudaFreeHost when the slot is dropped, as torch_memory_saver's
+    do when their allocation is freed (test/examples/cpu_backup.py checks cudaHostGetFlags fails
+    then, at 4a43c97); PyTorch's pin_memory would keep the block registered in its host cache.
+    Without the library or a runtime that page-locks, PyTorch's pinned memory. release() is
+    idempotent; a view of a page-locked slot still held after it dangles, as torch_memory_saver's
+    does (an mmap slot lives on until its last view goes)."""
+
+    def __init__(self, torch, x, kind: str, lib: Optional[ctypes.CDLL]):
         self.kind = kind
         self.device = x.device.index
         self.address = x.data_ptr()
         self.nbytes = x.numel() * x.element_size()
+        self._lib, self._host, self._map = None, None, None
         if kind == "pinned":
-            self.tensor = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
+            host = lib.torpor_preload_host_alloc(self.nbytes, b"pinned") if lib is not None else None
+            if host and lib.torpor_preload_host_pinned(host):
+                self._lib, self._host = lib, host
+                raw = (ctypes.c_uint8 * self.nbytes).from_address(host)
+                self.tensor = torch.frombuffer(raw, dtype=x.dtype).view(x.shape)
+            else:
+                if host:
+                    lib.torpor_preload_host_free(host)  # pageable: no better than PyTorch's pinned memory
+                self.tensor = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
         else:
             self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self.tensor = torch.frombuffer(self._map, dtype=x.dtype).view(x.shape)
@@ -254,6 +286,16 @@ class _HostBackup:
     def refill(self) -> Optional[bool]:
         """Copy the pool's host copy in; engine.read_host_copy's answer (None: no copy)."""
         return engine.read_host_copy(self.device, self.address, self.nbytes, self.tensor.data_ptr())
+
+    def release(self) -> None:
+        """Give the slot's memory back now (not at the next garbage collection)."""
+        self.tensor = None
+        if self._host is not None:
+            host, self._host = self._host, None
+            self._lib.torpor_preload_host_free(host)
+        # an mmap goes with its last reference: a view handed out may still hold it (PyTorch's
+        # frombuffer keeps the object, not an export, so closing it here could leave that dangling)
+        self._map = None
 
 
 class TorchMemorySaver:
@@ -271,6 +313,8 @@ class TorchMemorySaver:
         self._backends: dict[str, str] = {}  # tag -> backend of its last region with a backup
         self._host_backups: dict[tuple[int, int, int], _HostBackup] = {}
         self._cdll: Optional[ctypes.CDLL] = None  # the preload library, in hook_mode "preload"
+        self._torch_lib: Optional[ctypes.CDLL] = None  # the same library, not preloaded, in "torch"
+        self._torch_lib_missing: Optional[str] = None  # why hook_mode "torch" has no library
         self._buffers_kept: set[str] = set()  # tags whose pause discards parameters only (keep_buffers)
         self._mem_pools: dict = {}  # preload mode: (tag, cpu, disk, backend, device) -> MemPool
 
@@ -294,12 +338,22 @@ class TorchMemorySaver:
             return
         self._apply_store(disk=enable_disk_backup)
         cls = MemoryClass.STATE if (enable_cpu_backup or enable_disk_backup) else MemoryClass.CACHE
+        resolved = (cpu_backup_backend or default_backup_backend()) if enable_cpu_backup else ""
         with self._lock:
             self._tags.add(tag)
             if enable_cpu_backup:
-                self._backends[tag] = cpu_backup_backend or default_backup_backend()
+                self._backends[tag] = resolved
         engine.intend_sleep("torch_memory_saver", self._planned, 1)
-        with engine.use_pool(tag, memory_class=cls):
+        lib = self._library()
+        settings = (
+            self._region_config(tag, enable_cpu_backup, enable_disk_backup, cpu_backup_backend, lib)
+            if lib is not None
+            else contextlib.nullcontext()
+        )
+        with engine.use_pool(tag, memory_class=cls) as mempool, settings:
+            device = engine.cuda_torch().cuda.current_device()
+            with self._lock:  # torch_memory_saver's _mem_pools key (entrypoint.py at 4a43c97)
+                self._mem_pools[(tag, enable_cpu_backup, enable_disk_backup, resolved, device)] = mempool
             yield
 
     @contextlib.contextmanager
@@ -344,7 +398,7 @@ class TorchMemorySaver:
         PyTorch's default allocator, dropped at exit: its memory goes back once those tensors die).
         """
         torch = engine.cuda_torch()
-        cdll = self._cdll
+        cdll = self._cdll if self._cdll is not None else self._torch_lib
         was = cdll.tms_get_interesting_region() if cdll is not None else False
         if cdll is not None:
             cdll.tms_set_interesting_region(False)
@@ -373,11 +427,28 @@ class TorchMemorySaver:
 
     # -- preload mode ------------------------------------------------------------------------
 
+    def _library(self) -> Optional[ctypes.CDLL]:
+        """The tms library behind _impl: the preloaded one in hook_mode "preload"; in "torch" the
+        same file loaded with ctypes (RTLD_LOCAL, so its cudaMalloc interposes nothing), whose
+        thread settings the regions here mirror, as torch_memory_saver's torch-mode library holds
+        them. None when it is not built (self._torch_lib_missing says why)."""
+        if self._cdll is not None:
+            return self._cdll
+        with self._lock:
+            if self._torch_lib is None and self._torch_lib_missing is None:
+                try:
+                    self._torch_lib = _bind_preload(preload_library_path())
+                    self._torch_lib.tms_set_retain_cpu_backup(self._retain_cpu_backup)
+                except (LibraryNotFound, OSError, AttributeError) as e:
+                    self._torch_lib_missing = str(e)
+                    logger.debug("torpor.tms: no tms library in hook_mode 'torch': %s", e)
+            return self._torch_lib
+
     @contextlib.contextmanager
-    def _region_config(self, tag: str, cpu: bool, disk: bool, backend: Optional[str]):
-        """The preload library's thread settings for the block, the previous ones after
+    def _region_config(self, tag: str, cpu: bool, disk: bool, backend: Optional[str], cdll=None):
+        """The tms library's thread settings for the block, the previous ones after
         (torch_memory_saver's _with_region_config)."""
-        cdll = self._cdll
+        cdll = cdll if cdll is not None else self._library()
         saved = (
             cdll.tms_get_current_tag(),
             cdll.tms_get_interesting_region(),
@@ -427,11 +498,13 @@ class TorchMemorySaver:
 
     @property
     def _impl(self):
-        if self._cdll is None:
+        lib = self._library()
+        if lib is None:
             raise AttributeError(
-                "torpor.tms has torch_memory_saver's _impl (its C library) in hook_mode 'preload' only"
+                f"torpor.tms has torch_memory_saver's _impl (its C library) only with {PRELOAD_NAME} built: "
+                f"{self._torch_lib_missing}"
             )
-        return _PreloadImpl(self)
+        return _PreloadImpl(self, lib)
 
     def _preload_call(self, name: str, tag: Optional[str]) -> None:
         code = getattr(self._cdll, name)(tag.encode() if tag else None)
@@ -511,8 +584,7 @@ class TorchMemorySaver:
             except (InvalidState, InvalidArgument):
                 kept = False  # discarded, or no longer an allocation of the pool
             if not kept:
-                with self._lock:
-                    self._host_backups.pop(key, None)
+                self._drop_backup(key, backup)
 
     def _apply_store(self, disk: bool) -> None:
         """Put the host-store options that the backup settings ask for on torpor's pools, once,
@@ -527,7 +599,10 @@ class TorchMemorySaver:
             if wanted is None or wanted == self._store_applied:
                 return
             try:
-                engine.configure_host_store(host_store_limit=wanted[0], spill_dir=wanted[1])
+                # torch_memory_saver writes a file per disk-backed allocation (csrc/disk_backend.cpp)
+                engine.configure_host_store(
+                    host_store_limit=wanted[0], spill_dir=wanted[1], spill_file_per_allocation=wanted[1] is not None
+                )
             except InvalidState as e:
                 raise Unavailable(
                     f"torpor.tms: {self._store_reason(wanted)} needs torpor's pools configured for it, and they "
@@ -579,8 +654,9 @@ class TorchMemorySaver:
 
     @retain_cpu_backup.setter
     def retain_cpu_backup(self, value: bool) -> None:
-        if self._cdll is not None:
-            self._cdll.tms_set_retain_cpu_backup(bool(value))
+        lib = self._cdll if self._cdll is not None else self._torch_lib
+        if lib is not None:
+            lib.tms_set_retain_cpu_backup(bool(value))
         self._retain_cpu_backup = bool(value)
 
     @property
@@ -597,7 +673,7 @@ class TorchMemorySaver:
 
     def set_disk_backup_dir(self, path: str) -> None:
         """The process-wide directory of disk backups (created if missing, as torch_memory_saver's):
-        torpor's disk tier, one spill file there for every backup of the pools. Before the first
+        torpor's disk tier there, a file per allocation, for every backup of the pools. Before the first
         allocation in a region (torpor.Unavailable after: the pools' host store is fixed)."""
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidArgument(f"set_disk_backup_dir: {path!r} is not a path")
@@ -643,20 +719,34 @@ class TorchMemorySaver:
             tag = engine.tag_at(x.device.index, x.data_ptr())
             with self._lock:
                 kind = self._backends.get(tag) or default_backup_backend()
-            backup = _HostBackup(torch, x, kind)
+            backup = _HostBackup(torch, x, kind, self._library())
         out = backup.tensor if zero_copy else torch.empty(x.shape, dtype=x.dtype, device="cpu")
         try:
             copied = engine.read_host_copy(x.device.index, x.data_ptr(), nbytes, out.data_ptr())
         except InvalidState as e:
             raise InvalidState(f"{e} (was the tensor created in a region without enable_cpu_backup=True?)") from None
         if copied is None:  # awake without a retained copy: torch_memory_saver's slot was freed
-            with self._lock:
-                self._host_backups.pop(key, None)
+            self._drop_backup(key)
+            if fresh:
+                backup.release()
             return None
         if fresh:
             with self._lock:
                 self._host_backups[key] = backup
+            # torch_memory_saver frees the slot with its allocation; what this layer sees of that
+            # is the tensor going (the segment itself is PyTorch's to keep cached)
+            weakref.finalize(x, self._drop_backup, key, backup)
         return out
+
+    def _drop_backup(self, key, backup: Optional[_HostBackup] = None) -> None:
+        """Forget the zero-copy slot of `key` and give its memory back (only `backup`'s, if given:
+        a slot made since for the same key is not this one)."""
+        with self._lock:
+            held = self._host_backups.get(key)
+            if held is None or (backup is not None and held is not backup):
+                return
+            del self._host_backups[key]
+        held.release()
 
     def _preload_backup(self, torch, x, nbytes: int, zero_copy: bool):
         """torch_memory_saver's get_cpu_backup over the preload library's slot (entrypoint.py)."""
@@ -669,11 +759,14 @@ class TorchMemorySaver:
 
 
 class _PreloadImpl:
-    """What torch_memory_saver's examples use of its _TorchMemorySaverImpl (entrypoint.py)."""
+    """What torch_memory_saver's examples use of its _TorchMemorySaverImpl (entrypoint.py), in
+    either hook mode: the library (whose exports include the runtime's cudaHostGetFlags and
+    cudaGetLastError, as TMS's library links the runtime), the MemPools by region kind, the
+    region settings."""
 
-    def __init__(self, saver: TorchMemorySaver):
+    def __init__(self, saver: TorchMemorySaver, lib: ctypes.CDLL):
         self._saver = saver
-        self._binary_wrapper = type("BinaryWrapper", (), {"cdll": saver._cdll})()
+        self._binary_wrapper = type("BinaryWrapper", (), {"cdll": lib})()
         self._mem_pools = saver._mem_pools  # same keys: (tag, cpu, disk, backend or "", device)
 
     def _with_region_config(self, tag, enable_cpu_backup, cpu_backup_backend=None, enable_disk_backup=False):

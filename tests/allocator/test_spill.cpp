@@ -15,6 +15,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iterator>
@@ -941,6 +942,99 @@ TEST(Spill, AFileSizeLimitMidSleepDoesNotKillAProcessThatKeepsSigxfszDefault) {
   TempDir dir;
   EXPECT_EQ(exit_status_of_child([&] { return fill_the_disk_mid_sleep(dir, false); }), 0)
       << "128 + 25: killed by SIGXFSZ";
+}
+
+// spill_file_per_allocation (torch_memory_saver's disk layout, issue 27): a file of its own per
+// allocation's backed-up range, even for allocations side by side in one slab; the files hold
+// the bytes, restored bit-exact; a steady cycle reuses them; release_host_store() removes them;
+// the spill limit counts every file.
+TYPED_TEST(SpillTest, AFilePerAllocationKeepsEachAllocationInAFileOfItsOwn) {
+  TempDir dir;
+  {
+    PoolOptions o = this->spilling(dir.path, 1);
+    o.spill_file_per_allocation = true;
+    Pool pool(this->driver(), o);
+    EXPECT_TRUE(dir.files().empty()) << "no pool-wide file in this layout";
+    std::mt19937_64 rng(27);
+    std::vector<typename TestFixture::Item> items;
+    for (std::size_t n : {std::size_t{4096}, 8 * KiB, 64 * KiB})  // side by side in one small slab
+      items.push_back(this->make(pool, "weights", n, MemoryClass::state, "", rng));
+    void* cache = pool.allocate(64 * KiB, {"weights", MemoryClass::cache, ""});
+    for (int cycle = 0; cycle < 3; ++cycle) {
+      SCOPED_TRACE(::testing::Message() << "cycle " << cycle);
+      if (cycle == 2)
+        for (auto& it : items) {
+          for (auto& b : it.bytes) b = static_cast<std::uint8_t>(b * 29 + 3);
+          write(pool, it.p, it.bytes);
+        }
+      pool.sleep(1);
+      EXPECT_EQ(dir.files().size(), items.size()) << "one file per allocation with a backup, none for the cache";
+      std::size_t on_disk = 0;
+      for (const auto& f : dir.files()) on_disk += std::filesystem::file_size(dir.path + "/" + f);
+      PoolStats st = pool.stats();
+      EXPECT_EQ(on_disk, st.spill_bytes) << "the books: every disk byte the pool holds is in those files";
+      EXPECT_EQ(st.spill_path, dir.path);
+      pool.wake_up();
+      for (auto& it : items) EXPECT_EQ(read(pool, it.p, it.bytes.size()), it.bytes);
+    }
+    pool.release_host_store();
+    EXPECT_TRUE(dir.files().empty()) << "released with the copies";
+    pool.deallocate(cache);
+  }
+  EXPECT_TRUE(dir.files().empty());
+}
+
+TYPED_TEST(SpillTest, AFilePerAllocationCountsTheSpillLimitOverEveryFile) {
+  TempDir dir;
+  PoolOptions o = this->spilling(dir.path, 1);
+  o.spill_file_per_allocation = true;
+  o.spill_limit = 64 * KiB;  // room for the first allocation's file, not for the second too
+  o.skip_unchanged = false;
+  Pool pool(this->driver(), o);
+  std::mt19937_64 rng(28);
+  auto a = this->make(pool, "weights", 40 * KiB, MemoryClass::state, "", rng);
+  auto b = this->make(pool, "weights", 40 * KiB, MemoryClass::state, "", rng);
+  EXPECT_THROW(pool.sleep(1), out_of_memory);
+  EXPECT_FALSE(pool.asleep("weights")) << "nothing moved";
+  EXPECT_LE(dir.files().size(), 1u) << "the second file was never made";
+  EXPECT_EQ(read(pool, a.p, a.bytes.size()), a.bytes);
+  EXPECT_EQ(read(pool, b.p, b.bytes.size()), b.bytes);
+  pool.release_host_store();
+  EXPECT_TRUE(dir.files().empty()) << "the first one's file held nothing: given back";
+}
+
+TEST(Spill, AFilePerAllocationNeedsASpillDir) {
+  HostDriver d(HostBackend::options());
+  PoolOptions o;
+  o.va_bytes = 64 * MiB;
+  o.spill_file_per_allocation = true;
+  try {
+    Pool pool(d, o);
+    FAIL() << "accepted without spill_dir";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("spill_file_per_allocation needs spill_dir"), std::string::npos) << e.what();
+  }
+}
+
+// torch_memory_saver's disk_backup example removes its directory before the process ends: the
+// spill file is gone when torpor removes it, which is what torpor wanted, and nothing is lost
+// (the descriptor kept the bytes). No error then; a file that took the name since stays.
+TEST(Spill, AFileSomeoneElseRemovedIsNoErrorAndAFileInItsPlaceIsLeftAlone) {
+  for (bool replaced : {false, true}) {
+    SCOPED_TRACE(replaced ? "replaced" : "removed");
+    TempDir dir;
+    std::string path;
+    ::testing::internal::CaptureStderr();
+    {
+      SpillStore store(dir.path, 0);
+      path = store.path();
+      ASSERT_EQ(::unlink(path.c_str()), 0);
+      if (replaced) dir.touch(path.substr(dir.path.size() + 1));
+    }
+    std::string err = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(err.find("torpor error"), std::string::npos) << err;
+    EXPECT_EQ(dir.files().size(), replaced ? 1u : 0u) << "a file in its place is someone else's";
+  }
 }
 
 }  // namespace

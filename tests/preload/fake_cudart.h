@@ -12,6 +12,9 @@ int cudaFree(void* ptr);
 int cudaGetDevice(int* device);
 int cudaMallocHost(void** ptr, size_t size);
 int cudaFreeHost(void* ptr);
+// Success for a pointer inside a live cudaMallocHost block; invalid value (recorded) otherwise.
+int cudaHostGetFlags(unsigned int* flags, void* host);
+int cudaGetLastError();
 // What the fake holds: live cudaMalloc'd blocks, live cudaMallocHost'd blocks.
 size_t fake_cudart_live_device_blocks();
 size_t fake_cudart_live_host_blocks();

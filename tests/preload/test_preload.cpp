@@ -221,6 +221,64 @@ TEST(Preload, TheBackupPointerKeepsItsAddressAcrossARetainedResumeAndGoesWithout
   EXPECT_EQ(cudaFree(lost), 0);
 }
 
+// torch_memory_saver's library links the runtime, and its example reaches cudaHostGetFlags and
+// cudaGetLastError through it (test/examples/cpu_backup.py _cuda_host_pointer_is_allocated at
+// 4a43c97): the preload library's exports forward to the runtime (here the fake), and the
+// page-locked backup goes with its allocation, whether that is freed awake or paused.
+struct RuntimeEntries {
+  int (*host_get_flags)(unsigned int*, void*) = entry<int (*)(unsigned int*, void*)>("cudaHostGetFlags");
+  int (*get_last_error)() = entry<int (*)()>("cudaGetLastError");
+};
+
+bool exported_by_the_preload_library(const void* fn) {
+  Dl_info info{};
+  return dladdr(fn, &info) != 0 && std::string(info.dli_fname).find("libtorpor_preload") != std::string::npos;
+}
+
+bool host_allocated(const RuntimeEntries& rt, void* p) {
+  unsigned int flags = 0;
+  int status = rt.host_get_flags(&flags, p);
+  if (status != 0) {
+    EXPECT_EQ(rt.get_last_error(), status) << "the failure is the runtime's last error, once";
+  }
+  return status == 0;
+}
+
+TEST(Preload, ThePinnedBackupGoesWithItsAllocationAsCudaHostGetFlagsThroughTheLibrarySees) {
+  configure_poison();
+  RuntimeEntries rt;
+  ASSERT_TRUE(exported_by_the_preload_library(reinterpret_cast<const void*>(rt.host_get_flags)));
+  ASSERT_TRUE(exported_by_the_preload_library(reinterpret_cast<const void*>(rt.get_last_error)));
+  EXPECT_EQ(rt.get_last_error(), 0);
+  for (bool paused : {false, true}) {
+    SCOPED_TRACE(paused ? "freed while paused" : "freed awake");
+    std::string tag = paused ? "free_paused" : "free_awake";
+    void* x = nullptr;
+    {
+      Region r(tag.c_str(), true);  // the default backend: pinned
+      x = device_alloc(N);
+    }
+    auto bytes = pattern(N, paused ? 11 : 12);
+    std::memcpy(x, bytes.data(), N);
+    auto* gx = static_cast<const std::uint8_t*>(x);
+    tms().set_retain_cpu_backup(true);
+    ASSERT_EQ(tms().pause(tag.c_str()), 0);
+    std::uint8_t* backup = tms().get_cpu_backup_pointer(gx + 4096, 4096);
+    ASSERT_NE(backup, nullptr);
+    EXPECT_EQ(std::memcmp(backup, bytes.data() + 4096, 4096), 0);
+    EXPECT_TRUE(host_allocated(rt, backup)) << "page-locked while its allocation lives";
+    if (!paused) {
+      ASSERT_EQ(tms().resume(tag.c_str()), 0);
+      EXPECT_EQ(tms().get_cpu_backup_pointer(gx + 4096, 4096), backup) << "retained: the same address";
+      EXPECT_TRUE(host_allocated(rt, backup));
+    }
+    EXPECT_EQ(cudaFree(x), 0);
+    EXPECT_FALSE(host_allocated(rt, backup)) << "freeing the allocation gives its page-locked backup back";
+    EXPECT_EQ(rt.get_last_error(), 0) << "cleared by the read above";
+    tms().set_retain_cpu_backup(false);
+  }
+}
+
 TEST(Preload, FreeingPausedMemoryGivesItBack) {
   configure_poison();
   void* p = nullptr;
@@ -282,21 +340,31 @@ TEST(Disk, ADiskRegionBacksUpIntoTorporsDiskTierInTheDirectory) {
   std::filesystem::create_directories(dir);
   tms().set_disk_backup_dir(dir.c_str());  // before the first allocation, as torch_memory_saver's example
   void* p = nullptr;
+  void* p2 = nullptr;
   void* q = nullptr;
   {
     Region r("disk", false, nullptr, true);
     p = device_alloc(N);
+    p2 = device_alloc(N / 4 + 12345);  // as torch_memory_saver's example: sizes off the granularity
   }
   {
     Region r("disk_cache", false);
     q = device_alloc(N);
   }
   auto data = pattern(N, 9);
+  auto data2 = pattern(N / 4 + 12345, 10);
   std::memcpy(p, data.data(), N);
+  std::memcpy(p2, data2.data(), data2.size());
   std::memcpy(q, data.data(), N);
   ASSERT_EQ(tms().pause(nullptr), 0);
   std::uintmax_t on_disk = 0;
-  for (const auto& f : std::filesystem::directory_iterator(dir)) on_disk += std::filesystem::file_size(f.path());
+  size_t files = 0;
+  for (const auto& f : std::filesystem::directory_iterator(dir)) {
+    on_disk += std::filesystem::file_size(f.path());
+    ++files;
+  }
+  EXPECT_EQ(files, 2u) << "as torch_memory_saver: a backup file per disk-backed allocation";
+  EXPECT_GE(on_disk, N + data2.size());
   torpor_pool_t pool = nullptr;
   ASSERT_EQ(torpor_torch_pool(0, &pool), TORPOR_OK);
   std::string stats(1 << 16, '\0');
@@ -307,10 +375,36 @@ TEST(Disk, ADiskRegionBacksUpIntoTorporsDiskTierInTheDirectory) {
       << "as torch_memory_saver: a disk backup has no CPU pointer";
   ASSERT_EQ(tms().resume(nullptr), 0);
   EXPECT_EQ(std::memcmp(p, data.data(), N), 0);
+  EXPECT_EQ(std::memcmp(p2, data2.data(), data2.size()), 0);
   EXPECT_NE(std::memcmp(q, data.data(), N), 0) << "the region without backup was discarded";
+  EXPECT_EQ(cudaFree(p2), 0);
   EXPECT_EQ(cudaFree(p), 0);
   EXPECT_EQ(cudaFree(q), 0);
   std::filesystem::remove_all(dir);
+}
+
+// PyTorch's caching allocator, on an out-of-memory cudaMalloc, frees its cached blocks with
+// cudaFree (checking each) and retries: memory freed through the interposer must be the
+// driver's again, and those cudaFree calls must not report the earlier cudaMalloc's failure
+// (test/examples/training_engine.py's cache-eviction step at 4a43c97). Run with a small emulated
+// device (TORPOR_HOST_DEVICE_MEMORY, tests/CMakeLists.txt).
+TEST(Oom, AnAllocationThatDidNotFitFitsAfterTheFreesThroughTheInterposer) {
+  const char* v = std::getenv("TORPOR_HOST_DEVICE_MEMORY");
+  ASSERT_TRUE(v != nullptr && std::string(v) == "64M") << "run with TORPOR_HOST_DEVICE_MEMORY=64M";
+  configure_poison();
+  constexpr size_t mib = size_t{1} << 20;
+  void* a = nullptr;
+  void* b = nullptr;
+  void* c = nullptr;
+  Region r("default", true);
+  ASSERT_EQ(cudaMalloc(&a, 24 * mib), 0);
+  ASSERT_EQ(cudaMalloc(&b, 24 * mib), 0);
+  EXPECT_EQ(cudaMalloc(&c, 40 * mib), 2) << "48 of 64 MiB held: cudaErrorMemoryAllocation";
+  EXPECT_EQ(cudaFree(a), 0) << "a free after a failed cudaMalloc succeeds";
+  EXPECT_EQ(cudaFree(b), 0);
+  ASSERT_EQ(cudaMalloc(&c, 40 * mib), 0) << "the freed memory went back to the device";
+  EXPECT_TRUE(in_torpor(c));
+  EXPECT_EQ(cudaFree(c), 0);
 }
 
 }  // namespace

@@ -167,3 +167,128 @@ def test_configure_subprocess_puts_the_preload_library_first_on_ld_preload(monke
     import os
 
     assert os.environ["LD_PRELOAD"] == "/other.so", "the previous value comes back"
+
+
+# hook_mode "torch" (the process starts without LD_PRELOAD): torch_memory_saver's examples still
+# reach its library through _impl._binary_wrapper.cdll (test/examples/cpu_backup.py
+# run_backend_from_env and _assert_cpu_backup_released_on_allocation_free at 4a43c97). The fake
+# runtime is loaded RTLD_GLOBAL first, as PyTorch's libcudart is there before torch_memory_saver.
+TORCH_MODE_CHILD = f"""
+import ctypes, gc, json, os, sys
+sys.path.insert(0, {str(REPO / "tests" / "python")!r})
+fake = ctypes.CDLL(sys.argv[2], mode=ctypes.RTLD_GLOBAL)
+fake.fake_cudart_is_host_block.restype = ctypes.c_bool
+fake.fake_cudart_is_host_block.argtypes = [ctypes.c_void_p]
+import fake_torch
+sys.modules["torch"] = fake_torch
+fake_torch.Tensor.dtype = "uint8"
+
+
+class HostBytes(fake_torch.Tensor):
+    def __init__(self, raw):
+        if not isinstance(raw, ctypes.Array):  # an mmap: a view of its bytes, as torch.frombuffer
+            raw = (ctypes.c_uint8 * len(raw)).from_buffer(raw)
+        self.raw = raw
+        super().__init__(ctypes.addressof(raw), len(raw), None)
+        self.device, self.is_cuda = fake_torch._Device("cpu", None), False
+
+    def view(self, shape):
+        return self
+
+    def tobytes(self):
+        return bytes(self.raw)
+
+
+fake_torch.frombuffer = lambda raw, dtype=None: HostBytes(raw)
+
+import torpor
+from torpor.tms import torch_memory_saver as saver
+
+torpor.configure(backend="host", fill_on_wake="poison", va_bytes=1 << 30)
+out = {{"hook_mode": saver.hook_mode}}
+saver._ensure_initialized()
+cdll = saver._impl._binary_wrapper.cdll
+flags_of = cdll.cudaHostGetFlags
+flags_of.argtypes, flags_of.restype = [ctypes.POINTER(ctypes.c_uint), ctypes.c_void_p], ctypes.c_int
+cdll.cudaGetLastError.argtypes, cdll.cudaGetLastError.restype = [], ctypes.c_int
+
+
+def host_allocated(pointer):
+    status = flags_of(ctypes.byref(ctypes.c_uint()), ctypes.c_void_p(pointer))
+    if status != 0:
+        cdll.cudaGetLastError()
+    return status == 0
+
+
+out["backend"] = [cdll.tms_get_cpu_backup_backend().decode()]
+N = 4 << 20
+with saver.region(tag="retained_free", enable_cpu_backup=True):
+    out["in_region"] = [cdll.tms_get_current_tag().decode(), cdll.tms_get_interesting_region(),
+                        cdll.tms_get_enable_cpu_backup(), cdll.tms_get_cpu_backup_backend().decode()]
+    tensor = fake_torch.empty(N, element_size=1)
+out["after_region"] = [cdll.tms_get_current_tag().decode(), cdll.tms_get_interesting_region()]
+out["backend"].append(cdll.tms_get_cpu_backup_backend().decode())
+pool = torpor.Pool.torch(0)
+data = os.urandom(N)
+pool.write(tensor.data_ptr(), data)
+saver.retain_cpu_backup = True
+out["retain_mirrored"] = cdll.tms_get_retain_cpu_backup()
+saver.pause("retained_free")
+backup = saver.get_cpu_backup(tensor, zero_copy=True)
+pointer = backup.data_ptr()
+out["exact"] = backup.tobytes() == data
+out["while_alive"] = [host_allocated(pointer), fake.fake_cudart_is_host_block(pointer)]
+del backup
+saver.resume("retained_free")
+again = saver.get_cpu_backup(tensor, zero_copy=True)
+out["same_pointer"] = again.data_ptr() == pointer
+del again
+key = ("retained_free", True, False, out["backend"][0], 0)
+out["pool_key"] = key in saver._impl._mem_pools
+mempool = saver._impl._mem_pools.pop(key)
+with saver._impl._with_region_config(tag="retained_free", enable_cpu_backup=True, cpu_backup_backend="pinned"):
+    out["config_tag"] = cdll.tms_get_current_tag().decode()
+    tensor.free()
+    del tensor, mempool
+    gc.collect()
+out["after_free"] = [host_allocated(pointer), fake.fake_cudart_is_host_block(pointer)]
+saver.retain_cpu_backup = False
+print(json.dumps(out))
+"""
+
+
+def run_torch_mode(fake, **env):
+    out = subprocess.run(
+        [sys.executable, "-c", TORCH_MODE_CHILD, "torch", str(fake)],
+        env=subprocess_env(TORPOR_LOG="off", LD_PRELOAD="", TORPOR_LIBRARY=engine.library_path(), **env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_torch_mode_has_tms_impl_whose_library_answers_from_the_python_sides_state(monkeypatch):
+    _, fake = _libraries()
+    monkeypatch.delenv("TMS_INIT_CPU_BACKUP_BACKEND", raising=False)
+    r = run_torch_mode(fake)
+    assert r["hook_mode"] == "torch"
+    assert r["backend"] == ["pinned", "pinned"], "unset TMS_INIT_CPU_BACKUP_BACKEND: pinned"
+    assert r["in_region"] == ["retained_free", True, True, "pinned"], "the region's settings, mirrored"
+    assert r["after_region"] == ["default", False], "and the previous ones after it"
+    assert r["retain_mirrored"] is True
+    assert r["pool_key"] and r["config_tag"] == "retained_free", "TMS's _mem_pools key and _with_region_config"
+    assert r["exact"] and r["same_pointer"], "the zero-copy slot: the pause's bytes, same address after resume"
+    assert r["while_alive"] == [True, True], "page-locked (cudaHostGetFlags through _impl's library succeeds)"
+    assert r["after_free"] == [False, False], "freeing the tensor gives its page-locked backup back"
+
+
+def test_torch_mode_library_reads_tms_init_cpu_backup_backend_as_the_python_side(monkeypatch):
+    _, fake = _libraries()
+    monkeypatch.setenv("TMS_INIT_CPU_BACKUP_BACKEND", "mmap")
+    r = run_torch_mode(fake)
+    assert r["backend"] == ["mmap", "mmap"] and r["in_region"][3] == "mmap"
+    assert tms.default_backup_backend() == "mmap", "the Python side's default, from the same variable"
+    assert r["while_alive"] == [False, False], "an mmap backup is pageable: cudaHostGetFlags fails on it"
+    assert r["exact"] and r["same_pointer"]

@@ -119,6 +119,11 @@ struct PoolOptions {
   // false: the spill file uses buffered I/O even where the file system takes O_DIRECT (for file
   // systems whose direct I/O misbehaves; the page cache then holds spilled bytes for a while).
   bool spill_try_direct_io = true;
+  // true: a file of its own in spill_dir for every backed-up range of an allocation (contiguous
+  // allocations are not merged into one range; a range is cut at copy_piece_bytes), as
+  // torch_memory_saver's disk backup writes a file per allocation; a file goes when its copy
+  // does. false (default): one spill file per pool. Needs spill_dir.
+  bool spill_file_per_allocation = false;
   // Page-locking: the pinned store grows in blocks of at most host_pin_block_bytes (one mapping
   // for all the blocks a sleep or a prepare adds), first touched by host_pin_threads threads
   // (0 = min(16, cores)) and registered block by block as the touching finishes. With
@@ -207,7 +212,8 @@ struct PoolStats {
   std::size_t retained_bytes = 0;             // host copies kept after wake (skip_unchanged), any tier
   std::size_t spill_bytes = 0;                // disk held by the spill file
   std::size_t spill_used_bytes = 0;           // disk holding copies
-  std::string spill_path;                     // the spill file ("" without a disk tier)
+  std::string spill_path;                     // the spill file ("" without a disk tier; its directory
+                                              // with spill_file_per_allocation)
   bool spill_direct_io = false;               // the spill file takes O_DIRECT
   bool host_registration_refused = false;     // page-locking by registration failed once
   // The page-locked budget, derived at every growth of the store from host_store_limit, the

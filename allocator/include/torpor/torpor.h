@@ -64,13 +64,15 @@ typedef struct torpor_pool_options {
   int exportable;   /* physical memory exportable as POSIX fds; default 0 */
   /* Host memory (PoolOptions in torpor/pool.hpp says more). Default: host copies kept after wake,
    * no limit, no disk tier. */
-  int skip_unchanged;        /* 1: keep host copies after wake, so an unchanged re-sleep copies nothing
-                                (costs host memory while awake); 0: give them back at wake. Default 1 */
-  size_t host_store_limit;   /* page-locked host bytes at most; beyond: pageable memory, or spill_dir; 0 = none */
-  size_t host_store_prepare; /* start page-locking this many bytes in the background at creation; default 0 */
-  const char* spill_dir;     /* beyond host_store_limit, backups go to a file here (needs a limit; the
-                                string is copied); NULL = no disk tier */
-  size_t spill_limit;        /* disk bytes at most; 0 = what the disk holds */
+  int skip_unchanged;            /* 1: keep host copies after wake, so an unchanged re-sleep copies nothing
+                                    (costs host memory while awake); 0: give them back at wake. Default 1 */
+  size_t host_store_limit;       /* page-locked host bytes at most; beyond: pageable memory, or spill_dir; 0 = none */
+  size_t host_store_prepare;     /* start page-locking this many bytes in the background at creation; default 0 */
+  const char* spill_dir;         /* beyond host_store_limit, backups go to a file here (needs a limit; the
+                                    string is copied); NULL = no disk tier */
+  size_t spill_limit;            /* disk bytes at most; 0 = what the disk holds */
+  int spill_file_per_allocation; /* 1: a file of its own in spill_dir per backed-up range of an allocation
+                                    (torch_memory_saver's layout; needs spill_dir); 0 (default): one file */
 } torpor_pool_options;
 
 void torpor_pool_options_init(torpor_pool_options* options);

@@ -286,6 +286,7 @@ void torpor_pool_options_init(torpor_pool_options* o) {
   o->host_store_prepare = 0;
   o->spill_dir = nullptr;
   o->spill_limit = 0;
+  o->spill_file_per_allocation = 0;
 }
 
 torpor_status torpor_pool_create(const torpor_pool_options* options, torpor_pool_t* out) {
@@ -313,6 +314,7 @@ torpor_status torpor_pool_create(const torpor_pool_options* options, torpor_pool
     po.host_store_prepare = o.host_store_prepare;
     if (o.spill_dir != nullptr) po.spill_dir = o.spill_dir;
     po.spill_limit = o.spill_limit;
+    po.spill_file_per_allocation = o.spill_file_per_allocation != 0;
     cp->pool = std::make_unique<Pool>(*cp->driver.driver, po);
     Registry& r = registry();
     *out = reinterpret_cast<torpor_pool_t>(r.add(r.pools, std::move(cp)));

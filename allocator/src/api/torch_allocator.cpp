@@ -93,7 +93,7 @@ bool same_options(const torpor_pool_options& a, const torpor_pool_options& b) {
   return a.backend == b.backend && a.va_bytes == b.va_bytes && a.fill_on_wake == b.fill_on_wake &&
          a.exportable == b.exportable && a.skip_unchanged == b.skip_unchanged &&
          a.host_store_limit == b.host_store_limit && a.host_store_prepare == b.host_store_prepare && dir(a) == dir(b) &&
-         a.spill_limit == b.spill_limit;
+         a.spill_limit == b.spill_limit && (a.spill_file_per_allocation != 0) == (b.spill_file_per_allocation != 0);
 }
 
 // Whether a new segment of `size` bytes leaves the memory margin free on `device`; sets the

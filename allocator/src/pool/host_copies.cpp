@@ -38,7 +38,7 @@ void offload_to_span(Pool::State& s, HostSpan& span, device_ptr src, std::size_t
     case HostTier::pinned: s.driver.copy_async(span.ptr, reinterpret_cast<const void*>(src), bytes, stream); break;
     case HostTier::pageable: s.staging.to_host(span.ptr, src, bytes, stream); break;
     case HostTier::disk: {
-      SpillStore& spill = *s.host.spill();
+      SpillStore& spill = s.host.spill_of(span.ptr);
       std::uint64_t file_offset = s.host.file_offset(span.ptr);
       if (!s.host.writable(span, bytes))  // sleep_plan.cpp replaces such spans before any copy
         throw error(fmt::format("internal: spill span at file offset {} ({} bytes) cannot take a {}-byte write",
@@ -59,7 +59,7 @@ void restore_from_span(Pool::State& s, device_ptr dst, const HostSpan& span, std
     case HostTier::pinned: s.driver.copy_async(reinterpret_cast<void*>(dst), span.ptr, bytes, stream); break;
     case HostTier::pageable: s.staging.to_device(dst, span.ptr, bytes, stream); break;
     case HostTier::disk: {
-      SpillStore& spill = *s.host.spill();
+      SpillStore& spill = s.host.spill_of(span.ptr);
       std::uint64_t file_offset = s.host.file_offset(span.ptr);
       s.staging.to_device(dst, bytes, stream, [&](std::size_t off, std::byte* slot, std::size_t n) {
         spill.read(file_offset + off, slot, n);

@@ -33,7 +33,7 @@ struct Piece {
 };
 
 void read_from_spill(Pool::State& s, const HostSpan& span, std::size_t from, std::size_t bytes, std::byte* dst) {
-  SpillStore& spill = *s.host.spill();
+  SpillStore& spill = s.host.spill_of(span.ptr);
   std::size_t room = align_up(bytes, SpillStore::alignment) + SpillStore::alignment;
   std::unique_ptr<std::byte, decltype(&std::free)> bounce(static_cast<std::byte*>(
                                                               std::aligned_alloc(SpillStore::alignment, room)),

@@ -79,6 +79,10 @@ void check_host_options(const PoolOptions& o) {
     throw invalid_argument(fmt::format("PoolOptions::spill_dir '{}' needs host_store_limit > 0: what does not fit "
                                        "under the limit goes to disk (a limit below 2 MiB puts every backup there)",
                                        o.spill_dir));
+  if (o.spill_file_per_allocation && o.spill_dir.empty())
+    throw invalid_argument(
+        "PoolOptions::spill_file_per_allocation needs spill_dir: it chooses how the disk tier lays out its files, and "
+        "without a spill directory there is none (set spill_dir, or spill_file_per_allocation false)");
   // A limit on a disk tier that does not exist would be ignored: the caller meant to spill.
   if (o.spill_limit != 0 && o.spill_dir.empty())
     throw invalid_argument(fmt::format("PoolOptions::spill_limit {} needs spill_dir: it bounds the disk tier, and "

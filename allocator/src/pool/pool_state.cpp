@@ -143,6 +143,7 @@ HostStoreOptions Pool::State::host_store_options(const PoolOptions& o, Driver& d
   h.spill_dir = o.spill_dir;
   h.spill_limit = o.spill_limit;
   h.spill_try_direct_io = o.spill_try_direct_io;
+  h.spill_file_per_span = o.spill_file_per_allocation;
   h.sys_root = options::sysfs_root();
   h.memlock_charged = d.capabilities().host_register_charged_to_memlock;
   const NumaPlacement numa = numa_placement(h.sys_root, d.device_properties(o.device).pci_bus_id);

@@ -76,6 +76,8 @@ PoolStats Pool::stats() const {
   if (const SpillStore* spill = s.host.spill()) {
     st.spill_path = spill->path();
     st.spill_direct_io = spill->direct_io();
+  } else if (s.host.has_disk_tier()) {
+    st.spill_path = s.options.spill_dir;  // a file per allocation there: the directory
   }
   st.pending_releases = s.memory.pending();
   for (auto& [va, n] : s.address_ranges) st.address_ranges_bytes += n;

@@ -12,9 +12,11 @@ namespace {
 
 using clock_type = std::chrono::steady_clock;
 
-// Step 1 for one chunk: the surviving runs, cut into pieces.
+// Step 1 for one chunk: the surviving runs, cut into pieces. With a spill file per allocation a
+// run never crosses from one allocation into the next, so no file holds two allocations' bytes.
 void split_into_pieces(const Pool::State& s, ChunkPlan& plan, SleepLevel level) {
   const std::size_t piece_bytes = s.options.copy_piece_bytes;
+  const bool per_allocation = s.options.spill_file_per_allocation;
   std::size_t run_lo = 0, run_hi = 0;
   auto flush = [&] {
     for (std::size_t at = run_lo; at < run_hi; at += piece_bytes) {
@@ -26,14 +28,17 @@ void split_into_pieces(const Pool::State& s, ChunkPlan& plan, SleepLevel level) 
     run_lo = run_hi = 0;
   };
   for (auto& [aoff, a] : plan.chunk->allocations) {
+    bool first_of_allocation = true;
     for (auto& [segstart, seg] : a->segments) {
       std::size_t lo = a->offset + segstart, hi = a->offset + seg.end;
       if (!s.survives(seg, level)) {
         plan.discarded += hi - lo;
         continue;
       }
+      bool new_allocation = per_allocation && first_of_allocation;
+      first_of_allocation = false;
       // Contiguous surviving ranges merge into one run: fewer, larger copies.
-      if (run_hi != lo || run_hi == 0) {
+      if (run_hi != lo || run_hi == 0 || new_allocation) {
         if (run_hi != 0) flush();
         run_lo = lo;
       }
@@ -181,7 +186,7 @@ void plan_offload(Pool::State& s, SleepPlan& plan, TransitionReport& r) {
   take_host_spans(s, plan, needed);
   // Bytes bound for the disk are checked at wake against the hash of what left the device: a
   // file can change while it waits there (wake.cpp).
-  if (!s.options.skip_unchanged && s.host.spill() != nullptr)
+  if (!s.options.skip_unchanged && s.host.has_disk_tier())
     hash_pieces(s, plan, r, [](const Piece& p) { return p.span.tier == HostTier::disk; });
   finish_pinning(s, growths, r);
 }

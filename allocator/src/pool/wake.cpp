@@ -119,8 +119,8 @@ void verify_trusted_restores(Pool::State& s, const std::vector<WakeGroup>& group
   for (const Checked& b : bad) {
     Chunk& c = *b.chunk;
     HostCopy& copy = c.backups.at(b.offset);
-    std::string where = copy.span.tier == HostTier::disk && s.host.spill() != nullptr
-                            ? fmt::format(", kept on disk in {}", s.host.spill()->path())
+    std::string where = copy.span.tier == HostTier::disk && s.host.has_disk_tier()
+                            ? fmt::format(", kept on disk in {}", s.host.spill_of(copy.span.ptr).path())
                             : std::string();
     v.corrupted.push_back(fmt::format("[{:#x}, +{}) of tag '{}' ({}){}", c.va + b.offset, copy.bytes, c.tag,
                                       allocations_in(c, b.offset, b.offset + copy.bytes), where));

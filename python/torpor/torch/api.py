@@ -27,6 +27,7 @@ def configure(
     host_store_prepare: int = 0,
     spill_dir=None,
     spill_limit: int = 0,
+    spill_file_per_allocation: bool = False,
 ) -> None:
     """Options of the pools PyTorch allocates in; call before the first allocation (later,
     only the same options are accepted). backend: auto (TORPOR_BACKEND, else cuda when
@@ -36,7 +37,8 @@ def configure(
     host copies stay after wake so an unchanged re-sleep copies nothing, costing that host
     memory while awake; release_host_store() gives it back), host_store_limit (page-locked
     bytes at most), spill_dir and spill_limit (the disk tier beyond the limit),
-    host_store_prepare (bytes to page-lock in the background when a pool is created)."""
+    spill_file_per_allocation (that tier as a file per allocation), host_store_prepare (bytes
+    to page-lock in the background when a pool is created)."""
     o = pool_options(
         0,
         backend,
@@ -47,6 +49,7 @@ def configure(
         host_store_prepare=host_store_prepare,
         spill_dir=spill_dir,
         spill_limit=spill_limit,
+        spill_file_per_allocation=spill_file_per_allocation,
     )
     _lib.check(_lib.lib().torpor_torch_configure(ctypes.byref(o)))
     _configured.clear()
@@ -59,6 +62,7 @@ def configure(
         host_store_prepare=host_store_prepare,
         spill_dir=spill_dir,
         spill_limit=spill_limit,
+        spill_file_per_allocation=spill_file_per_allocation,
     )
 
 
@@ -67,11 +71,13 @@ def configure(
 _configured: dict = {}
 
 
-def configure_host_store(*, host_store_limit: int, spill_dir=None) -> None:
-    """configure() with the last options but host_store_limit and spill_dir (before the first
-    allocation, as configure)."""
+def configure_host_store(*, host_store_limit: int, spill_dir=None, spill_file_per_allocation: bool = False) -> None:
+    """configure() with the last options but host_store_limit, spill_dir and
+    spill_file_per_allocation (before the first allocation, as configure)."""
     options = dict(_configured)
-    options.update(host_store_limit=host_store_limit, spill_dir=spill_dir)
+    options.update(
+        host_store_limit=host_store_limit, spill_dir=spill_dir, spill_file_per_allocation=spill_file_per_allocation
+    )
     configure(**options)
 
 

@@ -89,9 +89,10 @@ bool HostStore::Block::counts_as_pinned() const noexcept {
 HostStore::HostStore(Driver& driver, HostStoreOptions options)
     : driver_(driver),
       options_(std::move(options)),
-      spill_(options_.spill_dir.empty() ? nullptr
-                                        : std::make_unique<SpillStore>(options_.spill_dir, options_.spill_limit,
-                                                                       options_.spill_try_direct_io)),
+      spill_(
+          options_.spill_dir.empty() || options_.spill_file_per_span
+              ? nullptr
+              : std::make_unique<SpillStore>(options_.spill_dir, options_.spill_limit, options_.spill_try_direct_io)),
       pinner_(driver, options_.device, options_.pin_threads) {
   options_.pin_block_bytes = align_up(std::max(options_.pin_block_bytes, block_rounding), block_rounding);
 }
@@ -115,7 +116,10 @@ void HostStore::free_block(Block& b) noexcept {
       case Source::pageable: ::munmap(b.base, b.map_bytes); break;
       case Source::disk:
         ::munmap(b.base, b.map_bytes);
-        spill_->free(b.file_offset, b.map_bytes);
+        if (b.file)
+          b.file.reset();  // its destructor removes the file
+        else
+          spill_->free(b.file_offset, b.map_bytes);
         break;
     }
   } catch (const std::exception& e) {
@@ -267,15 +271,31 @@ void HostStore::unregister_if_ready(Block& b) {
 }
 
 std::unique_ptr<HostStore::Block> HostStore::add_beyond_limit_block(std::size_t bytes) {
-  bytes = align_up(bytes, block_rounding);
+  const bool own_file = has_disk_tier() && options_.spill_file_per_span;
+  bytes = align_up(bytes, own_file ? SpillStore::alignment : block_rounding);  // a file per span: its size
   auto block = std::make_unique<Block>();
   block->map_bytes = bytes;
   block->space = RangeAllocator(bytes);
-  if (spill_) {
+  if (own_file) {
+    std::size_t held = 0;
+    std::size_t files = 0;
+    for (auto& b : blocks_)
+      if (b->file) {
+        held += b->map_bytes;
+        ++files;
+      }
+    if (options_.spill_limit != 0 && held + bytes > options_.spill_limit)
+      throw out_of_memory(fmt::format("disk tier: {} more bytes would pass spill_limit {} ({} held in {} files of {})",
+                                      bytes, options_.spill_limit, held, files, options_.spill_dir));
+    block->file = std::make_unique<SpillStore>(options_.spill_dir, 0, options_.spill_try_direct_io);
+    block->file_offset = block->file->allocate(bytes);  // throws out_of_memory; the file goes with `block`
+  } else if (spill_) {
     block->file_offset = spill_->allocate(bytes);  // throws out_of_memory with nothing held
+  }
+  if (own_file || spill_) {
     void* va = ::mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (va == MAP_FAILED) {
-      spill_->free(block->file_offset, bytes);
+      if (!own_file) spill_->free(block->file_offset, bytes);
       throw out_of_memory(fmt::format("host backing store could not reserve addresses for {} spilled bytes", bytes));
     }
     block->base = static_cast<std::byte*>(va);
@@ -303,7 +323,9 @@ void HostStore::reserve(std::size_t bytes) {
   std::size_t pinned = room >= align_up(need, block_rounding) ? need : (room / block_rounding) * block_rounding;
   note_capped(need, pinned);
   if (pinned > 0) add_pinned_blocks(pinned, options_.pin_block_bytes);
-  if (need > pinned) add_block(need - pinned, spill_ ? HostTier::disk : HostTier::pageable);
+  // (With a file per span, allocate() makes each disk span's block: one reserved here would be shared.)
+  if (need > pinned && !(has_disk_tier() && options_.spill_file_per_span))
+    add_block(need - pinned, has_disk_tier() ? HostTier::disk : HostTier::pageable);
 }
 
 std::size_t HostStore::prepare(std::size_t bytes) {
@@ -338,6 +360,7 @@ HostSpan HostStore::allocate(std::size_t bytes, std::size_t remaining, std::size
   auto take = [&](Block& b, HostTier tier) -> std::optional<HostSpan> {
     bool disk = tier == HostTier::disk;
     std::size_t n = disk ? on_disk : rounded;
+    if (b.file && !b.space.unused()) return std::nullopt;  // a file of its own holds one span
     if (auto off = b.space.allocate(n, disk ? SpillStore::alignment : alignment))
       return HostSpan{b.base + *off, n, tier};
     return std::nullopt;
@@ -357,6 +380,8 @@ HostSpan HostStore::allocate(std::size_t bytes, std::size_t remaining, std::size
   if (room >= align_up(rounded, block_rounding)) {
     grow = std::max(rounded, std::min(grow, room));
     b = &add_pinned_blocks(std::max(grow, std::min(remaining, room)), grow);
+  } else if (has_disk_tier() && options_.spill_file_per_span) {
+    b = &add_block(on_disk, HostTier::disk);  // this span's own file
   } else if (spill_) {
     // Disk spans are rounded up to SpillStore::alignment each.
     grow = std::max(on_disk, std::min(options_.pin_block_bytes, remaining + remaining_spans * SpillStore::alignment));
@@ -423,6 +448,13 @@ std::size_t HostStore::release_unused() {
 bool HostStore::writable(const HostSpan& span, std::size_t bytes) const {
   if (span.tier != HostTier::disk) return true;
   return file_offset(span.ptr) % SpillStore::alignment == 0 && span.bytes >= align_up(bytes, SpillStore::alignment);
+}
+
+SpillStore& HostStore::spill_of(const std::byte* p) const {
+  Block* b = block_of(p);
+  if (b == nullptr || b->source != Source::disk)
+    throw error(fmt::format("internal: {} is not a spilled span", static_cast<const void*>(p)));
+  return b->file ? *b->file : *spill_;
 }
 
 std::uint64_t HostStore::file_offset(const std::byte* p) const {

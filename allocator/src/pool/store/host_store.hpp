@@ -17,7 +17,9 @@
 //             extents of a SpillStore file. A disk block is a span of reserved, inaccessible
 //             addresses standing for its extent (file offset = block offset + address - base),
 //             so spans of every tier are split and freed by address alike, and a stray access
-//             to one faults.
+//             to one faults. With spill_file_per_span every disk block is one span in a
+//             SpillStore (file) of its own, sized for that span, never shared by two spans, and
+//             the spill limit is counted over all of them; no pool-wide file exists then.
 // A steady cycle allocates nothing: blocks are kept until release_unused() or destruction.
 //
 // Like the machine (host_topology.hpp): with `sys_root` set, the page-locked limit is the budget
@@ -65,6 +67,7 @@ struct HostStoreOptions {
   std::string spill_dir;                               // beyond the limit: files here (empty: pageable)
   std::size_t spill_limit = 0;                         // disk bytes at most; 0 = no limit
   bool spill_try_direct_io = true;                     // false: buffered I/O on the spill file
+  bool spill_file_per_span = false;                    // true: each disk span in a file of its own
   std::string sys_root;                                // derive the budget from this /sys ("": pinned_limit only)
   bool memlock_charged = false;                        // registration counts against RLIMIT_MEMLOCK
   int numa_node = -1;                                  // node the pinned blocks prefer; -1: first touch
@@ -124,12 +127,18 @@ class HostStore {
   // Gives unused blocks back (cancelling their pinning). Returns the bytes released (memory and disk).
   std::size_t release_unused();
 
-  // The spill file offset of a disk span's address; the spill store.
+  // The spill file offset of a disk span's address, in the file spill_of(p) gives.
   std::uint64_t file_offset(const std::byte* p) const;
+  // The file a disk span's address lies in: its block's own (spill_file_per_span), else the
+  // pool's spill store. Throws the internal error for an address that is not a disk span's.
+  SpillStore& spill_of(const std::byte* p) const;
+  // Whether backups beyond the limit go to disk (spill_dir set), whatever the file layout.
+  bool has_disk_tier() const noexcept { return !options_.spill_dir.empty(); }
   // Whether `bytes` may be written into `span`: always for memory; for a disk span only when it
   // owns whole aligned extents of the file (a write rounds up to SpillStore::alignment, and a span
   // cut out of a larger copy may start or end inside an extent another copy still holds).
   bool writable(const HostSpan& span, std::size_t bytes) const;
+  // The pool-wide spill store (none with spill_file_per_span).
   SpillStore* spill() noexcept { return spill_.get(); }
   const SpillStore* spill() const noexcept { return spill_.get(); }
 
@@ -153,8 +162,9 @@ class HostStore {
     std::size_t map_bytes = 0;  // the mapping (registered, pageable, disk) or allocation
     Source source = Source::pageable;
     RangeAllocator space;
-    std::shared_ptr<PinJob> job;    // registered blocks
-    std::uint64_t file_offset = 0;  // disk blocks
+    std::shared_ptr<PinJob> job;       // registered blocks
+    std::uint64_t file_offset = 0;     // disk blocks
+    std::unique_ptr<SpillStore> file;  // a disk block's own file (spill_file_per_span)
     HostTier tier() const noexcept;
     bool counts_as_pinned() const noexcept;  // toward pinned_limit
   };

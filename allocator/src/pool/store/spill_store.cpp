@@ -229,8 +229,28 @@ void SpillStore::unlink_at_exit() noexcept {
 void SpillStore::unlink_file() noexcept {
   if (unlinked_ || forked() || fd_ < 0) return;
   // The open descriptor keeps the bytes readable until it closes: a wake after this still works.
-  if (::unlink(path_.c_str()) != 0) log::error("spill: removing {} failed: {}", path_, errno_text(errno));
+  // Someone else may have removed the file already (a caller cleaning up its directory, as
+  // torch_memory_saver's disk_backup example does before exit): it is gone, as wanted, and its
+  // bytes stayed readable through the descriptor; that is no error. A different file that took
+  // its name since is someone else's and stays.
   unlinked_ = true;
+  struct stat mine {};
+  struct stat there {};
+  if (::fstat(fd_, &mine) != 0) return;
+  if (::stat(path_.c_str(), &there) != 0) {
+    if (errno == ENOENT)
+      log::debug("spill: {} was already removed (by someone else); nothing was lost", path_);
+    else
+      log::error("spill: cannot check {} before removing it: {}; it stays", path_, errno_text(errno));
+    return;
+  }
+  if (there.st_dev != mine.st_dev || there.st_ino != mine.st_ino) {
+    log::warn("spill: {} is no longer this pool's spill file (another file took its name); left alone", path_);
+    return;
+  }
+  if (::unlink(path_.c_str()) != 0 && errno != ENOENT)
+    log::error("spill: removing {} failed: {}; remove it by hand (the next pool in {} removes it as stale)", path_,
+               errno_text(errno), dir_);
 }
 
 void SpillStore::register_live() {
