@@ -9,14 +9,13 @@
 //   3. the per-allocation baseline, as vLLM's CuMemAllocator does it: per allocation a fresh
 //      pinned buffer, a synchronous copy, unmap and release; the reverse on wake;
 //   4. device memory returned after each sleep, by cuMemGetInfo.
-// The first L1 sleep pins the host store it copies into (copies into each block once it is
-// page-locked, while the next is pinned; --pin-before-copies pins all of it first, the other
-// arrangement, for a record of both); with --prepare the store is pinned in the background while the scenario loads
-// (Pool::prepare_host_store), as an engine would during model load. Cycle 1's L1 sleep is
-// checked against its own target, with or without preparation.
-// Every wake is checked: hashes of the bytes that must survive equal those before the sleep.
-// Everything goes through the driver seam, so the same program runs on the host backend
-// (CI's smoke test, with a small scenario) and on a GPU.
+// The first L1 sleep pins the host store it copies into (all of it, then the copies;
+// --overlap-pinning copies into each block once it is page-locked while the next is pinned, the
+// other arrangement, for a record of both); with --prepare the store is pinned in the background while the scenario
+// loads (Pool::prepare_host_store), as an engine would during model load. Cycle 1's L1 sleep is checked against its own
+// target, with or without preparation. Every wake is checked: hashes of the bytes that must survive equal those before
+// the sleep. Everything goes through the driver seam, so the same program runs on the host backend (CI's smoke test,
+// with a small scenario) and on a GPU.
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -56,7 +55,7 @@ struct Options {
   std::size_t ceiling_buffer = std::size_t{2} << 30;
   int release_threads = 2;
   bool prepare = false;              // prepare_host_store() while the scenario loads
-  bool pin_before_copies = false;    // PoolOptions::host_pin_overlap = false
+  bool overlap_pinning = false;      // PoolOptions::host_pin_overlap
   std::size_t host_store_limit = 0;  // PoolOptions::host_store_limit
   std::string spill_dir;             // PoolOptions::spill_dir
   std::string json;
@@ -299,7 +298,7 @@ int run(const Options& o) {
                    {"cache_bytes", o.cache_bytes}, {"cache_alloc", o.cache_alloc},
                    {"cycles", o.cycles},           {"release_threads", o.release_threads},
                    {"prepare", o.prepare},         {"host_store_limit", o.host_store_limit},
-                   {"spill_dir", o.spill_dir},     {"pin_before_copies", o.pin_before_copies}};
+                   {"spill_dir", o.spill_dir},     {"overlap_pinning", o.overlap_pinning}};
 
   Ceiling ceiling;
   std::vector<nlohmann::json> cycles;
@@ -310,7 +309,7 @@ int run(const Options& o) {
     po.release_threads = o.release_threads;
     po.host_store_limit = o.host_store_limit;
     po.spill_dir = o.spill_dir;
-    po.host_pin_overlap = !o.pin_before_copies;
+    po.host_pin_overlap = o.overlap_pinning;
     Pool pool(d, po);
     auto t = clock_type::now();
     Scenario s = build(pool, o);
@@ -535,9 +534,9 @@ int main(int argc, char** argv) {
   app.add_option("--release-threads", o.release_threads, "PoolOptions::release_threads (default 2)")
       ->check(CLI::Range(1, 64));
   app.add_flag("--prepare", o.prepare, "prepare_host_store() while the scenario loads (first-sleep target 0.8 s)");
-  app.add_flag("--pin-before-copies", o.pin_before_copies,
-               "a first sleep that grows the host store pins all of it before its first copy "
-               "(PoolOptions::host_pin_overlap off; default: copies overlap the pinning)");
+  app.add_flag("--overlap-pinning", o.overlap_pinning,
+               "a first sleep that grows the host store copies into each block once it is page-locked, "
+               "while later blocks are pinned (PoolOptions::host_pin_overlap on; default: pin all, then copy)");
   app.add_option_function<std::string>(
       "--host-store-limit", [&](const std::string& s) { o.host_store_limit = parse_size(s); },
       "PoolOptions::host_store_limit (default 0: none)");

@@ -58,7 +58,7 @@
 # report (stress-graphs.txt, stress-graphs.json).
 #
 # bench-first-sleep runs the sleep bench's first cycle against its targets, unprepared (copies
-# overlapping the pinning, then again pinning first: --pin-before-copies) and with the host store
+# pinning first, then again with the copies overlapping the pinning: --overlap-pinning) and with the host store
 # prepared during load, then with a pinned limit and the disk tier beyond it
 # (spill file under $OUT's disk, removed after). first-sleep-variance runs the unprepared first
 # sleep three times in a row with the kernel's huge-page and compaction counters around each
@@ -211,12 +211,12 @@ for stage in "${stages[@]}"; do
       done
       ;;
     bench-first-sleep)
-      # unprepared: the copies overlap the pinning (the default); unprepared-pin-first: the other
-      # arrangement (--pin-before-copies), in the same run, so the record says which is faster.
-      for variant in unprepared unprepared-pin-first prepared; do
+      # unprepared: all the pinning, then the copies (the default); unprepared-overlap: the other
+      # arrangement (--overlap-pinning), in the same run, so the record says which is faster.
+      for variant in unprepared unprepared-overlap prepared; do
         case $variant in
           prepared) flag=--prepare ;;
-          unprepared-pin-first) flag=--pin-before-copies ;;
+          unprepared-overlap) flag=--overlap-pinning ;;
           *) flag= ;;
         esac
         TORPOR_LOG=info timeout 300 $build/bench/torpor_bench_sleep --no-baseline --cycles 2 $flag \
@@ -277,12 +277,12 @@ for stage in "${stages[@]}"; do
       fi
       pyenv=(env TORPOR_LIBRARY="$PWD/$build/allocator/libtorpor.so" PYTHONPATH="$PWD/python:$tms_dir"
         PYTHONDONTWRITEBYTECODE=1)
-      # unprepared: the copies overlap the pinning (the default); unprepared-pin-first: the other
-      # arrangement (--pin-before-copies), in the same run, so the record says which is faster.
-      for variant in unprepared unprepared-pin-first prepared; do
+      # unprepared: all the pinning, then the copies (the default); unprepared-overlap: the other
+      # arrangement (--overlap-pinning), in the same run, so the record says which is faster.
+      for variant in unprepared unprepared-overlap prepared; do
         case $variant in
           prepared) flag=--prepare ;;
-          unprepared-pin-first) flag=--pin-before-copies ;;
+          unprepared-overlap) flag=--overlap-pinning ;;
           *) flag= ;;
         esac
         engines=$([ "$variant" = prepared ] && echo torpor || echo torpor,tms)

@@ -127,17 +127,17 @@ struct PoolOptions {
   // Page-locking: the pinned store grows in blocks of at most host_pin_block_bytes (one mapping
   // for all the blocks a sleep or a prepare adds), first touched by host_pin_threads threads
   // (0 = min(16, cores)) and registered block by block as the touching finishes. With
-  // host_pin_overlap (default) a sleep that grows the store copies into each new block as soon as
-  // that block is page-locked, while the later blocks are still being touched and registered, so
-  // the first sleep takes about the longer of the pinning and the copies instead of their sum.
-  // Off, it waits for all of the pinning before its first copy (registering host memory slowed
-  // concurrent copies in one H200 measurement, 2026-12-02b; the bench runs both so the faster
-  // arrangement is chosen from a record). host_store_prepare starts pinning that many bytes in the background
-  // when the pool is created (as prepare_host_store() does), so that the first sleep, after the
+  // host_pin_overlap a sleep that grows the store copies into each new block as soon as that
+  // block is page-locked, while the later blocks are still being touched and registered. Off
+  // (default), it waits for all of the pinning before its first copy: on the H200 records
+  // (bench/results, torpor_bench_sleep --overlap-pinning beside the default in one run)
+  // registering host memory slowed the concurrent copies so much that the sum of the two was
+  // faster; the option stays for drivers and hosts where overlapping wins. host_store_prepare starts pinning that many
+  // bytes in the background when the pool is created (as prepare_host_store() does), so that the first sleep, after the
   // engine loaded its model, runs at steady-state speed.
   std::size_t host_store_prepare = 0;
   int host_pin_threads = 0;
-  bool host_pin_overlap = true;
+  bool host_pin_overlap = false;
   std::size_t host_pin_block_bytes = std::size_t{1} << 30;
 };
 

@@ -14,8 +14,8 @@
 //   4. create one event per chunk for the pipeline, then take a host span for each of the other
 //      pieces (the store grows by blocks sized for what the sleep still needs; a steady cycle
 //      allocates no host memory);
-//   5. when the store grew and host_pin_overlap is off, wait for its new blocks to be page-locked
-//      before any copy ("host_pinning_wait" phase). With it on (the default) the copies overlap
+//   5. when the store grew and host_pin_overlap is off (the default), wait for its new blocks to be
+//      page-locked before any copy ("host_pinning_wait" phase). With it on the copies overlap
 //      the pinning instead: the pipeline waits for each span's own block before the copy into it
 //      (as it does for a block that prepare() is still pinning), so copies into block k run while
 //      block k + 1 is pinned; the waits are summed in the same phase.
