@@ -116,8 +116,12 @@ class Group {
 
   virtual int rank() const noexcept = 0;
   virtual int size() const noexcept = 0;
-  // "threads", "unix" or "nccl".
+  // "threads", "unix", "nccl", "torch" or "tcp".
   virtual std::string_view kind() const noexcept = 0;
+  // Whether all_gather_fds works: false for a group whose ranks share no Unix socket (TcpGroup),
+  // where memory must travel as fabric handles (bytes). Groups that bootstrap a node-local Unix
+  // subgroup for descriptors say true: they work within one node.
+  virtual bool carries_fds() const noexcept { return true; }
 
   // Every rank contributes `mine` (any length); the result holds every rank's bytes, indexed
   // by rank, own included.
