@@ -10,6 +10,8 @@
 //     SCM_RIGHTS.
 //   - NcclGroup (nccl_group.hpp): bytes over NCCL (fabric handles across nodes); fds over a
 //     node-local bootstrap group, since fds cannot travel over NCCL.
+//   - TcpGroup (tcp_group.hpp): ranks that share no Unix socket (several nodes) meet over TCP;
+//     bytes only (carries_fds() is false), so a symmetric heap over it shares fabric handles.
 //
 // Every collective waits at most timeout() (GroupOptions, default TORPOR_GROUP_TIMEOUT_MS or
 // 60 s), then asks the rendezvous to give the collective up (it answers at once; should it not,
