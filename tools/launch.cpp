@@ -12,9 +12,11 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <netinet/in.h>
 #include <signal.h>  // NOLINT(modernize-deprecated-headers): kill() and sigaction are POSIX, not in <csignal>
 #include <spawn.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -31,6 +33,7 @@
 
 #include "common/options.hpp"
 #include "torpor/error.hpp"
+#include "torpor/tcp_group.hpp"
 
 namespace torpor::cli {
 
@@ -184,30 +187,59 @@ struct Spawned {
   std::vector<int> outs;
 };
 
-// The launcher's environment without the group variables, then this rank's group variables.
-std::vector<std::string> rank_environment(const Rendezvous& rv, int rank, int ranks) {
-  const std::string_view rendezvous = options::option(options::id::group_rendezvous).name;
-  const std::string_view rank_name = options::option(options::id::rank).name;
-  const std::string_view size_name = options::option(options::id::world_size).name;
+// The launcher's environment without the group variables, then this rank's group variables
+// (with several nodes, the launcher's variables a TcpGroup reads and the emulated node).
+std::vector<std::string> rank_environment(const Rendezvous& rv, int rank, int ranks, int nodes, int master_port) {
+  using options::id;
+  std::vector<std::string_view> names;
+  for (id k : {id::group_rendezvous, id::rank, id::world_size, id::master_addr, id::master_port, id::launcher_rank,
+               id::launcher_world_size, id::local_rank, id::local_world_size, id::host_node})
+    names.push_back(options::option(k).name);
   auto assigns = [](std::string_view entry, std::string_view name) {
     return entry.starts_with(name) && entry.size() > name.size() && entry[name.size()] == '=';
   };
   std::vector<std::string> env;
   for (char** e = environ; *e != nullptr; ++e) {
     std::string_view s(*e);
-    if (assigns(s, rendezvous) || assigns(s, rank_name) || assigns(s, size_name)) continue;
+    if (std::any_of(names.begin(), names.end(), [&](std::string_view n) { return assigns(s, n); })) continue;
     env.emplace_back(s);
   }
-  env.push_back(fmt::format("{}={}", rendezvous, rv.to_string()));
-  env.push_back(fmt::format("{}={}", rank_name, rank));
-  env.push_back(fmt::format("{}={}", size_name, ranks));
+  auto set = [&](id k, const std::string& v) { env.push_back(fmt::format("{}={}", options::option(k).name, v)); };
+  set(id::group_rendezvous, rv.to_string());
+  set(id::rank, std::to_string(rank));
+  set(id::world_size, std::to_string(ranks));
+  if (nodes > 1) {
+    const int local = ranks / nodes;
+    set(id::master_addr, "127.0.0.1");
+    set(id::master_port, std::to_string(master_port));
+    set(id::launcher_rank, std::to_string(rank));
+    set(id::launcher_world_size, std::to_string(ranks));
+    set(id::local_rank, std::to_string(rank % local));
+    set(id::local_world_size, std::to_string(local));
+    set(id::host_node, std::to_string(rank / local));
+  }
   return env;
+}
+
+// MASTER_PORT for a launch on loopback: one below a port the kernel just found free, since
+// tcp_group_from_env listens on MASTER_PORT + 1.
+int loopback_master_port() {
+  UniqueFd s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  if (!s || ::bind(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+      ::getsockname(s.get(), reinterpret_cast<sockaddr*>(&a), &len) != 0)
+    throw error(fmt::format("--nodes: no free loopback port for the TCP group: {}", std::strerror(errno)));
+  return ntohs(a.sin_port) - 1;
 }
 
 // Starts one process per rank with its stdout on a pipe. On a failure the ranks already started
 // are killed and reaped, the pipes closed, the rendezvous removed, and error names the rank.
 Spawned spawn_ranks(const LaunchOptions& o, const Rendezvous& rv) {
   Spawned sp;
+  const int master_port = o.nodes > 1 ? loopback_master_port() : 0;
   auto cleanup = [&] {
     for (int fd : sp.outs) ::close(fd);
     rv.remove();
@@ -220,7 +252,7 @@ Spawned spawn_ranks(const LaunchOptions& o, const Rendezvous& rv) {
     }
     std::vector<std::string> args = {"torpor"};
     args.insert(args.end(), o.worker_args.begin(), o.worker_args.end());
-    std::vector<std::string> env = rank_environment(rv, r, o.ranks);
+    std::vector<std::string> env = rank_environment(rv, r, o.ranks, o.nodes, master_port);
     std::vector<char*> argv, envp;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -420,6 +452,10 @@ DriverSelection open_rank_driver(Backend backend, int ranks) {
 
 LaunchResult launch(const LaunchOptions& o, const RankBody& body) {
   if (o.ranks < 1) throw invalid_argument(fmt::format("--ranks {}: at least one rank is needed", o.ranks));
+  if (o.nodes < 1 || o.ranks % o.nodes != 0)
+    throw invalid_argument(fmt::format("--nodes {}: use a number of nodes that divides --ranks {}", o.nodes, o.ranks));
+  if (o.nodes > 1 && !o.processes)
+    throw invalid_argument(fmt::format("--nodes {}: ranks of several nodes are processes (add --processes)", o.nodes));
   return o.processes ? launch_processes(o) : launch_threads(o, body);
 }
 
@@ -442,9 +478,14 @@ void end_with_the_launcher() {
 int run_worker(Backend backend, const GroupOptions& group_options, const RankBody& body) {
   end_with_the_launcher();
   std::unique_ptr<Group> group;
+  std::unique_ptr<LauncherLayout> layout;  // set for a TCP group: the device is the rank within its node
   nlohmann::json line;
   try {
-    group = unix_group_from_env(group_options);
+    if (options::master_addr() && options::launcher_rank()) layout = launcher_layout_from_env();
+    if (layout)
+      group = tcp_group_from_env(group_options);
+    else
+      group = unix_group_from_env(group_options);
   } catch (const std::exception& e) {
     line = {{"ok", false}, {"error", fmt::format("joining the group: {}", e.what())}};
     fmt::print("{}\n", line.dump());
@@ -455,11 +496,11 @@ int run_worker(Backend backend, const GroupOptions& group_options, const RankBod
   std::string backend_name;
   bool device_kernels = false, host_memory = false;
   RankOutcome out = outcome_of(rank, [&] {
-    DriverSelection sel = open_rank_driver(backend, group->size());
+    DriverSelection sel = open_rank_driver(backend, layout ? layout->local_world_size : group->size());
     backend_name = std::string(sel.driver->backend_name());
     device_kernels = sel.driver->capabilities().compute == DriverCapabilities::Compute::device_kernels;
     host_memory = sel.driver->capabilities().host_memory;
-    return body(*sel.driver, *group, rank);
+    return body(*sel.driver, *group, layout ? layout->local_rank : rank);
   });
   line = {{"rank", rank},
           {"ok", out.ok},

@@ -36,6 +36,11 @@ struct LaunchOptions {
   // Processes only: the command line of one worker, after argv[0] (the launcher adds nothing
   // but the environment: TORPOR_GROUP_RENDEZVOUS, TORPOR_RANK, TORPOR_WORLD_SIZE).
   std::vector<std::string> worker_args;
+  // Processes only: the ranks in this many emulated nodes of ranks / nodes consecutive ranks each
+  // (issue 29's layout). Above 1 the workers share no Unix socket: each gets the launcher's
+  // variables (MASTER_ADDR=127.0.0.1, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE)
+  // and TORPOR_HOST_NODE, and they meet over a TcpGroup on loopback.
+  int nodes = 1;
   // Processes only: a worker still running after this is killed.
   std::chrono::seconds deadline{std::chrono::hours(1)};
 };
@@ -74,7 +79,8 @@ DriverSelection open_rank_driver(Backend backend, int ranks);
 // run_worker) and collects their JSON lines.
 LaunchResult launch(const LaunchOptions& options, const RankBody& body);
 
-// In a worker process: the group from the environment, the body, one JSON line on stdout
+// In a worker process: the group from the environment (a TcpGroup when the launcher's MASTER_ADDR
+// and RANK are set, else the UnixSocketGroup of TORPOR_GROUP_RENDEZVOUS), the body, one JSON line on stdout
 // ({"rank", "ok", "result"} or {"rank", "ok": false, "error"}). Returns the exit code.
 int run_worker(Backend backend, const GroupOptions& group, const RankBody& body);
 

@@ -51,6 +51,7 @@ int stress_main(StressOptions o) {
     throw invalid_argument(fmt::format("--negative-control-rank {}: use a rank in [0, {}] ({} ranks)", o.negative_rank,
                                        o.ranks - 1, o.ranks));
   LaunchOptions lo = model_launch(backend, o.ranks, o.processes, o.group_timeout.value, o.model.wait_timeout_ms);
+  lo.nodes = o.nodes;
   lo.worker_args = worker_args(o, o.ranks);
   LaunchResult r =
       launch(lo, [&o](Driver& driver, Group& group, int device) { return stress_rank(o, driver, group, device); });
@@ -99,6 +100,10 @@ void add_stress(CLI::App& app, int& exit_code) {
   auto o = std::make_shared<StressOptions>();
   cmd->add_option("--ranks", o->ranks, "Tensor-parallel ranks (default: every GPU on cuda, 2 on host)");
   cmd->add_flag("--processes", o->processes, "One process per rank and device (Unix socket group) instead of threads");
+  cmd->add_option("--nodes", o->nodes,
+                  "With --processes: the ranks in this many emulated nodes that share no Unix socket and meet over "
+                  "TCP on loopback (default 1)")
+      ->check(CLI::Range(1, 1024));
   cmd->add_option("--backend", o->backend, "auto, host or cuda")
       ->check(CLI::IsMember({"auto", "host", "cuda"}))
       ->capture_default_str();

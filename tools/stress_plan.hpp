@@ -30,6 +30,7 @@ struct StressOptions {
   ModelFlags model;
   int ranks = 0;  // 0 = default: every GPU on cuda, 2 on host
   bool processes = false;
+  int nodes = 1;  // --nodes: emulated nodes of the processes (launch.hpp)
   std::string backend = "auto";
   int cycles = 0;
   std::string fill = "poison";

@@ -45,6 +45,7 @@ double since(clock_type::time_point t) { return std::chrono::duration<double>(cl
 
 struct Options {
   int ranks = 2;
+  int nodes = 1;
   std::string bytes = "1G";
   std::string backend = "auto";
   std::string group = "unix";
@@ -310,6 +311,9 @@ int parent(const Options& o) {
   LaunchOptions lo;
   lo.ranks = o.ranks;
   lo.processes = true;
+  lo.nodes = o.nodes;
+  if (o.nodes > 1 && o.group != "unix")
+    throw invalid_argument("--nodes: the ranks of several nodes meet over TCP; leave --group at unix");
   lo.backend = parse_backend(o.backend);
   lo.group = group_options(o);
   lo.worker_args = {"symmetric-check", "--worker", "--ranks", std::to_string(o.ranks), "--bytes", o.bytes, "--backend",
@@ -370,6 +374,10 @@ void add_symmetric_check(CLI::App& app, int& exit_code) {
                                  "memory returned, wake, addresses and bytes intact");
   auto o = std::make_shared<Options>();
   cmd->add_option("--ranks", o->ranks, "Processes, one per device (default 2)");
+  cmd->add_option("--nodes", o->nodes,
+                  "Emulated nodes (host backend): the ranks in this many groups that share no Unix socket and meet "
+                  "over TCP on loopback, sharing memory as fabric handles (default 1)")
+      ->check(CLI::Range(1, 1024));
   cmd->add_option("--bytes", o->bytes, "Symmetric buffer size per rank, K/M/G suffixes (default 1G)");
   cmd->add_option("--backend", o->backend, "auto, host or cuda")->check(CLI::IsMember({"auto", "host", "cuda"}));
   cmd->add_option("--json", o->json, "Also write the results to this file");

@@ -3,6 +3,8 @@
 // TSan) and as processes (one HostDriver each, the vLLM layout), 2, 4 and 8 ranks. Every result
 // is checked against the fp64 reference with fresh random inputs (never zeros).
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
 #include <chrono>
 #include <cstring>
@@ -15,6 +17,7 @@
 #include "torpor/fusion/tail_state.hpp"
 #include "torpor/group.hpp"
 #include "torpor/symmetric.hpp"
+#include "torpor/tcp_group.hpp"
 #include "torpor/testing/fault_injecting_driver.hpp"
 
 namespace torpor::test {
@@ -910,6 +913,60 @@ TEST_P(TailProcesses, FusedAcrossProcessesThroughSleep) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, TailProcesses, ::testing::Values(2, 4, 8));
+
+// "2 nodes x 2 ranks" (issue 29): four processes in two emulated nodes that meet only over TCP
+// (TcpGroup on loopback); the slots travel as fabric handles. Calls, a level-2 sleep, more calls,
+// checked against the fp64 reference and bitwise across ranks.
+TEST(TailTwoNodes, FusedOverTcpAcrossTwoEmulatedNodesThroughSleep) {
+  constexpr int n = 4;
+  const TailShape s = shape(256, 2, true);
+  int port = 0;
+  {
+    // A free port for rank 0 (the kernel's choice for port 0, released at once).
+    int sock = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ::bind(sock, reinterpret_cast<sockaddr*>(&a), sizeof a);
+    socklen_t len = sizeof a;
+    ::getsockname(sock, reinterpret_cast<sockaddr*>(&a), &len);
+    ::close(sock);
+    port = ntohs(a.sin_port);
+  }
+  const std::vector<int> tokens = {3, 128, 1, 50};
+  auto outcomes = run_ranks(
+      n,
+      [&](int r) {
+        HostDriverOptions o = tail_host_options(false);
+        o.node = r / 2;
+        HostDriver host(o);
+        TcpEndpoint ep;
+        ep.port = port;
+        TcpGroup g(ep, r, n, group_timeout(30s));
+        RankTail rt(host, g, s);
+        check(rt.heap.handle_kind() == HandleKind::fabric && rt.heap.nodes() == 2, "fabric handles across 2 nodes");
+        check(rt.tail->path() == TailPath::fused_unicast, "path: " + rt.tail->reason());
+        for (std::size_t i = 0; i < tokens.size(); ++i) {
+          if (i == 2) {
+            rt.pool.sleep(2);
+            g.barrier();
+            check(host.counters().live_handles == 0, "this process holds no memory while asleep");
+            g.barrier();
+            rt.pool.wake_up();
+          }
+          const CallInputs c = random_call(s, n, tokens[i], 2500 + i);
+          rt.run(c);
+          check_call(rt, fp64_reference(s, c), r, n, "call " + std::to_string(i));
+          auto mine = rt.outputs(tokens[i]);
+          auto all = g.all_gather(std::as_bytes(std::span<const bf16>(mine)));
+          for (std::size_t q = 1; q < all.size(); ++q)
+            check(all[q] == all[0], "rank " + std::to_string(q) + " differs from rank 0");
+        }
+        g.barrier();
+      },
+      120s);
+  EXPECT_EQ(failures(outcomes), "");
+}
 
 }  // namespace
 }  // namespace torpor::test

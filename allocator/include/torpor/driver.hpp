@@ -22,6 +22,7 @@
 // reports failure by throwing driver_error (code = CUresult value).
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -74,6 +75,42 @@ struct DeviceProperties {
   std::string pci_bus_id;                 // "0000:3b:00.0" (cuDeviceGetPCIBusId); "" when unknown
 };
 
+// The kinds of shareable handle the seam moves between processes. A POSIX file descriptor is
+// node-local (it travels only over a Unix socket, SCM_RIGHTS); a fabric handle is 64 opaque bytes
+// (CUmemFabricHandle) that travel over any transport and are imported on another node of the
+// same NVLink domain through the IMEX service.
+enum class HandleKind : std::uint8_t { posix_fd = 1, fabric = 2 };
+std::string_view to_string(HandleKind k) noexcept;
+
+inline constexpr std::size_t fabric_handle_bytes = 64;  // sizeof(CUmemFabricHandle)
+struct FabricHandle {
+  std::array<std::byte, fabric_handle_bytes> bytes{};
+  friend bool operator==(const FabricHandle&, const FabricHandle&) = default;
+};
+
+// What a real fabric export on one device answered (probe_fabric). The device attribute alone is
+// not trusted (vLLM found it saying yes while the export failed: vllm-project/vllm#35489, #43134),
+// so the probe creates a small allocation with the fabric type requested and exports it.
+struct FabricProbe {
+  enum class Cause {
+    supported,               // the export worked: this device can share memory over the fabric
+    backend_without_fabric,  // the driver (backend) has no fabric handles at all
+    driver_too_old,          // the driver library lacks the fabric handle type (CUDA < 12.3)
+    device_without_fabric,   // the device says it has no fabric handle support (no multi-node NVLink)
+    no_imex_channel,         // no /dev/nvidia-caps-imex-channels/channelN visible to this process
+    not_permitted,           // the export (or import) was refused: IMEX daemon not running or channel not granted
+    failed,                  // any other failure; `detail` has the driver's words
+  };
+  Cause cause = Cause::backend_without_fabric;
+  int code = 0;        // the driver's result (CUresult value); 0 when the call was not reached or worked
+  std::string call;    // the call that answered ("cuMemCreate", "cuMemExportToShareableHandle", ...)
+  std::string detail;  // the driver's exact error text, or what was looked at
+  bool supported() const noexcept { return cause == Cause::supported; }
+  // One sentence: the cause in words, the exact result, and what to do about it.
+  std::string describe() const;
+};
+std::string_view to_string(FabricProbe::Cause c) noexcept;
+
 struct MemoryInfo {
   std::size_t free_bytes = 0;
   std::size_t total_bytes = 0;
@@ -103,6 +140,11 @@ struct DriverCapabilities {
   // host_register() is charged to RLIMIT_MEMLOCK, so the host store's page-locked budget
   // counts that limit (host_topology.hpp).
   bool host_register_charged_to_memlock = false;
+  // The shareable handle kinds the driver can export and import (export_fd / import_fd, and
+  // export_fabric / import_fabric). Whether a given device can use fabric handles is a real
+  // export's answer (probe_fabric), not this flag.
+  bool posix_fd_handles = false;
+  bool fabric_handles = false;
 };
 
 std::string_view to_string(DriverCapabilities::Compute c) noexcept;
@@ -192,6 +234,21 @@ class Driver {
   // where the backend can tell that it is not. The default checks what import_fd checks (the
   // CUDA driver cannot size an imported handle; mapping more than it holds fails there).
   virtual PhysicalHandle import_fd_of_size(int fd, std::size_t bytes);
+  // Fabric handles (capabilities().fabric_handles): 64 bytes naming exportable memory, valid in
+  // any process of the NVLink domain (another node included) while the exporter holds the handle.
+  // Memory is exportable as a fabric handle when it was created exportable on a device whose
+  // probe_fabric() said yes. import_fabric of memory its exporter announced as `bytes` long. The
+  // defaults say "not supported"; a refused import (no IMEX channel, not permitted) is a
+  // driver_error with the driver's code, whose text says the cause in words.
+  virtual FabricHandle export_fabric(PhysicalHandle handle);
+  virtual PhysicalHandle import_fabric(const FabricHandle& handle, std::size_t bytes);
+  // A real small fabric allocation and export on `device` (cached per device after the first
+  // call): whether this process can share that device's memory across nodes, and if not, why.
+  // Never throws for a refusal; the default answers backend_without_fabric.
+  virtual FabricProbe probe_fabric(int device);
+  // The machine this process runs on, as far as node-local sharing goes: ranks with equal names
+  // can pass POSIX descriptors to each other. The default is the host name and the boot id.
+  virtual std::string node_name();
 
   // --- multicast (NVLS). Reach these only after the collective multicast decision. --------
   virtual std::size_t multicast_granularity(std::span<const int> devices, std::size_t bytes) = 0;
@@ -208,6 +265,10 @@ class Driver {
   // The defaults say "not supported" (driver_error, CUDA_ERROR_NOT_SUPPORTED).
   virtual int multicast_export_fd(MulticastHandle mc);
   virtual MulticastHandle multicast_import_fd(int fd);
+  // The same over fabric handles (multi-node multicast); created with the fabric type only where
+  // probe_fabric() said yes. The defaults say "not supported". Both honour the kill switches.
+  virtual FabricHandle multicast_export_fabric(MulticastHandle mc);
+  virtual MulticastHandle multicast_import_fabric(const FabricHandle& handle);
   // Whether an exported multicast object can be imported by another process (CUDA: yes;
   // HostDriver emulates multicast within one driver instance only). The symmetric layer folds
   // this into its collective decision, so processes never start a multicast setup that fails.

@@ -10,6 +10,8 @@
 //     SCM_RIGHTS.
 //   - NcclGroup (nccl_group.hpp): bytes over NCCL (fabric handles across nodes); fds over a
 //     node-local bootstrap group, since fds cannot travel over NCCL.
+//   - TcpGroup (tcp_group.hpp): ranks that share no Unix socket (several nodes) meet over TCP;
+//     bytes only (carries_fds() is false), so a symmetric heap over it shares fabric handles.
 //
 // Every collective waits at most timeout() (GroupOptions, default TORPOR_GROUP_TIMEOUT_MS or
 // 60 s), then asks the rendezvous to give the collective up (it answers at once; should it not,
@@ -116,8 +118,12 @@ class Group {
 
   virtual int rank() const noexcept = 0;
   virtual int size() const noexcept = 0;
-  // "threads", "unix" or "nccl".
+  // "threads", "unix", "nccl", "torch" or "tcp".
   virtual std::string_view kind() const noexcept = 0;
+  // Whether all_gather_fds works: false for a group whose ranks share no Unix socket (TcpGroup),
+  // where memory must travel as fabric handles (bytes). Groups that bootstrap a node-local Unix
+  // subgroup for descriptors say true: they work within one node.
+  virtual bool carries_fds() const noexcept { return true; }
 
   // Every rank contributes `mine` (any length); the result holds every rank's bytes, indexed
   // by rank, own included.

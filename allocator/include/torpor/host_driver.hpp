@@ -9,6 +9,11 @@
 //                and touching it faults, as touching a sleeping address does on a GPU
 //   export       a dup of the memfd (passable to another process with SCM_RIGHTS); its size is
 //                sealed at creation, and import takes nothing else
+//   fabric       64 bytes naming (exporting pid, its memfd's number, the memfd's inode, size,
+//                emulated node); the importer takes the descriptor with pidfd_open + pidfd_getfd
+//                (same user, ptrace permission) and checks the inode, so no descriptor travels
+//                and any byte transport (TCP) carries it. HostDriverOptions::fabric injects the
+//                IMEX failure modes with the error codes a real driver gives
 //   multicast    an object with membership and bindings; a multicast store is fanned out in
 //                software to every bound buffer (multicast_store)
 //   host_register  bookkeeping of page-locked ranges (no page is really locked), with an optional
@@ -82,6 +87,16 @@ struct HostDriverOptions {
   // placement and budget (TORPOR_HOST_PCI_BUS_IDS with TORPOR_SYSFS_ROOT).
   std::vector<std::string> pci_bus_ids;
   bool host_register_charged_to_memlock = false;
+  // The emulated node this driver's process runs on (TORPOR_HOST_NODE): ranks of different nodes
+  // cannot pass POSIX descriptors (node_name() differs) and must use fabric handles.
+  int node = 0;
+  // What the emulated fabric (IMEX) does (TORPOR_HOST_FABRIC): on (exports and imports work), off
+  // (the devices report no fabric support), no_channel (no IMEX channel: the probe's export and
+  // every fabric export and import fail with CUDA_ERROR_NOT_PERMITTED), import_refused (the probe
+  // and exports work, imports fail with CUDA_ERROR_NOT_PERMITTED, as on a node whose channel
+  // was not granted to the importer).
+  enum class Fabric { on, off, no_channel, import_refused };
+  Fabric fabric = Fabric::on;
 };
 
 // Exact accounting, for tests and `torpor probe`.
@@ -131,7 +146,9 @@ class HostDriver final : public Driver {
             .multicast = DriverCapabilities::Multicast::emulated,
             .make_current = false,
             .physical_accounting = true,
-            .host_register_charged_to_memlock = options_.host_register_charged_to_memlock};
+            .host_register_charged_to_memlock = options_.host_register_charged_to_memlock,
+            .posix_fd_handles = true,
+            .fabric_handles = true};
   }
 
   int device_count() override;
@@ -155,6 +172,14 @@ class HostDriver final : public Driver {
   // driver_error (invalid_value) naming what the descriptor is.
   PhysicalHandle import_fd(int fd) override;
   PhysicalHandle import_fd_of_size(int fd, std::size_t bytes) override;
+  FabricHandle export_fabric(PhysicalHandle handle) override;
+  // Takes the exporter's descriptor with pidfd_getfd; an exporter that is gone, a descriptor that
+  // is no longer the memory named (its inode differs), or a refused pidfd_getfd is a driver_error
+  // saying which.
+  PhysicalHandle import_fabric(const FabricHandle& handle, std::size_t bytes) override;
+  FabricProbe probe_fabric(int device) override;
+  // The machine's node name with "/host-node-N" (options().node) appended.
+  std::string node_name() override;
 
   std::size_t multicast_granularity(std::span<const int> devices, std::size_t bytes) override;
   MulticastHandle multicast_create(std::span<const int> devices, std::size_t bytes) override;

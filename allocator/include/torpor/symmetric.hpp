@@ -4,8 +4,19 @@
 // A SymmetricHeap is one rank's view: its Pool (exportable, this rank's device), its Group, and
 // the buffers allocated collectively through it. Each buffer's part on this rank is a pool
 // allocation of class `state` in a dedicated chunk (so exporting the chunk shares nothing else);
-// the other ranks import it (POSIX fd over the group) and map it at addresses reserved in their
-// own pools; access is set for the importing device. A device-side peer table (a `state`
+// the other ranks import it and map it at addresses reserved in their own pools; access is set
+// for the importing device.
+//
+// How parts travel (handle_kind(), decided once, collectively, when the heap is created: every
+// rank announces its node, whether its driver exports POSIX descriptors and what a real fabric
+// export answered there, and every rank computes the same choice from the same announcements):
+//   - POSIX descriptors when every rank is on one node and the group carries descriptors (Unix
+//     socket, threads, the Unix subgroup of a CallbackGroup / NcclGroup): this needs no IMEX
+//     service, so a node-local group never depends on it;
+//   - else fabric handles (64 bytes over the group's all_gather), when every rank's probe said
+//     yes: ranks on several nodes, or a group that carries only bytes (TcpGroup);
+//   - else an invalid_argument on every rank naming each rank that cannot, and why (its probe's
+//     cause in words: no IMEX channel, not permitted, device without fabric, ...). A device-side peer table (a `state`
 // allocation in the heap's table tag, "weights" by default) holds size() + 1 uint64 values: the
 // address of every rank's part as seen from this rank, then the multicast address (or 0).
 //
@@ -140,6 +151,10 @@ class SymmetricHeap final : private SleepObserver {
   std::vector<SymmetricBuffer*> buffers() const;
   // The group's decision, once a buffer has asked for multicast.
   std::optional<MulticastDecision> multicast_decision() const;
+  // How this heap's parts travel between ranks (see the note above); the same on every rank.
+  HandleKind handle_kind() const noexcept { return handle_kind_; }
+  // The number of distinct nodes the ranks run on (Driver::node_name()).
+  int nodes() const noexcept { return nodes_; }
   Pool& pool() const noexcept { return pool_; }
   Group& group() const noexcept { return group_; }
 
@@ -160,8 +175,15 @@ class SymmetricHeap final : private SleepObserver {
   // This rank's share of a new buffer, local only: its part (a chunk of its own), its peer table,
   // the VA range for the peers' parts, and, with multicast, the range the object maps at.
   void place_local(SymmetricBuffer& b, const SymmetricBufferOptions& o, bool use_multicast, std::size_t alignment);
-  // Imports and maps every peer part not mapped yet; fd_by_rank[r] is rank r's exported part.
-  void import_peers(SymmetricBuffer& b, const std::vector<int>& fd_by_rank);
+  // Every rank's exported parts of `work` (in order), as handle_kind() carries them: fds[r][i] or
+  // blobs[r] (64 bytes per buffer), after a collective export step.
+  struct SharedParts {
+    std::vector<std::vector<UniqueFd>> fds;
+    std::vector<std::vector<std::byte>> blobs;
+  };
+  SharedParts share_parts(const std::vector<SymmetricBuffer*>& work);
+  // Imports and maps every peer part not mapped yet; `i` is the buffer's index in `shared`.
+  void import_peers(SymmetricBuffer& b, const SharedParts& shared, std::size_t i);
   void drop_imports(SymmetricBuffer& b);
   void setup_multicast(SymmetricBuffer& b);
   void teardown_multicast(SymmetricBuffer& b);
@@ -180,6 +202,8 @@ class SymmetricHeap final : private SleepObserver {
   SymmetricHeapOptions options_;
   std::vector<int> devices_;  // by rank
   bool one_process_ = false;
+  HandleKind handle_kind_ = HandleKind::posix_fd;
+  int nodes_ = 1;
   mutable std::mutex mu_;
   std::map<std::uint64_t, std::unique_ptr<SymmetricBuffer>> buffers_;
   std::uint64_t next_id_ = 1;

@@ -21,6 +21,9 @@ constexpr std::array<std::string_view, 2> host_modes = {"sync", "async"};
 // torch_memory_saver's get_bool_env_var (csrc/utils.h at 4a43c97) takes these, in two cases each.
 constexpr std::array<std::string_view, 6> tms_switch_values = {"1", "true", "yes", "0", "false", "no"};
 constexpr std::array<std::string_view, 2> tms_backends = {"pinned", "mmap"};
+constexpr std::array<std::string_view, 4> host_fabric_modes = {"on", "off", "no-channel", "import-refused"};
+// Emulated nodes of one machine; far more than any test lays out.
+constexpr std::int64_t max_host_node = 1023;
 
 constexpr std::int64_t max_host_devices = 64;
 // The host backend only accounts device memory; the bound keeps every sum of sizes far from
@@ -33,7 +36,7 @@ constexpr std::int64_t max_group_timeout_ms = std::int64_t{24} * 60 * 60 * 1000;
 constexpr std::int64_t max_world_size = 65536;
 
 // clang-format off
-constexpr std::array<Option, 26> rows = {{
+constexpr std::array<Option, 34> rows = {{
   {id::log, "TORPOR_LOG", "warn", "log level: off, error, warn, info or debug (any case)",
    kind::choice, 0, 0, log_levels},
   {id::backend, "TORPOR_BACKEND", "auto",
@@ -100,6 +103,24 @@ constexpr std::array<Option, 26> rows = {{
    "torpor doctor reports it", kind::text},
   {id::pytorch_alloc_conf, "PYTORCH_ALLOC_CONF", "",
    "PyTorch's newer name for PYTORCH_CUDA_ALLOC_CONF, read the same way", kind::text},
+  {id::host_node, "TORPOR_HOST_NODE", "0",
+   "the host backend's emulated node: processes of different nodes cannot pass descriptors and share memory "
+   "through fabric handles", kind::integer, 0, max_host_node},
+  {id::host_fabric, "TORPOR_HOST_FABRIC", "on",
+   "the host backend's emulated fabric (IMEX): on, off (no fabric support), no-channel (exports and imports fail "
+   "as without an IMEX channel) or import-refused (imports fail; any case)",
+   kind::choice, 0, 0, host_fabric_modes},
+  {id::master_addr, "MASTER_ADDR", "", "tcp_group_from_env(): the host rank 0 listens on (torchrun's)", kind::text},
+  {id::master_port, "MASTER_PORT", "", "tcp_group_from_env(): the port rank 0 listens on (torchrun's)",
+   kind::integer, 1, 65535},
+  {id::launcher_rank, "RANK", "", "tcp_group_from_env(): this rank (torchrun's)", kind::integer, 0,
+   max_world_size - 1},
+  {id::launcher_world_size, "WORLD_SIZE", "", "tcp_group_from_env(): the number of ranks (torchrun's)",
+   kind::integer, 1, max_world_size},
+  {id::local_rank, "LOCAL_RANK", "", "tcp_group_from_env(): this rank within its node (torchrun's)",
+   kind::integer, 0, max_world_size - 1},
+  {id::local_world_size, "LOCAL_WORLD_SIZE", "", "tcp_group_from_env(): the ranks on this node (torchrun's)",
+   kind::integer, 1, max_world_size},
 }};
 // clang-format on
 
@@ -310,6 +331,25 @@ std::vector<std::string> host_pci_bus_ids() {
   }
   return out;
 }
+
+int host_node() { return static_cast<int>(integer_value(id::host_node)); }
+
+std::string host_fabric() { return *value(id::host_fabric); }
+
+std::optional<std::string> master_addr() { return value(id::master_addr); }
+
+namespace {
+std::optional<int> optional_int(id key) {
+  auto v = optional_integer(key);
+  return v ? std::optional<int>(static_cast<int>(*v)) : std::nullopt;
+}
+}  // namespace
+
+std::optional<int> master_port() { return optional_int(id::master_port); }
+std::optional<int> launcher_rank() { return optional_int(id::launcher_rank); }
+std::optional<int> launcher_world_size() { return optional_int(id::launcher_world_size); }
+std::optional<int> local_rank() { return optional_int(id::local_rank); }
+std::optional<int> local_world_size() { return optional_int(id::local_world_size); }
 
 bool switch_set(const Option& o, const std::optional<std::string>& text) {
   if (!text) return false;

@@ -54,6 +54,14 @@ enum class id {
   nccl_graph_register,
   pytorch_cuda_alloc_conf,
   pytorch_alloc_conf,
+  host_node,
+  host_fabric,
+  master_addr,
+  master_port,
+  launcher_rank,
+  launcher_world_size,
+  local_rank,
+  local_world_size,
 };
 
 // How a row's text is parsed and validated.
@@ -112,6 +120,15 @@ std::string tms_cpu_backup_backend();         // TMS_INIT_CPU_BACKUP_BACKEND: "p
 std::string tms_disk_backup_dir();            // TMS_DISK_BACKUP_DIR
 std::string sysfs_root();                     // TORPOR_SYSFS_ROOT: where /sys is (a fake tree in tests)
 std::vector<std::string> host_pci_bus_ids();  // TORPOR_HOST_PCI_BUS_IDS, comma-separated, per device
+int host_node();                              // TORPOR_HOST_NODE: the host backend's emulated node
+std::string host_fabric();                    // TORPOR_HOST_FABRIC: on, off, no-channel or import-refused
+// The launcher's rendezvous (torchrun, Slurm via srun --export or a wrapper): tcp_group_from_env().
+std::optional<std::string> master_addr();  // MASTER_ADDR (no default)
+std::optional<int> master_port();          // MASTER_PORT (no default)
+std::optional<int> launcher_rank();        // RANK
+std::optional<int> launcher_world_size();  // WORLD_SIZE
+std::optional<int> local_rank();           // LOCAL_RANK
+std::optional<int> local_world_size();     // LOCAL_WORLD_SIZE
 // NCCL_GRAPH_REGISTER, PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF are other programs'
 // settings that `torpor doctor` reports through raw(); torpor's C++ code does not act on them.
 

@@ -59,6 +59,12 @@ HostDriverOptions host_driver_options_from_env() {
   o.device_bytes = options::host_device_memory();
   o.async = options::host_async();
   o.pci_bus_ids = options::host_pci_bus_ids();
+  o.node = options::host_node();
+  const std::string fabric = options::host_fabric();
+  o.fabric = fabric == "off"              ? HostDriverOptions::Fabric::off
+             : fabric == "no-channel"     ? HostDriverOptions::Fabric::no_channel
+             : fabric == "import-refused" ? HostDriverOptions::Fabric::import_refused
+                                          : HostDriverOptions::Fabric::on;
   return o;
 }
 

@@ -13,6 +13,9 @@
 #include <dlfcn.h>
 #include <fmt/format.h>
 
+#include <cstring>
+#include <filesystem>
+#include <map>
 #include <mutex>
 #include <vector>
 
@@ -252,14 +255,21 @@ struct CudaDriver::Impl {
     return h;
   }
 
-  CUmemAllocationProp prop(int device, bool exportable) const {
+  CUmemAllocationProp prop(int device, bool exportable, bool fabric = false) const {
     CUmemAllocationProp p{};
     p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     p.location.id = devices[static_cast<std::size_t>(device)];
-    p.requestedHandleTypes = exportable ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
+    unsigned types = exportable ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
+#if CUDA_VERSION >= 12030
+    if (exportable && fabric) types |= CU_MEM_HANDLE_TYPE_FABRIC;
+#endif
+    p.requestedHandleTypes = static_cast<CUmemAllocationHandleType>(types);
     return p;
   }
+
+  // probe_fabric's answers by device (filled once per device, under mu).
+  std::map<int, FabricProbe> fabric_probes;
 
   bool has_multicast() const {
     return cuMulticastCreate_ && cuMulticastAddDevice_ && cuMulticastBindMem_ && cuMulticastUnbind_ &&
@@ -387,7 +397,9 @@ DriverCapabilities CudaDriver::capabilities() const noexcept {
           .physical_accounting = false,
           // The NVIDIA driver pins registered pages in its kernel module, not with mlock: they
           // are charged to the cgroup, not to RLIMIT_MEMLOCK.
-          .host_register_charged_to_memlock = false};
+          .host_register_charged_to_memlock = false,
+          .posix_fd_handles = true,
+          .fabric_handles = CUDA_VERSION >= 12030};
 }
 
 device_ptr CudaDriver::reserve(std::size_t bytes, std::size_t alignment) {
@@ -406,8 +418,11 @@ void CudaDriver::free_reservation(device_ptr va, std::size_t bytes) {
 
 PhysicalHandle CudaDriver::create(int device, std::size_t bytes, bool exportable) {
   Impl& d = *impl_;
+  // Exportable memory can also travel as a fabric handle where a real export said it may: the
+  // symmetric layer then chooses per pool, and a device without fabric keeps POSIX descriptors.
+  const bool fabric = exportable && probe_fabric(device).supported();
   auto context = d.bind(device, "cuMemCreate");
-  CUmemAllocationProp prop = d.prop(device, exportable);
+  CUmemAllocationProp prop = d.prop(device, exportable, fabric);
   CUmemGenericAllocationHandle h = 0;
   d.check(d.cuMemCreate_(&h, bytes, &prop, 0), "cuMemCreate",
           fmt::format("device {} size {:#x}{}", device, bytes, exportable ? " exportable" : ""));
@@ -456,17 +471,47 @@ PhysicalHandle CudaDriver::import_fd(int fd) {
 
 namespace {
 
+// Whether any IMEX channel device is visible: the driver's NOT_PERMITTED / INVALID_VALUE at a
+// fabric export reads the same with and without one, the channel says which cause it is.
+bool imex_channel_present() {
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/dev/nvidia-caps-imex-channels", ec))
+    if (e.path().filename().string().starts_with("channel")) return true;
+  return false;
+}
+
+FabricProbe classify_fabric_failure(CUresult r, const char* call, std::string text) {
+  FabricProbe p;
+  p.code = static_cast<int>(r);
+  p.call = call;
+  p.detail = std::move(text);
+  const bool channel = imex_channel_present();
+  if (r == CUDA_ERROR_NOT_PERMITTED)
+    p.cause = channel ? FabricProbe::Cause::not_permitted : FabricProbe::Cause::no_imex_channel;
+  else if (r == CUDA_ERROR_INVALID_VALUE || r == CUDA_ERROR_NOT_SUPPORTED)
+    p.cause = channel ? FabricProbe::Cause::failed : FabricProbe::Cause::no_imex_channel;
+  else
+    p.cause = FabricProbe::Cause::failed;
+  return p;
+}
+
 void refuse_if_killed(const char* call) {
   if (auto k = options::multicast_kill_switch())  // the same switches as ranks/multicast.hpp
     throw_driver_error(CUDA_ERROR_NOT_PERMITTED, call,
                        fmt::format("refused: multicast is disabled by {}; torpor never calls it then", *k));
 }
 
-CUmulticastObjectProp multicast_prop(std::span<const int> devices, std::size_t bytes) {
+CUmulticastObjectProp multicast_prop(std::span<const int> devices, std::size_t bytes, bool fabric = false) {
   CUmulticastObjectProp prop{};
   prop.numDevices = static_cast<unsigned>(devices.size());
   prop.size = bytes;
-  prop.handleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  unsigned long long types = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+#if CUDA_VERSION >= 12030
+  if (fabric) types |= CU_MEM_HANDLE_TYPE_FABRIC;
+#else
+  (void)fabric;
+#endif
+  prop.handleTypes = types;
   return prop;
 }
 
@@ -491,7 +536,11 @@ MulticastHandle CudaDriver::multicast_create(std::span<const int> devices, std::
   // seam itself never creates a multicast object while a kill switch is set.
   refuse_if_killed("cuMulticastCreate");
   if (!d.has_multicast()) throw_driver_error(CUDA_ERROR_NOT_SUPPORTED, "cuMulticastCreate", "not in this driver");
-  CUmulticastObjectProp prop = multicast_prop(devices, bytes);
+  // Shareable across nodes where every local device's probe said yes (the probe never creates a
+  // multicast object; the kill switches were checked above, before anything).
+  bool fabric = !devices.empty();
+  for (int dev : devices) fabric = fabric && probe_fabric(dev).supported();
+  CUmulticastObjectProp prop = multicast_prop(devices, bytes, fabric);
   CUmemGenericAllocationHandle h = 0;
   auto context = d.ensure_context("cuMulticastCreate");
   d.check(d.cuMulticastCreate_(&h, &prop), "cuMulticastCreate",
@@ -507,6 +556,140 @@ int CudaDriver::multicast_export_fd(MulticastHandle mc) {
 MulticastHandle CudaDriver::multicast_import_fd(int fd) {
   refuse_if_killed("cuMemImportFromShareableHandle(multicast)");
   return MulticastHandle{impl_->import_handle(fd, "cuMemImportFromShareableHandle(multicast)")};
+}
+
+FabricProbe CudaDriver::probe_fabric(int device) {
+  Impl& d = *impl_;
+  d.check_device(device, "probe_fabric");
+  {
+    std::lock_guard lock(d.mu);
+    if (auto it = d.fabric_probes.find(device); it != d.fabric_probes.end()) return it->second;
+  }
+  FabricProbe p;
+#if CUDA_VERSION < 12030
+  p.cause = FabricProbe::Cause::driver_too_old;
+  p.detail = fmt::format("torpor was built against CUDA {}", CUDA_VERSION);
+#else
+  CUdevice dev = d.devices[static_cast<std::size_t>(device)];
+  int attribute = 0;
+  if (d.version < 12030) {
+    p.cause = FabricProbe::Cause::driver_too_old;
+    p.detail = fmt::format("the driver is CUDA {}.{}", d.version / 1000, (d.version % 1000) / 10);
+  } else if (d.cuDeviceGetAttribute_(&attribute, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED, dev) !=
+                 CUDA_SUCCESS ||
+             attribute == 0) {
+    p.cause = FabricProbe::Cause::device_without_fabric;
+    p.call = "cuDeviceGetAttribute";
+    p.detail = "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED is 0";
+  } else {
+    // The attribute can say yes while the export fails (vllm-project/vllm#35489): ask the driver
+    // with a real allocation of one granule.
+    auto context = d.bind(device, "probe_fabric");
+    CUmemAllocationProp prop = d.prop(device, true, true);
+    std::size_t granularity = 0;
+    CUresult r = d.cuMemGetAllocationGranularity_(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+    CUmemGenericAllocationHandle h = 0;
+    if (r == CUDA_SUCCESS) r = d.cuMemCreate_(&h, granularity, &prop, 0);
+    if (r != CUDA_SUCCESS) {
+      p = classify_fabric_failure(r, "cuMemCreate", d.describe(r));
+    } else {
+      CUmemFabricHandle fh{};
+      r = d.cuMemExportToShareableHandle_(&fh, h, CU_MEM_HANDLE_TYPE_FABRIC, 0);
+      if (r != CUDA_SUCCESS)
+        p = classify_fabric_failure(r, "cuMemExportToShareableHandle", d.describe(r));
+      else {
+        p.cause = FabricProbe::Cause::supported;
+        p.call = "cuMemExportToShareableHandle";
+        p.detail = fmt::format("a {}-byte fabric export on device {}", granularity, device);
+      }
+      if (d.cuMemRelease_(h) != CUDA_SUCCESS) log::warn("CudaDriver: releasing the fabric probe's allocation failed");
+    }
+  }
+#endif
+  log::info("CudaDriver: fabric probe on device {}: {}", device, p.describe());
+  std::lock_guard lock(d.mu);
+  d.fabric_probes.emplace(device, p);
+  return p;
+}
+
+#if CUDA_VERSION >= 12030
+namespace {
+FabricHandle to_seam(const CUmemFabricHandle& h) {
+  static_assert(sizeof(CUmemFabricHandle) == fabric_handle_bytes);
+  FabricHandle out;
+  std::memcpy(out.bytes.data(), &h, fabric_handle_bytes);
+  return out;
+}
+CUmemFabricHandle to_cu(const FabricHandle& h) {
+  CUmemFabricHandle out{};
+  std::memcpy(&out, h.bytes.data(), fabric_handle_bytes);
+  return out;
+}
+}  // namespace
+#endif
+
+FabricHandle CudaDriver::export_fabric(PhysicalHandle handle) {
+#if CUDA_VERSION >= 12030
+  Impl& d = *impl_;
+  auto context = d.ensure_context("cuMemExportToShareableHandle(fabric)");
+  CUmemFabricHandle fh{};
+  CUresult r = d.cuMemExportToShareableHandle_(&fh, cu(handle), CU_MEM_HANDLE_TYPE_FABRIC, 0);
+  if (r != CUDA_SUCCESS) {
+    FabricProbe why = classify_fabric_failure(r, "cuMemExportToShareableHandle(fabric)", d.describe(r));
+    throw_driver_error(static_cast<int>(r), "cuMemExportToShareableHandle(fabric)",
+                       fmt::format("handle {:#x}: {}", handle.value, why.describe()));
+  }
+  return to_seam(fh);
+#else
+  return Driver::export_fabric(handle);
+#endif
+}
+
+PhysicalHandle CudaDriver::import_fabric(const FabricHandle& handle, std::size_t bytes) {
+#if CUDA_VERSION >= 12030
+  Impl& d = *impl_;
+  auto context = d.ensure_context("cuMemImportFromShareableHandle(fabric)");
+  CUmemFabricHandle fh = to_cu(handle);
+  CUmemGenericAllocationHandle h = 0;
+  CUresult r = d.cuMemImportFromShareableHandle_(&h, &fh, CU_MEM_HANDLE_TYPE_FABRIC);
+  if (r != CUDA_SUCCESS) {
+    FabricProbe why = classify_fabric_failure(r, "cuMemImportFromShareableHandle(fabric)", d.describe(r));
+    throw_driver_error(static_cast<int>(r), "cuMemImportFromShareableHandle(fabric)",
+                       fmt::format("{} bytes: {}", bytes, why.describe()));
+  }
+  return PhysicalHandle{static_cast<std::uint64_t>(h)};
+#else
+  return Driver::import_fabric(handle, bytes);
+#endif
+}
+
+FabricHandle CudaDriver::multicast_export_fabric(MulticastHandle mc) {
+  refuse_if_killed("cuMemExportToShareableHandle(multicast, fabric)");
+#if CUDA_VERSION >= 12030
+  Impl& d = *impl_;
+  auto context = d.ensure_context("cuMemExportToShareableHandle(multicast, fabric)");
+  CUmemFabricHandle fh{};
+  d.check(d.cuMemExportToShareableHandle_(&fh, cu(mc), CU_MEM_HANDLE_TYPE_FABRIC, 0),
+          "cuMemExportToShareableHandle(multicast, fabric)", fmt::format("handle {:#x}", mc.value));
+  return to_seam(fh);
+#else
+  return Driver::multicast_export_fabric(mc);
+#endif
+}
+
+MulticastHandle CudaDriver::multicast_import_fabric(const FabricHandle& handle) {
+  refuse_if_killed("cuMemImportFromShareableHandle(multicast, fabric)");
+#if CUDA_VERSION >= 12030
+  Impl& d = *impl_;
+  auto context = d.ensure_context("cuMemImportFromShareableHandle(multicast, fabric)");
+  CUmemFabricHandle fh = to_cu(handle);
+  CUmemGenericAllocationHandle h = 0;
+  d.check(d.cuMemImportFromShareableHandle_(&h, &fh, CU_MEM_HANDLE_TYPE_FABRIC),
+          "cuMemImportFromShareableHandle(multicast, fabric)", "fabric handle");
+  return MulticastHandle{static_cast<std::uint64_t>(h)};
+#else
+  return Driver::multicast_import_fabric(handle);
+#endif
 }
 
 // A Stream's value is the CUstream this driver created (stream_create).

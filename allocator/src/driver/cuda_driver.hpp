@@ -51,6 +51,15 @@ class CudaDriver final : public Driver {
   PhysicalHandle as_physical(MulticastHandle mc) override { return PhysicalHandle{mc.value}; }
   int multicast_export_fd(MulticastHandle mc) override;
   MulticastHandle multicast_import_fd(int fd) override;
+  // Fabric handles (CU_MEM_HANDLE_TYPE_FABRIC, CUDA 12.3+). Exportable memory requests the fabric
+  // type too on a device whose probe said yes; the probe is one real granularity-sized
+  // cuMemCreate + export per device, cached, so a device whose attribute says yes while the IMEX
+  // channel is missing is found out before any pool depends on it.
+  FabricHandle export_fabric(PhysicalHandle handle) override;
+  PhysicalHandle import_fabric(const FabricHandle& handle, std::size_t bytes) override;
+  FabricProbe probe_fabric(int device) override;
+  FabricHandle multicast_export_fabric(MulticastHandle mc) override;
+  MulticastHandle multicast_import_fabric(const FabricHandle& handle) override;
   bool multicast_shares_across_processes() override { return multicast_entry_points(); }
 
   // Makes `device`'s primary context current on the calling thread: what the CUDA runtime, and

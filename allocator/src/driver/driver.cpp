@@ -4,6 +4,9 @@
 #include "torpor/driver.hpp"
 
 #include <fmt/format.h>
+#include <unistd.h>
+
+#include <fstream>
 
 #include "torpor/error.hpp"
 
@@ -33,6 +36,90 @@ std::string_view to_string(DriverCapabilities::Multicast m) noexcept {
     case DriverCapabilities::Multicast::emulated: return "emulated";
   }
   return "?";
+}
+
+std::string_view to_string(HandleKind k) noexcept {
+  switch (k) {
+    case HandleKind::posix_fd: return "POSIX file descriptor";
+    case HandleKind::fabric: return "fabric handle";
+  }
+  return "?";
+}
+
+std::string_view to_string(FabricProbe::Cause c) noexcept {
+  switch (c) {
+    case FabricProbe::Cause::supported: return "supported";
+    case FabricProbe::Cause::backend_without_fabric: return "backend without fabric handles";
+    case FabricProbe::Cause::driver_too_old: return "driver too old";
+    case FabricProbe::Cause::device_without_fabric: return "device without fabric";
+    case FabricProbe::Cause::no_imex_channel: return "no IMEX channel";
+    case FabricProbe::Cause::not_permitted: return "not permitted";
+    case FabricProbe::Cause::failed: return "failed";
+  }
+  return "?";
+}
+
+std::string FabricProbe::describe() const {
+  std::string result = code != 0 ? fmt::format(" ({} returned {}{})", call, code, detail.empty() ? "" : ": " + detail)
+                       : detail.empty() ? std::string()
+                                        : fmt::format(" ({})", detail);
+  switch (cause) {
+    case Cause::supported: return fmt::format("fabric handles work{}", result);
+    case Cause::backend_without_fabric: return fmt::format("this backend has no fabric handles{}", result);
+    case Cause::driver_too_old:
+      return fmt::format("the CUDA driver is too old for fabric handles{}; fabric handles need driver and toolkit 12.3 "
+                         "or newer",
+                         result);
+    case Cause::device_without_fabric:
+      return fmt::format("the device has no fabric handle support{} (no multi-node NVLink: use POSIX descriptors "
+                         "within one node)",
+                         result);
+    case Cause::no_imex_channel:
+      return fmt::format("no IMEX channel{}: /dev/nvidia-caps-imex-channels/channel0 must exist in this process's "
+                         "namespace (start the nvidia-imex service and create the channel; under containers pass "
+                         "the device through, e.g. NVIDIA_IMEX_CHANNELS=0)",
+                         result);
+    case Cause::not_permitted:
+      return fmt::format("the fabric export or import was not permitted{}: the IMEX daemon must run on every node of "
+                         "the domain with the nodes listed in its nodes_config, and this process needs access to an "
+                         "IMEX channel",
+                         result);
+    case Cause::failed: return fmt::format("the fabric export failed{}", result);
+  }
+  return "?";
+}
+
+FabricHandle Driver::export_fabric(PhysicalHandle) {
+  not_supported(*this, "cuMemExportToShareableHandle(fabric)", "has no fabric handles");
+}
+
+PhysicalHandle Driver::import_fabric(const FabricHandle&, std::size_t) {
+  not_supported(*this, "cuMemImportFromShareableHandle(fabric)", "has no fabric handles");
+}
+
+FabricProbe Driver::probe_fabric(int) {
+  FabricProbe p;
+  p.cause = FabricProbe::Cause::backend_without_fabric;
+  p.detail = fmt::format("the {} driver", backend_name());
+  return p;
+}
+
+std::string Driver::node_name() {
+  // The host name alone can repeat across containers of one machine that cannot share
+  // descriptors either way; the boot id tells machines apart.
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) != 0) host[0] = '\0';
+  std::string boot;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+  return fmt::format("{}/{}", host, boot);
+}
+
+FabricHandle Driver::multicast_export_fabric(MulticastHandle) {
+  not_supported(*this, "cuMemExportToShareableHandle(multicast, fabric)", "cannot share multicast objects as fabric");
+}
+
+MulticastHandle Driver::multicast_import_fabric(const FabricHandle&) {
+  not_supported(*this, "cuMemImportFromShareableHandle(multicast, fabric)", "cannot share multicast objects as fabric");
 }
 
 int Driver::multicast_export_fd(MulticastHandle) {

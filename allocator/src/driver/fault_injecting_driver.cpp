@@ -104,6 +104,18 @@ PhysicalHandle FaultInjectingDriver::import_fd(int fd) { TORPOR_FORWARD(import_h
 PhysicalHandle FaultInjectingDriver::import_fd_of_size(int fd, std::size_t bytes) {
   TORPOR_FORWARD(import_handle, import_fd_of_size(fd, bytes));
 }
+FabricHandle FaultInjectingDriver::export_fabric(PhysicalHandle h) {
+  if (!capabilities().fabric_handles) return Driver::export_fabric(h);
+  TORPOR_FORWARD(export_handle, export_fabric(h));
+}
+PhysicalHandle FaultInjectingDriver::import_fabric(const FabricHandle& h, std::size_t bytes) {
+  if (!capabilities().fabric_handles) return Driver::import_fabric(h, bytes);
+  TORPOR_FORWARD(import_handle, import_fabric(h, bytes));
+}
+FabricProbe FaultInjectingDriver::probe_fabric(int device) {
+  if (!capabilities().fabric_handles) return Driver::probe_fabric(device);
+  return inner_.probe_fabric(device);
+}
 MulticastHandle FaultInjectingDriver::multicast_create(std::span<const int> d, std::size_t b) {
   TORPOR_FORWARD(multicast_create, multicast_create(d, b));
 }
@@ -128,6 +140,12 @@ int FaultInjectingDriver::multicast_export_fd(MulticastHandle mc) {
 }
 MulticastHandle FaultInjectingDriver::multicast_import_fd(int fd) {
   TORPOR_FORWARD(multicast_import, multicast_import_fd(fd));
+}
+FabricHandle FaultInjectingDriver::multicast_export_fabric(MulticastHandle mc) {
+  TORPOR_FORWARD(multicast_export, multicast_export_fabric(mc));
+}
+MulticastHandle FaultInjectingDriver::multicast_import_fabric(const FabricHandle& h) {
+  TORPOR_FORWARD(multicast_import, multicast_import_fabric(h));
 }
 void* FaultInjectingDriver::host_alloc(std::size_t b) { TORPOR_FORWARD(host_alloc, host_alloc(b)); }
 void FaultInjectingDriver::host_free(void* p) { TORPOR_FORWARD(host_free, host_free(p)); }

@@ -84,9 +84,25 @@ SymmetricHeap::SymmetricHeap(Pool& pool, Group& group, SymmetricHeapOptions opti
     problem = "its pool is not exportable (create it with PoolOptions::exportable = true)";
   else if (options_.table_tag.empty())
     problem = "SymmetricHeapOptions::table_tag is empty";
-  // Every rank announces its device, its process and any problem with its arguments.
-  const std::string mine =
-      consensus::encode_fields({std::to_string(pool_.device()), std::to_string(::getpid()), problem});
+  // Every rank announces its device, its process, any problem with its arguments, its node, and
+  // which handle kinds it can export (descriptors; fabric as a real export answered).
+  std::string node;
+  std::string fabric = "0";
+  std::string fabric_why;
+  bool posix = false;
+  if (problem.empty()) {
+    try {
+      node = driver_.node_name();
+      posix = driver_.capabilities().posix_fd_handles;
+      FabricProbe probe = driver_.probe_fabric(pool_.device());
+      fabric = probe.supported() ? "1" : "0";
+      fabric_why = probe.describe();
+    } catch (const std::exception& e) {
+      problem = fmt::format("asking the driver which handle kinds it can share failed: {}", e.what());
+    }
+  }
+  const std::string mine = consensus::encode_fields({std::to_string(pool_.device()), std::to_string(::getpid()),
+                                                     problem, node, posix ? "1" : "0", fabric, fabric_why});
   std::vector<std::string> all;
   try {
     all = consensus::gather_text(group_, mine);
@@ -94,10 +110,16 @@ SymmetricHeap::SymmetricHeap(Pool& pool, Group& group, SymmetricHeapOptions opti
     throw group_timeout(fmt::format("{}: creating the symmetric heap (collective): {}", who(), e.what()), e.missing());
   }
   std::set<long> pids;
+  std::set<std::string> nodes;
   std::string problems;
+  bool all_posix = true;
+  std::string no_fabric;  // the ranks that cannot use fabric handles, and why
   for (std::size_t r = 0; r < all.size(); ++r) {
     const std::string what = fmt::format("{}: malformed heap announcement from rank {}", who(), r);
-    auto f = consensus::decode_fields(all[r], 3, what);
+    auto f = consensus::decode_fields(all[r], 7, what);
+    nodes.insert(f[3]);
+    all_posix = all_posix && f[4] == "1";
+    if (f[5] != "1") no_fabric += fmt::format("; rank {} ({}): {}", r, f[3], f[6]);
     int device = 0;
     long pid = 0;
     if (!parse_whole(f[0], device) || !parse_whole(f[1], pid)) throw error(what);
@@ -107,6 +129,21 @@ SymmetricHeap::SymmetricHeap(Pool& pool, Group& group, SymmetricHeapOptions opti
   }
   if (!problems.empty()) throw invalid_argument(fmt::format("{}: cannot create the symmetric heap{}", who(), problems));
   one_process_ = pids.size() == 1;
+  nodes_ = static_cast<int>(nodes.size());
+  if (nodes_ == 1 && group_.carries_fds() && all_posix) {
+    handle_kind_ = HandleKind::posix_fd;
+  } else if (no_fabric.empty()) {
+    handle_kind_ = HandleKind::fabric;
+  } else {
+    const std::string why_not_fds =
+        nodes_ > 1              ? fmt::format("the ranks run on {} nodes", nodes_)
+        : !group_.carries_fds() ? fmt::format("the group ('{}') carries only bytes, not descriptors", group_.kind())
+                                : std::string("not every rank's driver exports POSIX descriptors");
+    throw invalid_argument(fmt::format("{}: cannot share memory between the ranks: POSIX descriptors are out ({}) and "
+                                       "fabric handles are refused{}",
+                                       who(), why_not_fds, no_fabric));
+  }
+  log::debug("{}: parts travel as {} ({} node(s))", who(), to_string(handle_kind_), nodes_);
   if (one_process_) {
     // Ranks that are threads of one process must each have a device of their own.
     std::vector<int> sorted = devices_;
@@ -199,15 +236,58 @@ PhysicalHandle SymmetricHeap::own_handle(const SymmetricBuffer& b) const {
   return ci->handle;
 }
 
-void SymmetricHeap::import_peers(SymmetricBuffer& b, const std::vector<int>& fd_by_rank) {
+SymmetricHeap::SharedParts SymmetricHeap::share_parts(const std::vector<SymmetricBuffer*>& work) {
+  SharedParts out;
+  std::vector<UniqueFd> own;
+  std::vector<int> raw;
+  std::vector<std::byte> blobs;
+  step("exporting this rank's parts", [&] {
+    for (SymmetricBuffer* b : work) {
+      if (handle_kind_ == HandleKind::fabric) {
+        FabricHandle h = driver_.export_fabric(own_handle(*b));
+        blobs.insert(blobs.end(), h.bytes.begin(), h.bytes.end());
+      } else {
+        own.emplace_back(driver_.export_fd(own_handle(*b)));
+        raw.push_back(own.back().get());
+      }
+    }
+  });
+  if (handle_kind_ == HandleKind::fabric)
+    out.blobs = group_.all_gather(blobs);
+  else
+    out.fds = group_.all_gather_fds(raw);
+  return out;
+}
+
+void SymmetricHeap::import_peers(SymmetricBuffer& b, const SharedParts& shared, std::size_t i) {
   const int me = group_.rank();
   const int device = pool_.device();
   for (int r = 0; r < group_.size(); ++r) {
     auto& imp = b.imports_[static_cast<std::size_t>(r)];
     if (r == me || imp.mapped) continue;
-    int fd = fd_by_rank[static_cast<std::size_t>(r)];
-    if (fd < 0) throw error(fmt::format("{}: rank {} sent no handle for symmetric buffer {}", who(), r, b.id_));
-    if (!imp.handle) imp.handle = driver_.import_fd_of_size(fd, b.part_bytes_);  // every rank's part is this long
+    const auto ru = static_cast<std::size_t>(r);
+    if (!imp.handle) {
+      // Every rank's part is part_bytes_ long.
+      if (handle_kind_ == HandleKind::fabric) {
+        const auto& blob = shared.blobs[ru];
+        if (blob.size() < (i + 1) * fabric_handle_bytes)
+          throw error(fmt::format("{}: rank {} sent no fabric handle for symmetric buffer {}", who(), r, b.id_));
+        FabricHandle h;
+        std::copy_n(blob.begin() + static_cast<std::ptrdiff_t>(i * fabric_handle_bytes), fabric_handle_bytes,
+                    h.bytes.begin());
+        try {
+          imp.handle = driver_.import_fabric(h, b.part_bytes_);
+        } catch (const driver_error& e) {
+          throw driver_error(e.code(), e.call(),
+                             fmt::format("{}: importing rank {}'s part of symmetric buffer {} (fabric handle): {}",
+                                         who(), r, b.id_, e.what()));
+        }
+      } else {
+        if (i >= shared.fds[ru].size())
+          throw error(fmt::format("{}: rank {} sent no handle for symmetric buffer {}", who(), r, b.id_));
+        imp.handle = driver_.import_fd_of_size(shared.fds[ru][i].get(), b.part_bytes_);
+      }
+    }
     device_ptr va = b.peer_va_[static_cast<std::size_t>(r)];
     driver_.map(va, b.part_bytes_, imp.handle, 0);
     imp.mapped = true;
@@ -277,18 +357,39 @@ void SymmetricHeap::setup_multicast(SymmetricBuffer& b) {
     // Rank 0 creates the object for every rank's device and shares it; each rank then adds its
     // own device. Binding is legal only once every device was added (the driver checks), so the
     // steps are agreed one by one.
+    // The object travels as the heap's memory does: a descriptor within a node, a fabric handle
+    // over the group's bytes otherwise.
+    const bool fabric = handle_kind_ == HandleKind::fabric;
     UniqueFd fd;
+    FabricHandle blob;
     step("creating the multicast object", [&] {
       teardown_multicast(b);  // what an earlier failure may have left; nothing otherwise
       if (!root) return;
       m.handle = driver_.multicast_create(devices_, m.bytes);
-      fd.reset(driver_.multicast_export_fd(m.handle));
+      if (fabric)
+        blob = driver_.multicast_export_fabric(m.handle);
+      else
+        fd.reset(driver_.multicast_export_fd(m.handle));
     });
-    std::vector<int> mine;
-    if (root) mine.push_back(fd.get());
-    auto fds = group_.all_gather_fds(mine);
+    std::vector<std::vector<UniqueFd>> fds;
+    std::vector<std::vector<std::byte>> blobs;
+    if (fabric) {
+      std::vector<std::byte> mine;
+      if (root) mine.assign(blob.bytes.begin(), blob.bytes.end());
+      blobs = group_.all_gather(mine);
+    } else {
+      std::vector<int> mine;
+      if (root) mine.push_back(fd.get());
+      fds = group_.all_gather_fds(mine);
+    }
     step("joining the multicast object", [&] {
-      if (!root) {
+      if (!root && fabric) {
+        if (blobs[0].size() != fabric_handle_bytes)
+          throw error(fmt::format("{}: rank 0 shared no multicast object", who()));
+        FabricHandle h;
+        std::copy(blobs[0].begin(), blobs[0].end(), h.bytes.begin());
+        m.handle = driver_.multicast_import_fabric(h);
+      } else if (!root) {
         if (fds[0].size() != 1) throw error(fmt::format("{}: rank 0 shared no multicast object", who()));
         m.handle = driver_.multicast_import_fd(fds[0][0].get());
       }
@@ -424,14 +525,8 @@ SymmetricBuffer& SymmetricHeap::allocate(std::size_t bytes, const SymmetricBuffe
 
     step("allocating this rank's part", [&] { place_local(*b, o, use_multicast, alignment); });
 
-    UniqueFd fd;
-    step("exporting this rank's part", [&] { fd.reset(driver_.export_fd(own_handle(*b))); });
-    int raw = fd.get();
-    auto fds = group_.all_gather_fds(std::span(&raw, 1));
-    std::vector<int> by_rank;
-    by_rank.reserve(fds.size());
-    for (auto& f : fds) by_rank.push_back(f.size() == 1 ? f[0].get() : -1);
-    step("mapping the peers' parts", [&] { import_peers(*b, by_rank); });
+    SharedParts shared = share_parts({b.get()});
+    step("mapping the peers' parts", [&] { import_peers(*b, shared, 0); });
     if (b->mc_) setup_multicast(*b);
     step("writing the peer table", [&] { write_table(*b); });
   } catch (const group_timeout& e) {
@@ -520,23 +615,10 @@ void SymmetricHeap::before_wake(Pool&, const std::vector<std::string>& tags) {
 }
 
 void SymmetricHeap::reimport(const std::vector<SymmetricBuffer*>& work) {
-  std::vector<UniqueFd> own;
-  std::vector<int> raw;
-  step("exporting this rank's parts", [&] {
-    for (SymmetricBuffer* b : work) {
-      own.emplace_back(driver_.export_fd(own_handle(*b)));
-      raw.push_back(own.back().get());
-    }
-  });
-  auto fds = group_.all_gather_fds(raw);
+  SharedParts shared = share_parts(work);
   try {
     step("mapping the peers' parts", [&] {
-      for (std::size_t i = 0; i < work.size(); ++i) {
-        std::vector<int> by_rank;
-        by_rank.reserve(fds.size());
-        for (auto& f : fds) by_rank.push_back(i < f.size() ? f[i].get() : -1);
-        import_peers(*work[i], by_rank);
-      }
+      for (std::size_t i = 0; i < work.size(); ++i) import_peers(*work[i], shared, i);
     });
   } catch (...) {
     for (SymmetricBuffer* b : work) {

@@ -66,6 +66,12 @@ class FaultInjectingDriver final : public Driver {
   int export_fd(PhysicalHandle h) override;
   PhysicalHandle import_fd(int fd) override;
   PhysicalHandle import_fd_of_size(int fd, std::size_t bytes) override;
+  // Fabric export/import count as export_handle / import_handle; the probe and the node name are
+  // forwarded (a withheld fabric_handles capability answers as a backend without them).
+  FabricHandle export_fabric(PhysicalHandle h) override;
+  PhysicalHandle import_fabric(const FabricHandle& h, std::size_t bytes) override;
+  FabricProbe probe_fabric(int device) override;
+  std::string node_name() override { return inner_.node_name(); }
   std::size_t multicast_granularity(std::span<const int> d, std::size_t b) override;
   MulticastHandle multicast_create(std::span<const int> d, std::size_t b) override;
   void multicast_add_device(MulticastHandle mc, int d) override;
@@ -75,6 +81,8 @@ class FaultInjectingDriver final : public Driver {
   PhysicalHandle as_physical(MulticastHandle mc) override { return inner_.as_physical(mc); }
   int multicast_export_fd(MulticastHandle mc) override;
   MulticastHandle multicast_import_fd(int fd) override;
+  FabricHandle multicast_export_fabric(MulticastHandle mc) override;
+  MulticastHandle multicast_import_fabric(const FabricHandle& h) override;
   bool multicast_shares_across_processes() override { return inner_.multicast_shares_across_processes(); }
   void multicast_store(device_ptr mc_va, const void* src, std::size_t b) override;
   void make_current(int d) override;
