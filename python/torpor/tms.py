@@ -69,8 +69,10 @@ torch_memory_saver/entrypoint.py and csrc/core.cpp):
   graph's memory is discarded on pause (its intermediates are rewritten by the next replay; mark
   static inputs and outputs with torpor.mark_state to keep them); with enable_cpu_backup=True all
   of it is kept. `pool` must be a torpor graph pool (another such graph's pool()).
-- ``hook_mode``: "torch" (the default here; torch_memory_saver's is "preload"): regions through
-  PyTorch's pluggable allocator, in process. "preload": libtorpor_preload.so, which must be on
+- ``hook_mode``: "preload" by default when libtorpor_preload.so is on this process's LD_PRELOAD
+  (torch_memory_saver's default, and what SGLang's schedulers get from configure_subprocess), else
+  "torch" (torch_memory_saver would fail there): regions through PyTorch's pluggable allocator, in
+  process. "preload": libtorpor_preload.so, which must be on
   LD_PRELOAD when the process starts (torpor.Unavailable otherwise, saying how), interposes the
   CUDA runtime's cudaMalloc / cudaFree; this module then drives it through ctypes with
   torch_memory_saver's entry points (region settings per thread, a MemPool per region kind,
@@ -155,11 +157,23 @@ def preload_library_path() -> str:
     )
 
 
+def _preload_entries() -> list[str]:
+    """The libtorpor_preload.so entries of this process's LD_PRELOAD."""
+    value = environment.text("LD_PRELOAD")
+    return [p for p in value.replace(" ", ":").split(":") if pathlib.Path(p).name.startswith("libtorpor_preload")]
+
+
+def _default_hook_mode() -> str:
+    """torch_memory_saver's default, "preload", where this process has the preload library (as
+    SGLang's scheduler processes do); "torch" elsewhere, where preload mode could not work."""
+    return "preload" if len(_preload_entries()) == 1 else "torch"
+
+
 def _preloaded() -> str:
     """The libtorpor_preload.so on this process's LD_PRELOAD (exactly one, as torch_memory_saver
     asserts of its own, hooks/mode_preload.py at 4a43c97)."""
     value = environment.text("LD_PRELOAD")
-    found = [p for p in value.replace(" ", ":").split(":") if pathlib.Path(p).name.startswith("libtorpor_preload")]
+    found = _preload_entries()
     if len(found) != 1:
         raise Unavailable(
             f"hook_mode='preload' needs exactly one {PRELOAD_NAME} on LD_PRELOAD when the process starts "
@@ -317,6 +331,8 @@ class TorchMemorySaver:
         self._torch_lib_missing: Optional[str] = None  # why hook_mode "torch" has no library
         self._buffers_kept: set[str] = set()  # tags whose pause discards parameters only (keep_buffers)
         self._mem_pools: dict = {}  # preload mode: (tag, cpu, disk, backend, device) -> MemPool
+        if _default_hook_mode() == "preload":
+            self.hook_mode = "preload"  # binds the preloaded library, as setting it does
 
     # -- regions ---------------------------------------------------------------------------
 

@@ -153,6 +153,19 @@ def test_control_hook_mode_preload_without_the_library_on_ld_preload_is_refused(
     assert "needs exactly one libtorpor_preload.so on LD_PRELOAD" in r["refused"]
 
 
+def test_the_default_hook_mode_is_preload_where_the_library_is_preloaded_as_tms_default(monkeypatch):
+    """torch_memory_saver defaults to hook_mode "preload" (entrypoint.py at 4a43c97) and SGLang never
+    sets it: its schedulers start inside configure_subprocess. Without the library on LD_PRELOAD
+    preload mode cannot work, so the default there is "torch"."""
+    preload, _ = _libraries()
+    monkeypatch.setenv("LD_PRELOAD", f"/other.so:{preload}")
+    assert tms.TorchMemorySaver().hook_mode == "preload"
+    monkeypatch.setenv("LD_PRELOAD", "/other.so")
+    assert tms.TorchMemorySaver().hook_mode == "torch"
+    monkeypatch.delenv("LD_PRELOAD")
+    assert tms.TorchMemorySaver().hook_mode == "torch"
+
+
 def test_configure_subprocess_puts_the_preload_library_first_on_ld_preload(monkeypatch):
     preload, _ = _libraries()
     monkeypatch.setenv("LD_PRELOAD", "/other.so")
