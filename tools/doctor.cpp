@@ -131,16 +131,71 @@ std::string join(const std::vector<std::string>& items, std::string_view sep) {
   return out;
 }
 
+// What to do about a device's fabric answer; "" where nothing would help (no multi-node NVLink).
+std::string fabric_fix(FabricProbe::Cause cause) {
+  switch (cause) {
+    case FabricProbe::Cause::no_imex_channel:
+      return "where ranks span nodes: run nvidia-imex and create a channel (/dev/nvidia-caps-imex-channels/channel0; "
+             "containers: pass it through, e.g. NVIDIA_IMEX_CHANNELS=0)";
+    case FabricProbe::Cause::not_permitted:
+      return "where ranks span nodes: start the IMEX daemon on every node of the domain (listed in its nodes_config) "
+             "and grant this process a channel";
+    case FabricProbe::Cause::driver_too_old: return "where ranks span nodes: a CUDA driver of 12.3 or newer";
+    default: return "";
+  }
+}
+
+// Fabric handles (multi-node NVLink): each device is asked with a real allocation and export
+// (Driver::probe_fabric), since the device attribute alone has said yes where the export then
+// failed. Without them symmetric memory shares POSIX descriptors, which reach the ranks of one
+// node only: worth knowing, no effect on speed.
+Check fabric_check(Driver& d) {
+  Check c{"fabric handles", "info", "", ""};
+  std::vector<std::pair<std::string, std::vector<int>>> answers;  // each distinct answer, its devices
+  std::string fix;
+  bool all = d.device_count() > 0;
+  for (int i = 0; i < d.device_count(); ++i) {
+    FabricProbe p;
+    try {
+      p = d.probe_fabric(i);
+    } catch (const std::exception& e) {
+      p.cause = FabricProbe::Cause::failed;
+      p.detail = e.what();
+    }
+    all = all && p.supported();
+    if (fix.empty()) fix = fabric_fix(p.cause);
+    const std::string said = p.describe();
+    auto it = std::find_if(answers.begin(), answers.end(), [&](const auto& a) { return a.first == said; });
+    if (it == answers.end())
+      answers.push_back({said, {i}});
+    else
+      it->second.push_back(i);
+  }
+  std::vector<std::string> parts;
+  for (const auto& [said, devices] : answers) {
+    std::vector<std::string> ids;
+    for (int i : devices) ids.push_back(std::to_string(i));
+    parts.push_back(fmt::format("device(s) {}: {}", join(ids, ", "), said));
+  }
+  if (all) {
+    c.status = "ok";
+    c.detail = fmt::format("{}; symmetric memory can span nodes", join(parts, "; "));
+  } else {
+    c.detail = fmt::format("{}; symmetric memory falls back to POSIX descriptors, which serve the ranks of one node",
+                           join(parts, "; "));
+    c.fix = fix;
+  }
+  return c;
+}
+
 void device_checks(Driver& d, bool gpu, std::vector<Check>& checks) {
   const int n = d.device_count();
   // Driver and VMM.
   Check vmm{"driver and VMM", "ok", "", ""};
   std::vector<std::string> without_vmm;
-  bool all_fabric = n > 0;
   for (int i = 0; i < n; ++i) {
     DeviceProperties p = d.device_properties(i);
     if (!p.vmm_supported) without_vmm.push_back(fmt::format("{} ({})", i, p.name));
-    all_fabric = all_fabric && p.fabric_handles_supported;
   }
   if (!without_vmm.empty()) {
     vmm.status = "unusable";
@@ -151,32 +206,7 @@ void device_checks(Driver& d, bool gpu, std::vector<Check>& checks) {
   }
   checks.push_back(vmm);
 
-  // Fabric handles and IMEX channels: multi-node NVLink only; POSIX fds serve one node.
-  Check fabric{"fabric handles", "info", "", ""};
-  if (!gpu) {
-    fabric.detail = "unsupported on the host backend (POSIX fd handles only)";
-  } else if (!all_fabric) {
-    fabric.detail = "not supported by every device: handles travel as POSIX fds (one node; enough unless ranks "
-                    "span nodes over NVLink)";
-  } else {
-    std::error_code ec;
-    const std::filesystem::path channels = "/dev/nvidia-caps-imex-channels";
-    bool any = false;
-    for (auto it = std::filesystem::directory_iterator(channels, ec); !ec && it != std::filesystem::end(it);
-         it.increment(ec))
-      any = true;
-    if (any) {
-      fabric.status = "ok";
-      fabric.detail = fmt::format("supported, IMEX channel(s) in {}", channels.string());
-    } else {
-      fabric.detail = fmt::format("supported by the devices, but no IMEX channel in {}: fabric handles cannot be "
-                                  "exported",
-                                  channels.string());
-      fabric.fix = "run nvidia-imex and create a channel (/dev/nvidia-caps-imex-channels/channel0) where ranks span "
-                   "nodes";
-    }
-  }
-  checks.push_back(fabric);
+  checks.push_back(fabric_check(d));
 
   // Multicast: the kill switches first; never created here.
   Check mc{"multicast", "info", "", ""};
