@@ -170,7 +170,7 @@ std::optional<detail::Message> recv_stream_message(int sock, FrameReader& reader
 }
 
 void set_send_timeout(int sock) {
-  timeval tv{send_timeout_ms / 1000, (send_timeout_ms % 1000) * 1000};
+  timeval tv{send_timeout_ms / 1000, static_cast<suseconds_t>(send_timeout_ms % 1000) * 1000};
   ::setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
   int one = 1;
   ::setsockopt(sock, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
