@@ -123,6 +123,26 @@ Deliveries HubProtocol::receive(int rank, Datagram d) {
   return handle(rank, *m);
 }
 
+std::vector<std::byte> encode_contribution(std::uint64_t generation, std::uint64_t sequence, CollectiveKind kind,
+                                           std::span<const std::byte> bytes) {
+  Writer w;
+  w.put<std::uint64_t>(generation).put<std::uint64_t>(sequence).put<std::uint8_t>(static_cast<std::uint8_t>(kind));
+  w.put_bytes(bytes.data(), bytes.size());
+  return w.take();
+}
+
+std::vector<std::byte> encode_give_up(std::uint64_t generation, std::uint64_t sequence, double waited_seconds) {
+  Writer w;
+  w.put<std::uint64_t>(generation).put<std::uint64_t>(sequence).put<double>(waited_seconds);
+  return w.take();
+}
+
+std::vector<std::byte> encode_generation(std::uint64_t generation) {
+  Writer w;
+  w.put<std::uint64_t>(generation);
+  return w.take();
+}
+
 Deliveries HubProtocol::handle(int rank, Message& m) {
   Reader rd(m.body);
   Deliveries out;

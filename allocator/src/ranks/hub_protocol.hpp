@@ -16,6 +16,7 @@
 
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,15 @@ struct EncodedReply {
 EncodedReply encode_reply(const Reply& r);
 // The rank's side: a received reply message into its parts. Throws error on a malformed body.
 Received decode_reply(Message& m);
+
+// The rank's side of its requests, as HubProtocol::receive decodes them: one encoder per request
+// type, so that every transport sends the same bodies. A contribution's descriptors travel beside
+// its body (the transport's business).
+std::vector<std::byte> encode_contribution(std::uint64_t generation, std::uint64_t sequence, CollectiveKind kind,
+                                           std::span<const std::byte> bytes);
+std::vector<std::byte> encode_give_up(std::uint64_t generation, std::uint64_t sequence, double waited_seconds);
+// The body of MessageType::recover and MessageType::give_up_recovery.
+std::vector<std::byte> encode_generation(std::uint64_t generation);
 
 class HubProtocol {
  public:

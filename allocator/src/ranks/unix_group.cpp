@@ -645,8 +645,7 @@ struct UnixSocketGroup::Impl final : detail::HubClientGroup {
     }
   }
 
-  void send(MessageType t, Writer& w, std::span<const int> fds = {}) {
-    auto body = w.take();
+  void send(MessageType t, const std::vector<std::byte>& body, std::span<const int> fds = {}) {
     try {
       detail::send_message(sock_.get(), t, as_bytes(body), fds);
     } catch (const std::exception& e) {
@@ -657,27 +656,17 @@ struct UnixSocketGroup::Impl final : detail::HubClientGroup {
   }
 
   void post_contribution(std::uint64_t g, std::uint64_t s, detail::CollectiveKind k, detail::Part p) override {
-    Writer w;
-    w.put<std::uint64_t>(g).put<std::uint64_t>(s).put<std::uint8_t>(static_cast<std::uint8_t>(k));
-    w.put_bytes(p.bytes.data(), p.bytes.size());
     std::vector<int> fds;
     for (auto& f : p.fds) fds.push_back(f.get());
-    send(MessageType::contribute, w, fds);  // the kernel duplicates them into the hub's process
+    // the kernel duplicates the descriptors into the hub's process
+    send(MessageType::contribute, detail::encode_contribution(g, s, k, p.bytes), fds);
   }
   void post_give_up(std::uint64_t g, std::uint64_t s, double waited) override {
-    Writer w;
-    w.put<std::uint64_t>(g).put<std::uint64_t>(s).put<double>(waited);
-    send(MessageType::give_up, w);
+    send(MessageType::give_up, detail::encode_give_up(g, s, waited));
   }
-  void post_recover(std::uint64_t g) override {
-    Writer w;
-    w.put<std::uint64_t>(g);
-    send(MessageType::recover, w);
-  }
+  void post_recover(std::uint64_t g) override { send(MessageType::recover, detail::encode_generation(g)); }
   void post_give_up_recovery(std::uint64_t g) override {
-    Writer w;
-    w.put<std::uint64_t>(g);
-    send(MessageType::give_up_recovery, w);
+    send(MessageType::give_up_recovery, detail::encode_generation(g));
   }
   std::optional<detail::Received> next_reply(clock::time_point deadline) override {
     std::optional<detail::Message> m;
