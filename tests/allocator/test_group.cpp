@@ -25,9 +25,11 @@
 #include <thread>
 
 #include "support/processes.hpp"
+#include "torpor/backend.hpp"
 #include "torpor/group.hpp"
 #include "torpor/host_driver.hpp"
 #include "torpor/nccl_group.hpp"
+#include "torpor/tcp_group.hpp"
 
 namespace torpor::test {
 namespace {
@@ -670,6 +672,32 @@ TEST(NcclGroupTest, RefusesTheHostBackendSayingWhy) {
   if (!NcclGroup::available(&why)) {
     EXPECT_FALSE(why.empty());
   }
+}
+
+// A symmetric heap shares descriptors only over a group that carries them: an NCCL group does
+// where its bootstrap does, so over a TCP bootstrap (ranks of several nodes) it carries bytes
+// only and the heap takes fabric handles. Needs a GPU and NCCL (one rank is enough).
+TEST(NcclGroupTest, CarriesDescriptorsExactlyWhereItsBootstrapDoes) {
+  std::string why;
+  if (!NcclGroup::available(&why)) GTEST_SKIP() << "NCCL is not available: " << why;
+  DriverSelection sel;
+  try {
+    sel = open_driver(Backend::cuda);
+  } catch (const error& e) {
+    GTEST_SKIP() << "no usable GPU: " << e.what();
+  }
+  auto threads = make_thread_group(1, fast(10s));
+  NcclGroup over_threads(*threads[0], *sel.driver, 0, fast(10s));
+  EXPECT_TRUE(over_threads.carries_fds());
+  TcpGroup tcp(TcpEndpoint{}, 0, 1, fast(10s));
+  NcclGroup over_tcp(tcp, *sel.driver, 0, fast(10s));
+  EXPECT_FALSE(over_tcp.carries_fds()) << "descriptors cannot cross a TCP bootstrap";
+  // Bytes still travel over NCCL.
+  std::uint32_t mine = 0x7a7a7a7au;
+  auto all = over_tcp.all_gather(std::as_bytes(std::span(&mine, 1)));
+  ASSERT_EQ(all.size(), 1u);
+  ASSERT_EQ(all[0].size(), sizeof mine);
+  EXPECT_EQ(std::memcmp(all[0].data(), &mine, sizeof mine), 0);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -43,6 +43,10 @@ class NcclGroup final : public Group {
   int rank() const noexcept override;
   int size() const noexcept override;
   std::string_view kind() const noexcept override { return "nccl"; }
+  // Descriptors go through the bootstrap group, so this group carries them exactly where the
+  // bootstrap does: a TCP bootstrap (ranks that share no Unix socket, as across nodes) carries
+  // bytes only, and a symmetric heap over this group then shares fabric handles.
+  bool carries_fds() const noexcept override;
   std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> mine) override;
   std::vector<std::vector<UniqueFd>> all_gather_fds(std::span<const int> mine) override;
   void barrier() override;

@@ -277,6 +277,8 @@ NcclGroup::~NcclGroup() = default;
 int NcclGroup::rank() const noexcept { return impl_->boot.rank(); }
 int NcclGroup::size() const noexcept { return impl_->boot.size(); }
 
+bool NcclGroup::carries_fds() const noexcept { return impl_->boot.carries_fds(); }
+
 std::vector<std::vector<std::byte>> NcclGroup::all_gather(std::span<const std::byte> mine) {
   // Lengths first (fixed 8 bytes each), then every contribution padded to the longest.
   std::uint64_t len = mine.size();

@@ -26,6 +26,7 @@ NcclGroup::NcclGroup(Group&, Driver&, int, const GroupOptions& options) : Group(
 NcclGroup::~NcclGroup() = default;
 int NcclGroup::rank() const noexcept { return 0; }
 int NcclGroup::size() const noexcept { return 0; }
+bool NcclGroup::carries_fds() const noexcept { return false; }
 std::vector<std::vector<std::byte>> NcclGroup::all_gather(std::span<const std::byte>) { throw error(not_built); }
 std::vector<std::vector<UniqueFd>> NcclGroup::all_gather_fds(std::span<const int>) { throw error(not_built); }
 void NcclGroup::barrier() { throw error(not_built); }
