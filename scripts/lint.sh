@@ -103,16 +103,21 @@ else
     "a newer one may report findings of checks that 14 lacks"
   # The sources this build compiles (a build without CUDA has no cuda_*.cpp of fusion/), each with
   # its cache key: a file whose key passed before is not analysed again (TORPOR_TIDY_CACHE, default
-  # $build/tidy-cache/). The key hashes everything the result depends on: clang-tidy's and the
-  # compiler's versions, .clang-tidy, the file's compile command and its preprocessed text with
-  # comments and line markers (the file and every header it includes, as this build sees them,
-  # NOLINT comments included), so an edit anywhere it reaches analyses it again. Preprocessing
-  # costs a small part of an analysis; findings are never cached.
-  cache=${TORPOR_TIDY_CACHE:-$build/tidy-cache}
+  # $XDG_CACHE_HOME/torpor/tidy, i.e. ~/.cache/torpor/tidy; $build/tidy-cache/ without a home). The
+  # key hashes everything the result depends on: clang-tidy's and the compiler's versions,
+  # .clang-tidy, the file's compile command and its preprocessed text with comments and line
+  # markers (the file and every header it includes, as this build sees them, NOLINT comments
+  # included), so an edit anywhere it reaches analyses it again. The checkout's own path is taken
+  # out of the command and the text first: another clone of the same tree (CI's) finds the keys
+  # this one left. Preprocessing costs a small part of an analysis; findings are never cached.
+  user_cache=${XDG_CACHE_HOME:-${HOME:+$HOME/.cache}}
+  cache=${TORPOR_TIDY_CACHE:-${user_cache:+$user_cache/torpor/tidy}}
+  cache=${cache:-$build/tidy-cache}
   mkdir -p "$cache"
   python3 - "$build/compile_commands.json" "$ct" "$cache" "$jobs" > "$tmp/tidy.files" <<'EOF'
 import concurrent.futures, hashlib, json, os, shlex, subprocess, sys
 db, tidy, cache, jobs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+root = os.getcwd()  # the checkout; out of every key, so that keys do not depend on where it is
 entries = {os.path.realpath(e["file"]): e for e in json.load(open(db))}
 tracked = subprocess.run(["git", "ls-files", "allocator/*.cpp", "fusion/*.cpp", "tools/*.cpp"],
                          capture_output=True, text=True, check=True).stdout.split()
@@ -132,11 +137,11 @@ def key(f):
             pre.append(a)
     h = common.copy()
     h.update(subprocess.run([args[0], "--version"], capture_output=True).stdout)
-    h.update(" ".join(args).encode())
+    h.update(" ".join(args).replace(root, "<checkout>").encode())
     r = subprocess.run(pre + ["-E", "-C", "-o", "-"], cwd=e["directory"], capture_output=True)
     if r.returncode != 0:
         return f, ""  # analysed (and its error shown) by clang-tidy
-    h.update(r.stdout)
+    h.update(r.stdout.replace(root.encode(), b"<checkout>"))
     return f, h.hexdigest()
 built = [f for f in tracked if os.path.realpath(f) in entries]
 with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
