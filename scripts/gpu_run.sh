@@ -2,7 +2,7 @@
 # Builds torpor on a GPU machine and runs the GPU tests and benches in one go. Used with the
 # device tool (`run`), whose $OUT folder comes back; elsewhere OUT defaults to ./gpu-out.
 #
-#   scripts/gpu_run.sh [stage ...]     stages: probe tests readme bench-sleep bench-sleep-threads python
+#   scripts/gpu_run.sh [stage ...]     stages: probe doctor tests readme bench-sleep bench-sleep-threads python
 #                                      bench-first-sleep first-sleep-variance bench-torch-sleep
 #                                      torch-sleep-profile host-store bench-fixed-costs bench-multi-pool
 #                                      engines graphs vllm-today tms-examples sglang-sequence
@@ -16,6 +16,9 @@
 #                                      device time when iterating on one part
 #   TORPOR_TAIL_BENCH_ARGS="..."       more arguments for torpor_bench_tail (tail, tail-bench),
 #                                      e.g. "--blocks-per-row 1 2 4 8 --tokens 1 8 32"
+#
+# doctor runs `torpor doctor` (doctor.txt; doctor.json, with the commit like every JSON record):
+# the fabric probe's answer with the driver's exact result, the kill switches in force, NCCL.
 #
 # symmetric and symmetric-nccl need two GPUs (device kind nvidia-h200-x2): two processes, one per
 # GPU, symmetric memory through sleep level 2 (`torpor symmetric-check`), the second with the
@@ -174,6 +177,13 @@ for stage in "${stages[@]}"; do
     probe)
       $build/tools/torpor probe --json > "$OUT/probe.json" || status=1
       $build/tools/torpor probe || status=1
+      ;;
+    doctor)
+      # Its exit status is its verdict (0 full speed, 1 slow or limited, 2 no usable GPU); only a
+      # usage error (above 2) fails the stage. The JSON gets the commit below, as every record.
+      $build/tools/torpor doctor --json > "$OUT/doctor.json"
+      [ $? -gt 2 ] && status=1
+      $build/tools/torpor doctor | tee "$OUT/doctor.txt"
       ;;
     tests)
       # Host-backend tests in parallel; cuda-typed tests one at a time, since some of them
