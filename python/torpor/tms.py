@@ -164,8 +164,11 @@ def _preload_entries() -> list[str]:
 
 
 def _default_hook_mode() -> str:
-    """torch_memory_saver's default, "preload", where this process has the preload library (as
-    SGLang's scheduler processes do); "torch" elsewhere, where preload mode could not work."""
+    """torch_memory_saver's default, "preload" (_TorchMemorySaverImpl.__init__ in
+    torch_memory_saver/entrypoint.py at 4a43c97), where this process has the preload library, as
+    SGLang's scheduler processes do (python/sglang/srt/utils/torch_memory_saver_adapter.py at
+    1373e4f sets hook_mode only on XPU, and calls configure_subprocess); "torch" elsewhere, where
+    preload mode could not work."""
     return "preload" if len(_preload_entries()) == 1 else "torch"
 
 
