@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it (.ci/run calls the README's test command, which runs
 # this). Three builds:
-#   build/        release build, CUDA backend compiled when nvcc is present; every test
+#   build/        release build (Release, the main command's build type), CUDA backend compiled when nvcc is present; every test
 #                 (cuda-typed tests skip, saying why, when no GPU is present), then an
 #                 install and a project outside the tree built against it with find_package,
 #                 then scripts/check_wheel.sh (pip install . in a fresh venv, the package
@@ -28,7 +28,7 @@ stage_done() {
   stage_started=$SECONDS
 }
 
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_EXPORT_COMPILE_COMMANDS=ON
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_EXPORT_COMPILE_COMMANDS=ON
 cmake --build build -j "$jobs"
 stage_done "release build"
 ctest --test-dir build -j "$jobs" --output-on-failure
