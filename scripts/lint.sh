@@ -105,11 +105,13 @@ else
   # its cache key: a file whose key passed before is not analysed again (TORPOR_TIDY_CACHE, default
   # $XDG_CACHE_HOME/torpor/tidy, i.e. ~/.cache/torpor/tidy; $build/tidy-cache/ without a home). The
   # key hashes everything the result depends on: clang-tidy's and the compiler's versions,
-  # .clang-tidy, the file's compile command and its preprocessed text with comments and line
-  # markers (the file and every header it includes, as this build sees them, NOLINT comments
-  # included), so an edit anywhere it reaches analyses it again. The checkout's own path is taken
-  # out of the command and the text first: another clone of the same tree (CI's) finds the keys
-  # this one left. Preprocessing costs a small part of an analysis; findings are never cached.
+  # .clang-tidy, the file's compile command and the content of every file its compile read (the
+  # file itself and every header, NOLINT comments included), so an edit anywhere it reaches analyses
+  # it again. The list of files read is the build's own (ninja's dependency log, free to read); where
+  # the build has none for a file (another generator, a stale entry) the file is preprocessed
+  # instead and its text hashed. The checkout's own path is taken out of the command and the paths
+  # first: another clone of the same tree (CI's) finds the keys this one left. Findings are never
+  # cached.
   user_cache=${XDG_CACHE_HOME:-${HOME:+$HOME/.cache}}
   cache=${TORPOR_TIDY_CACHE:-${user_cache:+$user_cache/torpor/tidy}}
   cache=${cache:-$build/tidy-cache}
@@ -124,25 +126,63 @@ tracked = subprocess.run(["git", "ls-files", "allocator/*.cpp", "fusion/*.cpp", 
 common = hashlib.sha256()
 common.update(subprocess.run([tidy, "--version"], capture_output=True).stdout)
 common.update(open(".clang-tidy", "rb").read())
+
+
+def ninja_deps(build_dir):
+    """{object path: [files its compile read]} from ninja's dependency log; {} without one."""
+    r = subprocess.run(["ninja", "-C", build_dir, "-t", "deps"], capture_output=True, text=True)
+    deps, current = {}, None
+    for line in r.stdout.splitlines() if r.returncode == 0 else []:
+        if not line.startswith(" ") and ": #deps" in line:
+            obj, _, state = line.partition(": #deps")
+            current = deps.setdefault(obj, []) if state.rstrip().endswith("(VALID)") else None
+        elif line.strip() and current is not None:
+            current.append(line.strip())
+    return deps
+
+
+deps_of = ninja_deps(os.path.dirname(db) or ".")
+content_hashes = {}
+
+
+def content_hash(path):
+    if path not in content_hashes:
+        try:
+            content_hashes[path] = hashlib.sha256(open(path, "rb").read()).hexdigest()
+        except OSError:
+            content_hashes[path] = "missing"
+    return content_hashes[path]
+
+
 def key(f):
     e = entries[os.path.realpath(f)]
     args = e["arguments"] if "arguments" in e else shlex.split(e["command"])
-    pre, skip = [], False
-    for a in args:
+    pre, skip, obj = [], False, None
+    for i, a in enumerate(args):
         if skip:
             skip = False
         elif a == "-o" or a in ("-MF", "-MT", "-MQ"):
             skip = True
+            if a == "-o" and i + 1 < len(args):
+                obj = args[i + 1]
         elif a not in ("-c", "-MD", "-MMD"):
             pre.append(a)
     h = common.copy()
     h.update(subprocess.run([args[0], "--version"], capture_output=True).stdout)
     h.update(" ".join(args).replace(root, "<checkout>").encode())
+    read = deps_of.get(obj) if obj else None
+    if read:
+        for path in read:
+            full = os.path.join(e["directory"], path)
+            h.update(f"{path.replace(root, '<checkout>')} {content_hash(full)}\n".encode())
+        return f, h.hexdigest()
     r = subprocess.run(pre + ["-E", "-C", "-o", "-"], cwd=e["directory"], capture_output=True)
     if r.returncode != 0:
         return f, ""  # analysed (and its error shown) by clang-tidy
     h.update(r.stdout.replace(root.encode(), b"<checkout>"))
     return f, h.hexdigest()
+
+
 built = [f for f in tracked if os.path.realpath(f) in entries]
 with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
     keyed = dict(pool.map(key, built))
