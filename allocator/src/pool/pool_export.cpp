@@ -145,7 +145,7 @@ std::optional<HandleKind> Pool::export_kind() const {
 
 std::size_t Pool::export_count(const std::vector<std::string>& tags, std::optional<HandleKind> kind) const {
   std::lock_guard lock(state_->mu);
-  return plan_export(*state_, tags, kind, "export_count").chunks.size();
+  return plan_export(*state_, tags, kind, "export_handles").chunks.size();  // what export_handles would give
 }
 
 std::vector<ExportedChunk> Pool::export_handles(const std::vector<std::string>& tags, std::optional<HandleKind> kind,
