@@ -108,7 +108,7 @@ def test_another_process_reads_the_kv_cache_through_the_exported_descriptor(kv):
 
 def test_the_memory_is_gpu_direct_rdma_capable_as_the_export_says(kv):
     cu = ctypes.CDLL("libcuda.so.1")
-    capable = ctypes.c_int(-1)
+    capable = ctypes.c_int(0)  # the driver writes a boolean: zeros around it read as its value
     # CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE = 15; PyTorch's context is current here.
     assert cu.cuPointerGetAttribute(ctypes.byref(capable), 15, ctypes.c_ulonglong(kv.data_ptr())) == 0
     with torpor.export_handles("kv_cache", kind="posix_fd") as chunks:
