@@ -98,6 +98,7 @@ nlohmann::json probe_json(Backend requested) {
                             {"free_bytes", mi.free_bytes},
                             {"vmm_supported", p.vmm_supported},
                             {"posix_fd_handles", p.posix_fd_handles_supported},
+                            {"gpu_direct_rdma_vmm", p.gpu_direct_rdma_vmm},
                             {"granularity", p.granularity},
                             {"multicast_attribute", p.multicast_attribute},
                             {"multicast_usable", mc.usable},

@@ -7,6 +7,8 @@ Two layers:
 - The PyTorch embedding (the package torpor.torch, re-exported here): use_pool(tag),
   register_parameters(module, preserve), sleep(level=1, tags=None), wake_up(tags=None),
   stats(), release_host_store(), prepare_host_store(). PyTorch is imported on first use only.
+  use_pool(tag, exportable=True) gives memory with shareable handles, and export_handles(tags)
+  hands them to a KV transport (torpor.exports: ExportedChunk, who owns the descriptors).
   CUDA graphs in torpor (torpor.torch.graphs, re-exported here): graph(cuda_graph, tag=...) for
   torch.cuda.graph, graph_pool(tag) for torch.cuda.graph(..., pool=...), mark_state(tensor);
   their memory is released at sleep and the same graphs replay after wake.
@@ -44,11 +46,13 @@ from .errors import (
     TorporError,
     Unavailable,
 )
+from .exports import ExportedChunk, ExportedHandles
 from .pool import MemoryClass, Pool
 from .torch import (
     GraphPool,
     Registration,
     configure,
+    export_handles,
     graph,
     graph_memory,
     graph_pool,
@@ -70,6 +74,8 @@ from .vllm import CuMemAllocator
 __all__ = [
     "CuMemAllocator",
     "DriverError",
+    "ExportedChunk",
+    "ExportedHandles",
     "GraphPool",
     "InternalError",
     "InvalidArgument",
@@ -89,6 +95,7 @@ __all__ = [
     "configure",
     "distributed",
     "errors",
+    "export_handles",
     "graph",
     "graph_memory",
     "graph_pool",

@@ -13,8 +13,9 @@ order, the first hit wins:
 4. The system's library path (``libtorpor.so.0``, where ``cmake --install`` puts it).
 
 The library is loaded once per process, on first use, so ``import torpor`` never fails. On
-loading, the values of the C enumerations (status codes, memory classes, backends, fills) are
-read from the library (torpor_status_value, torpor_class_name, ...), never copied here.
+loading, the values of the C enumerations (status codes, memory classes, backends, fills,
+handle kinds) are read from the library (torpor_status_value, torpor_class_name, ...), never
+copied here.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ _ENUM_NAME_FUNCTIONS = {
     "memory_class": "torpor_class_name",
     "backend": "torpor_backend_name",
     "fill": "torpor_fill_name",
+    "handle_kind": "torpor_handle_kind_name",
 }
 _ENUM_LIMIT = 256  # no enumeration of torpor.h comes near; guards against a library that never says NULL
 
@@ -82,6 +84,24 @@ class PoolOptions(ctypes.Structure):
         ("spill_limit", ctypes.c_size_t),
         ("spill_file_per_allocation", ctypes.c_int),
         ("_reserved", ctypes.c_char * 256),
+    ]
+
+
+FABRIC_HANDLE_BYTES = 64  # TORPOR_FABRIC_HANDLE_BYTES (sizeof(CUmemFabricHandle))
+EXPORT_TAG_MAX = 255  # TORPOR_EXPORT_TAG_MAX
+
+
+class ChunkExport(ctypes.Structure):
+    """torpor_chunk_export: one chunk's shareable handle (torpor.exports wraps it)."""
+
+    _fields_ = [
+        ("va", ctypes.c_void_p),
+        ("bytes", ctypes.c_size_t),
+        ("kind", ctypes.c_int),
+        ("fd", ctypes.c_int),
+        ("fabric", ctypes.c_ubyte * FABRIC_HANDLE_BYTES),
+        ("gpu_direct_rdma", ctypes.c_int),
+        ("tag", ctypes.c_char * (EXPORT_TAG_MAX + 1)),
     ]
 
 
@@ -201,6 +221,8 @@ def _prototypes(lib: ctypes.CDLL) -> None:
         "torpor_tags_json": (I, [P, ctypes.c_char_p, S, PS]),
         "torpor_pool_backend": (C, [P]),
         "torpor_find": (I, [P, P, PP, PS]),
+        "torpor_export_handles": (I, [P, CC, S, I, ctypes.POINTER(ChunkExport), S, PS]),
+        "torpor_pool_exportable": (I, [P, ctypes.POINTER(ctypes.c_int)]),
         "torpor_copy": (I, [P, P, P, S]),
         "torpor_read_host_copy": (I, [P, P, S, P, ctypes.POINTER(ctypes.c_int)]),
         "torpor_group_create_callbacks": (I, [I, I, P, I, PP]),
@@ -216,6 +238,7 @@ def _prototypes(lib: ctypes.CDLL) -> None:
         "torpor_class_name": (C, [I]),
         "torpor_backend_name": (C, [I]),
         "torpor_fill_name": (C, [I]),
+        "torpor_handle_kind_name": (C, [I]),
         # torch_allocator.h
         "torpor_torch_malloc": (P, [S, I, P]),
         "torpor_torch_free": (None, [P, S, I, P]),
@@ -277,7 +300,8 @@ def lib() -> ctypes.CDLL:
 
 def enum_values(enum: str) -> dict[str, int]:
     """{name: value} of a C enumeration as the library defines it: "memory_class" (parameter,
-    state, cache), "backend" (auto, host, cuda) or "fill" (none, zero, poison); in value order."""
+    state, cache), "backend" (auto, host, cuda), "fill" (none, zero, poison) or "handle_kind"
+    (auto, posix_fd, fabric); in value order."""
     lib()
     return _enums[enum]
 

@@ -26,7 +26,10 @@ The interface:
   ``stats()``, ``release_host_store()`` as torpor's; ``configure_host_store(host_store_limit,
   spill_dir)``: torpor.configure's host-store options (before the first allocation), the others
   as last configured.
-- ``use_pool(tag, memory_class)``: allocations of the block in torpor under that tag and class;
+- ``use_pool(tag, memory_class, exportable=False)``: allocations of the block in torpor under that
+  tag and class (exportable: the device's pool has shareable handles, torpor.use_pool's);
+  ``export_handles(tags, device, kind)``: the handles of that memory for a KV transport
+  (torpor.exports; a transport re-exports in an after_map mapping hook, since wake maps new memory);
   ``graph(...)``: a CUDA graph capture in a torpor graph pool (torpor.graph); ``graph_pool``,
   ``capture_into(tag, memory_class)`` (every capture of the block in that graph pool),
   ``capturing_into()``, ``release_graph_pool(tag)``, ``nccl_graph_register_off()``: as in
@@ -113,9 +116,13 @@ configure_host_store = api.configure_host_store  # the host-store options of the
 # -- routing and parameters ------------------------------------------------------------------
 
 
-def use_pool(tag: str, memory_class: ClassLike | None = None, device=None):
-    """torpor.use_pool: the block's allocations in torpor under `tag` and `memory_class`."""
-    return api.use_pool(tag, memory_class=memory_class, device=device)
+def use_pool(tag: str, memory_class: ClassLike | None = None, device=None, exportable: bool = False):
+    """torpor.use_pool: the block's allocations in torpor under `tag` and `memory_class`, in an
+    exportable pool when `exportable` (see torpor.use_pool)."""
+    return api.use_pool(tag, memory_class=memory_class, device=device, exportable=exportable)
+
+
+export_handles = api.export_handles  # the shareable handles of a tag's memory (torpor.export_handles)
 
 
 graph = graphs.graph
@@ -362,6 +369,7 @@ __all__ = [
     "capturing_into",
     "configure_host_store",
     "cuda_torch",
+    "export_handles",
     "fill_on_wake",
     "graph",
     "graph_pool",

@@ -12,6 +12,10 @@ callables before a sleep unmaps the tag and after a wake maps it fully (vLLM's
 register_tag_hooks). Levels are SleepLevel (torpor.values), checked where they
 enter.
 
+Exportable pools (``exportable=True``): memory with shareable handles, GPUDirect RDMA capable where
+the device can; ``export_handles(tags, kind)`` hands out one handle per chunk for a KV transport
+(torpor.exports says who owns the descriptors and what sleep and wake do to them).
+
 Tag lists: ``None`` means every tag of the pool, a string one tag, a list those tags; an
 empty list means no tag, so the call does nothing (vLLM's ``wake_up(tags=[])`` does the same).
 """
@@ -24,7 +28,7 @@ import json
 import os
 from typing import Iterable, Union
 
-from . import _hooks, _lib
+from . import _hooks, _lib, exports
 from .errors import InvalidArgument, InvalidHandle, InvalidType
 from .values import INT_MAX, SIZE_MAX, ULLONG_MAX, SleepLevel, address, sleep_level, text, whole
 
@@ -120,6 +124,8 @@ def pool_options(
     """torpor_pool_options, validated. backend: auto (TORPOR_BACKEND, else cuda when usable,
     else host), host or cuda. fill_on_wake: what discarded bytes hold after wake (none, zero,
     or poison: 0xFF bytes, NaN in fp32/fp16/bf16, so a forgotten weight reload shows).
+    exportable: memory with shareable handles (POSIX descriptors; fabric handles where the
+    device can) and GPUDirect RDMA capable where the device can (Pool.export_handles).
 
     Host memory: skip_unchanged (default True) keeps the host copies after wake so that an
     unchanged re-sleep copies nothing, at the price of that host memory while awake
@@ -135,6 +141,8 @@ def pool_options(
     o.backend = _choice(_lib.enum_values("backend"), backend, "backend")
     o.va_bytes = whole(va_bytes, "va_bytes (0 = twice the device's memory)", 0, SIZE_MAX)
     o.fill_on_wake = _choice(_lib.enum_values("fill"), fill_on_wake, "fill_on_wake")
+    if not isinstance(exportable, bool):
+        raise InvalidType(f"exportable {exportable!r} is not True or False")
     o.exportable = 1 if exportable else 0
     o.skip_unchanged = 1 if skip_unchanged else 0
     o.host_store_limit = _size(host_store_limit, "host_store_limit", "0 = no limit")
@@ -333,6 +341,30 @@ class Pool(_lib.Closing):
             text(g, "set_preserve: glob")
         arr, n = _lib.encode_list(globs)
         _lib.check(_lib.lib().torpor_set_preserve(self.handle, arr, n))
+
+    # -- shareable handles --------------------------------------------------------------
+
+    @property
+    def exportable(self) -> bool:
+        """Whether the pool was created exportable (torpor_pool_exportable)."""
+        out = ctypes.c_int(0)
+        _lib.check(_lib.lib().torpor_pool_exportable(self.handle, ctypes.byref(out)))
+        return bool(out.value)
+
+    def export_handles(self, tags: Tags = None, kind: str = "auto") -> exports.ExportedHandles:
+        """The shareable handles of the chunks holding allocations of `tags` (None = every tag),
+        one ExportedChunk per chunk in address order (torpor.exports: fields, who owns the
+        descriptors, what sleep and wake do). kind: "auto" (fabric where this pool's memory has
+        fabric handles, else "posix_fd"), "posix_fd" or "fabric". All or nothing. Raises
+        InvalidState for a pool that is not exportable or a tag asleep (its memory was released:
+        wake it first), InvalidArgument for an unknown tag, Unavailable for fabric handles the
+        device has not (the message says why)."""
+        tags = tag_list(tags)
+        k = _choice(_lib.enum_values("handle_kind"), kind, "handle kind")
+        if tags == []:
+            return exports.ExportedHandles()
+        arr, n = _lib.encode_list(tags or [])
+        return exports.export(self.handle, arr if tags else None, n, k)
 
     def find(self, ptr: int) -> tuple[int, int]:
         """(base, size) of the allocation containing ptr; InvalidArgument if none."""

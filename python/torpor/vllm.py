@@ -84,6 +84,13 @@ e.g. commit 010c211270c004db49f91933849804821d153e4d, predate the graph pool).
   copies of awake tags and its unused host store go back (torpor.engine.release_host_store; a
   tag still asleep keeps its backup), where by default they stay so that an unchanged re-sleep
   copies nothing.
+- ``exportable`` (torpor's; False by default): the pools are created with shareable handles,
+  GPUDirect RDMA capable where the device can (torpor.use_pool(..., exportable=True)), so a KV
+  transport can register the KV cache with a NIC or share it across processes and nodes. The
+  plugin sets it before the worker's first allocation when vLLM has a KV connector
+  (torpor.vllm_plugin, step 6). ``export_handles(tags, kind)``: the handles of those tags' memory
+  (torpor.exports), for a transport that takes them from torpor; a transport re-exports in its
+  ``after_map`` tag hook, since every wake maps new memory at the same addresses.
 - ``release_cudagraph_pool(pool=None)``: once the graphs are destroyed, their pool's memory goes
   back to torpor and the next capture starts in a new, empty pool; a RuntimeError (InvalidState)
   while a graph captured into it is alive or the tag is asleep.
@@ -168,6 +175,7 @@ class CuMemAllocator:
         self.poison_discarded_pages: bool | None = None
         self.release_host_memory: bool | None = None
         self.last_reports: dict[str, dict] = {}  # what the last sleep, discard or wake_up did, per step
+        self.exportable = False  # pools with shareable handles (see the module note)
         self._pool_tags: list[str] = []  # tags of the use_memory_pool blocks open now, innermost last
 
     # -- pools -------------------------------------------------------------------------------
@@ -182,7 +190,7 @@ class CuMemAllocator:
     @contextlib.contextmanager
     def _tagged(self, tag: str):
         engine.intend_sleep("vllm", self._planned, 1)  # LLM.sleep()'s default level
-        with engine.use_pool(tag):
+        with engine.use_pool(tag, exportable=self.exportable):
             self._pool_tags.append(tag)
             try:
                 yield
@@ -213,6 +221,12 @@ class CuMemAllocator:
         _check_pool(pool, "release_cudagraph_pool")
         with as_runtime_errors():
             return engine.release_graph_pool(self.cudagraph_tag)
+
+    def export_handles(self, tags: Iterable[str] | str | None = KV_CACHE, kind: str = "auto", device=None):
+        """The shareable handles of the memory of `tags` (default the KV cache; None: every tag) on
+        `device` (default: current): torpor.export_handles, for an exportable allocator."""
+        with as_runtime_errors():
+            return engine.export_handles(tags, device, kind)
 
     def get_current_usage(self) -> int:
         """Bytes of the segments PyTorch holds in torpor, asleep or not (vLLM: the handles' sizes)."""

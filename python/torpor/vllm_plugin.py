@@ -39,6 +39,20 @@ VLLM_PLUGINS, when set, must list "torpor"), and a worker does it in
    vLLM has it; also in vllm modules already loaded that imported the name), so the hooks KV
    connectors register run around torpor's unmaps and maps (vLLM's own allocator, which would
    call them, is no longer the one that unmaps).
+6. makes the pools exportable when vLLM has a KV connector (``vllm_config.kv_transfer_config``
+   with a ``kv_connector``), before the worker's first allocation (``Worker.load_model``,
+   ``initialize_from_config``, ``initialize_cache``): torpor.vllm.CuMemAllocator's ``exportable``,
+   so the KV cache (and, the device pool being one, everything else torpor holds) has shareable
+   handles and is GPUDirect RDMA capable where the device can, with or without sleep mode. vLLM
+   does the equivalent with its own allocator: the worker routes the weights and the KV cache
+   through CuMemAllocator whenever ``model_config.enable_cumem_allocator`` is on, not only with
+   sleep mode (``_maybe_get_memory_pool_context`` in vllm/v1/worker/gpu_worker.py, code index id
+   66475387063; ``--enable-cumem-allocator``, vllm-project/vllm#33648, "important when using Nixl
+   for PD isolation in the GB series"), its cumem allocator requests fabric handles where a
+   probe allocation says it may (#33540), and vllm-project/vllm#43134 turns the cumem allocator on
+   for the KV cache by default when a KV connector is present. A connector reaches the handles
+   through vLLM's register_tag_hooks (step 5: re-register in ``after_map``, since every wake maps
+   new memory) and torpor.vllm.CuMemAllocator.export_handles, or registers the addresses itself.
 
 README's vLLM section says which vLLM versions each route was written against. Everything here is
 safe to run twice in a process (vLLM may load plugins more than once).
@@ -68,6 +82,9 @@ BACKEND_MODULE = "vllm.device_allocator.sleep_mode_backend"
 # methods: every call after which the model's parameter tensors may be new.
 WORKER_MODULES = ("vllm.v1.worker.gpu_worker", "vllm.worker.worker")
 WORKER_METHODS = ("load_model", "reload_weights", "update_weights", "finish_weight_update")
+# Worker methods that may make the first allocation in torpor's pools (the weights, the KV cache of
+# the V1 worker, the oldest one's): the pools' exportability is decided before them (step 6).
+ALLOCATING_METHODS = ("load_model", "initialize_from_config", "initialize_cache")
 
 _lock = threading.Lock()
 _installed = False
@@ -86,7 +103,7 @@ def register() -> None:
 
 
 def install() -> None:
-    """Steps 1 to 5 of the module note (idempotent)."""
+    """Steps 1 to 6 of the module note (idempotent)."""
     global _installed
     with _lock:
         if _installed:
@@ -200,20 +217,51 @@ def register_model(worker) -> None:
         logger.warning("torpor: could not register the model's parameters (level 2 discards all): %s", e)
 
 
+def kv_connector(vllm_config) -> str | None:
+    """The KV connector vLLM is configured with (``kv_transfer_config.kv_connector``), or None."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    name = getattr(transfer, "kv_connector", None) if transfer is not None else None
+    return name or None
+
+
+def prepare_pools(worker) -> bool:
+    """Step 6 for one worker, before it allocates: torpor's pools exportable when vLLM has a KV
+    connector. Returns whether they are to be exportable."""
+    connector = kv_connector(getattr(worker, "vllm_config", None))
+    if connector is None:
+        return False
+    from .vllm import CuMemAllocator
+
+    allocator = CuMemAllocator.get_instance()
+    if not allocator.exportable:
+        allocator.exportable = True
+        logger.info(
+            "torpor: vLLM has a KV connector (%s): torpor's pools are exportable (shareable handles, GPUDirect RDMA "
+            "capable where the device can)",
+            connector,
+        )
+    return True
+
+
 def _wrap_worker(module) -> None:
     worker = getattr(module, "Worker", None)
-    for name in WORKER_METHODS:
+    for name in dict.fromkeys(ALLOCATING_METHODS + WORKER_METHODS):
         method = getattr(worker, name, None)
         if method is None or getattr(method, "_torpor_wrapped", False):
             continue
-        setattr(worker, name, _registering(method))
+        setattr(worker, name, _wrapped(method, name in ALLOCATING_METHODS, name in WORKER_METHODS))
 
 
-def _registering(method):
+def _wrapped(method, prepare: bool, register: bool):
+    """`method` with step 6 before it (prepare) and step 3 after it (register)."""
+
     @functools.wraps(method)
     def wrapped(self, *args, **kwargs):
+        if prepare:
+            prepare_pools(self)
         result = method(self, *args, **kwargs)
-        register_model(self)
+        if register:
+            register_model(self)
         return result
 
     wrapped._torpor_wrapped = True
@@ -261,4 +309,14 @@ def _patch_when_imported(names, patch) -> None:
         sys.meta_path.insert(0, _PatchOnImport(pending, patch))
 
 
-__all__ = ["BACKEND_NAME", "ENV", "enabled", "install", "preserve_globs", "register", "register_model"]
+__all__ = [
+    "BACKEND_NAME",
+    "ENV",
+    "enabled",
+    "install",
+    "kv_connector",
+    "prepare_pools",
+    "preserve_globs",
+    "register",
+    "register_model",
+]

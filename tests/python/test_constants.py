@@ -49,13 +49,15 @@ def test_every_c_status_has_its_python_class_with_the_same_value():
         assert type(err) is cls and err.status == value and str(err) == "message"
 
 
-def test_classes_backends_and_fills_are_the_headers():
+def test_classes_backends_fills_and_handle_kinds_are_the_headers():
     classes = lower_names(header_enum("torpor_class"), "TORPOR_CLASS_")
     backends = lower_names(header_enum("torpor_backend"), "TORPOR_BACKEND_")
     fills = lower_names(header_enum("torpor_fill"), "TORPOR_FILL_")
+    handle_kinds = lower_names(header_enum("torpor_handle_kind"), "TORPOR_HANDLE_")
     assert torpor._lib.enum_values("memory_class") == classes
     assert torpor._lib.enum_values("backend") == backends
     assert torpor._lib.enum_values("fill") == fills
+    assert torpor._lib.enum_values("handle_kind") == handle_kinds == {"auto": 0, "posix_fd": 1, "fabric": 2}
     assert {m.value for m in torpor.MemoryClass} == set(classes)
     for member in torpor.MemoryClass:
         assert int(member) == classes[member.value]
@@ -85,3 +87,14 @@ def test_the_errors_are_usable_before_the_library_loads_and_without_it():
         text=True,
     )
     assert out.returncode == 0 and out.stdout.split() == ["missing", "None"], out.stdout + out.stderr
+
+
+def test_the_export_entry_sizes_are_the_headers():
+    text = (INCLUDE / "torpor.h").read_text()
+    defines = dict(re.findall(r"#define (TORPOR_\w+) (\d+)", text))
+    assert int(defines["TORPOR_FABRIC_HANDLE_BYTES"]) == torpor._lib.FABRIC_HANDLE_BYTES
+    assert int(defines["TORPOR_EXPORT_TAG_MAX"]) == torpor._lib.EXPORT_TAG_MAX
+    body = re.search(r"typedef struct torpor_chunk_export \{(.*?)\} torpor_chunk_export;", text, re.S).group(1)
+    body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
+    fields = re.findall(r"(\w+)(?:\[[^\]]*\])?;", body)
+    assert fields == [name for name, _ in torpor._lib.ChunkExport._fields_], "the same fields in the same order"

@@ -107,6 +107,49 @@ def test_oldest_worker_without_backends_gets_torpor_through_its_module_import(di
     assert "discard_kv_asleep" not in seen
 
 
+def drive_kv_connector(dist, *args, **env):
+    """drive_kv_connector.py on the newest worker (mrv2); what the KV transport saw."""
+    env = subprocess_env(STAND_IN_VLLM_GENERATION="mrv2", TORPOR_VLLM="1", **env)
+    env["PYTHONPATH"] = os.pathsep.join([str(STAND_INS), str(dist), env["PYTHONPATH"]])
+    env.setdefault("TORPOR_LOG", "error")
+    out = subprocess.run(
+        [sys.executable, str(STAND_INS / "drive_kv_connector.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_kv_connector_without_sleep_mode_gets_an_exportable_kv_cache_another_process_reads(dist):
+    """vLLM with a KV connector and the cumem allocator but no sleep mode (--enable-cumem-allocator,
+    vllm#33648): the KV cache lives in torpor's pools, which are exportable, and the handles a
+    transport takes reach the KV cache's bytes from another process."""
+    seen = drive_kv_connector(dist, "--kv-connector", "NixlConnector", "--no-sleep-mode")
+    assert seen["kv_in_torpor"] and seen["exportable"], seen
+    assert seen["chunks"] >= 1 and seen["kinds"] == ["posix_fd"]
+    assert seen["gpu_direct_rdma"], "the host backend's devices emulate GPUDirect RDMA with VMM"
+    assert seen["read_elsewhere_matches"], "another process read the KV cache's bytes through the descriptor"
+
+
+def test_a_kv_connector_with_sleep_mode_re_registers_around_sleep_and_the_new_handles_reach_the_new_memory(dist):
+    seen = drive_kv_connector(dist, "--kv-connector", "NixlConnector")
+    assert seen["exportable"] and seen["read_elsewhere_matches"], seen
+    assert seen["closed_before_unmap"], "the transport closed its handles in before_unmap"
+    assert seen["events"] == ["register", "deregister", "register"], "after_map exported new handles"
+    assert seen["kv_poisoned_after_wake"], "the KV cache was discarded (vLLM's level 1): new memory"
+    assert seen["same_address_after_wake"]
+    assert seen["read_elsewhere_after_wake_matches"], "the new handle reaches what the engine wrote after the wake"
+
+
+def test_without_a_kv_connector_the_pools_are_not_exportable_and_the_export_names_the_fix(dist):
+    seen = drive_kv_connector(dist)
+    assert seen["kv_in_torpor"] and not seen["exportable"], seen
+    assert "not exportable" in seen["export_error"] and "exportable=True" in seen["export_error"]
+
+
 def test_the_torpor_backend_exists_only_when_enabled(dist):
     code = (
         "import vllm.plugins, vllm.device_allocator.sleep_mode_backend as b\n"

@@ -70,9 +70,13 @@ struct DeviceProperties {
   bool vmm_supported = false;
   bool posix_fd_handles_supported = false;
   bool fabric_handles_supported = false;  // CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED (multi-node NVLink)
-  std::size_t granularity = 0;            // minimum granularity for create/map
-  bool multicast_attribute = false;       // CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED
-  std::string pci_bus_id;                 // "0000:3b:00.0" (cuDeviceGetPCIBusId); "" when unknown
+  // CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED: exportable memory created on this
+  // device is GPUDirect RDMA capable (allocFlags.gpuDirectRDMACapable), so a NIC can register it
+  // (ibv_reg_mr, a KV transport's registration) and read or write it without a host bounce.
+  bool gpu_direct_rdma_vmm = false;
+  std::size_t granularity = 0;       // minimum granularity for create/map
+  bool multicast_attribute = false;  // CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED
+  std::string pci_bus_id;            // "0000:3b:00.0" (cuDeviceGetPCIBusId); "" when unknown
 };
 
 // The kinds of shareable handle the seam moves between processes. A POSIX file descriptor is
@@ -215,7 +219,10 @@ class Driver {
   virtual void free_reservation(device_ptr va, std::size_t bytes) = 0;
 
   // --- physical memory ------------------------------------------------------------------
-  // `exportable`: the handle can later be exported as a POSIX file descriptor.
+  // `exportable`: the handle can later be exported as a POSIX file descriptor (and as a fabric
+  // handle where probe_fabric(device) said yes), and, on a device whose properties say
+  // gpu_direct_rdma_vmm, it is created GPUDirect RDMA capable. Memory that is not exportable is
+  // neither.
   virtual PhysicalHandle create(int device, std::size_t bytes, bool exportable) = 0;
   virtual void release(PhysicalHandle handle) = 0;
   virtual void map(device_ptr va, std::size_t bytes, PhysicalHandle handle, std::size_t handle_offset) = 0;

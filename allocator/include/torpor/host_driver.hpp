@@ -9,6 +9,11 @@
 //                and touching it faults, as touching a sleeping address does on a GPU
 //   export       a dup of the memfd (passable to another process with SCM_RIGHTS); its size is
 //                sealed at creation, and import takes nothing else
+//   RDMA flag    HostDriverOptions::gpu_direct_rdma_vmm is what the emulated devices report for
+//                CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED; exportable memory
+//                created on such a device carries the GPUDirect RDMA mark, which
+//                gpu_direct_rdma_capable(va) reads back as cuPointerGetAttribute does on a GPU (no
+//                NIC is emulated: the mark is what a transport's registration would require)
 //   fabric       64 bytes naming (exporting pid, its memfd's number, the memfd's inode, size,
 //                emulated node); the importer takes the descriptor with pidfd_open + pidfd_getfd
 //                (same user, ptrace permission) and checks the inode, so no descriptor travels
@@ -67,6 +72,7 @@ struct HostDriverOptions {
   std::size_t granularity = std::size_t{2} << 20;
   bool multicast_attribute = true;  // what the emulated devices report
   bool peer_access = true;          // every device can access every other
+  bool gpu_direct_rdma_vmm = true;  // exportable memory is created GPUDirect RDMA capable (see above)
   // The asynchronous mode (see above). Each queued operation waits 0 (half of them) or up to
   // async_max_delay before it runs, drawn per stream from async_seed: the same seed and the same
   // calls give the same delays. async_max_delay is at most one second.
@@ -224,6 +230,11 @@ class HostDriver final : public Driver {
   // mapping); nothing when no multicast object is mapped there.
   std::optional<HostMulticastInfo> multicast_at(device_ptr va) const;
   const HostDriverOptions& options() const noexcept { return options_; }
+  // Whether the memory mapped at va (any address inside a mapping) was created GPUDirect RDMA
+  // capable, as cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE) answers on
+  // a GPU; nothing when no physical memory is mapped there (memory imported from another process
+  // reads false: the mark does not travel).
+  std::optional<bool> gpu_direct_rdma_capable(device_ptr va) const;
   bool asynchronous() const noexcept { return async_ != nullptr; }
   // The live page-locked host memory (address, bytes): host_alloc blocks and host_register'ed
   // ranges, for tests that inspect or damage host copies.

@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -67,7 +68,10 @@ struct PoolOptions {
   int device = 0;
   std::size_t va_bytes = 0;  // VA reservation; 0 = twice the device's memory
   FillOnWake fill_on_wake = FillOnWake::none;
-  bool exportable = false;        // physical memory exportable as POSIX fds (symmetric memory)
+  // Physical memory created with shareable handles (POSIX fds; fabric handles where the device's
+  // probe_fabric said yes) and GPUDirect RDMA capable where the device supports that: for symmetric
+  // memory and for KV transports (export_handles).
+  bool exportable = false;
   std::vector<int> peer_devices;  // devices that get access besides `device`
 
   // Handle-size policy: few, large handles keep VMM calls (and sleep/wake time) low.
@@ -172,6 +176,41 @@ struct ChunkInfo {
   bool awake = false;
   bool dedicated = false;  // the chunk holds this allocation alone
   PhysicalHandle handle;   // valid while awake
+};
+
+// One chunk's shareable handle, from Pool::export_handles: what a KV transport registers, or what
+// another process (kind posix_fd: of this node; kind fabric: of any node of the NVLink domain)
+// imports and maps to reach the same physical memory. It names the memory mapped at
+// [va, va + bytes) now: a sleep releases that memory and a wake maps new memory at the same
+// addresses, so the handle is then stale; export again after the wake (an after_map tag hook).
+// A descriptor (kind posix_fd) is owned by this object: the destructor closes it, release_fd()
+// hands it to the caller, who closes it then. An open descriptor, like any import of it, may keep
+// the memory it names alive after the pool released it (the host backend's does: it is the memory):
+// close it before the tag sleeps (a before_unmap tag hook), or the sleep returns less memory.
+struct ExportedChunk {
+  device_ptr va = 0;      // chunk start (granularity-aligned); the same address across sleep and wake
+  std::size_t bytes = 0;  // chunk size (a multiple of the granularity)
+  std::string tag;        // the tag whose allocations the chunk holds
+  HandleKind kind = HandleKind::posix_fd;
+  FabricHandle fabric;           // kind fabric: the 64 bytes; zeros otherwise
+  bool gpu_direct_rdma = false;  // created GPUDirect RDMA capable (DeviceProperties::gpu_direct_rdma_vmm)
+
+  ExportedChunk() = default;
+  ExportedChunk(ExportedChunk&& o) noexcept;
+  ExportedChunk& operator=(ExportedChunk&& o) noexcept;
+  ExportedChunk(const ExportedChunk&) = delete;
+  ExportedChunk& operator=(const ExportedChunk&) = delete;
+  ~ExportedChunk();
+  // The descriptor (kind posix_fd), still owned by this object; -1 for a fabric handle or once
+  // released.
+  int fd() const noexcept { return fd_; }
+  // Hands the descriptor over: the caller owns (and must close) it; -1 when there is none.
+  int release_fd() noexcept;
+  // Takes ownership of `fd`, closing the descriptor held before (if any).
+  void reset_fd(int fd = -1) noexcept;
+
+ private:
+  int fd_ = -1;
 };
 
 struct ClassStats {
@@ -324,6 +363,26 @@ class Pool {
   std::optional<AllocationInfo> find(const void* ptr) const;
   // The chunk of the allocation that contains ptr; nothing when ptr is not allocated here.
   std::optional<ChunkInfo> chunk_info(const void* ptr) const;
+  // The shareable handles of the chunks that hold allocations of `tags` (empty: every tag), in
+  // address order, one per chunk: what a KV transport registers (ExportedChunk says what each is
+  // and who owns the descriptor). `kind`: the handle kind, or nothing for export_kind(). All or
+  // nothing: on any refusal or failure nothing is handed out (descriptors already made are
+  // closed). Refused: a pool that is not exportable (invalid_state: PoolOptions::exportable); an
+  // unknown tag (invalid_argument); a chunk of those tags asleep (invalid_state: sleep released its
+  // memory, so it has no handle; wake the tag first); fabric handles where this device's
+  // probe_fabric said no, or a kind the driver lacks (unavailable, with the cause); more chunks
+  // than `max_chunks` (invalid_argument, nothing exported; export_count() says how many).
+  std::vector<ExportedChunk> export_handles(const std::vector<std::string>& tags = {},
+                                            std::optional<HandleKind> kind = std::nullopt,
+                                            std::size_t max_chunks = std::numeric_limits<std::size_t>::max()) const;
+  // How many chunks export_handles(tags, kind) would hand out now, after the same checks; it
+  // exports nothing.
+  std::size_t export_count(const std::vector<std::string>& tags = {},
+                           std::optional<HandleKind> kind = std::nullopt) const;
+  // The kind export_handles gives when none is asked for: fabric where the driver has fabric
+  // handles and this device's probe_fabric said yes (the memory was created with the fabric type),
+  // else a POSIX descriptor; nothing for a pool that is not exportable.
+  std::optional<HandleKind> export_kind() const;
   PoolStats stats() const;
   // What the next wakes write into discarded bytes (PoolOptions::fill_on_wake), for engines that
   // decide it per wake (vLLM reads VLLM_POISON_DISCARDED_PAGES at each wake). Returns the

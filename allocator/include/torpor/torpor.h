@@ -61,7 +61,9 @@ typedef struct torpor_pool_options {
   int backend;      /* torpor_backend; default AUTO (TORPOR_BACKEND, else cuda if usable, else host) */
   size_t va_bytes;  /* 0 = twice the device's memory */
   int fill_on_wake; /* torpor_fill; default NONE */
-  int exportable;   /* physical memory exportable as POSIX fds; default 0 */
+  int exportable;   /* 1: memory with shareable handles (POSIX fds; fabric handles where the device can) and
+                       GPUDirect RDMA capable where the device can: symmetric memory, torpor_export_handles;
+                       default 0 */
   /* Host memory (PoolOptions in torpor/pool.hpp says more). Default: host copies kept after wake,
    * no limit, no disk tier. */
   int skip_unchanged;            /* 1: keep host copies after wake, so an unchanged re-sleep copies nothing
@@ -187,6 +189,48 @@ const char* torpor_pool_backend(torpor_pool_t pool);
 /* Base address and size of the allocation containing ptr; TORPOR_ERROR_INVALID_ARGUMENT if none. */
 torpor_status torpor_find(torpor_pool_t pool, const void* ptr, void** base, size_t* bytes);
 
+/* Shareable handles of an exportable pool's memory (torpor_pool_options.exportable = 1), one per chunk
+ * (one physical handle mapped at a fixed span), for a KV transport that registers the memory with a NIC
+ * or hands it to another process (torpor::Pool::export_handles in C++, Pool.export_handles in Python). */
+typedef enum torpor_handle_kind {
+  TORPOR_HANDLE_AUTO = 0,     /* fabric where the pool's memory has fabric handles, else a POSIX descriptor */
+  TORPOR_HANDLE_POSIX_FD = 1, /* a POSIX file descriptor: to a process of this node (SCM_RIGHTS) */
+  TORPOR_HANDLE_FABRIC = 2    /* 64 bytes (CUmemFabricHandle): over any transport, to any node of the NVLink
+                                 domain (through the IMEX service) */
+} torpor_handle_kind;
+#define TORPOR_FABRIC_HANDLE_BYTES 64
+#define TORPOR_EXPORT_TAG_MAX 255 /* the longest tag an export entry carries, in bytes */
+typedef struct torpor_chunk_export {
+  void* va;                                         /* the chunk's start; the same address across sleep and wake */
+  size_t bytes;                                     /* the chunk's size: the handle maps [va, va + bytes) */
+  int kind;                                         /* TORPOR_HANDLE_POSIX_FD or TORPOR_HANDLE_FABRIC */
+  int fd;                                           /* POSIX_FD: a new descriptor the caller owns and must close;
+                                                       -1 for a fabric handle */
+  unsigned char fabric[TORPOR_FABRIC_HANDLE_BYTES]; /* FABRIC: the handle; zeros for a descriptor */
+  int gpu_direct_rdma;                              /* 1: created GPUDirect RDMA capable (a NIC may register it) */
+  char tag[TORPOR_EXPORT_TAG_MAX + 1];              /* the tag of the chunk's allocations, NUL-terminated */
+} torpor_chunk_export;
+/* The handles of the chunks holding allocations of `tags` (NULL / count 0 = every tag), in address
+ * order, as `kind` (torpor_handle_kind). out NULL with capacity 0 asks: *exported gets how many chunks
+ * an export would give now, after every check, and nothing is exported. Else at most `capacity` entries
+ * are written to out and *exported gets their number. All or nothing: on any failure nothing is handed
+ * out and no descriptor stays open.
+ *   TORPOR_ERROR_INVALID_STATE: the pool is not exportable, or a chunk of those tags is asleep (a sleep
+ *     released its memory, so it has no handle: wake the tag first);
+ *   TORPOR_ERROR_INVALID_ARGUMENT: an unknown tag, a kind outside the enum, a tag longer than
+ *     TORPOR_EXPORT_TAG_MAX, out NULL with capacity > 0, or more chunks than `capacity` (then
+ *     *exported gets how many there are: call again with room for them);
+ *   TORPOR_ERROR_UNAVAILABLE: fabric handles where the device has none (the message says why, e.g. no
+ *     IMEX channel), or a kind the backend lacks.
+ * Each handle names the memory mapped now: the tag's next sleep releases it, and its wake maps new
+ * memory (new handles) at the same addresses. A transport therefore drops its registration and closes
+ * its descriptors in a before_unmap tag hook (an open descriptor may keep released memory alive), and
+ * exports again in an after_map tag hook (torpor_add_tag_hooks). */
+torpor_status torpor_export_handles(torpor_pool_t pool, const char* const* tags, size_t count, int kind,
+                                    torpor_chunk_export* out, size_t capacity, size_t* exported);
+/* *exportable = 1 when the pool was created exportable, else 0. */
+torpor_status torpor_pool_exportable(torpor_pool_t pool, int* exportable);
+
 /* Copies between host memory and pool memory (through the pool's driver; any direction). */
 torpor_status torpor_copy(torpor_pool_t pool, void* dst, const void* src, size_t bytes);
 
@@ -242,14 +286,17 @@ const char* torpor_status_name(torpor_status status);
  * takes the values from the library instead of copying them:
  *   torpor_status_value: the value of the status named `name` as written in this header
  *     ("TORPOR_ERROR_TIMEOUT"); -1 for NULL or a name this library does not define;
- *   torpor_class_name, torpor_backend_name, torpor_fill_name: the lower-case name of a class
- *     ("parameter", "state", "cache"), backend ("auto", "host", "cuda") or fill ("none",
- *     "zero", "poison"), the names torpor's messages and tools use; NULL for a value out of
- *     range, so counting up from 0 until NULL enumerates them. */
+ *   torpor_class_name, torpor_backend_name, torpor_fill_name, torpor_handle_kind_name: the
+ *     lower-case name of a class ("parameter", "state", "cache"), backend ("auto", "host",
+ *     "cuda"), fill ("none", "zero", "poison") or handle kind ("auto", "posix_fd", "fabric"), the
+ *     names torpor's messages and tools use; NULL for a value out of range, so counting up from 0
+ *     until NULL enumerates them. */
 int torpor_status_value(const char* name);
 const char* torpor_class_name(int memory_class);
 const char* torpor_backend_name(int backend);
 const char* torpor_fill_name(int fill);
+/* "auto", "posix_fd" or "fabric" for a torpor_handle_kind; NULL for a value out of range. */
+const char* torpor_handle_kind_name(int kind);
 
 #ifdef __cplusplus
 }

@@ -23,6 +23,9 @@ constexpr auto status_names =
 // torpor.h's list against torpor_status_value).
 static_assert(status_names.size() == status_last + 1);
 
+constexpr auto handle_kind_names = std::to_array<EnumName<int>>(
+    {{TORPOR_HANDLE_AUTO, "auto"}, {TORPOR_HANDLE_POSIX_FD, "posix_fd"}, {TORPOR_HANDLE_FABRIC, "fabric"}});
+
 }  // namespace
 
 std::optional<Backend> backend_of(int backend) noexcept {
@@ -42,6 +45,11 @@ std::optional<MemoryClass> memory_class_of(int memory_class) noexcept {
 const char* class_name_of(int memory_class) noexcept {
   const std::optional<MemoryClass> c = memory_class_of(memory_class);
   return c ? to_string(*c).data() : nullptr;  // the names are literals, so NUL-terminated
+}
+
+const char* handle_kind_name_of(int kind) noexcept {
+  const std::string_view name = name_of(handle_kind_names, kind);
+  return name == "?" ? nullptr : name.data();
 }
 
 const char* status_name_of(int status) noexcept {

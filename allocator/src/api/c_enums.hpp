@@ -22,6 +22,9 @@ std::optional<MemoryClass> memory_class_of(int memory_class) noexcept;
 // "parameter", "state" or "cache" for a torpor_memory_class; nullptr for a value out of range.
 const char* class_name_of(int memory_class) noexcept;
 
+// "auto", "posix_fd" or "fabric" for a torpor_handle_kind; nullptr for a value out of range.
+const char* handle_kind_name_of(int kind) noexcept;
+
 // "TORPOR_OK", "TORPOR_ERROR_INVALID_ARGUMENT", ...; nullptr for a value out of range.
 const char* status_name_of(int status) noexcept;
 

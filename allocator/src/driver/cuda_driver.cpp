@@ -255,7 +255,8 @@ struct CudaDriver::Impl {
     return h;
   }
 
-  CUmemAllocationProp prop(int device, bool exportable, bool fabric = false) const {
+  // `rdma`: created GPUDirect RDMA capable (only exportable memory is: create() decides).
+  CUmemAllocationProp prop(int device, bool exportable, bool fabric = false, bool rdma = false) const {
     CUmemAllocationProp p{};
     p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
@@ -265,11 +266,36 @@ struct CudaDriver::Impl {
     if (exportable && fabric) types |= CU_MEM_HANDLE_TYPE_FABRIC;
 #endif
     p.requestedHandleTypes = static_cast<CUmemAllocationHandleType>(types);
+    p.allocFlags.gpuDirectRDMACapable = exportable && rdma ? 1 : 0;
     return p;
+  }
+
+  // Whether `device` takes allocFlags.gpuDirectRDMACapable on cuMemCreate
+  // (CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED). An attribute unknown to an
+  // older driver, or a failed query (logged), reads as "no": the memory is then created without
+  // the flag, as on a device without the support.
+  bool rdma_vmm(int device) {
+    {
+      std::lock_guard lock(mu);
+      if (auto it = rdma_vmm_by_device.find(device); it != rdma_vmm_by_device.end()) return it->second;
+    }
+    int v = 0;
+    const CUresult r = cuDeviceGetAttribute_(&v, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+                                             devices[static_cast<std::size_t>(device)]);
+    if (r != CUDA_SUCCESS) {
+      log::debug("CudaDriver: CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED of device {}: {}", device,
+                 describe(r));
+      v = 0;
+    }
+    std::lock_guard lock(mu);
+    rdma_vmm_by_device.emplace(device, v != 0);
+    return v != 0;
   }
 
   // probe_fabric's answers by device (filled once per device, under mu).
   std::map<int, FabricProbe> fabric_probes;
+  // rdma_vmm's answers by device (filled once per device, under mu).
+  std::map<int, bool> rdma_vmm_by_device;
 
   bool has_multicast() const {
     return cuMulticastCreate_ && cuMulticastAddDevice_ && cuMulticastBindMem_ && cuMulticastUnbind_ &&
@@ -357,6 +383,7 @@ DeviceProperties CudaDriver::device_properties(int device) {
     if (d.cuDeviceGetPCIBusId_(bus, static_cast<int>(sizeof bus), dev) == CUDA_SUCCESS) p.pci_bus_id = bus;
   }
   p.fabric_handles_supported = attribute(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED);
+  p.gpu_direct_rdma_vmm = d.rdma_vmm(device);
   if (p.vmm_supported) {
     auto context = d.bind(device, "cuMemGetAllocationGranularity");
     CUmemAllocationProp prop = d.prop(device, false);
@@ -418,14 +445,19 @@ void CudaDriver::free_reservation(device_ptr va, std::size_t bytes) {
 
 PhysicalHandle CudaDriver::create(int device, std::size_t bytes, bool exportable) {
   Impl& d = *impl_;
+  d.check_device(device, "cuMemCreate");
   // Exportable memory can also travel as a fabric handle where a real export said it may: the
   // symmetric layer then chooses per pool, and a device without fabric keeps POSIX descriptors.
+  // It is also GPUDirect RDMA capable where the device supports that for VMM allocations, so a
+  // transport can register it with a NIC (NCCL and NVSHMEM create their buffers the same way).
   const bool fabric = exportable && probe_fabric(device).supported();
+  const bool rdma = exportable && d.rdma_vmm(device);
   auto context = d.bind(device, "cuMemCreate");
-  CUmemAllocationProp prop = d.prop(device, exportable, fabric);
+  CUmemAllocationProp prop = d.prop(device, exportable, fabric, rdma);
   CUmemGenericAllocationHandle h = 0;
   d.check(d.cuMemCreate_(&h, bytes, &prop, 0), "cuMemCreate",
-          fmt::format("device {} size {:#x}{}", device, bytes, exportable ? " exportable" : ""));
+          fmt::format("device {} size {:#x}{}{}{}", device, bytes, exportable ? " exportable" : "",
+                      fabric ? " fabric" : "", rdma ? " GPUDirect-RDMA-capable" : ""));
   return PhysicalHandle{static_cast<std::uint64_t>(h)};
 }
 
@@ -585,7 +617,8 @@ FabricProbe CudaDriver::probe_fabric(int device) {
     // The attribute can say yes while the export fails (vllm-project/vllm#35489): ask the driver
     // with a real allocation of one granule.
     auto context = d.bind(device, "probe_fabric");
-    CUmemAllocationProp prop = d.prop(device, true, true);
+    // The properties create() gives exportable memory here, the RDMA flag included.
+    CUmemAllocationProp prop = d.prop(device, true, true, d.rdma_vmm(device));
     std::size_t granularity = 0;
     CUresult r = d.cuMemGetAllocationGranularity_(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
     CUmemGenericAllocationHandle h = 0;

@@ -81,6 +81,7 @@ struct HostDriver::Memory {
   std::size_t bytes = 0;
   int device = -1;  // owning device in this driver; -1 when imported from another process
   bool exportable = false;
+  bool gpu_direct_rdma = false;  // created exportable on a device with gpu_direct_rdma_vmm
   dev_t st_dev = 0;
   ino_t st_ino = 0;
   std::shared_ptr<Counters> counters;
@@ -207,6 +208,7 @@ DeviceProperties HostDriver::device_properties(int device) {
   p.vmm_supported = true;
   p.posix_fd_handles_supported = true;
   p.fabric_handles_supported = options_.fabric != HostDriverOptions::Fabric::off;
+  p.gpu_direct_rdma_vmm = options_.gpu_direct_rdma_vmm;
   p.granularity = options_.granularity;
   p.multicast_attribute = options_.multicast_attribute;
   if (static_cast<std::size_t>(device) < options_.pci_bus_ids.size())
@@ -276,6 +278,7 @@ PhysicalHandle HostDriver::create(int device, std::size_t bytes, bool exportable
   auto mem = std::make_shared<Memory>();
   mem->bytes = bytes;
   mem->exportable = exportable;
+  mem->gpu_direct_rdma = exportable && options_.gpu_direct_rdma_vmm;  // as CudaDriver::create sets the flag
   mem->counters = counters_;
   mem->fd = ::memfd_create(std::string(memfd_name).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (mem->fd < 0) {
@@ -734,6 +737,15 @@ std::optional<HostMulticastInfo> HostDriver::multicast_at(device_ptr va) const {
   for (auto& [id, e] : handles_)
     if (e.multicast.get() == &m) ++info.handles;
   return info;
+}
+
+std::optional<bool> HostDriver::gpu_direct_rdma_capable(device_ptr va) const {
+  std::lock_guard lock(mu_);
+  auto it = mappings_.upper_bound(va);
+  if (it == mappings_.begin()) return std::nullopt;
+  --it;
+  if (!it->second.memory || va >= it->first + it->second.bytes) return std::nullopt;
+  return it->second.memory->gpu_direct_rdma;
 }
 
 void HostDriver::multicast_store(device_ptr mc_va, const void* src, std::size_t bytes) {

@@ -5,6 +5,7 @@
 //   pool_stats.cpp     stats()
 //   pool_names.cpp     the enums' names
 //   pool_passthroughs.cpp  preserve, tags, trim, address ranges, observers, copy, host store
+//   pool_export.cpp    the chunks' shareable handles (export_handles)
 // The sleep engine is sleep.cpp and wake.cpp (plan -> pipeline -> apply or roll back); the shared
 // bookkeeping and its invariants are in pool_state.hpp, a chunk's physical lifetime in chunk.hpp.
 //
@@ -112,6 +113,7 @@ Pool::Pool(Driver& driver, PoolOptions options) : driver_(driver), options_(std:
   try {
     state_ = make_state(driver_, options_, granularity_, va_base_, std::move(access));
     state_->device_bytes = props.total_bytes;
+    state_->gpu_direct_rdma = options_.exportable && props.gpu_direct_rdma_vmm;  // as Driver::create decides
     if (options_.host_store_prepare != 0) state_->host.prepare(options_.host_store_prepare);
   } catch (...) {
     try {

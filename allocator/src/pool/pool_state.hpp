@@ -68,6 +68,7 @@ struct Pool::State {
   const PoolOptions& options;
   std::size_t granularity;
   std::size_t device_bytes = 0;  // the device's memory (DeviceProperties::total_bytes)
+  bool gpu_direct_rdma = false;  // the chunks are created GPUDirect RDMA capable (exportable, and the device can)
   device_ptr va_base;
   ChunkMemory memory;           // physical memory of the chunks, access list, deferred releases
   std::vector<Stream> streams;  // copy streams; streams[0] also serves copy() and hash()

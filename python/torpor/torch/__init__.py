@@ -33,7 +33,8 @@ another's underscore names):
   engine mode declared (TORPOR_PREPARE_SLEEP; triggered by use_pool and register_parameters).
 - graphs: CUDA graphs captured into torpor graph pools (torpor.graph, torpor.graph_pool,
   torpor.mark_state).
-- api: configure, use_pool, sleep, wake_up, stats, the host-store calls.
+- api: configure, use_pool (exportable pools for KV transports), sleep, wake_up, stats,
+  export_handles, the host-store calls.
 
 Engine modes (torpor.vllm, torpor.tms) use this package through torpor.engine only.
 
@@ -59,6 +60,7 @@ restored after each call (the driver calls make the pool's device current).
 
 from .api import (
     configure,
+    export_handles,
     pools,
     prepare_host_store,
     release_host_store,
@@ -75,6 +77,7 @@ __all__ = [
     "GraphPool",
     "Registration",
     "configure",
+    "export_handles",
     "graph",
     "graph_memory",
     "graph_pool",

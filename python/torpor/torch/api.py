@@ -1,5 +1,5 @@
-"""The public API of the PyTorch embedding: configure, use_pool, sleep, wake_up, stats and the
-host-store calls (re-exported as torpor.*). See torpor.torch's package note for the design;
+"""The public API of the PyTorch embedding: configure, use_pool, sleep, wake_up, stats,
+export_handles and the host-store calls (re-exported as torpor.*). See torpor.torch's package note for the design;
 engine modes reach sleep with a class policy through torpor.engine (``sleep_with_policy``)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import ctypes
 import gc
 
 from .. import _lib, _marks
-from ..errors import InvalidArgument, InvalidState, OutOfMemory, error_for
+from ..errors import InvalidArgument, InvalidState, InvalidType, OutOfMemory, error_for
+from ..exports import ExportedHandles
 from ..pool import ClassLike, MemoryClass, Pool, Tags, pool_options, tag_list, to_memory_class
 from ..tags import KV_CACHE
 from ..values import SleepLevel, text
@@ -28,12 +29,15 @@ def configure(
     spill_dir=None,
     spill_limit: int = 0,
     spill_file_per_allocation: bool = False,
+    exportable: bool = False,
 ) -> None:
     """Options of the pools PyTorch allocates in; call before the first allocation (later,
     only the same options are accepted). backend: auto (TORPOR_BACKEND, else cuda when
     usable, else host), cuda or host. fill_on_wake: none, zero, or poison (NaN bytes, so a
     forgotten weight reload is visible). va_bytes: address space per device (0 = twice its
-    memory). Host memory (torpor.pool.pool_options says more): skip_unchanged (default True:
+    memory). exportable: memory with shareable handles for KV transports (export_handles;
+    use_pool(..., exportable=True) sets it for a pool not created yet). Host memory
+    (torpor.pool.pool_options says more): skip_unchanged (default True:
     host copies stay after wake so an unchanged re-sleep copies nothing, costing that host
     memory while awake; release_host_store() gives it back), host_store_limit (page-locked
     bytes at most), spill_dir and spill_limit (the disk tier beyond the limit),
@@ -44,6 +48,7 @@ def configure(
         backend,
         va_bytes,
         fill_on_wake,
+        exportable,
         skip_unchanged=skip_unchanged,
         host_store_limit=host_store_limit,
         host_store_prepare=host_store_prepare,
@@ -63,6 +68,7 @@ def configure(
         spill_dir=spill_dir,
         spill_limit=spill_limit,
         spill_file_per_allocation=spill_file_per_allocation,
+        exportable=exportable,
     )
 
 
@@ -102,8 +108,25 @@ def _refuse_a_sleeping_tag(tag: str, device: int) -> None:
         )
 
 
+def _ensure_exportable(device: int) -> None:
+    """The device's torch pool exportable: created so when it does not exist yet (the torch pools'
+    options as last configured, with exportable on), else it must have been created so."""
+    if not _configured.get("exportable", False):
+        try:
+            configure(**{**_configured, "exportable": True})
+        except InvalidState:
+            pass  # pools exist already, with other options: the check below names the fix
+    if not Pool.torch(device).exportable:
+        raise InvalidState(
+            f"use_pool(..., exportable=True): the torpor pool of device {device} behind PyTorch's allocator was "
+            f"created without shareable handles (its first allocation came before any exportable request), and a "
+            f"pool's memory cannot become exportable later. Call torpor.configure(exportable=True) (with your other "
+            f"options) before the first allocation through torpor, or pass exportable=True to the first use_pool"
+        )
+
+
 @contextlib.contextmanager
-def use_pool(tag: str = "default", memory_class: ClassLike | None = None, device=None):
+def use_pool(tag: str = "default", memory_class: ClassLike | None = None, device=None, exportable: bool = False):
     """Allocate the CUDA tensors this thread creates inside the block in torpor, in `tag`.
 
     memory_class: what the bytes are; default state, or cache for the tag "kv_cache" (as in
@@ -112,9 +135,17 @@ def use_pool(tag: str = "default", memory_class: ClassLike | None = None, device
     created for other devices inside the block go to PyTorch's default pool. Yields the
     torch.cuda.MemPool. Entering a sleeping tag raises InvalidState; an allocation torpor
     refuses inside the block raises torpor's typed error (InvalidState when the tag was put to
-    sleep meanwhile, OutOfMemory, ...), chained to PyTorch's out-of-memory error."""
+    sleep meanwhile, OutOfMemory, ...), chained to PyTorch's out-of-memory error.
+
+    exportable: the memory must have shareable handles, for a KV transport (export_handles();
+    GPUDirect RDMA capable where the device can). The device has one torpor pool for every tag,
+    so this makes all of its memory exportable: the pool is created so when it does not exist
+    yet (torpor.configure(exportable=True) implicitly, the other options kept); one created
+    earlier without raises InvalidState naming the fix."""
     torch = cuda_torch()
     text(tag, "use_pool: tag")  # a str the C API carries whole: no NUL, no lone surrogate
+    if not isinstance(exportable, bool):
+        raise InvalidType(f"use_pool: exportable {exportable!r} is not True or False")
     if routing.is_graph_tag(tag):
         raise InvalidArgument(
             f"use_pool: tag '{tag}' is a CUDA graph pool (torpor.graph): its free blocks are the graphs' "
@@ -122,6 +153,8 @@ def use_pool(tag: str = "default", memory_class: ClassLike | None = None, device
         )
     cls = _default_class(tag) if memory_class is None else to_memory_class(memory_class)
     dev = device_index(torch, device)
+    if exportable:
+        _ensure_exportable(dev)
     _refuse_a_sleeping_tag(tag, dev)
     lib = _lib.lib()
     with routing.registry.lock:
@@ -153,6 +186,23 @@ def use_pool(tag: str = "default", memory_class: ClassLike | None = None, device
 def pools() -> dict[int, Pool]:
     """The torpor pool of every device PyTorch allocated in through use_pool()."""
     return routing.device_pools()
+
+
+def export_handles(tags: Tags = None, device=None, kind: str = "auto") -> ExportedHandles:
+    """The shareable handles of the memory PyTorch allocated in torpor under `tags` (None = every
+    tag) on `device` (default: current), for a KV transport: Pool.export_handles on the pool
+    behind those MemPools (torpor.exports: the fields, who owns the descriptors, and why a
+    transport exports again in an after_map tag hook, since a wake maps new memory). The pool
+    must be exportable (use_pool(..., exportable=True)); InvalidState otherwise, or for a
+    sleeping tag."""
+    torch = cuda_torch()
+    dev = device_index(torch, device)
+    if dev not in routing.devices():
+        raise InvalidArgument(
+            f"export_handles: PyTorch has no torpor pool on device {dev} (devices: {routing.devices()}); allocate "
+            f"inside torpor.use_pool(tag, exportable=True) first"
+        )
+    return Pool.torch(dev).export_handles(tags, kind)
 
 
 # -- sleep ----------------------------------------------------------------------------------

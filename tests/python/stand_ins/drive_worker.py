@@ -47,6 +47,7 @@ def main():
     config = types.SimpleNamespace(
         model_config=types.SimpleNamespace(
             enable_sleep_mode=not args.no_sleep_mode,
+            enable_cumem_allocator=not args.no_sleep_mode,  # vLLM's ModelConfig turns it on with sleep mode
             sleep_mode_backend=args.backend,
             sleep_mode_backend_options=json.loads(args.backend_options),
             sleep_preserve_parameter_names=[g for g in args.preserve.split(",") if g],

@@ -11,7 +11,11 @@ stash, ``post_kv_cache_wake_up`` when ``tags is None or "kv_cache" in tags``; 66
 walk-through of the same file: the four weight-transfer calls ``init_weight_transfer_engine``,
 ``start_weight_update``, ``update_weights``, ``finish_weight_update``), a KV connector that keeps a
 transport registration of the KV cache through ``register_tag_hooks`` (NIXL's use of it), and Model
-Runner V2's graph capture into the sleep pool (gpu_model_runner.capture_model)."""
+Runner V2's graph capture into the sleep pool (gpu_model_runner.capture_model). Its pools follow
+``model_config.enable_cumem_allocator``, not sleep mode alone (``_maybe_get_memory_pool_context`` of
+gpu_worker.py, code index id 66475387063; vllm-project/vllm#33648: the cumem allocator without sleep
+mode, for NIXL; sleep mode turns it on in ``ModelConfig.__post_init__``), and a KV connector's
+configuration is ``vllm_config.kv_transfer_config.kv_connector``."""
 
 from contextlib import nullcontext
 
@@ -67,7 +71,8 @@ class Worker:
         self.model_runner = GPUModelRunner(self.vllm_config, "cuda:0")
 
     def _maybe_get_memory_pool_context(self, tag):
-        if not self.vllm_config.model_config.enable_sleep_mode:
+        config = self.vllm_config.model_config
+        if not (config.enable_cumem_allocator if GENERATION == "mrv2" else config.enable_sleep_mode):
             return nullcontext()
         allocator = get_mem_allocator_instance()
         if tag == "weights":
