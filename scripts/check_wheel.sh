@@ -7,9 +7,10 @@
 #   - the bundled library needs only system libraries (readelf -d: no libfmt, nothing of CUDA);
 #   - `python -m torpor --cmake-dir` names the CMake package, and tests/consumer (torpor::fusion,
 #     torpor::kernels, torpor::torpor) configures, builds and runs against it;
-#   - with the machine's PyTorch and a GPU (the GPU image), a tensor in torpor.use_pool keeps its
-#     address and bytes through a level-1 sleep;
-#   - `pip wheel` makes a wheel tagged for this platform (py3-none-linux_<machine>).
+#   - `pip wheel` makes a wheel tagged for this platform (py3-none-linux_<machine>);
+#   - with the machine's PyTorch and a GPU (the GPU image), that wheel, installed for the Python
+#     that has torch, keeps a tensor made in torpor.use_pool at its address with its bytes through
+#     a level-1 sleep.
 # scripts/test.sh runs it after the release build; the CMake build it does lives in
 # build/_python/ (setup.py's build_base) and reuses ccache, so a second run is incremental.
 # usage: scripts/check_wheel.sh [WORK_DIR]   (default: a fresh temporary directory, removed after)
@@ -66,32 +67,6 @@ cmake -S "$repo/tests/consumer" -B "$work/consumer" -G Ninja -Dtorpor_DIR="$cmak
 "$work/consumer/consumer" || fail "the consumer built against the wheel's CMake package failed"
 say "tests/consumer built with -Dtorpor_DIR=$cmake_dir and ran"
 
-# With the machine's PyTorch (the venv sees the system's packages; the GPU image has one): a tensor
-# made in a torpor pool keeps its address and its bytes through a level-1 sleep, checked against
-# values computed on the CPU. Without PyTorch or a GPU this says so and goes on.
-torch_check=$(TORPOR_BACKEND=cuda "$venv_python" -c '
-import sys
-try:
-    import torch
-except ImportError:
-    print("skip: PyTorch is not installed"); sys.exit(0)
-if not torch.cuda.is_available():
-    print(f"skip: PyTorch {torch.__version__} sees no GPU"); sys.exit(0)
-import torpor
-with torpor.use_pool("weights"):
-    w = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
-address = w.data_ptr()
-torpor.sleep(level=1)
-torpor.wake_up()
-same = w.data_ptr() == address and torch.equal(w.cpu(), torch.arange(1 << 20, dtype=torch.float32))
-print(("ok" if same else "FAIL") + f": PyTorch {torch.__version__}, {torpor.library_path()}")
-' 2> "$work/torch-check.log") || { tail -20 "$work/torch-check.log"; fail "the installed package with PyTorch failed (above)"; }
-case "$torch_check" in
-  ok:*"$work/venv/"*) say "$torch_check: a tensor in torpor.use_pool kept its address and bytes through sleep(1)" ;;
-  skip:*) say "PyTorch check skipped (${torch_check#skip: })" ;;
-  *) tail -20 "$work/torch-check.log"; fail "the installed package with PyTorch: $torch_check" ;;
-esac
-
 rm -rf "$work/wheels"
 "$venv_python" -m pip wheel --no-build-isolation --no-deps --quiet -w "$work/wheels" "$repo" > "$work/pip-wheel.log" 2>&1 ||
   { tail -40 "$work/pip-wheel.log"; fail "pip wheel . failed (above)"; }
@@ -106,4 +81,41 @@ esac
 listing=$("$python" -m zipfile -l "$wheel")
 grep -q 'torpor/_lib/lib/libtorpor.so' <<< "$listing" || fail "$wheel lacks the library"
 grep -q 'torpor/_lib/lib/cmake/torpor/torporConfig.cmake' <<< "$listing" || fail "$wheel lacks the CMake package"
+# The wheel with the machine's PyTorch (the GPU image has one): installed (pip --target) for the
+# first Python that imports torch, the venv's or `python3` on PATH, a tensor made in a torpor pool
+# keeps its address and its bytes through a level-1 sleep, checked against values computed on the
+# CPU. Without PyTorch or a GPU this says so and goes on.
+torch_python=
+torch_missing=
+for candidate in "$venv_python" "$(command -v python3 || true)"; do
+  [ -n "$candidate" ] || continue
+  if why=$("$candidate" -c 'import torch' 2>&1); then torch_python=$candidate; break; fi
+  torch_missing+="${torch_missing:+; }$candidate: $(tail -1 <<< "$why")"
+done
+if [ -z "$torch_python" ]; then
+  say "PyTorch check skipped (no Python here imports torch: $torch_missing)"
+else
+  rm -rf "$work/torch-site"
+  "$torch_python" -m pip install --no-deps --no-index --quiet --target "$work/torch-site" "$wheel" \
+    > "$work/torch-install.log" 2>&1 || { tail -20 "$work/torch-install.log"; fail "pip could not install $wheel for $torch_python"; }
+  torch_check=$(cd "$work" && PYTHONPATH="$work/torch-site" TORPOR_BACKEND=cuda "$torch_python" -c '
+import torch
+if not torch.cuda.is_available():
+    print(f"skip: PyTorch {torch.__version__} sees no GPU")
+    raise SystemExit(0)
+import torpor
+with torpor.use_pool("weights"):
+    w = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+address = w.data_ptr()
+torpor.sleep(level=1)
+torpor.wake_up()
+same = w.data_ptr() == address and torch.equal(w.cpu(), torch.arange(1 << 20, dtype=torch.float32))
+print(("ok" if same else "FAIL") + f": PyTorch {torch.__version__}, {torpor.library_path()}")
+' 2> "$work/torch-check.log") || { tail -20 "$work/torch-check.log"; fail "the wheel with PyTorch failed (above)"; }
+  case "$torch_check" in
+    ok:*"$work/torch-site/"*) say "$torch_check ($torch_python): a tensor in torpor.use_pool kept its address and bytes through sleep(1)" ;;
+    skip:*) say "PyTorch check skipped (${torch_check#skip: })" ;;
+    *) tail -20 "$work/torch-check.log"; fail "the wheel with PyTorch ($torch_python): $torch_check" ;;
+  esac
+fi
 say "PASS: $(basename "$wheel") holds the library and the CMake package ($((SECONDS - started)) s in all)"
