@@ -4,6 +4,7 @@
 #
 #   scripts/gpu_run.sh [stage ...]     stages: probe doctor tests readme readme-main readme-test bench-sleep bench-sleep-threads python
 #                                      bench-first-sleep first-sleep-variance bench-torch-sleep
+#                                      bench-engine-first-sleep
 #                                      torch-sleep-profile host-store bench-fixed-costs bench-multi-pool
 #                                      engines graphs vllm-today tms-examples sglang-sequence
 #                                      distributed symmetric symmetric-nccl tail tail-bench stress
@@ -315,6 +316,17 @@ for stage in "${stages[@]}"; do
         python3 bench/plot_torch_sleep.py "$OUT/bench-torch-sleep-$variant.json" -o "$OUT/bench-torch-sleep-$variant.png" ||
           echo "(plot skipped)"
       done
+      ;;
+    bench-engine-first-sleep)
+      # Issue 30 item 1: the first sleep through torpor's vLLM and torch_memory_saver modes with
+      # their default preparation (TORPOR_PREPARE_SLEEP=auto), the engine serving
+      # TORPOR_SERVE_SECONDS (default 10) between its load and its first sleep, against the
+      # steady sleeps of the same process.
+      timeout 400 env TORPOR_LIBRARY="$PWD/$build/allocator/libtorpor.so" PYTHONPATH="$PWD/python" PYTHONDONTWRITEBYTECODE=1 \
+        python3 bench/torch_sleep_bench.py --engines torpor-vllm,torpor-tms --cycles 3 \
+        --serve-seconds "${TORPOR_SERVE_SECONDS:-10}" --json "$OUT/bench-engine-first-sleep.json" \
+        > "$OUT/bench-engine-first-sleep.txt" 2>&1 || status=1
+      cat "$OUT/bench-engine-first-sleep.txt"
       ;;
     torch-sleep-profile)
       pyenv=(env TORPOR_LIBRARY="$PWD/$build/allocator/libtorpor.so" PYTHONPATH="$PWD/python" PYTHONDONTWRITEBYTECODE=1)
