@@ -177,30 +177,12 @@ def run_tms(a) -> dict:
         lambda: tms.region(tag="weights", enable_cpu_backup=True),
         lambda: tms.region(tag="kv_cache", enable_cpu_backup=False),
     )
-    cycles = []
-    for c in range(1, a.cycles + 1):
-        sc.change(c)
-        before = sc.checksums()
-        row = {"cycle": c}
-        for name in ("changed", "unchanged"):
-            secs, _ = timed(torch, lambda: tms.pause())
-            row[f"sleep_{name}"] = {"wall_seconds": secs}
-            wsecs, _ = timed(torch, lambda: tms.resume())
-            row[f"wake_{name}"] = {"wall_seconds": wsecs}
-            if not torch.equal(before, sc.checksums()):
-                raise SystemExit(f"tms: cycle {c} ({name}): the bytes did not survive the pause")
-        print(
-            f"tms cycle {c}: pause {row['sleep_changed']['wall_seconds']:.3f} s resume "
-            f"{row['wake_changed']['wall_seconds']:.3f} s | "
-            f"unchanged pause {row['sleep_unchanged']['wall_seconds']:.3f} s",
-            flush=True,
-        )
-        cycles.append(row)
-    return {"engine": "tms", "moved_bytes": sc.moved, "cycles": cycles}
+    return engine_mode_cycles(a, torch, sc, "tms", tms.pause, tms.resume)
 
 
 def engine_mode_cycles(a, torch, sc, name, sleep, wake) -> dict:
-    """Wall-clock cycles of an engine mode's own sleep and wake (no engine report to split)."""
+    """Wall-clock cycles of an engine's own sleep and wake (torpor's engine modes, torch_memory_saver):
+    no engine report to split; the load is followed by --serve-seconds of serving."""
     time.sleep(a.serve_seconds)  # the engine serves; the preparation, if any, runs meanwhile
     cycles = []
     for c in range(1, a.cycles + 1):
@@ -312,7 +294,7 @@ def main() -> int:
         "--serve-seconds",
         type=float,
         default=0.0,
-        help="the engine modes (torpor-vllm, torpor-tms): seconds between the load and the first sleep",
+        help="every engine but torpor (the engine modes, tms): seconds between the load and the first sleep",
     )
     ap.add_argument("--json", help="write every number here")
     ap.add_argument("--engine", help=argparse.SUPPRESS)  # internal: run one engine in this process

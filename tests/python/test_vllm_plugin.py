@@ -38,12 +38,13 @@ def dist(tmp_path_factory):
     return site
 
 
-def drive(dist, *args, **env):
-    env = subprocess_env(**env)
+def run_stand_in(script, dist, args, env):
+    """A stand-in driver script in a child with the stand-in vLLM and `dist` on its path; the JSON
+    of its last line."""
     env["PYTHONPATH"] = os.pathsep.join([str(STAND_INS), str(dist), env["PYTHONPATH"]])
     env.setdefault("TORPOR_LOG", "error")
     out = subprocess.run(
-        [sys.executable, str(STAND_INS / "drive_worker.py"), *args],
+        [sys.executable, str(STAND_INS / script), *args],
         env=env,
         capture_output=True,
         text=True,
@@ -51,6 +52,10 @@ def drive(dist, *args, **env):
     )
     assert out.returncode == 0, out.stdout + out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def drive(dist, *args, **env):
+    return run_stand_in("drive_worker.py", dist, args, subprocess_env(**env))
 
 
 def check_sleep_cycle(seen):
@@ -110,17 +115,7 @@ def test_oldest_worker_without_backends_gets_torpor_through_its_module_import(di
 def drive_kv_connector(dist, *args, **env):
     """drive_kv_connector.py on the newest worker (mrv2); what the KV transport saw."""
     env = subprocess_env(STAND_IN_VLLM_GENERATION="mrv2", TORPOR_VLLM="1", **env)
-    env["PYTHONPATH"] = os.pathsep.join([str(STAND_INS), str(dist), env["PYTHONPATH"]])
-    env.setdefault("TORPOR_LOG", "error")
-    out = subprocess.run(
-        [sys.executable, str(STAND_INS / "drive_kv_connector.py"), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_stand_in("drive_kv_connector.py", dist, args, env)
 
 
 def test_a_kv_connector_without_sleep_mode_gets_an_exportable_kv_cache_another_process_reads(dist):
