@@ -17,6 +17,8 @@
 #                                      device time when iterating on one part
 #   TORPOR_TAIL_BENCH_ARGS="..."       more arguments for torpor_bench_tail (tail, tail-bench),
 #                                      e.g. "--blocks-per-row 1 2 4 8 --tokens 1 8 32"
+#   TORPOR_README_LIMIT=s              the bound on each README command (readme*, default 590 s)
+#   TORPOR_SERVE_SECONDS=s             bench-engine-first-sleep's serving time (default 10)
 #
 # doctor runs `torpor doctor` (doctor.txt; doctor.json, with the commit like every JSON record):
 # the fabric probe's answer with the driver's exact result, the kill switches in force, NCCL.
