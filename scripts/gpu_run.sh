@@ -130,6 +130,11 @@ ensure_built() {
   built=1
 }
 
+# The README's n-th sh block (1: the main command, 2: the test command), as the README writes it.
+readme_block() {
+  awk -v want="$1" '/^```sh$/ {n++; next} /^```$/ {if (n == want) exit} n == want' README.md
+}
+
 # The fused-vs-unfused tail bench with its per-phase trace (stages tail and tail-bench).
 tail_bench() {
   timeout 240 $build/bench/torpor_bench_tail --trace --json "$OUT/bench-tail.json" ${TORPOR_TAIL_BENCH_ARGS:-} > "$OUT/bench-tail.txt" 2>&1 || status=1
@@ -207,7 +212,7 @@ for stage in "${stages[@]}"; do
       if [ "$stage" != readme-test ]; then
         rm -rf build build-asan build-tsan build-fuzz
         # The main command as the README writes it (its first sh block).
-        main_command=$(awk '/^```sh$/ {n++; next} /^```$/ {if (n == 1) exit} n == 1' README.md)
+        main_command=$(readme_block 1)
         started=$SECONDS
         ( timeout "${TORPOR_README_LIMIT:-590}" bash -c "$main_command" ) > "$OUT/readme-main.log" 2>&1 || status=1
         echo "== README main command ($((SECONDS - started)) s): $main_command" | tee "$OUT/readme-main-summary.txt"
@@ -215,7 +220,7 @@ for stage in "${stages[@]}"; do
       fi
       if [ "$stage" != readme-main ]; then
         rm -rf build build-asan build-tsan build-fuzz
-        test_command=$(awk '/^```sh$/ {n++; next} /^```$/ {if (n == 2) exit} n == 2' README.md)
+        test_command=$(readme_block 2)
         started=$SECONDS
         ( timeout "${TORPOR_README_LIMIT:-590}" bash -c "$test_command" ) > "$OUT/readme.log" 2>&1 || status=1
         { echo "== README test command ($((SECONDS - started)) s): $test_command"
