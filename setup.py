@@ -10,9 +10,9 @@ library inside it. build_py puts under ``torpor/_lib/`` (the package's own prefi
 - ``VERSION`` and the licence files.
 
 The library is built here with CMake (a configure and build of its targets only: no tests, tools
-or benchmarks) with -DTORPOR_WHEEL=ON: fmt is used header-only and the library carries no
-SOVERSION, so the wheel needs nothing but the C and C++ runtimes (CUDA and NCCL are opened at run
-time). CMAKE_BUILD_PARALLEL_LEVEL, CMAKE_ARGS (extra configure arguments) and the compiler
+or benchmarks) in build-wheel/ with -DTORPOR_WHEEL=ON: the library carries no SOVERSION, and fmt is compiled into
+it (cmake/TorporFmt.cmake), so the wheel needs nothing but the C and C++ runtimes (CUDA and NCCL
+are opened at run time). CMAKE_BUILD_PARALLEL_LEVEL, CMAKE_ARGS (extra configure arguments) and the compiler
 launchers of the environment (ccache) are honoured. Set TORPOR_LIBRARY to bundle a library built
 beforehand instead (no CMake run, no headers or CMake package in the wheel).
 """
@@ -64,12 +64,15 @@ def run(cmd, **kw):
         raise SystemExit(f"building libtorpor failed ({cmd[0]} exited with {e.returncode}); the output is above")
 
 
-def build_with_cmake(build_temp: pathlib.Path, prefix: pathlib.Path):
+def build_with_cmake(prefix: pathlib.Path):
     cmake = shutil.which("cmake")
     if cmake is None:
         raise SystemExit("cmake is not installed: `pip install .` builds libtorpor with CMake (apt-get install cmake)")
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    build_dir = build_temp / "cmake"
+    # Beside the release build (build-wheel/ next to build/): at the same depth below the repository,
+    # the library's compile lines are the release build's, so ccache (CCACHE_BASEDIR at the
+    # repository, as scripts/test.sh sets it) hands the wheel the release build's objects.
+    build_dir = HERE / "build-wheel"
     # A stale cache of another generator would refuse the configure: start over then.
     cache = build_dir / "CMakeCache.txt"
     if cache.exists() and generator and "CMAKE_GENERATOR:INTERNAL=Ninja" not in cache.read_text():
@@ -119,8 +122,7 @@ class BuildPyWithLibrary(build_py):
         prefix = package / "_lib"
         lib = prebuilt_library()
         if lib is None:
-            build_temp = pathlib.Path(self.get_finalized_command("build").build_temp)
-            build_with_cmake(build_temp.resolve(), prefix.resolve())
+            build_with_cmake(prefix.resolve())
         else:
             target = prefix / "lib"
             target.mkdir(parents=True, exist_ok=True)

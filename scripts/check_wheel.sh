@@ -11,8 +11,8 @@
 #   - with the machine's PyTorch and a GPU (the GPU image), that wheel, installed for the Python
 #     that has torch, keeps a tensor made in torpor.use_pool at its address with its bytes through
 #     a level-1 sleep.
-# scripts/test.sh runs it after the release build; the CMake build it does lives in
-# build/_python/ (setup.py's build_base) and reuses ccache, so a second run is incremental.
+# scripts/test.sh runs it after the release build; the CMake build it does lives in build-wheel/
+# (setup.py) and compiles through ccache when test.sh set it up: the release build's objects.
 # usage: scripts/check_wheel.sh [WORK_DIR]   (default: a fresh temporary directory, removed after)
 set -euo pipefail
 cd "$(dirname "$0")/.."

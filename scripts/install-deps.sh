@@ -6,7 +6,8 @@
 # headers of the libraries (fmt, CLI11, nlohmann-json, GoogleTest/GoogleMock, Google Benchmark).
 # What is missing is installed with apt from Debian (or Ubuntu) where apt exists; the lint and
 # format tools scripts/lint.sh runs (clang-format and clang-tidy 14, flake8, black) are installed
-# the same way when apt can, and otherwise only reported: lint skips a missing tool. So is clang
+# the same way when apt can, and otherwise only reported: lint skips a missing tool. So are ccache
+# (scripts/test.sh compiles through it when present) and clang
 # with libFuzzer (scripts/test.sh's fuzz run; without it the fuzz targets run their seeded random
 # driver only). On a machine
 # where everything needed runs (the GPU machines: cmake, ninja and pytest from pip, no network)
@@ -67,6 +68,9 @@ clang-format-14 --version > /dev/null 2>&1 || lint_missing+=(clang-format-14)
 clang-tidy-14 --version > /dev/null 2>&1 || lint_missing+=(clang-tidy-14)
 flake8 --version > /dev/null 2>&1 || lint_missing+=(flake8)
 black --version > /dev/null 2>&1 || lint_missing+=(black)
+# ccache: scripts/test.sh compiles through it when it runs (the wheel's build then finds the
+# release build's objects); optional like the lint tools.
+ccache --version > /dev/null 2>&1 || lint_missing+=(ccache)
 # libFuzzer ships in the runtime package of clang's own major version (14 on Debian 12, 18 on
 # Ubuntu 24.04): checked by linking an empty fuzz target.
 fuzzer_ok() {
@@ -83,7 +87,7 @@ elif ! fuzzer_ok; then
 fi
 
 if [ ${#missing[@]} -eq 0 ] && [ ${#lint_missing[@]} -eq 0 ]; then
-  say "every tool runs (cmake >= $cmake_min, ninja, pytest, the compiler, lint tools); nothing to install"
+  say "every tool runs (cmake >= $cmake_min, ninja, pytest, the compiler, lint tools, ccache); nothing to install"
   exit 0
 fi
 
@@ -112,8 +116,8 @@ if [ ${#lint_missing[@]} -gt 0 ]; then
       apt_install "$(clang_rt_package)" || say "libFuzzer not installed: fuzz targets run their random driver only"
     fi
   else
-    say "lint or fuzz tools not installed (${lint_missing[*]}): scripts/lint.sh skips them and the fuzz" \
-      "targets run their random driver only, saying so"
+    say "lint, fuzz or cache tools not installed (${lint_missing[*]}): scripts/lint.sh skips them, the fuzz" \
+      "targets run their random driver only, saying so, and the builds compile without ccache"
   fi
 fi
 exit 0

@@ -7,7 +7,8 @@
 #                 then scripts/check_wheel.sh (pip install . in a fresh venv, the package
 #                 and a C++ consumer from it), then scripts/lint.sh (format and lint;
 #                 clang-tidy uses this build's compile_commands.json)
-#   build-asan/   host backend under AddressSanitizer + UndefinedBehaviorSanitizer; every test
+#   build-asan/   host backend under AddressSanitizer + UndefinedBehaviorSanitizer (clang where
+#                 it can link them, else the default compiler; build-tsan/ likewise); every test
 #                 executable's tests (the torpor CLI's runs, cli.*, are the first build's)
 #   build-tsan/   host backend under ThreadSanitizer; the threaded tests, from the test files that
 #                 hold them (-DTORPOR_THREADED_TESTS_ONLY=ON)
@@ -28,7 +29,19 @@ stage_done() {
   stage_started=$SECONDS
 }
 
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_EXPORT_COMPILE_COMMANDS=ON
+# ccache, where installed, for every build here: the wheel's build (check_wheel.sh, build-wheel/)
+# compiles the library with the release build's compile lines, so with the base directory at the
+# repository it finds the release build's objects instead of compiling them again. Without ccache
+# the same builds run, only slower.
+launcher=()
+if ccache --version > /dev/null 2>&1; then
+  export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CMAKE_CXX_COMPILER_LAUNCHER=ccache CMAKE_CUDA_COMPILER_LAUNCHER=ccache
+  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+else
+  echo "torpor: ccache not installed (scripts/install-deps.sh installs it): the wheel's build compiles the library again"
+fi
+
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_EXPORT_COMPILE_COMMANDS=ON "${launcher[@]}"
 cmake --build build -j "$jobs"
 stage_done "release build"
 ctest --test-dir build -j "$jobs" --output-on-failure
@@ -39,15 +52,24 @@ cmake -S tests/consumer -B build/_consumer -G Ninja -DCMAKE_PREFIX_PATH="$PWD/bu
 cmake --build build/_consumer > /dev/null
 LD_LIBRARY_PATH="$PWD/build/_install/lib:${LD_LIBRARY_PATH:-}" build/_consumer/consumer
 stage_done "install and consumer"
-# `pip install .` in a fresh venv builds libtorpor (build/_python/, ccache) and bundles it, with its
+# `pip install .` in a fresh venv builds libtorpor (build-wheel/, ccache) and bundles it, with its
 # CMake package: the package imports outside the checkout and a consumer builds from the wheel.
 scripts/check_wheel.sh
 stage_done "wheel"
 scripts/lint.sh
 stage_done lint
 
+# The sanitizer builds compile with clang where clang can link that sanitizer: it compiles these
+# unoptimised, instrumented builds in about half of g++'s time (the stage times in README). Where
+# it cannot (no clang: the GPU image), the default compiler builds them.
+sanitizer_compiler() {  # sanitizer flag -> "CC=clang CXX=clang++" or nothing
+  echo 'int main() { return 0; }' | clang++ -x c++ -fsanitize="$1" - -o /dev/null > /dev/null 2>&1 &&
+    echo "CC=clang CXX=clang++"
+}
+
 if [ "${TORPOR_SKIP_SANITIZERS:-0}" != 1 ]; then
-  cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DTORPOR_CUDA=OFF -DTORPOR_BUILD_BENCH=OFF \
+  # shellcheck disable=SC2046  # the words are the assignments, or none
+  env $(sanitizer_compiler address,undefined) cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DTORPOR_CUDA=OFF -DTORPOR_BUILD_BENCH=OFF \
         -DTORPOR_SANITIZE=address,undefined
   # The test executables, not the torpor CLI: its end-to-end runs (cli.*, the soak among them)
   # are the first build's. Under ASan they and the CLI's compile are the slowest part of the
@@ -60,7 +82,8 @@ if [ "${TORPOR_SKIP_SANITIZERS:-0}" != 1 ]; then
     ctest --test-dir build-asan -j "$jobs" --output-on-failure -E '^(cli|version)\.'
   stage_done "asan tests"
 
-  cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DTORPOR_CUDA=OFF -DTORPOR_BUILD_BENCH=OFF \
+  # shellcheck disable=SC2046
+  env $(sanitizer_compiler thread) cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DTORPOR_CUDA=OFF -DTORPOR_BUILD_BENCH=OFF \
         -DTORPOR_BUILD_TOOLS=OFF -DTORPOR_SANITIZE=thread -DTORPOR_THREADED_TESTS_ONLY=ON
   cmake --build build-tsan -j "$jobs" --target torpor_tests torpor_fusion_tests  # where the Threads tests live
   stage_done "tsan build"

@@ -26,6 +26,7 @@
 #include <string>
 
 #include "support/backends.hpp"
+#include "support/sanitizers.hpp"
 #include "torpor/error.hpp"
 #include "torpor/host_driver.hpp"
 #include "torpor/testing/fault_injecting_driver.hpp"
@@ -86,7 +87,7 @@ bool survives(MemoryClass c, bool keep, int level) {
 int ops_per_config() {
   const char* v = std::getenv("TORPOR_TEST_MODEL_OPS");
   if (v == nullptr || *v == '\0') {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if defined(TORPOR_TEST_ASAN) || defined(TORPOR_TEST_TSAN)
     return 200;
 #else
     return 800;

@@ -11,6 +11,7 @@
 #include <latch>
 
 #include "support/processes.hpp"
+#include "support/sanitizers.hpp"
 #include "tail_oracle.hpp"
 #include "tail_support.hpp"
 #include "torpor/error.hpp"
@@ -199,7 +200,7 @@ TEST_P(TailThreads, ReduceScatterWritesEachRanksShareOnly) {
 // 1000 calls for every rank count: each call's outputs must be the first call's, bit for bit,
 // and the same on every rank (fixed summation order). Under ThreadSanitizer 100 calls: 1000 took
 // three minutes with 8 ranks on CI's two cores (the GPU suite runs 1000).
-#if defined(__SANITIZE_THREAD__)
+#if defined(TORPOR_TEST_TSAN)
 constexpr int determinism_calls = 100;
 #else
 constexpr int determinism_calls = 1000;
