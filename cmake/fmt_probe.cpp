@@ -6,7 +6,8 @@
 #include <string>
 
 int main(int argc, char**) {
-  std::string s = fmt::format("{} {} {:.3f} {:#x} {:>8} {:L} {}", argc, 1.5F, 2.25, 255U, "x", 1234567, static_cast<const void*>(&s));
+  std::string s = fmt::format("{} {} {:.3f} {:#x} {:>8} {:L} {}", argc, 1.5F, 2.25, 255U, "x", 1234567,
+                              static_cast<const void*>(&s));
   fmt::memory_buffer b;
   fmt::format_to(std::back_inserter(b), "{}", s);
   fmt::print(stderr, "{}\n", fmt::to_string(b).size());

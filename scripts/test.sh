@@ -29,15 +29,16 @@ stage_done() {
   stage_started=$SECONDS
 }
 
-# ccache, where installed, for every build here: the wheel's build (check_wheel.sh, build-wheel/)
-# compiles the library with the release build's compile lines, so with the base directory at the
-# repository it finds the release build's objects instead of compiling them again. Without ccache
-# the same builds run, only slower.
+# ccache, where installed, for the library targets (-DTORPOR_LIBRARY_LAUNCHER): the wheel's build
+# (check_wheel.sh, build-wheel/) compiles them with the release build's compile lines, so with the
+# base directory at the repository it finds the release build's objects instead of compiling them
+# again. Without ccache the same builds run, only slower.
 launcher=()
 if ccache --version > /dev/null 2>&1; then
-  export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CMAKE_CXX_COMPILER_LAUNCHER=ccache CMAKE_CUDA_COMPILER_LAUNCHER=ccache
-  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+  export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
+  launcher=(-DTORPOR_LIBRARY_LAUNCHER=ccache)
 else
+  launcher=(-DTORPOR_LIBRARY_LAUNCHER=)  # a launcher an earlier configure set is gone too
   echo "torpor: ccache not installed (scripts/install-deps.sh installs it): the wheel's build compiles the library again"
 fi
 
@@ -54,7 +55,7 @@ LD_LIBRARY_PATH="$PWD/build/_install/lib:${LD_LIBRARY_PATH:-}" build/_consumer/c
 stage_done "install and consumer"
 # `pip install .` in a fresh venv builds libtorpor (build-wheel/, ccache) and bundles it, with its
 # CMake package: the package imports outside the checkout and a consumer builds from the wheel.
-scripts/check_wheel.sh
+CMAKE_ARGS="${CMAKE_ARGS:-} ${launcher[*]}" scripts/check_wheel.sh
 stage_done "wheel"
 scripts/lint.sh
 stage_done lint
