@@ -92,7 +92,8 @@
 # bench-fixed-costs (1 GPU) is issue 30's fixed-cost record: torpor_bench_fixed sweeps 100 to
 # 10,000 one-granule chunks and reports each phase (unchanged L1 sleep, L1 wake, L2 sleep, L2 wake)
 # per chunk and per call, beside the floor of each driver call timed in the same run
-# (bench-fixed-costs.txt, .json). bench-multi-pool (any number of GPUs; on one, N pools share it)
+# (bench-fixed-costs.txt, .json, and the plot bench-fixed-costs.png). bench-multi-pool (any
+# number of GPUs; on one, N pools share it)
 # sleeps and wakes 1, 2, 4 and 8 pools at once from threads and sets the aggregate rate beside the
 # host's own memcpy bandwidth measured in the same process (bench-multi-pool.txt, .json).
 #
@@ -274,6 +275,8 @@ for stage in "${stages[@]}"; do
       timeout 540 $build/bench/torpor_bench_fixed --json "$OUT/bench-fixed-costs.json" \
         > "$OUT/bench-fixed-costs.txt" 2>&1 || status=1
       cat "$OUT/bench-fixed-costs.txt"
+      python3 bench/plot_fixed_costs.py "$OUT/bench-fixed-costs.json" -o "$OUT/bench-fixed-costs.png" ||
+        echo "(plot skipped)"
       ;;
     bench-multi-pool)
       # 4 GiB per pool: 8 pools hold 32 GiB of device memory and 32 GiB of pinned host store.
