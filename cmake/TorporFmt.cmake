@@ -17,13 +17,16 @@ if(NOT _torpor_fmt_includes)
   set(_torpor_fmt_includes "")
 endif()
 
-if(NOT DEFINED TORPOR_FMT_COMPILED_ONCE_WORKS)
+# Probed again when fmt's version changes under an existing build directory (a stale answer would
+# fail libtorpor's link on the new fmt's missing instantiations).
+if(NOT DEFINED TORPOR_FMT_COMPILED_ONCE_WORKS OR NOT TORPOR_FMT_PROBED_VERSION STREQUAL fmt_VERSION)
   try_compile(_torpor_fmt_probe ${CMAKE_BINARY_DIR}/torpor_fmt_probe
               SOURCES ${PROJECT_SOURCE_DIR}/allocator/src/common/fmt_once.cpp ${PROJECT_SOURCE_DIR}/cmake/fmt_probe.cpp
               CMAKE_FLAGS "-DINCLUDE_DIRECTORIES=${_torpor_fmt_includes}"
               CXX_STANDARD 20 CXX_STANDARD_REQUIRED ON
               OUTPUT_VARIABLE _torpor_fmt_probe_out)
   set(TORPOR_FMT_COMPILED_ONCE_WORKS ${_torpor_fmt_probe} CACHE INTERNAL "fmt_once.cpp links with this fmt")
+  set(TORPOR_FMT_PROBED_VERSION ${fmt_VERSION} CACHE INTERNAL "the fmt version the probe ran with")
   if(NOT _torpor_fmt_probe)
     message(STATUS "torpor: allocator/src/common/fmt_once.cpp does not fit fmt ${fmt_VERSION}: "
                    "fmt is used header-only (a slower build, the same library)")
