@@ -20,7 +20,7 @@
 // shows which calls the time is spent in.
 // Everything goes through the driver seam: the same program runs on the host backend (a smoke
 // test with a small sweep) and on a GPU. --json writes every number.
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>

@@ -12,7 +12,7 @@
 // each memcpy between two touched buffers of `memcpy_bytes` (what the copies into the host store
 // contend for), the aggregate and the one-thread figure. Every wake is checked (the first and last
 // byte of each allocation, written with a per-pool pattern). --json writes every number.
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>

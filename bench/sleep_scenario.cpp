@@ -16,7 +16,7 @@
 // target, with or without preparation. Every wake is checked: hashes of the bytes that must survive equal those before
 // the sleep. Everything goes through the driver seam, so the same program runs on the host backend (CI's smoke test,
 // with a small scenario) and on a GPU.
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>

@@ -21,7 +21,7 @@
 // Targets (issue 5): fused >= 2x faster than unfused for <= 32 tokens, <= 6 us at 8 tokens.
 // Prints a table and writes --json. Needs two GPUs with peer access; prints SKIP otherwise.
 #include <cuda_runtime.h>
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>

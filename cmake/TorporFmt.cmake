@@ -22,6 +22,7 @@ endif()
 if(NOT DEFINED TORPOR_FMT_COMPILED_ONCE_WORKS OR NOT TORPOR_FMT_PROBED_VERSION STREQUAL fmt_VERSION)
   try_compile(_torpor_fmt_probe ${CMAKE_BINARY_DIR}/torpor_fmt_probe
               SOURCES ${PROJECT_SOURCE_DIR}/allocator/src/common/fmt_once.cpp ${PROJECT_SOURCE_DIR}/cmake/fmt_probe.cpp
+                      ${PROJECT_SOURCE_DIR}/cmake/fmt_probe_core.cpp
               CMAKE_FLAGS "-DINCLUDE_DIRECTORIES=${_torpor_fmt_includes}"
               CXX_STANDARD 20 CXX_STANDARD_REQUIRED ON
               OUTPUT_VARIABLE _torpor_fmt_probe_out)

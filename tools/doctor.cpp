@@ -16,7 +16,7 @@
 // GPU cannot be used (--backend host judges the emulator's host side only, so never 2), other
 // values for a usage error (CLI11's). Nothing here creates a multicast object: the multicast
 // check reads the kill switches first and the device attribute only (ranks/multicast.hpp).
-#include <fmt/format.h>
+#include <fmt/core.h>
 #include <sys/resource.h>
 
 #include <algorithm>

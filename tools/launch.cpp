@@ -11,7 +11,7 @@
 #include "launch.hpp"
 
 #include <fcntl.h>
-#include <fmt/format.h>
+#include <fmt/core.h>
 #include <netinet/in.h>
 #include <signal.h>  // NOLINT(modernize-deprecated-headers): kill() and sigaction are POSIX, not in <csignal>
 #include <spawn.h>

@@ -1,7 +1,7 @@
 // Shared model flags and per-rank engine for the CLI (model_flags.hpp).
 #include "model_flags.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include "launch.hpp"
 #include "torpor/consensus.hpp"

@@ -5,7 +5,7 @@
 // needs the driver to share multicast objects across processes when ranks are processes.
 // `--config` prints the effective settings of the options table instead (name, value, source),
 // without opening a driver; the JSON report always carries them under "config".
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <algorithm>
 #include <cstdlib>

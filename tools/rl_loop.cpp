@@ -8,7 +8,7 @@
 //   compute, new tails, new allocations) loaded with the same version.
 // Time per phase per iteration; exit 0 only when every iteration matched on every rank and the
 // training phase really took its share of the returned memory.
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <chrono>
 #include <cstdio>

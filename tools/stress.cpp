@@ -3,7 +3,7 @@
 // and the verdict (stress_report.hpp). Exit 0 only when every output of every rank matches the
 // first one token for token and the soak shows no growth; the negative control always exits
 // non-zero (it proves the check catches lost state).
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <cstdio>
 #include <cstdlib>

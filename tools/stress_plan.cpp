@@ -13,7 +13,7 @@
 // by level 2 and skipped by the reload while the version advances; the run must fail.
 #include "stress_plan.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <algorithm>
 #include <chrono>

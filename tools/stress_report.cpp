@@ -1,7 +1,7 @@
 // Aggregation and rendering for `torpor stress` (stress_report.hpp).
 #include "stress_report.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 #include <fmt/ranges.h>
 
 #include <algorithm>

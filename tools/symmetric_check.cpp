@@ -17,7 +17,7 @@
 // nccl); otherwise it prints SKIP and the reason, and exits 0 (but a TORPOR_NCCL_LIBRARY that
 // does not load is an error: the user named it). The host backend runs it anywhere
 // (CI smoke test).
-#include <fmt/format.h>
+#include <fmt/core.h>
 #include <unistd.h>
 
 #include <chrono>

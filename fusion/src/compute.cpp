@@ -1,5 +1,5 @@
 // make_compute: the Compute that runs where the driver's capabilities say the math runs.
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include "compute_impl.hpp"
 #include "torpor/error.hpp"

@@ -24,7 +24,7 @@
 // workspace), which the token-for-token comparisons of `torpor stress` rely on.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include "compute_impl.hpp"
 #include "cuda_check.hpp"

@@ -1,7 +1,7 @@
 // See cuda_runtime.hpp.
 #include "cuda_runtime.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <vector>
 

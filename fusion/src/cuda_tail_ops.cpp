@@ -8,7 +8,7 @@
 // the caller's work. The unfused path keeps a scratch buffer of pool memory and an NCCL
 // communicator. release() waits for every call in flight on the device before either goes.
 #include <cuda_runtime.h>
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include "cuda_runtime.hpp"
 #include "tail_ops.hpp"

@@ -3,7 +3,7 @@
 // and TinyMoeLM (which checks its config before building any runner) both enforce.
 #pragma once
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <string>
 

@@ -14,7 +14,7 @@
 // write a fresh control block and clear the abort word, barrier (every rank clean before anyone
 // calls again). The calls themselves, and the copies of the control block, run through the tail's
 // TailOps.
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <map>
 #include <mutex>

@@ -3,7 +3,7 @@
 // returns, so synchronize() has nothing to wait for and there are no graphs: a decode step is
 // simply run again. Touching a sleeping address faults here as on a GPU, so a step that runs
 // while its tags sleep is caught.
-#include <fmt/format.h>
+#include <fmt/core.h>
 #include <sys/mman.h>
 
 #include <cerrno>

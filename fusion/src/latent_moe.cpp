@@ -9,7 +9,7 @@
 // the same order on every rank whatever happens locally.
 #include "torpor/fusion/latent_moe.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <algorithm>
 

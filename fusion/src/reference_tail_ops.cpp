@@ -3,7 +3,7 @@
 // every call runs on the calling thread, in place, and has finished when it returns; there is no
 // stream to wait for. The multicast variant stores through the driver's software fan-out
 // (Driver::multicast_store), which exists where capabilities().multicast is emulated.
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <atomic>
 #include <cstring>

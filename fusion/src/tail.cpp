@@ -10,7 +10,7 @@
 //
 // Where a tail's calls run (device kernels or the CPU reference) is make_tail_ops's choice, made
 // once per tail from the driver's capabilities (tail_ops.hpp).
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <algorithm>
 #include <cmath>

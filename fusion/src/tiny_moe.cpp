@@ -10,7 +10,7 @@
 //     every rank: layers in order, steps in order.
 #include "torpor/fusion/tiny_moe.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 #include <fnmatch.h>
 
 #include <algorithm>

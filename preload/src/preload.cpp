@@ -41,7 +41,7 @@
 //     after an out-of-memory cudaMalloc and checks every cudaFree, so a stale count made its retry
 //     fail with "out of memory".
 #include <dlfcn.h>
-#include <fmt/format.h>
+#include <fmt/core.h>
 #include <link.h>
 #include <sys/mman.h>
 #include <sys/stat.h>

@@ -7,7 +7,7 @@
 //     mapping (it is woken instead, or kept stranded and counted as mapped);
 //   - a retained host copy that changed while kept is detected, never restored (host backends:
 //     the test damages the copy in the host store).
-#include <fmt/format.h>
+#include <fmt/core.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -1,5 +1,5 @@
 // Pool allocation, classes, tags, stats: typed over backends.
-#include <fmt/format.h>
+#include <fmt/core.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 

@@ -3,7 +3,7 @@
 // one comparison.
 #pragma once
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <string_view>
 

@@ -1,7 +1,7 @@
 // The C API over Pool. Pool handles are registry ids, never pointers to freed memory, so a
 // call on a destroyed pool is reported (TORPOR_ERROR_INVALID_HANDLE) instead of crashing.
 // A call holds a shared_ptr to its pool, so destroy racing another call is safe.
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <algorithm>
 #include <atomic>

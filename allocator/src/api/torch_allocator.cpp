@@ -12,7 +12,7 @@
 // (it synchronizes the device first, and frees nothing when that fails).
 #include "torpor/torch_allocator.h"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <atomic>
 #include <map>

@@ -4,7 +4,7 @@
 // lists the accepted names in the table's order.
 #pragma once
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <array>
 #include <cstddef>

@@ -1,6 +1,6 @@
 #include "torpor/error.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 namespace torpor {
 

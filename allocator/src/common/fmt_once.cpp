@@ -6,7 +6,10 @@
 // Here, once, the library gets what fmt's own format.cc would hold: the non-template functions of
 // <fmt/format-inl.h> and the explicit instantiations that <fmt/format.h> declares `extern`.
 // Every other file includes fmt without FMT_HEADER_ONLY and links against these definitions
-// (exported from libtorpor like the rest of its symbols).
+// (exported from libtorpor like the rest of its symbols). They include <fmt/core.h>, which
+// declares what formatting calls (defined here), and <fmt/format.h> only for what only it has
+// (fmt::join, through <fmt/ranges.h>): format.h is about as much again to parse as core.h, in
+// every file, for the compilers and for clang-tidy. In header-only mode core.h includes format.h.
 //
 // Which instantiations <fmt/format.h> declares extern depends on fmt's version: this file knows
 // fmt 9.x (Debian 12, Ubuntu 24.04). cmake/TorporFmt.cmake compiles and links this file with a

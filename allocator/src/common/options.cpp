@@ -1,7 +1,7 @@
 // The options table and its parsers. See options.hpp for the invariants.
 #include "common/options.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <algorithm>
 #include <array>

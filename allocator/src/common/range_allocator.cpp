@@ -1,6 +1,6 @@
 #include "common/range_allocator.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <algorithm>
 #include <iterator>

@@ -1,7 +1,7 @@
 // Text checks; see text.hpp.
 #include "common/text.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include "torpor/error.hpp"
 

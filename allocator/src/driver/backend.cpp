@@ -1,6 +1,6 @@
 #include "torpor/backend.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <array>
 #include <map>

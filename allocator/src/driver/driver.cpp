@@ -3,7 +3,7 @@
 // Callers ask capabilities() first; the error is for the one that did not.
 #include "torpor/driver.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 #include <unistd.h>
 
 #include <fstream>

@@ -1,6 +1,6 @@
 #include "torpor/testing/fault_injecting_driver.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 namespace torpor {
 

@@ -14,7 +14,7 @@
 #include "torpor/host_driver.hpp"
 
 #include <fcntl.h>
-#include <fmt/format.h>
+#include <fmt/core.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>

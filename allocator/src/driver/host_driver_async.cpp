@@ -1,7 +1,7 @@
 // HostAsyncEngine; the design note and invariants are in host_driver_async.hpp.
 #include "driver/host_driver_async.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <algorithm>
 #include <vector>

@@ -1,7 +1,7 @@
 // Chunk's physical lifetime and ChunkMemory; the design note and invariants are in chunk.hpp.
 #include "pool/chunk.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <array>
 #include <cstring>

@@ -1,7 +1,7 @@
 // Copies between device bytes and host spans; the design note is in host_copies.hpp.
 #include "pool/host_copies.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <algorithm>
 #include <chrono>

@@ -8,7 +8,7 @@
 // or pageable blocks) is read with a memcpy, one in the disk tier from the spill file (through an
 // aligned bounce buffer: the file may be open for direct I/O); both under the pool's lock, so the
 // copies cannot be freed or moved while the read runs.
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <algorithm>
 #include <cstdlib>

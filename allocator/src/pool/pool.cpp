@@ -13,7 +13,7 @@
 // once its placement succeeded, and a free changes nothing when the chunk cannot be released.
 #include "torpor/pool.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <algorithm>
 #include <array>

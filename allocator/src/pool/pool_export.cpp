@@ -17,7 +17,7 @@
 //     may release it at any time);
 //   - a handle names the memory mapped now; the next sleep of its tag releases that memory, and
 //     the wake's new memory has new handles at the same addresses (tag hooks re-export).
-#include <fmt/format.h>
+#include <fmt/core.h>
 #include <unistd.h>
 
 #include <utility>

@@ -1,7 +1,7 @@
 // PoolOptions validation. See pool_options.hpp.
 #include "pool/pool_options.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <algorithm>
 #include <cstddef>

@@ -3,7 +3,7 @@
 // asleep, trim() (the empty slabs and the retried releases), address ranges carved from the
 // pool's reservation, sleep observers, copies through the driver, and the host store's
 // prepare/release/wait (pool/store/host_store.hpp).
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <algorithm>
 #include <utility>

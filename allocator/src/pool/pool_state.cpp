@@ -2,7 +2,7 @@
 // sleep_policy.hpp), tag resolution. The invariants they keep are in pool_state.hpp.
 #include "pool/pool_state.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 #include <fnmatch.h>
 
 #include <algorithm>

@@ -16,7 +16,7 @@
 // others stay awake with their bytes and their new spans go back to the store once no copy
 // writes into them. A tag none of whose chunks fell asleep is as it was. The call throws and a
 // repeat completes the sleep. Wake is in wake.cpp.
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <algorithm>
 #include <chrono>

@@ -2,7 +2,7 @@
 // in pool.hpp). Pool::add_tag_hooks / remove_tag_hooks are here too, next to what they touch.
 #include "pool/tag_hooks.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <algorithm>
 #include <exception>

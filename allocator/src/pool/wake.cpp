@@ -13,7 +13,7 @@
 // other group the map thread mapped is unmapped again and stays asleep with its backups; a chunk
 // whose unmap fails there is woken instead, or left stranded (chunk.hpp). A tag is awake once
 // none of its chunks sleeps. After a failure the call throws; a repeat wakes the rest.
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <chrono>
 #include <exception>

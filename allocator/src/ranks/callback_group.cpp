@@ -7,7 +7,7 @@
 // same point of the collective order.
 #include "torpor/callback_group.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <string_view>
 

@@ -8,7 +8,7 @@
 // thrown past a collective other ranks are waiting in); every rank raises the same error type.
 #include "torpor/collective_sleep.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 #include <fmt/ranges.h>
 
 #include <algorithm>

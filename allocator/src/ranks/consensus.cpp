@@ -8,7 +8,7 @@
 // of Failure followed by the message.
 #include "torpor/consensus.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <charconv>
 #include <new>

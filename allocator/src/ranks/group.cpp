@@ -3,7 +3,7 @@
 #include "torpor/group.hpp"
 
 #include <fcntl.h>
-#include <fmt/format.h>
+#include <fmt/core.h>
 #include <fmt/ranges.h>
 #include <unistd.h>
 

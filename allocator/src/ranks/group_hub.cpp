@@ -1,7 +1,7 @@
 // Hub: see group_hub.hpp for the invariants.
 #include "ranks/group_hub.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 namespace torpor::detail {
 

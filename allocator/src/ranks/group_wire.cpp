@@ -1,7 +1,7 @@
 // Framing of the Unix socket group's messages; see group_wire.hpp.
 #include "ranks/group_wire.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 #include <poll.h>
 #include <sys/socket.h>
 

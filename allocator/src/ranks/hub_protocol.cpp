@@ -1,7 +1,7 @@
 // HubProtocol: see hub_protocol.hpp for the invariants.
 #include "ranks/hub_protocol.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 namespace torpor::detail {
 

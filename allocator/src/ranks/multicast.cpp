@@ -1,7 +1,7 @@
 // Every multicast decision: see multicast.hpp.
 #include "ranks/multicast.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 #include <unistd.h>
 
 #include <cstdlib>

@@ -14,7 +14,7 @@
 //     group's timeout, after which they throw group_timeout naming it.
 #include "torpor/symmetric.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 #include <fmt/ranges.h>
 #include <unistd.h>
 

@@ -17,7 +17,7 @@
 #include "torpor/tcp_group.hpp"
 
 #include <fcntl.h>
-#include <fmt/format.h>
+#include <fmt/core.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>

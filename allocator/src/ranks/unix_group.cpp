@@ -26,7 +26,7 @@
 // lock is free (a crashed run's), and every path out of a group removes its own.
 #include <dirent.h>
 #include <fcntl.h>
-#include <fmt/format.h>
+#include <fmt/core.h>
 #include <poll.h>
 #include <signal.h>  // NOLINT(modernize-deprecated-headers): kill() is POSIX, not in <csignal>
 #include <sys/eventfd.h>

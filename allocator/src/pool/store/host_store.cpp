@@ -1,7 +1,7 @@
 // HostStore; the design note and invariants are in host_store.hpp.
 #include "pool/store/host_store.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 #include <sys/mman.h>
 #include <unistd.h>
 

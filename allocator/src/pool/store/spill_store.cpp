@@ -3,7 +3,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
-#include <fmt/format.h>
+#include <fmt/core.h>
 #include <pthread.h>
 #include <sys/file.h>
 #include <sys/stat.h>

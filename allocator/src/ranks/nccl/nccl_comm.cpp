@@ -3,7 +3,7 @@
 // (TORPOR_NCCL); nccl_comm_unavailable.cpp stands in elsewhere.
 #include "torpor/nccl_comm.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 #include <nccl.h>
 
 #include <cstring>

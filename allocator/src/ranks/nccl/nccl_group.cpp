@@ -7,7 +7,7 @@
 // follows them on the same stream has landed.
 #include "torpor/nccl_group.hpp"
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 #include <nccl.h>
 
 #include <algorithm>

@@ -1,6 +1,6 @@
 // NcclGroup in a build without NCCL (TORPOR_NCCL off: no CUDA backend, or no nccl.h where CMake
 // looked): available() says so, and constructing one throws the same sentence.
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include "torpor/error.hpp"
 #include "torpor/nccl_group.hpp"

@@ -2,7 +2,7 @@
 #include "ranks/nccl/nccl_library.hpp"
 
 #include <dlfcn.h>
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <type_traits>
 
