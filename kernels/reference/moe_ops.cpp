@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace torpor::kernels::ref {
@@ -23,18 +24,46 @@ std::uint64_t mix64(std::uint64_t x) {
 }
 
 template <typename Out>
+void store(Out* y, float acc) {
+  if constexpr (std::is_same_v<Out, float>)
+    *y = acc;
+  else
+    *y = b(acc);
+}
+
+// Output columns in fours: each column keeps its own sum, in index order as the definition says,
+// so every output is bitwise what one column at a time gives; four independent sums keep the
+// floating-point unit busy where one sum waits on the previous addition.
+template <typename Out>
 void linear_impl(const bf16* x, const bf16* w, Out* y, int m, int n, int k) {
   std::vector<float> row(static_cast<std::size_t>(k));
+  const float* r = row.data();
   for (int i = 0; i < m; ++i) {
     for (int c = 0; c < k; ++c) row[static_cast<std::size_t>(c)] = f(x[static_cast<std::size_t>(i) * k + c]);
-    for (int j = 0; j < n; ++j) {
+    Out* yr = y + static_cast<std::size_t>(i) * n;
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {
+      const bf16* w0 = w + static_cast<std::size_t>(j) * k;
+      const bf16* w1 = w0 + k;
+      const bf16* w2 = w1 + k;
+      const bf16* w3 = w2 + k;
+      float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+      for (int c = 0; c < k; ++c) {
+        a0 += r[c] * f(w0[c]);
+        a1 += r[c] * f(w1[c]);
+        a2 += r[c] * f(w2[c]);
+        a3 += r[c] * f(w3[c]);
+      }
+      store(yr + j, a0);
+      store(yr + j + 1, a1);
+      store(yr + j + 2, a2);
+      store(yr + j + 3, a3);
+    }
+    for (; j < n; ++j) {
       const bf16* wr = w + static_cast<std::size_t>(j) * k;
       float acc = 0.f;
-      for (int c = 0; c < k; ++c) acc += row[static_cast<std::size_t>(c)] * f(wr[c]);
-      if constexpr (std::is_same_v<Out, float>)
-        y[static_cast<std::size_t>(i) * n + j] = acc;
-      else
-        y[static_cast<std::size_t>(i) * n + j] = b(acc);
+      for (int c = 0; c < k; ++c) acc += r[c] * f(wr[c]);
+      store(yr + j, acc);
     }
   }
 }

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -32,6 +33,36 @@ TEST(RefKernels, LinearIsXTimesWTransposed) {
   std::vector<float> yf(8);
   ref::linear(x.data(), w.data(), yf.data(), 2, 4, 3);
   EXPECT_EQ(yf, (std::vector<float>{1, 2, 3, 6, 4, 5, 6, 15}));
+}
+
+// The definition on random values, bitwise: each output is its fp32 sum in index order, rounded
+// once. Column counts around the kernel's blocking (below, at and past a multiple of four) and a
+// long row, whose rounding differs when the terms are summed in any other order.
+TEST(RefKernels, LinearIsTheFp32SumInIndexOrderForEveryColumnCount) {
+  std::uint32_t state = 12345;
+  const auto next = [&state] {
+    state = state * 1664525u + 1013904223u;
+    return bf16::from_float(static_cast<float>(static_cast<int>(state >> 8) % 2001 - 1000) / 37.f);
+  };
+  const int m = 3, k = 301;
+  for (int n : {1, 3, 4, 5, 8, 11}) {
+    std::vector<bf16> x(static_cast<std::size_t>(m) * k), w(static_cast<std::size_t>(n) * k);
+    for (auto& v : x) v = next();
+    for (auto& v : w) v = next();
+    std::vector<bf16> y(static_cast<std::size_t>(m) * n);
+    std::vector<float> yf(y.size());
+    ref::linear(x.data(), w.data(), y.data(), m, n, k);
+    ref::linear(x.data(), w.data(), yf.data(), m, n, k);
+    for (int i = 0; i < m; ++i)
+      for (int j = 0; j < n; ++j) {
+        float sum = 0.f;
+        for (int c = 0; c < k; ++c)
+          sum += x[static_cast<std::size_t>(i) * k + c].to_float() * w[static_cast<std::size_t>(j) * k + c].to_float();
+        const std::size_t o = static_cast<std::size_t>(i) * n + j;
+        ASSERT_EQ(yf[o], sum) << "n " << n << ", output [" << i << "][" << j << "]";
+        ASSERT_EQ(y[o].bits, bf16::from_float(sum).bits) << "n " << n << ", output [" << i << "][" << j << "]";
+      }
+  }
 }
 
 TEST(RefKernels, LinearBatchedUsesEachEntrysPointers) {
