@@ -14,7 +14,7 @@
 //   unusable     torpor cannot use the GPU (no GPU, no VMM): it would run on the host emulator
 // The exit status is the verdict: 0 full speed, 1 runs with a slow or limited finding, 2 the
 // GPU cannot be used (--backend host judges the emulator's host side only, so never 2), other
-// values for a usage error (CLI11's). Nothing here creates a multicast object: the multicast
+// values for a usage error (CLI11's, command_line.cpp). Nothing here creates a multicast object: the multicast
 // check reads the kill switches first and the device attribute only (ranks/multicast.hpp).
 #include <fmt/core.h>
 #include <sys/resource.h>
@@ -394,42 +394,14 @@ void print_human(const Report& r) {
 
 }  // namespace
 
-void add_doctor(CLI::App& app, int& exit_code) {
-  auto* cmd = app.add_subcommand(
-      "doctor",
-      "Check whether torpor can run at full speed here and say the fix for each finding. Exit status: 0 full speed; "
-      "1 runs, with a slow or limited finding; 2 the GPU cannot be used (with --backend host: never); other values: "
-      "a usage error");
-  struct Options {
-    std::string backend = "auto";
-    bool json = false;
-    std::size_t host_store = 0;
-  };
-  auto opts = std::make_shared<Options>();
-  cmd->add_option("--backend", opts->backend,
-                  "auto (the GPU's when usable: judged for a GPU), cuda, or host (the emulator: judges the host "
-                  "side only)")
-      ->check(CLI::IsMember({"auto", "host", "cuda"}));
-  cmd->add_flag("--json", opts->json, "Print one JSON document (backend, checks, exit_code, full_speed, verdict)");
-  cmd->add_option("--host-store", opts->host_store,
-                  "Host memory the store will page-lock, bytes (K, M, G, T suffixes), for the memlock check; default "
-                  "the machine's host memory")
-      ->transform([](const std::string& text) {
-        try {
-          return std::to_string(parse_size(text));
-        } catch (const std::exception& e) {
-          throw CLI::ValidationError("--host-store", e.what());
-        }
-      });
-  cmd->callback([opts, &exit_code] {
-    const std::size_t need = opts->host_store != 0 ? opts->host_store : host_memory_total();
-    Report r = diagnose(parse_backend(opts->backend), need);
-    if (opts->json)
-      fmt::print("{}\n", to_json(r).dump(2));
-    else
-      print_human(r);
-    exit_code = r.exit_code;
-  });
+int run_doctor(const DoctorOptions& o) {
+  const std::size_t need = o.host_store != 0 ? o.host_store : host_memory_total();
+  Report r = diagnose(parse_backend(o.backend), need);
+  if (o.json)
+    fmt::print("{}\n", to_json(r).dump(2));
+  else
+    print_human(r);
+  return r.exit_code;
 }
 
 }  // namespace torpor::cli

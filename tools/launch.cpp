@@ -405,21 +405,15 @@ int default_ranks(Backend backend) {
   return sel.driver->capabilities().host_memory ? 2 : sel.driver->device_count();
 }
 
-void GroupTimeout::add_flags(CLI::App* cmd, const std::string& help) {
-  cmd->add_option("--timeout", seconds, help)->check(CLI::Range(1, max_timeout_s))->capture_default_str();
-  cmd->add_option("--timeout-ms", worker_ms, "Internal: the launcher's resolved group timeout, in ms")
-      ->check(CLI::Range(std::int64_t{1}, static_cast<std::int64_t>(max_group_timeout.count())))
-      ->group("");
-}
-
-void GroupTimeout::resolve(const CLI::App* cmd) {
+void GroupTimeout::resolve() {
   // Read (and so validated) even when a flag overrides it.
   const std::optional<std::string> env = options::raw(options::id::group_timeout_ms);
   const std::chrono::milliseconds from_env = env ? options::group_timeout() : std::chrono::milliseconds{0};
-  flag_given = cmd->count("--timeout-ms") > 0 || cmd->count("--timeout") > 0;
-  if (cmd->count("--timeout-ms") > 0)
+  const bool worker_ms_given = worker_ms > 0;
+  flag_given = worker_ms_given || seconds_given;
+  if (worker_ms_given)
     value = std::chrono::milliseconds(worker_ms);
-  else if (env && cmd->count("--timeout") == 0)
+  else if (env && !seconds_given)
     value = from_env;
   else  // --timeout, or the command's default
     value = std::chrono::seconds(seconds);

@@ -9,7 +9,6 @@
 // without unwinding: those threads still use the driver and the group).
 #pragma once
 
-#include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -114,15 +113,14 @@ inline constexpr int max_timeout_s = 86400;
 // run waits the same, whatever their environment says.
 struct GroupTimeout {
   int seconds = 60;                    // --timeout's target; holds the command's default until given
-  std::int64_t worker_ms = 0;          // --timeout-ms, from the launcher; 0 = not given
+  bool seconds_given = false;          // --timeout was given (the command line sets it)
+  std::int64_t worker_ms = 0;          // --timeout-ms, from the launcher (at least 1); 0 = not given
   std::chrono::milliseconds value{0};  // after resolve(): what the group gets
   bool flag_given = false;             // after resolve(): --timeout or --timeout-ms was given
 
-  // Registers --timeout (help text `help`) and the hidden --timeout-ms on `cmd`.
-  void add_flags(CLI::App* cmd, const std::string& help);
-  // Sets value from the flags, the environment and the default, in that order; call in the
-  // command's callback, after any default that depends on other flags is set in `seconds`.
-  void resolve(const CLI::App* cmd);
+  // Sets value from the flags, the environment and the default, in that order; call once the
+  // flags are parsed, after any default that depends on other flags is set in `seconds`.
+  void resolve();
   // The worker's command line: --timeout-ms <value>.
   std::vector<std::string> worker_args() const;
 };

@@ -39,55 +39,6 @@ std::vector<std::string> ModelFlags::args() const {
   return a;
 }
 
-void add_model_flags(CLI::App* cmd, ModelFlags& f) {
-  auto& c = f.config;
-  const char* g = "Model";
-  cmd->add_option("--vocab", c.vocab, "Vocabulary size")->capture_default_str()->group(g);
-  cmd->add_option("--hidden", c.hidden, "Hidden size (a multiple of 64)")->capture_default_str()->group(g);
-  cmd->add_option("--layers", c.layers, "Layers")->capture_default_str()->group(g);
-  cmd->add_option("--head-dim", c.head_dim, "Attention head size (one head)")->capture_default_str()->group(g);
-  cmd->add_option("--experts", c.experts, "Routed experts per layer")->capture_default_str()->group(g);
-  cmd->add_option("--top-k", c.top_k, "Experts per token")->capture_default_str()->group(g);
-  cmd->add_option("--latent", c.latent, "Latent dimension the experts work in")->capture_default_str()->group(g);
-  cmd->add_option("--inter", c.inter, "Expert intermediate size, sharded over the ranks (a multiple of --ranks)")
-      ->capture_default_str()
-      ->group(g);
-  cmd->add_option("--shared-inter", c.shared_inter, "Shared expert intermediate size, sharded; 0 = no shared expert")
-      ->capture_default_str()
-      ->group(g);
-  // Bounded so that prompt_len + new_tokens and every product of them with the batch fit in an
-  // int (issue 33 N18: a signed overflow before).
-  cmd->add_option("--prompts", f.prompts, "Prompts decoded together (the batch), 1 to 4096")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 4096))
-      ->group(g);
-  cmd->add_option("--prompt-len", f.prompt_len, "Tokens per prompt, 1 to 65536")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 65536))
-      ->group(g);
-  cmd->add_option("--new-tokens", f.new_tokens, "Tokens generated per prompt, 1 to 65536")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 65536))
-      ->group(g);
-  cmd->add_option("--seed", f.seed, "Seed of the dummy weights and prompts")->capture_default_str()->group(g);
-  cmd->add_option("--wait-timeout-ms", f.wait_timeout_ms, "Bound on every wait of the MoE tail, in ms")
-      ->capture_default_str()
-      ->group(g);
-  cmd->add_flag("--no-graphs", f.no_graphs, "Run decode steps eagerly instead of replaying CUDA graphs")->group(g);
-  cmd->add_flag(
-         "--unfused", f.unfused,
-         "Take the tail's default (unfused) path even where the fused one can be built; the tokens must be the same")
-      ->group(g);
-}
-
-void add_rank_run_flags(CLI::App* cmd, GroupTimeout& group_timeout, bool& progress, ModelFlags& model, bool& worker) {
-  group_timeout.add_flags(cmd, "Bound on every group wait, in seconds (default: TORPOR_GROUP_TIMEOUT_MS when set)");
-  cmd->add_flag(
-      "--no-progress", [&progress](std::int64_t) { progress = false; }, "No progress line on the terminal");
-  add_model_flags(cmd, model);
-  cmd->add_flag("--worker", worker, "Internal: run as one rank (group from the environment)")->group("");
-}
-
 RankEngine::RankEngine(Driver& driver, Group& group, int device, const ModelFlags& flags, FillOnWake fill,
                        const std::vector<std::string>& preserve, const fusion::WeightVersion& version)
     : pool(driver,

@@ -2,7 +2,6 @@
 // engine (pool, symmetric heap, compute, model) built from them.
 #pragma once
 
-#include <CLI/CLI.hpp>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -32,13 +31,6 @@ struct ModelFlags {
   // The flags as a worker command line (processes re-run the same command).
   std::vector<std::string> args() const;
 };
-
-void add_model_flags(CLI::App* cmd, ModelFlags& flags);
-
-// What every command that runs the model over ranks ends its flags with: --timeout (every group
-// wait, in seconds), --no-progress, the model's flags, and the hidden --worker (one rank of a
-// process launch).
-void add_rank_run_flags(CLI::App* cmd, GroupTimeout& group_timeout, bool& progress, ModelFlags& model, bool& worker);
 
 // One rank's engine. Members are destroyed model first, pool last.
 struct RankEngine {

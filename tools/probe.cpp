@@ -159,40 +159,21 @@ void print_human(const nlohmann::json& j) {
 
 }  // namespace
 
-void add_probe(CLI::App& app, int& exit_code) {
-  auto* cmd =
-      app.add_subcommand("probe", "Report the backend, devices, VMM support, peer access and multicast decision");
-  struct Options {
-    std::string backend = "auto";
-    bool json = false;
-    bool config = false;
-  };
-  auto opts = std::make_shared<Options>();
-  cmd->add_option("--backend", opts->backend,
-                  fmt::format("auto ({}, else cuda if usable, else host), host or cuda",
-                              options::option(options::id::backend).name))
-      ->check(CLI::IsMember({"auto", "host", "cuda"}));
-  cmd->add_flag("--json", opts->json, "Print one JSON document instead of the human-readable report");
-  cmd->add_flag("--config", opts->config,
-                "Print the effective settings (every environment variable torpor reads: value, and whether it "
-                "came from the environment or is the default) instead of probing; exits 1 when one is invalid");
-  cmd->callback([opts, &exit_code] {
-    if (opts->config) {
-      nlohmann::json config = config_json();
-      if (opts->json)
-        fmt::print("{}\n", nlohmann::json{{"config", config}}.dump(2));
-      else
-        print_config(config);
-      exit_code = config_valid(config) ? 0 : 1;
-      return;
-    }
-    nlohmann::json j = probe_json(parse_backend(opts->backend));
-    if (opts->json)
-      fmt::print("{}\n", j.dump(2));
+int run_probe(const ProbeOptions& o) {
+  if (o.config) {
+    nlohmann::json config = config_json();
+    if (o.json)
+      fmt::print("{}\n", nlohmann::json{{"config", config}}.dump(2));
     else
-      print_human(j);
-    exit_code = 0;
-  });
+      print_config(config);
+    return config_valid(config) ? 0 : 1;
+  }
+  nlohmann::json j = probe_json(parse_backend(o.backend));
+  if (o.json)
+    fmt::print("{}\n", j.dump(2));
+  else
+    print_human(j);
+  return 0;
 }
 
 }  // namespace torpor::cli

@@ -8,6 +8,8 @@
 //   compute, new tails, new allocations) loaded with the same version.
 // Time per phase per iteration; exit 0 only when every iteration matched on every rank and the
 // training phase really took its share of the returned memory.
+#include "rl_loop.hpp"
+
 #include <fmt/core.h>
 
 #include <chrono>
@@ -26,22 +28,6 @@ namespace {
 
 using clock_type = std::chrono::steady_clock;
 double since(clock_type::time_point t) { return std::chrono::duration<double>(clock_type::now() - t).count(); }
-
-struct RlOptions {
-  ModelFlags model;
-  int ranks = 0;
-  bool processes = false;
-  std::string backend = "auto";
-  int iterations = 3;
-  std::uint64_t update_seed = 7;
-  float update_scale = 0.05f;
-  double train_fraction = 0.95;
-  std::string train_cap = "1G";
-  std::string json;
-  GroupTimeout group_timeout;  // 60 s unless the flags or TORPOR_GROUP_TIMEOUT_MS say otherwise
-  bool progress = true;
-  bool worker = false;
-};
 
 // The training phase: takes its share of what sleep returned, outside the pool, and writes all
 // of it; records what it took in `row`.
@@ -278,40 +264,11 @@ int rl_main(RlOptions o) {
 
 }  // namespace
 
-void add_rl_loop(CLI::App& app, int& exit_code) {
-  auto* cmd = app.add_subcommand(
-      "rl-loop",
-      "The RL weight-update loop on the tiny MoE model: sleep(2), a training phase in the returned memory outside the "
-      "pool, wake weights, load updated weights, wake kv_cache, generate; outputs compared with a freshly built model");
-  auto o = std::make_shared<RlOptions>();
-  cmd->add_option("--iterations", o->iterations, "Weight updates")->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_option("--ranks", o->ranks, "Tensor-parallel ranks (default: every GPU on cuda, 2 on host)");
-  cmd->add_flag("--processes", o->processes, "One process per rank and device instead of threads");
-  cmd->add_option("--backend", o->backend, "auto, host or cuda")
-      ->check(CLI::IsMember({"auto", "host", "cuda"}))
-      ->capture_default_str();
-  cmd->add_option("--update-seed", o->update_seed, "Seed of the weight updates")->capture_default_str();
-  cmd->add_option("--update-scale", o->update_scale, "Size of one update, relative to the weights' scale")
-      ->capture_default_str();
-  cmd->add_option("--train-fraction", o->train_fraction,
-                  "Share of the returned memory the training phase takes (0.9 .. 1)")
-      ->capture_default_str();
-  cmd->add_option("--train-cap", o->train_cap,
-                  "Host backend only: at most this much host memory for the training phase")
-      ->capture_default_str();
-  cmd->add_option("--json", o->json, "Also write the results as JSON to this file");
-  add_rank_run_flags(cmd, o->group_timeout, o->progress, o->model, o->worker);
-  cmd->callback([o, cmd, &exit_code] {
-    o->group_timeout.resolve(cmd);
-    if (o->worker) {
-      GroupOptions go;
-      go.timeout = o->group_timeout.value;
-      exit_code = run_worker(parse_backend(o->backend), go,
-                             [o](Driver& d, Group& g, int dev) { return rl_rank(*o, d, g, dev); });
-    } else {
-      exit_code = rl_main(*o);
-    }
-  });
+int run_rl_loop(const RlOptions& o) {
+  if (!o.worker) return rl_main(o);
+  GroupOptions go;
+  go.timeout = o.group_timeout.value;
+  return run_worker(parse_backend(o.backend), go, [&o](Driver& d, Group& g, int dev) { return rl_rank(o, d, g, dev); });
 }
 
 }  // namespace torpor::cli

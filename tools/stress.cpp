@@ -91,54 +91,6 @@ int stress_worker(const StressOptions& o) {
 
 }  // namespace
 
-void add_stress(CLI::App& app, int& exit_code) {
-  auto* cmd = app.add_subcommand(
-      "stress",
-      "The sleep-mode test plan on a tiny MoE model over N ranks: generate twice, sleep(1) + wake, twice sleep(2) + "
-      "wake weights + reload + wake kv_cache, optional soak cycles; every output compared token for token with the "
-      "first");
-  auto o = std::make_shared<StressOptions>();
-  cmd->add_option("--ranks", o->ranks, "Tensor-parallel ranks (default: every GPU on cuda, 2 on host)");
-  cmd->add_flag("--processes", o->processes, "One process per rank and device (Unix socket group) instead of threads");
-  cmd->add_option("--nodes", o->nodes,
-                  "With --processes: the ranks in this many emulated nodes that share no Unix socket and meet over "
-                  "TCP on loopback (default 1)")
-      ->check(CLI::Range(1, 1024));
-  cmd->add_option("--backend", o->backend, "auto, host or cuda")
-      ->check(CLI::IsMember({"auto", "host", "cuda"}))
-      ->capture_default_str();
-  cmd->add_option("--cycles", o->cycles, "Soak: this many more sleep/wake cycles, mixed levels and partial wakes")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  cmd->add_option("--fill-on-wake", o->fill,
-                  "What discarded bytes hold on wake: poison (NaN: a missed reload shows), zero, none")
-      ->check(CLI::IsMember({"poison", "zero", "none"}))
-      ->capture_default_str();
-  cmd->add_option("--preserve", o->preserve,
-                  "Glob of parameter names kept by level 2 (offloaded) instead of reloaded; repeatable "
-                  "(e.g. 'layers.*.moe.experts.*')");
-  cmd->add_option(
-         "--negative-control", o->negative_control,
-         "zero-flags: after the first level-2 wake, zero the tail's slots and control blocks on one rank; "
-         "the run must then fail, naming the rank and the op (exit non-zero); the tail's wait bound is then 2000 ms "
-         "and the group's that plus 10 s, unless given. stale-weights: level 2 keeps every parameter and the reload "
-         "skips them while the weight version advances, so the outputs differ from a freshly built model's; the run "
-         "must fail")
-      ->check(CLI::IsMember({"zero-flags", "stale-weights"}));
-  cmd->add_option("--negative-control-rank", o->negative_rank,
-                  "The rank whose tail state is zeroed (default: the last)")
-      ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--json", o->json, "Also write the results as JSON to this file ('-': JSON on stdout, no table)");
-  add_rank_run_flags(cmd, o->group_timeout, o->progress, o->model, o->worker);
-  cmd->callback([o, cmd, &exit_code] {
-    if (!o->negative_control.empty()) {
-      // A short wait bound, so the failure comes quickly; the group's bound just above it.
-      if (cmd->count("--wait-timeout-ms") == 0) o->model.wait_timeout_ms = 2000;
-      if (cmd->count("--timeout") == 0) o->group_timeout.seconds = o->model.wait_timeout_ms / 1000 + 10;
-    }
-    o->group_timeout.resolve(cmd);
-    exit_code = o->worker ? stress_worker(*o) : stress_main(*o);
-  });
-}
+int run_stress(const StressOptions& o) { return o.worker ? stress_worker(o) : stress_main(o); }
 
 }  // namespace torpor::cli

@@ -17,6 +17,8 @@
 // nccl); otherwise it prints SKIP and the reason, and exits 0 (but a TORPOR_NCCL_LIBRARY that
 // does not load is an error: the user named it). The host backend runs it anywhere
 // (CI smoke test).
+#include "symmetric_check.hpp"
+
 #include <fmt/core.h>
 #include <unistd.h>
 
@@ -42,18 +44,6 @@ namespace {
 
 using clock_type = std::chrono::steady_clock;
 double since(clock_type::time_point t) { return std::chrono::duration<double>(clock_type::now() - t).count(); }
-
-struct Options {
-  int ranks = 2;
-  int nodes = 1;
-  std::string bytes = "1G";
-  std::string backend = "auto";
-  std::string group = "unix";
-  std::string json;
-  GroupTimeout timeout{120};  // 120 s unless the flags or TORPOR_GROUP_TIMEOUT_MS say otherwise
-  bool timeout_check = false;
-  bool worker = false;
-};
 
 std::uint64_t mix(std::uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
@@ -81,7 +71,7 @@ bool matches(Pool& pool, const void* src, std::size_t bytes, int writer, int own
   return true;
 }
 
-GroupOptions group_options(const Options& o) {
+GroupOptions group_options(const SymmetricCheckOptions& o) {
   GroupOptions go;
   go.timeout = o.timeout.value;
   return go;
@@ -162,7 +152,7 @@ SleepMeasure sleep_and_wake(Pool& pool, Group& group, Driver& driver, int device
 
 // Optional: the last rank stays away from one barrier; the others must time out naming it,
 // then every rank recovers the group and it works again.
-std::string timeout_phase(const Options& o, Group& group) {
+std::string timeout_phase(const SymmetricCheckOptions& o, Group& group) {
   const int rank = group.rank(), n = group.size();
   std::string result = "not run";
   if (!o.timeout_check || n <= 1) return result;
@@ -188,7 +178,7 @@ std::string timeout_phase(const Options& o, Group& group) {
 }
 
 // One rank's check (a RankBody for tools/launch.hpp): the result row the parent prints.
-nlohmann::json check_rank(const Options& o, Driver& driver, Group& bootstrap, int device) {
+nlohmann::json check_rank(const SymmetricCheckOptions& o, Driver& driver, Group& bootstrap, int device) {
   std::unique_ptr<Group> nccl;
   Group* group = &bootstrap;
   if (o.group == "nccl") {
@@ -266,7 +256,7 @@ bool row_passes(const nlohmann::json& j) {
 // Why this machine cannot run the check on `backend`, or "". The emulated (host-memory) backend
 // runs it anywhere but cannot carry NCCL; a device backend needs a device per rank, peer access
 // and POSIX fd handles.
-std::string skip_reason(const Options& o) {
+std::string skip_reason(const SymmetricCheckOptions& o) {
   const Backend requested = parse_backend(o.backend);
   DriverSelection sel;
   try {
@@ -299,7 +289,7 @@ std::string skip_reason(const Options& o) {
   return "";
 }
 
-int parent(const Options& o) {
+int parent(const SymmetricCheckOptions& o) {
   if (o.ranks < 1) throw invalid_argument("--ranks must be at least 1");
   if (parse_size(o.bytes) == 0) throw invalid_argument("--bytes 0: use a size of at least one byte");
   if (std::string why = skip_reason(o); !why.empty()) {
@@ -368,31 +358,10 @@ int parent(const Options& o) {
 
 }  // namespace
 
-void add_symmetric_check(CLI::App& app, int& exit_code) {
-  auto* cmd = app.add_subcommand("symmetric-check",
-                                 "Symmetric memory across processes (one per device): peer writes, sleep level 2, "
-                                 "memory returned, wake, addresses and bytes intact");
-  auto o = std::make_shared<Options>();
-  cmd->add_option("--ranks", o->ranks, "Processes, one per device (default 2)");
-  cmd->add_option("--nodes", o->nodes,
-                  "Emulated nodes (host backend): the ranks in this many groups that share no Unix socket and meet "
-                  "over TCP on loopback, sharing memory as fabric handles (default 1)")
-      ->check(CLI::Range(1, 1024));
-  cmd->add_option("--bytes", o->bytes, "Symmetric buffer size per rank, K/M/G suffixes (default 1G)");
-  cmd->add_option("--backend", o->backend, "auto, host or cuda")->check(CLI::IsMember({"auto", "host", "cuda"}));
-  cmd->add_option("--json", o->json, "Also write the results to this file");
-  o->timeout.add_flags(cmd, "Group timeout in seconds (default: TORPOR_GROUP_TIMEOUT_MS when set, else 120)");
-  cmd->add_option("--group", o->group, "unix (Unix socket rendezvous) or nccl (bytes over NCCL, fds over unix)")
-      ->check(CLI::IsMember({"unix", "nccl"}));
-  cmd->add_flag("--timeout-check", o->timeout_check,
-                "Also check that a missing rank is named in a timeout and that recover() restores the group");
-  cmd->add_flag("--worker", o->worker, "Internal: run as one rank (group from the environment)")->group("");
-  cmd->callback([o, cmd, &exit_code] {
-    o->timeout.resolve(cmd);
-    exit_code = o->worker ? run_worker(parse_backend(o->backend), group_options(*o),
-                                       [&](Driver& d, Group& g, int device) { return check_rank(*o, d, g, device); })
-                          : parent(*o);
-  });
+int run_symmetric_check(const SymmetricCheckOptions& o) {
+  if (!o.worker) return parent(o);
+  return run_worker(parse_backend(o.backend), group_options(o),
+                    [&o](Driver& d, Group& g, int device) { return check_rank(o, d, g, device); });
 }
 
 }  // namespace torpor::cli
