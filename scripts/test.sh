@@ -50,9 +50,13 @@ stage_done "release build"
 # for part of their time (tests that wait out timeouts, pip), and at nice 19 lint takes only what
 # they leave. Its output is printed, and its status judged, at the lint stage below.
 lint_log=build/lint.log
-# Its own process group (setsid), so that a failing stage stops it with every clang-tidy it runs.
-setsid nice -n 19 scripts/lint.sh > "$lint_log" 2>&1 &
+# Its own process group (job control on for the launch), so that a failing stage stops it with
+# every clang-tidy it runs; not its own session (setsid): the kernel's autogroup scheduling would
+# then give it a session's fair share, whatever its nice value.
+set -m
+nice -n 19 scripts/lint.sh > "$lint_log" 2>&1 &
 lint_pid=$!
+set +m
 trap 'kill -- -"$lint_pid" 2> /dev/null || true' EXIT
 ctest --test-dir build -j "$jobs" --output-on-failure
 stage_done "release tests"
