@@ -5,8 +5,8 @@
 #                 (cuda-typed tests skip, saying why, when no GPU is present), then an
 #                 install and a project outside the tree built against it with find_package,
 #                 then scripts/check_wheel.sh (pip install . in a fresh venv, the package
-#                 and a C++ consumer from it); scripts/lint.sh (format and lint; clang-tidy
-#                 uses this build's compile_commands.json) runs beside those, niced
+#                 and a C++ consumer from it), then scripts/lint.sh (format and lint;
+#                 clang-tidy uses this build's compile_commands.json)
 #   build-asan/   host backend under AddressSanitizer + UndefinedBehaviorSanitizer (clang where
 #                 it can link them, else the default compiler; build-tsan/ likewise); every test
 #                 executable's tests (the torpor CLI's runs, cli.*, are the first build's)
@@ -45,19 +45,6 @@ fi
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_EXPORT_COMPILE_COMMANDS=ON "${launcher[@]}"
 cmake --build build -j "$jobs"
 stage_done "release build"
-# Lint (format and clang-tidy over this build's compile_commands.json) runs beside the release
-# tests, the install and the wheel, at the lowest CPU priority: those stages leave the cores idle
-# for part of their time (tests that wait out timeouts, pip), and at nice 19 lint takes only what
-# they leave. Its output is printed, and its status judged, at the lint stage below.
-lint_log=build/lint.log
-# Its own process group (job control on for the launch), so that a failing stage stops it with
-# every clang-tidy it runs; not its own session (setsid): the kernel's autogroup scheduling would
-# then give it a session's fair share, whatever its nice value.
-set -m
-nice -n 19 scripts/lint.sh > "$lint_log" 2>&1 &
-lint_pid=$!
-set +m
-trap 'kill -- -"$lint_pid" 2> /dev/null || true' EXIT
 ctest --test-dir build -j "$jobs" --output-on-failure
 stage_done "release tests"
 # The installed package works for a project outside the tree (find_package(torpor)).
@@ -70,12 +57,8 @@ stage_done "install and consumer"
 # CMake package: the package imports outside the checkout and a consumer builds from the wheel.
 CMAKE_ARGS="${CMAKE_ARGS:-} ${launcher[*]}" scripts/check_wheel.sh
 stage_done "wheel"
-lint_status=0
-wait "$lint_pid" || lint_status=$?
-trap - EXIT
-cat "$lint_log"
-[ "$lint_status" = 0 ] || { echo "torpor: lint failed (above)"; exit 1; }
-stage_done "lint (the rest of it; it started after the release build)"
+scripts/lint.sh
+stage_done lint
 
 # The sanitizer builds compile with clang where clang can link that sanitizer: it compiles these
 # unoptimised, instrumented builds in about half of g++'s time (the stage times in README). Where
