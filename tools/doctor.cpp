@@ -120,7 +120,7 @@ std::vector<std::string> kill_switches_in_force() {
                           options::id::nvshmem_disable_nvls, options::id::nccl_nvls_enable}) {
     const options::Option& o = options::option(key);
     auto text = options::raw(key);
-    if (options::switch_set(o, text)) out.push_back(fmt::format("{}={}", o.name, *text));
+    if (text && options::switch_set(o, text)) out.push_back(fmt::format("{}={}", o.name, *text));
   }
   return out;
 }

@@ -158,9 +158,10 @@ LaunchOptions rl_launch_options(RlOptions& o) {
   const Backend backend = parse_backend(o.backend);
   if (o.ranks == 0) o.ranks = default_ranks(backend);
   (void)parse_size(o.train_cap);
-  if (!(o.update_scale > 0 && o.update_scale <= 1000))  // written so that NaN fails too
+  // Written so that NaN fails too (De Morgan's form would let it through).
+  if (!(o.update_scale > 0 && o.update_scale <= 1000))  // NOLINT(readability-simplify-boolean-expr)
     throw invalid_argument(fmt::format("--update-scale {}: use a number in (0, 1000]", o.update_scale));
-  if (!(o.train_fraction >= 0.9 && o.train_fraction <= 1.0))
+  if (!(o.train_fraction >= 0.9 && o.train_fraction <= 1.0))  // NOLINT(readability-simplify-boolean-expr): NaN
     throw invalid_argument(fmt::format("--train-fraction {}: must be in [0.9, 1]", o.train_fraction));
   LaunchOptions lo = model_launch(backend, o.ranks, o.processes, o.group_timeout.value, o.model.wait_timeout_ms);
   lo.worker_args = {"rl-loop",          "--worker",

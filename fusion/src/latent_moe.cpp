@@ -89,12 +89,12 @@ LatentMoERunner::LatentMoERunner(SymmetricHeap& heap, Compute& compute, const La
         static_cast<std::size_t>(E) * sizeof(const bf16*);  // NOLINT(bugprone-sizeof-expression)
     gate_up_table_ = static_cast<const bf16**>(
         pool_.allocate(table_bytes, {tags::weights, MemoryClass::state, options_.name + ".experts.gate_up_table"}));
-    allocations_.push_back(gate_up_table_);
+    allocations_.push_back(static_cast<void*>(gate_up_table_));
     down_table_ = static_cast<const bf16**>(
         pool_.allocate(table_bytes, {tags::weights, MemoryClass::state, options_.name + ".experts.down_table"}));
-    allocations_.push_back(down_table_);
-    pool_.copy(gate_up_table_, gu.data(), table_bytes);
-    pool_.copy(down_table_, dn.data(), table_bytes);
+    allocations_.push_back(static_cast<void*>(down_table_));
+    pool_.copy(static_cast<void*>(gate_up_table_), static_cast<const void*>(gu.data()), table_bytes);
+    pool_.copy(static_cast<void*>(down_table_), static_cast<const void*>(dn.data()), table_bytes);
 
     x_lat_ = scratch<bf16>(static_cast<std::size_t>(T) * L, "x_lat");
     router_logits_ = scratch<float>(static_cast<std::size_t>(T) * E, "router_logits");

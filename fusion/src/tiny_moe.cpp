@@ -363,6 +363,7 @@ std::vector<std::int32_t> TinyMoeLM::generate(const std::vector<std::int32_t>& p
 
 std::vector<ParameterInfo> TinyMoeLM::parameters() const {
   std::vector<ParameterInfo> out;
+  out.reserve(params_.size());
   for (const Param& p : params_) out.push_back({p.name, p.ptr, p.count * sizeof(bf16)});
   return out;
 }
@@ -375,12 +376,14 @@ std::size_t TinyMoeLM::parameter_bytes() const noexcept {
 
 std::vector<TailPath> TinyMoeLM::tail_paths() const {
   std::vector<TailPath> out;
+  out.reserve(layers_.size());
   for (const auto& y : layers_) out.push_back(y.runner->path());
   return out;
 }
 
 std::vector<std::string> TinyMoeLM::tail_reasons() const {
   std::vector<std::string> out;
+  out.reserve(layers_.size());
   for (const auto& y : layers_) out.push_back(y.runner->reason());
   return out;
 }

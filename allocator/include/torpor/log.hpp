@@ -20,7 +20,7 @@ void emit(level l, fmt::format_string<Args...> f, Args&&... args) noexcept {
   if (static_cast<int>(l) > static_cast<int>(current_level())) return;
   try {
     write(l, fmt::format(f, std::forward<Args>(args)...));
-  } catch (...) {
+  } catch (...) {  // NOLINT(bugprone-empty-catch): a log line is never worth an exception
   }
 }
 

@@ -185,7 +185,7 @@ class SymmetricHeap final : private SleepObserver {
   // Imports and maps every peer part not mapped yet; `i` is the buffer's index in `shared`.
   void import_peers(SymmetricBuffer& b, const SharedParts& shared, std::size_t i);
   void drop_imports(SymmetricBuffer& b);
-  void setup_multicast(SymmetricBuffer& b);
+  void setup_multicast(SymmetricBuffer& b, SymmetricBuffer::Multicast& m);
   void teardown_multicast(SymmetricBuffer& b);
   void write_table(SymmetricBuffer& b);
   // Collective: re-export this rank's parts of `work`, all-gather, import and map the peers'

@@ -54,6 +54,7 @@ DevicePools& device_pools() {
 // torpor_torch_set_memory_margin's value; read on every segment allocation.
 std::atomic<std::size_t> memory_margin{0};
 
+// NOLINTNEXTLINE(bugprone-throwing-static-initialization): seven characters fit the string's own buffer
 thread_local std::string current_tag{"default"};
 thread_local int current_class = TORPOR_CLASS_STATE;
 thread_local unsigned long long failures = 0;

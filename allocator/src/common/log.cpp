@@ -19,7 +19,7 @@ level level_from_env() noexcept {
     } catch (const std::exception& e) {
       write(level::warn, std::string(e.what()) + "; logging at warn");
     }
-  } catch (...) {
+  } catch (...) {  // NOLINT(bugprone-empty-catch): warn is the level when even that fails
   }
   return level::warn;
 }

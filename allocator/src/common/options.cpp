@@ -9,6 +9,7 @@
 #include <charconv>
 #include <cstdlib>
 #include <limits>
+#include <utility>
 
 #include "torpor/error.hpp"
 
@@ -169,8 +170,9 @@ std::string accepted(const Option& o) {
 
 std::int64_t parse_integer(const Option& o, std::string_view text) {
   std::int64_t v = 0;
-  const char* end = text.data() + text.size();
-  auto [at, ec] = std::from_chars(text.data(), end, v);
+  const char* first = text.data();
+  const char* end = first + text.size();
+  auto [at, ec] = std::from_chars(first, end, v);
   if (ec == std::errc::result_out_of_range) refuse(o, text, "is out of range");
   if (ec != std::errc() || at != end) refuse(o, text, "is not a whole number");
   if (v < o.min || v > o.max) refuse(o, text, "is out of range");
@@ -196,7 +198,16 @@ std::optional<std::string> value(id key) {
   return validate(o, o.default_text);
 }
 
-std::int64_t integer_value(id key) { return parse_integer(option(key), *value(key)); }
+// The value of a row that has a default: every accessor below that returns a plain value reads its
+// row through this, so a row that loses its default is a typed error naming it, not an empty optional
+// dereferenced.
+std::string defaulted_value(id key) {
+  auto v = value(key);
+  if (!v) throw invalid_state(fmt::format("option {} has no default and is not set", option(key).name));
+  return std::move(*v);
+}
+
+std::int64_t integer_value(id key) { return parse_integer(option(key), defaulted_value(key)); }
 
 std::optional<std::int64_t> optional_integer(id key) {
   auto v = value(key);
@@ -268,7 +279,7 @@ std::string validate(const Option& o, std::string_view text) {
 }
 
 log::level log_level() {
-  const std::string v = *value(id::log);
+  const std::string v = defaulted_value(id::log);
   if (v == "off") return log::level::off;
   if (v == "error") return log::level::error;
   if (v == "info") return log::level::info;
@@ -276,14 +287,15 @@ log::level log_level() {
   return log::level::warn;
 }
 
-std::string backend() { return *value(id::backend); }
+std::string backend() { return defaulted_value(id::backend); }
 
-bool host_async() { return *value(id::host_mode) == "async"; }
+bool host_async() { return defaulted_value(id::host_mode) == "async"; }
 
 int host_devices() { return static_cast<int>(integer_value(id::host_devices)); }
 
 std::size_t host_device_memory() {
-  return static_cast<std::size_t>(parse_bounded_size(option(id::host_device_memory), *value(id::host_device_memory)));
+  return static_cast<std::size_t>(
+      parse_bounded_size(option(id::host_device_memory), defaulted_value(id::host_device_memory)));
 }
 
 std::chrono::milliseconds group_timeout() { return std::chrono::milliseconds(integer_value(id::group_timeout_ms)); }
@@ -300,20 +312,20 @@ std::optional<int> world_size() {
   return v ? std::optional<int>(static_cast<int>(*v)) : std::nullopt;
 }
 
-std::string tmpdir() { return *value(id::tmpdir); }
+std::string tmpdir() { return defaulted_value(id::tmpdir); }
 
-std::string nccl_library() { return *value(id::nccl_library); }
+std::string nccl_library() { return defaulted_value(id::nccl_library); }
 
 bool tms_switch(id key) {
-  const std::string v = *value(key);
+  const std::string v = defaulted_value(key);
   return v == "1" || v == "true" || v == "yes";
 }
 
-std::string tms_cpu_backup_backend() { return *value(id::tms_init_cpu_backup_backend); }
+std::string tms_cpu_backup_backend() { return defaulted_value(id::tms_init_cpu_backup_backend); }
 
-std::string tms_disk_backup_dir() { return *value(id::tms_disk_backup_dir); }
+std::string tms_disk_backup_dir() { return defaulted_value(id::tms_disk_backup_dir); }
 
-std::string sysfs_root() { return *value(id::sysfs_root); }
+std::string sysfs_root() { return defaulted_value(id::sysfs_root); }
 
 std::vector<std::string> host_pci_bus_ids() {
   std::vector<std::string> out;
@@ -334,7 +346,7 @@ std::vector<std::string> host_pci_bus_ids() {
 
 int host_node() { return static_cast<int>(integer_value(id::host_node)); }
 
-std::string host_fabric() { return *value(id::host_fabric); }
+std::string host_fabric() { return defaulted_value(id::host_fabric); }
 
 std::optional<std::string> master_addr() { return value(id::master_addr); }
 
@@ -362,7 +374,7 @@ std::optional<std::string> multicast_kill_switch() {
   for (const Option& o : rows) {
     if (o.parser != kind::disable && o.parser != kind::nvls_enable) continue;
     auto text = raw(o.key);
-    if (switch_set(o, text)) return fmt::format("{}={}", o.name, *text);
+    if (text && switch_set(o, text)) return fmt::format("{}={}", o.name, *text);
   }
   return std::nullopt;
 }

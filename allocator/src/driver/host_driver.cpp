@@ -26,6 +26,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <string_view>
 #include <thread>
@@ -321,9 +322,10 @@ void HostDriver::map(device_ptr va, std::size_t bytes, PhysicalHandle handle, st
   check_aligned(handle_offset, "offset", call);
   std::lock_guard lock(mu_);
   const HandleEntry& e = entry(handle, call);
+  // The reservation that starts at or below va, if any, must hold the whole range.
   auto r = reservations_.upper_bound(va);
-  if (r == reservations_.begin() || (--r, va + bytes > r->first + r->second))
-    misuse(call, fmt::format("[{:#x}, +{:#x}) is not inside one reservation", va, bytes));
+  const bool inside = r != reservations_.begin() && va + bytes <= std::prev(r)->first + std::prev(r)->second;
+  if (!inside) misuse(call, fmt::format("[{:#x}, +{:#x}) is not inside one reservation", va, bytes));
   auto next = mappings_.lower_bound(va);
   if (next != mappings_.end() && next->first < va + bytes)
     misuse(call, fmt::format("[{:#x}, +{:#x}) overlaps the mapping at {:#x}", va, bytes, next->first));
@@ -1225,6 +1227,7 @@ HostDriverCounters HostDriver::counters() const {
 std::vector<std::pair<std::byte*, std::size_t>> HostDriver::host_blocks() const {
   std::lock_guard lock(mu_);
   std::vector<std::pair<std::byte*, std::size_t>> out;
+  out.reserve(host_blocks_.size() + registered_.size());
   for (auto& [p, bytes] : host_blocks_) out.emplace_back(static_cast<std::byte*>(p), bytes);
   for (auto& [p, bytes] : registered_) out.emplace_back(reinterpret_cast<std::byte*>(p), bytes);
   return out;

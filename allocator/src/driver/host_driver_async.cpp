@@ -41,11 +41,9 @@ std::shared_ptr<HostAsyncEngine::EventState> HostAsyncEngine::event(std::uint64_
 }
 
 void HostAsyncEngine::add_stream(std::uint64_t id, int device) {
-  auto st = std::make_unique<StreamState>();
-  st->device = device;
   // A generator per stream: the delays of one stream do not depend on how the threads that
   // submit to the others interleave.
-  st->rng.seed(seed_ ^ (id * 0x9E3779B97F4A7C15ULL));
+  auto st = std::make_unique<StreamState>(device, seed_ ^ (id * 0x9E3779B97F4A7C15ULL));
   StreamState& ref = *st;
   std::lock_guard lock(mu_);
   streams_[id] = std::move(st);

@@ -70,6 +70,7 @@ class HostAsyncEngine {
     std::chrono::microseconds delay{0};
   };
   struct StreamState {
+    StreamState(int on_device, std::uint64_t seed) : device(on_device), rng(seed) {}
     int device = 0;
     std::deque<Op> queue;
     std::uint64_t submitted = 0;

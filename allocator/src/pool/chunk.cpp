@@ -24,7 +24,7 @@ PhysicalHandle ChunkMemory::create(std::size_t bytes, const std::string& tag) {
     MemoryInfo mi{};
     try {
       mi = driver_.memory_info(device_);
-    } catch (...) {
+    } catch (...) {  // NOLINT(bugprone-empty-catch): the message then says 0 bytes free; the error is the OOM
     }
     throw out_of_memory(fmt::format("device {} out of memory: {} bytes for tag '{}' ({} of {} bytes free): {}", device_,
                                     bytes, tag, mi.free_bytes, mi.total_bytes, e.what()));

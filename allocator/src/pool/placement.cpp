@@ -1,6 +1,8 @@
 // The handle-size and slab policies. See placement.hpp.
 #include "pool/placement.hpp"
 
+#include <fmt/core.h>
+
 #include <algorithm>
 #include <optional>
 
@@ -110,7 +112,12 @@ Placement place(Pool::State& s, std::size_t bytes, const AllocationOptions& opti
   std::size_t slab = std::max(o.slab_bytes, need);
   if (kind == ChunkKind::medium_slab) slab = medium_slab_bytes(o, s.granularity, s.device_bytes, pair, footprint);
   Chunk& c = new_slab(s, slab, need, options, kind);
-  return Placement{&c, *c.space.allocate(footprint, sub_alignment), footprint};
+  // A new slab of at least `need` bytes holds the footprint; the check only guards that.
+  auto offset = c.space.allocate(footprint, sub_alignment);
+  if (!offset)
+    throw invalid_state(
+        fmt::format("pool: a new {}-byte slab in tag '{}' cannot hold {} bytes", c.bytes, options.tag, footprint));
+  return Placement{&c, *offset, footprint};
 }
 
 void dispose_if_spare(Pool::State& s, Chunk& c) {

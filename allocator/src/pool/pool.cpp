@@ -70,7 +70,7 @@ std::unique_ptr<Pool::State> make_state(Driver& driver, const PoolOptions& o, st
     for (Stream st : state->streams) {
       try {
         driver.stream_destroy(st);
-      } catch (...) {
+      } catch (...) {  // NOLINT(bugprone-empty-catch): the construction's own error is rethrown below
       }
     }
     throw;

@@ -3,6 +3,8 @@
 
 #include <fmt/core.h>
 
+#include "torpor/error.hpp"
+
 namespace torpor::detail {
 
 const char* to_string(CollectiveKind k) noexcept {
@@ -121,7 +123,12 @@ Deliveries Hub::contribute(int rank, std::uint64_t generation, std::uint64_t seq
   if (p.arrived == static_cast<std::size_t>(size_)) {
     auto parts = std::make_shared<std::vector<Part>>();
     parts->reserve(p.parts.size());
-    for (auto& s : p.parts) parts->push_back(std::move(*s));
+    for (auto& s : p.parts) {
+      // Every rank's slot is filled by now (a second contribution is refused above).
+      if (!s)
+        throw invalid_state(fmt::format("group hub: collective #{} counted every rank but lacks a part", sequence));
+      parts->push_back(std::move(*s));
+    }
     pending_.erase(it);
     for (int r = 0; r < size_; ++r) {
       Reply reply;
@@ -171,6 +178,7 @@ Deliveries Hub::recover(int rank, std::uint64_t generation) {
   }
   recovering_.insert(rank);
   std::vector<std::uint64_t> open;
+  open.reserve(pending_.size());
   for (auto& [seq, p] : pending_) open.push_back(seq);
   for (std::uint64_t seq : open)
     fail(out, seq, FailReason::recovery,
@@ -212,6 +220,7 @@ Deliveries Hub::leave(int rank) {
   // a collective it joined and then died in can never be answered to it, and the ranks still
   // missing from it are not to blame.
   std::vector<std::uint64_t> open;
+  open.reserve(pending_.size());
   for (auto& [seq, p] : pending_) open.push_back(seq);
   for (std::uint64_t seq : open) {
     std::string msg = fmt::format("rank {} left the group (its process exited or destroyed its group) while "

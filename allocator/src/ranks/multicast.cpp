@@ -90,6 +90,7 @@ MulticastDecision decide_multicast(Group& group, Driver& driver, int device) {
 
   auto gathered = group.all_gather(encode(mine));
   std::vector<Verdict> all;
+  all.reserve(gathered.size());
   for (std::size_t r = 0; r < gathered.size(); ++r) all.push_back(decode(gathered[r], static_cast<int>(r)));
 
   MulticastDecision d;

@@ -174,6 +174,7 @@ std::string SymmetricHeap::who() const {
 std::vector<SymmetricBuffer*> SymmetricHeap::buffers() const {
   std::lock_guard lock(mu_);
   std::vector<SymmetricBuffer*> out;
+  out.reserve(buffers_.size());
   for (auto& [id, b] : buffers_) out.push_back(b.get());
   return out;
 }
@@ -349,8 +350,7 @@ void SymmetricHeap::teardown_multicast(SymmetricBuffer& b) {
   if (first) std::rethrow_exception(first);
 }
 
-void SymmetricHeap::setup_multicast(SymmetricBuffer& b) {
-  auto& m = *b.mc_;
+void SymmetricHeap::setup_multicast(SymmetricBuffer& b, SymmetricBuffer::Multicast& m) {
   const bool root = group_.rank() == 0;
   const int device = pool_.device();
   try {
@@ -415,6 +415,7 @@ void SymmetricHeap::setup_multicast(SymmetricBuffer& b) {
 
 void SymmetricHeap::write_table(SymmetricBuffer& b) {
   std::vector<std::uint64_t> t;
+  t.reserve(b.peer_va_.size() + 1);
   for (device_ptr va : b.peer_va_) t.push_back(va);
   t.push_back(b.mc_ ? b.mc_->va : 0);
   pool_.copy(b.table_, t.data(), t.size() * sizeof(std::uint64_t));
@@ -527,7 +528,7 @@ SymmetricBuffer& SymmetricHeap::allocate(std::size_t bytes, const SymmetricBuffe
 
     SharedParts shared = share_parts({b.get()});
     step("mapping the peers' parts", [&] { import_peers(*b, shared, 0); });
-    if (b->mc_) setup_multicast(*b);
+    if (b->mc_) setup_multicast(*b, *b->mc_);
     step("writing the peer table", [&] { write_table(*b); });
   } catch (const group_timeout& e) {
     release_local(*b);
@@ -631,8 +632,7 @@ void SymmetricHeap::reimport(const std::vector<SymmetricBuffer*>& work) {
     throw;
   }
   for (SymmetricBuffer* b : work) {
-    if (!b->mc_) continue;
-    setup_multicast(*b);
+    if (b->mc_) setup_multicast(*b, *b->mc_);
   }
 }
 
@@ -686,7 +686,7 @@ void SymmetricHeap::after_wake(Pool&, const std::vector<std::string>&, bool ok) 
       if (auto p = std::current_exception()) std::rethrow_exception(p);
     } catch (const std::exception& e) {
       pool_failure = fmt::format("the pool's wake_up failed on this rank: {}", e.what());
-    } catch (...) {
+    } catch (...) {  // NOLINT(bugprone-empty-catch): another type keeps the message above
     }
   }
   std::lock_guard lock(mu_);

@@ -334,7 +334,7 @@ class TcpHubServer {
       auto body = w.take();
       try {
         send_stream_message(c.sock.get(), MessageType::refused, body);
-      } catch (const std::exception&) {
+      } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): refused either way, and logged below
       }
       log::warn("tcp group hub: refused a connection: {}", a.refusal);
       c.sock.reset();

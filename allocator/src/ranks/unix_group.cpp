@@ -41,7 +41,7 @@
 #include <atomic>
 #include <cctype>
 #include <cerrno>
-#include <cstdio>
+#include <charconv>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -314,8 +314,7 @@ class HubServer {
       w.put_string(why.substr(0, 1024));
       auto body = w.take();
       (void)detail::try_send_datagram(s.sock.get(), detail::encode_frame(type, as_bytes(body)));
-    } catch (const std::exception&) {
-      // Refused either way.
+    } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): refused either way
     }
     s.sock.reset();
   }
@@ -468,9 +467,13 @@ bool owner_dead(int dir) {
   char buf[64] = {};
   ssize_t n = ::read(f.get(), buf, sizeof buf - 1);
   if (n <= 0) return false;
+  // "pid start" (owner_text()); anything else is not ours to judge.
+  const char* end = buf + n;
   long long pid = 0;
   unsigned long long start = 0;
-  if (std::sscanf(buf, "%lld %llu", &pid, &start) != 2 || pid <= 0) return false;
+  auto [after_pid, pid_error] = std::from_chars(buf, end, pid);
+  if (pid_error != std::errc() || pid <= 0 || after_pid == end || *after_pid != ' ') return false;
+  if (std::from_chars(after_pid + 1, end, start).ec != std::errc()) return false;
   if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return true;
   auto now = process_start_time(static_cast<pid_t>(pid));
   return now && start != 0 && *now != start;  // the pid belongs to another process now
@@ -657,6 +660,7 @@ struct UnixSocketGroup::Impl final : detail::HubClientGroup {
 
   void post_contribution(std::uint64_t g, std::uint64_t s, detail::CollectiveKind k, detail::Part p) override {
     std::vector<int> fds;
+    fds.reserve(p.fds.size());
     for (auto& f : p.fds) fds.push_back(f.get());
     // the kernel duplicates the descriptors into the hub's process
     send(MessageType::contribute, detail::encode_contribution(g, s, k, p.bytes), fds);

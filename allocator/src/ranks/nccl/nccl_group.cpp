@@ -174,7 +174,7 @@ struct NcclGroup::Impl {
           driver.unmap(va, bytes);
           driver.release(h);
         }
-      } catch (...) {
+      } catch (...) {  // NOLINT(bugprone-empty-catch): best-effort cleanup; the reservation goes next
       }
       driver.free_reservation(va, bytes);
       throw;

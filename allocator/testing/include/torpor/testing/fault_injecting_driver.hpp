@@ -122,7 +122,8 @@ class FaultInjectingDriver final : public Driver {
     ~Observed() {
       try {
         if (o_) o_(kind_, true);
-      } catch (...) {  // an observer that breaks its contract must not end the process here
+      } catch (...) {  // NOLINT(bugprone-empty-catch): see below
+        // An observer that breaks its contract must not end the process here.
       }
     }
     Observed(const Observed&) = delete;
