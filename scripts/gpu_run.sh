@@ -207,7 +207,7 @@ for stage in "${stages[@]}"; do
       ;;
     readme|readme-main|readme-test)
       # The README's two commands as they are (issue 28: green on a GPU machine, timed), in a
-      # checkout of their own builds (build/, build-asan/, build-tsan/, build-fuzz/), removed first
+      # checkout of their own builds (build/, build-asan/, build-tsan/; build-fuzz/ of older trees), removed first
       # so that each starts as from a fresh copy. readme runs both; the device tool's 10-minute
       # limit per call may need readme-main and readme-test in two calls.
       if [ "$stage" != readme-test ]; then

@@ -9,12 +9,12 @@
 #                 clang-tidy uses this build's compile_commands.json)
 #   build-asan/   host backend under AddressSanitizer + UndefinedBehaviorSanitizer (clang where
 #                 it can link them, else the default compiler; build-tsan/ likewise); every test
-#                 executable's tests (the torpor CLI's runs, cli.*, are the first build's)
+#                 executable's tests (the torpor CLI's runs, cli.*, are the first build's), the
+#                 fuzz targets of tests/fuzz among them: with clang's libFuzzer, libtorpor is
+#                 compiled for its coverage and each target replays its corpus and fuzzes for
+#                 TORPOR_FUZZ_SECONDS (default 20 s each), else they run the seeded random driver
 #   build-tsan/   host backend under ThreadSanitizer; the threaded tests, from the test files that
 #                 hold them (-DTORPOR_THREADED_TESTS_ONLY=ON)
-#   build-fuzz/   clang with libFuzzer (when clang is installed), ASan + UBSan: the fuzz targets
-#                 of tests/fuzz, each replaying its corpus and fuzzing for TORPOR_FUZZ_SECONDS
-#                 (default 20 s each; the two run side by side)
 # Set TORPOR_SKIP_SANITIZERS=1 to run the first build only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -67,11 +67,24 @@ sanitizer_compiler() {  # sanitizer flag -> "CC=clang CXX=clang++" or nothing
   echo 'int main() { return 0; }' | clang++ -x c++ -fsanitize="$1" - -o /dev/null > /dev/null 2>&1 &&
     echo "CC=clang CXX=clang++"
 }
+# Whether clang links libFuzzer with ASan + UBSan: then the ASan build fuzzes coverage-guided (its
+# library compiled for libFuzzer's coverage) instead of a separate fuzz build compiling it again.
+libfuzzer_ok() {
+  echo 'extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned long) { return 0; }' |
+    clang++ -x c++ -fsanitize=fuzzer,address,undefined - -o /dev/null > /dev/null 2>&1
+}
 
 if [ "${TORPOR_SKIP_SANITIZERS:-0}" != 1 ]; then
+  fuzz=(-DTORPOR_FUZZ_COVERAGE=OFF -DTORPOR_FUZZ_SECONDS=5)
+  if command -v clang++ > /dev/null && libfuzzer_ok; then
+    fuzz=(-DTORPOR_FUZZ_COVERAGE=ON -DTORPOR_FUZZ_SECONDS="${TORPOR_FUZZ_SECONDS:-20}")
+  else
+    echo "torpor: clang with libFuzzer not installed (scripts/install-deps.sh): the fuzz targets run their seeded" \
+      "random driver only"
+  fi
   # shellcheck disable=SC2046  # the words are the assignments, or none
   env $(sanitizer_compiler address,undefined) cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DTORPOR_CUDA=OFF -DTORPOR_BUILD_BENCH=OFF \
-        -DTORPOR_SANITIZE=address,undefined
+        -DTORPOR_SANITIZE=address,undefined "${fuzz[@]}"
   # The test executables, not the torpor CLI: its end-to-end runs (cli.*, the soak among them)
   # are the first build's. Under ASan they and the CLI's compile are the slowest part of the
   # stage, and the library code they drive is the unit tests' (tools' bookkeeping:
@@ -90,18 +103,6 @@ if [ "${TORPOR_SKIP_SANITIZERS:-0}" != 1 ]; then
   stage_done "tsan build"
   TSAN_OPTIONS=halt_on_error=1 ctest --test-dir build-tsan -j "$jobs" --output-on-failure -R 'Threads'
   stage_done "tsan tests"
-
-  if command -v clang++ > /dev/null; then
-    CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=Debug -DTORPOR_CUDA=OFF \
-          -DTORPOR_BUILD_BENCH=OFF -DTORPOR_BUILD_TOOLS=OFF -DTORPOR_SANITIZE=address,undefined \
-          -DTORPOR_FUZZ_COVERAGE=ON -DTORPOR_FUZZ_SECONDS="${TORPOR_FUZZ_SECONDS:-20}"
-    cmake --build build-fuzz -j "$jobs" --target torpor_fuzz_c_api torpor_fuzz_hub_protocol
-    ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-      ctest --test-dir build-fuzz -j 2 --output-on-failure -R '^fuzz\.'
-    stage_done fuzz
-  else
-    echo "torpor: clang not installed (scripts/install-deps.sh): fuzz targets ran with the random driver only"
-  fi
 fi
 printf 'torpor: stage times: %s\n' "${timings[@]}"
 echo "torpor: all tests passed"
