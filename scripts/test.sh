@@ -9,8 +9,10 @@
 #                 clang-tidy uses this build's compile_commands.json)
 #   build-asan/   host backend under AddressSanitizer + UndefinedBehaviorSanitizer (clang where
 #                 it can link them, else the default compiler; build-tsan/ likewise); every test
-#                 executable's tests (the torpor CLI's runs, cli.*, are the first build's), the
-#                 fuzz targets of tests/fuzz among them: with clang's libFuzzer, libtorpor is
+#                 executable's tests (the torpor CLI's runs, cli.*, are the first build's), each
+#                 gtest suite in one process (-DTORPOR_TESTS_BY_SUITE=ON: under the sanitizers
+#                 starting a test process costs more than most tests), the fuzz targets of
+#                 tests/fuzz among them: with clang's libFuzzer, libtorpor is
 #                 compiled for its coverage and each target replays its corpus and fuzzes for
 #                 TORPOR_FUZZ_SECONDS (default 20 s each), else they run the seeded random driver
 #   build-tsan/   host backend under ThreadSanitizer; the threaded tests, from the test files that
@@ -84,7 +86,7 @@ if [ "${TORPOR_SKIP_SANITIZERS:-0}" != 1 ]; then
   fi
   # shellcheck disable=SC2046  # the words are the assignments, or none
   env $(sanitizer_compiler address,undefined) cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DTORPOR_CUDA=OFF -DTORPOR_BUILD_BENCH=OFF \
-        -DTORPOR_SANITIZE=address,undefined "${fuzz[@]}"
+        -DTORPOR_SANITIZE=address,undefined -DTORPOR_TESTS_BY_SUITE=ON "${fuzz[@]}"
   # The test executables, not the torpor CLI: its end-to-end runs (cli.*, the soak among them)
   # are the first build's. Under ASan they and the CLI's compile are the slowest part of the
   # stage, and the library code they drive is the unit tests' (tools' bookkeeping:
