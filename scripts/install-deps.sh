@@ -67,13 +67,15 @@ header_ok gmock/gmock.h || missing+=(libgmock-dev)
 header_ok benchmark/benchmark.h || missing+=(libbenchmark-dev)
 clang-format-14 --version > /dev/null 2>&1 || lint_missing+=(clang-format-14)
 # clang-tidy 22 where apt has it (Debian 12's security updates): it lints the tree in a fraction of
-# 14's time (.clang-tidy says why). Else 14, which the tree passes too.
-if ! clang-tidy-22 --version > /dev/null 2>&1; then
-  if apt-cache policy clang-tidy-22 2> /dev/null | grep -q 'Candidate: [0-9]'; then
-    lint_missing+=(clang-tidy-22)
-  elif ! clang-tidy-14 --version > /dev/null 2>&1; then
-    lint_missing+=(clang-tidy-14)
-  fi
+# 14's time (.clang-tidy says why). Else 14, which the tree passes too. Asked again after the
+# required packages are installed: that install refreshes apt's lists when they are missing or
+# stale, and only then may 22 be a candidate.
+tidy22_wanted() {
+  ! clang-tidy-22 --version > /dev/null 2>&1 &&
+    apt-cache policy clang-tidy-22 2> /dev/null | grep 'Candidate: [0-9]' > /dev/null  # not -q: pipefail
+}
+if ! clang-tidy-22 --version > /dev/null 2>&1 && ! tidy22_wanted && ! clang-tidy-14 --version > /dev/null 2>&1; then
+  lint_missing+=(clang-tidy-14)
 fi
 flake8 --version > /dev/null 2>&1 || lint_missing+=(flake8)
 black --version > /dev/null 2>&1 || lint_missing+=(black)
@@ -95,7 +97,7 @@ elif ! fuzzer_ok; then
   lint_missing+=("$(clang_rt_package)")
 fi
 
-if [ ${#missing[@]} -eq 0 ] && [ ${#lint_missing[@]} -eq 0 ]; then
+if [ ${#missing[@]} -eq 0 ] && [ ${#lint_missing[@]} -eq 0 ] && ! tidy22_wanted; then
   say "every tool runs (cmake >= $cmake_min, ninja, pytest, the compiler, lint tools, ccache); nothing to install"
   exit 0
 fi
@@ -117,6 +119,12 @@ if [ ${#missing[@]} -gt 0 ]; then
   fi
   # Installed: they must run now (a cmake older than $cmake_min from apt is not enough).
   cmake_ok || { say "cmake $(cmake --version 2> /dev/null | head -n 1) is older than $cmake_min"; exit 1; }
+fi
+if tidy22_wanted; then
+  lint_missing+=(clang-tidy-22)
+  # 22 replaces the 14 asked for above when the lists had no 22 then.
+  for i in "${!lint_missing[@]}"; do [ "${lint_missing[$i]}" = clang-tidy-14 ] && unset 'lint_missing[i]'; done
+  lint_missing=("${lint_missing[@]}")
 fi
 if [ ${#lint_missing[@]} -gt 0 ]; then
   if apt_install "${lint_missing[@]}"; then
