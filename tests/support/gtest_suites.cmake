@@ -1,6 +1,6 @@
 # Writes OUT, a file of ctest entries: the gtest suites of EXE whose tests match a filter, each
 # suite one entry run in one process (with per_entry > 0, a suite of more tests is split into
-# entries of at most that many). tests/CMakeLists.txt runs this after EXE is built when
+# entries of at most that many; an entry of one test is named for it). tests/CMakeLists.txt runs this after EXE is built when
 # TORPOR_TESTS_BY_SUITE is on (torpor_gtest_discover); PARAMS sets prefix, filter, props and
 # per_entry there.
 #
@@ -64,7 +64,9 @@ foreach(suite IN LISTS suites)
     math(EXPR n "${end} - ${first}")
     list(JOIN patterns ":" joined)
     set(name "${prefix}${suite}*")
-    if(entries GREATER 1)
+    if(n EQUAL 1)
+      set(name "${prefix}${patterns}")  # the test's own name
+    elseif(entries GREATER 1)
       math(EXPR shown "${k} + 1")
       set(name "${name}[${shown}/${entries}]")
     endif()

@@ -13,7 +13,11 @@ each test by signs independent of how CMake set its properties:
   name says CUDA, GPU or NCCL (a gtest typed over the cuda backend, PoolTest.X<PoolTest/cuda...>;
   a Python GPU file, test_*_gpu), or it is not a gtest case and runs the torpor CLI or a
   benchmark (their backend is then auto);
-- a Python test file reads device-wide memory when its source calls mem_get_info.
+- a Python test file reads device-wide memory when its source calls mem_get_info;
+- a test whose environment picks the host backend's mode (TORPOR_HOST_MODE) forces the host
+  backend too (as above) or holds the lock: the mode means nothing to the cuda backend, so on a
+  GPU machine such a test would otherwise run on the GPU unlocked, whatever its name. (The
+  host_async_env entries lost TORPOR_BACKEND=host on their way through gtest_discover_tests once.)
 
 usage: check_gpu_locks.py CTEST BUILD_DIR REPO
 """
@@ -67,10 +71,13 @@ def reads_device_memory(test, repo):
 def main(ctest, build, repo):
     out = subprocess.run([ctest, "--show-only=json-v1"], cwd=build, capture_output=True, text=True, check=True)
     tests = json.loads(out.stdout)["tests"]
-    missing, not_serial, locked = [], [], 0
+    missing, not_serial, locked, half_host = [], [], 0, []
     for t in tests:
         props = properties(t)
         has_lock = LOCK in props.get("RESOURCE_LOCK", [])
+        host_mode = any(e.startswith("TORPOR_HOST_MODE=") for e in props.get("ENVIRONMENT", []))
+        if host_mode and not host_forced(t, props) and not has_lock:
+            half_host.append(t["name"])
         if touches_gpu(t, props):
             if has_lock:
                 locked += 1
@@ -82,6 +89,14 @@ def main(ctest, build, repo):
         print(f"no RESOURCE_LOCK {LOCK}: {name}")
     for name in not_serial:
         print(f"reads device-wide memory but not RUN_SERIAL: {name}")
+    for name in half_host:
+        print(f"sets TORPOR_HOST_MODE, neither forces the host backend nor holds the lock: {name}")
+    if half_host:
+        print(
+            f"FAIL: {len(half_host)} tests set the host backend's mode without forcing that backend; give them "
+            f"TORPOR_BACKEND=host too (torpor_gtest_discover's ENVIRONMENT argument keeps a list whole)"
+        )
+        return 1
     if missing or not_serial:
         print(
             f"FAIL: {len(missing)} GPU tests without the lock, {len(not_serial)} measuring tests not run alone "
