@@ -66,17 +66,18 @@ header_ok gtest/gtest.h || missing+=(libgtest-dev)
 header_ok gmock/gmock.h || missing+=(libgmock-dev)
 header_ok benchmark/benchmark.h || missing+=(libbenchmark-dev)
 clang-format-14 --version > /dev/null 2>&1 || lint_missing+=(clang-format-14)
-# clang-tidy 22 where apt has it (Debian 12's security updates): it lints the tree in a fraction of
-# 14's time (.clang-tidy says why). Else 14, which the tree passes too. Asked again after the
-# required packages are installed: that install refreshes apt's lists when they are missing or
-# stale, and only then may 22 be a candidate.
-tidy22_wanted() {
-  ! clang-tidy-22 --version > /dev/null 2>&1 &&
-    apt-cache policy clang-tidy-22 2> /dev/null | grep 'Candidate: [0-9]' > /dev/null  # not -q: pipefail
+# The clang-tidy package to install, or nothing: 22 where apt has it (Debian 12's security
+# updates), since it lints the tree in a fraction of 14's time (.clang-tidy says why); else 14,
+# which the tree passes too. Asked after the required packages are installed: that install
+# refreshes apt's lists when they are missing, and only then may 22 be a candidate.
+tidy_package() {
+  clang-tidy-22 --version > /dev/null 2>&1 && return 0
+  if apt-cache policy clang-tidy-22 2> /dev/null | grep 'Candidate: [0-9]' > /dev/null; then  # not -q: pipefail
+    echo clang-tidy-22
+  elif ! clang-tidy-14 --version > /dev/null 2>&1; then
+    echo clang-tidy-14
+  fi
 }
-if ! clang-tidy-22 --version > /dev/null 2>&1 && ! tidy22_wanted && ! clang-tidy-14 --version > /dev/null 2>&1; then
-  lint_missing+=(clang-tidy-14)
-fi
 flake8 --version > /dev/null 2>&1 || lint_missing+=(flake8)
 black --version > /dev/null 2>&1 || lint_missing+=(black)
 # ccache: scripts/test.sh compiles through it when it runs (the wheel's build then finds the
@@ -97,7 +98,7 @@ elif ! fuzzer_ok; then
   lint_missing+=("$(clang_rt_package)")
 fi
 
-if [ ${#missing[@]} -eq 0 ] && [ ${#lint_missing[@]} -eq 0 ] && ! tidy22_wanted; then
+if [ ${#missing[@]} -eq 0 ] && [ ${#lint_missing[@]} -eq 0 ] && [ -z "$(tidy_package)" ]; then
   say "every tool runs (cmake >= $cmake_min, ninja, pytest, the compiler, lint tools, ccache); nothing to install"
   exit 0
 fi
@@ -120,12 +121,8 @@ if [ ${#missing[@]} -gt 0 ]; then
   # Installed: they must run now (a cmake older than $cmake_min from apt is not enough).
   cmake_ok || { say "cmake $(cmake --version 2> /dev/null | head -n 1) is older than $cmake_min"; exit 1; }
 fi
-if tidy22_wanted; then
-  lint_missing+=(clang-tidy-22)
-  # 22 replaces the 14 asked for above when the lists had no 22 then.
-  for i in "${!lint_missing[@]}"; do [ "${lint_missing[$i]}" = clang-tidy-14 ] && unset 'lint_missing[i]'; done
-  lint_missing=("${lint_missing[@]}")
-fi
+tidy=$(tidy_package)
+[ -z "$tidy" ] || lint_missing+=("$tidy")
 if [ ${#lint_missing[@]} -gt 0 ]; then
   if apt_install "${lint_missing[@]}"; then
     # clang came just now: its libFuzzer runtime is a package of its own version.

@@ -91,17 +91,12 @@ def main(ctest, build, repo):
         print(f"reads device-wide memory but not RUN_SERIAL: {name}")
     for name in half_host:
         print(f"sets TORPOR_HOST_MODE, neither forces the host backend nor holds the lock: {name}")
-    if half_host:
+    if missing or not_serial or half_host:
         print(
-            f"FAIL: {len(half_host)} tests set the host backend's mode without forcing that backend; give them "
-            f"TORPOR_BACKEND=host too (torpor_gtest_discover's ENVIRONMENT argument keeps a list whole)"
-        )
-        return 1
-    if missing or not_serial:
-        print(
-            f"FAIL: {len(missing)} GPU tests without the lock, {len(not_serial)} measuring tests not run alone "
-            f"(of {len(tests)}); tests/CMakeLists.txt says how to add them (torpor_discover_tests, "
-            f"RESOURCE_LOCK ${{TORPOR_GPU_LOCK}}, RUN_SERIAL)"
+            f"FAIL: {len(missing)} GPU tests without the lock, {len(not_serial)} measuring tests not run alone, "
+            f"{len(half_host)} tests in a host mode without TORPOR_BACKEND=host (of {len(tests)}); "
+            f"tests/CMakeLists.txt says how to add them (torpor_discover_tests, RESOURCE_LOCK ${{TORPOR_GPU_LOCK}}, "
+            f"RUN_SERIAL, torpor_gtest_discover's ENVIRONMENT)"
         )
         return 1
     print(f"PASS: {locked} GPU tests of {len(tests)} hold {LOCK}; the measuring ones run alone")
