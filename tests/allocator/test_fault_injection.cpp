@@ -33,6 +33,7 @@ PoolOptions options_for(Driver& d) {
   o.medium_slab_max = 16 * g;
   o.copy_piece_bytes = g / 2 + 256;  // several pieces per chunk
   o.map_group_bytes = 4 * g;         // several map groups on wake
+  o.hash_group_bytes = 2 * g;        // several hash groups on sleep: a later one can fail
   return o;
 }
 

@@ -98,6 +98,9 @@ struct PoolOptions {
   int copy_streams = 2;                                  // streams the copies rotate over
   int release_threads = 2;                               // threads unmapping/releasing chunks during sleep
   std::size_t map_group_bytes = std::size_t{2} << 30;    // contiguous chunks mapped per set_access call on wake
+  // Bytes of pieces hashed per call during a sleep (skip_unchanged), whole chunks, at least one:
+  // the copies and releases of the chunks already hashed run while the next ones are hashed.
+  std::size_t hash_group_bytes = std::size_t{1} << 30;
   // Host memory. The offloaded bytes live in a persistent host store; its page-locked blocks are
   // kept from sleep to sleep (a steady cycle allocates nothing) until release_host_store().
   //

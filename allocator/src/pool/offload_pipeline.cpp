@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "pool/host_copies.hpp"
+#include "pool/sleep_plan.hpp"
 
 namespace torpor {
 
@@ -53,25 +54,50 @@ void OffloadPipeline::release_loop() {
   }
 }
 
-void OffloadPipeline::run() {
-  auto t = std::chrono::steady_clock::now();
-  std::vector<std::thread> workers;
-  workers.reserve(static_cast<std::size_t>(s_.options.release_threads));
-  for (int i = 0; i < s_.options.release_threads; ++i) workers.emplace_back([this] { release_loop(); });
-  for (std::size_t k = 0; k < plan_.chunks.size() && !worker_failed_; ++k) {
-    try {
-      issue(k, s_.streams[k % s_.streams.size()]);
-    } catch (...) {
-      issue_error_ = std::current_exception();
-      break;
-    }
-    issued_.push(k);
-  }
+OffloadPipeline::~OffloadPipeline() { join_workers(); }
+
+void OffloadPipeline::join_workers() noexcept {
   issued_.close();
-  for (auto& w : workers) w.join();
+  for (auto& w : workers_)
+    if (w.joinable()) w.join();
+}
+
+void OffloadPipeline::start() {
+  started_ = std::chrono::steady_clock::now();
+  workers_.reserve(static_cast<std::size_t>(s_.options.release_threads));
+  for (int i = 0; i < s_.options.release_threads; ++i) workers_.emplace_back([this] { release_loop(); });
+  for (std::size_t k = 0; k < plan_.chunks.size(); ++k)
+    if (plan_.chunks[k].pieces.empty()) issued_.push(k);
+}
+
+void OffloadPipeline::issue_groups() {
+  double hash_seconds = 0;
+  try {
+    for (std::size_t first = 0; first < plan_.chunks.size() && !worker_failed_;) {
+      const std::size_t last = hash_group_end(s_, plan_, first);
+      hash_and_match(s_, plan_, first, last, r_, &hash_seconds);
+      for (std::size_t k = first; k < last && !worker_failed_; ++k) {
+        if (plan_.chunks[k].pieces.empty()) continue;  // queued by start()
+        issue(k, s_.streams[k % s_.streams.size()]);
+        issued_.push(k);
+      }
+      first = last;
+    }
+  } catch (...) {
+    issue_error_ = std::current_exception();
+  }
+  if (hash_seconds > 0) r_.phases.push_back({"hash", hash_seconds});
+}
+
+void OffloadPipeline::finish(std::exception_ptr placing_failed) {
+  if (placing_failed)
+    issue_error_ = std::move(placing_failed);
+  else
+    issue_groups();
+  join_workers();
   if (!error())
     r_.phases.push_back(
-        {"offload_and_release", std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count()});
+        {"offload_and_release", std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count()});
 }
 
 }  // namespace torpor

@@ -52,7 +52,8 @@ std::string hex(device_ptr p) { return fmt::format("{:#x}", p); }
 
 namespace {
 
-// The bookkeeping and the copy streams; on failure the streams created so far are destroyed.
+// The bookkeeping, the copy streams and the hash stream; on failure the streams created so far
+// are destroyed.
 std::unique_ptr<Pool::State> make_state(Driver& driver, const PoolOptions& o, std::size_t gran, device_ptr va_base,
                                         std::vector<int> access) {
   auto state = std::make_unique<Pool::State>(driver, o, gran, va_base);
@@ -60,19 +61,22 @@ std::unique_ptr<Pool::State> make_state(Driver& driver, const PoolOptions& o, st
     state->memory.set_access_devices(std::move(access));
     for (int i = 0; i < o.copy_streams; ++i) state->streams.push_back(driver.stream_create(o.device));
     if (o.skip_unchanged) {
+      state->hash_stream = driver.stream_create(o.device);
       // Load the hash kernels now: the device memory a first launch takes (module, local
       // memory) belongs to the pool's setup, not to the first sleep's "memory returned".
       HashRange none{};
       Hash128 ignored;
-      driver.hash(std::span<const HashRange>(&none, 1), &ignored, state->streams[0]);
+      driver.hash(std::span<const HashRange>(&none, 1), &ignored, *state->hash_stream);
     }
   } catch (...) {
-    for (Stream st : state->streams) {
+    auto destroy = [&driver](Stream st) {
       try {
         driver.stream_destroy(st);
       } catch (...) {  // NOLINT(bugprone-empty-catch): the construction's own error is rethrown below
       }
-    }
+    };
+    for (Stream st : state->streams) destroy(st);
+    if (state->hash_stream) destroy(*state->hash_stream);
     throw;
   }
   return state;
@@ -80,13 +84,15 @@ std::unique_ptr<Pool::State> make_state(Driver& driver, const PoolOptions& o, st
 
 // Never throws: failures are logged.
 void destroy_streams_and_events(Pool::State& s) noexcept {
-  for (Stream st : s.streams) {
+  auto destroy = [&s](Stream st) noexcept {
     try {
       s.driver.stream_destroy(st);
     } catch (const std::exception& e) {
       log::error("pool: destroying a stream failed: {}", e.what());
     }
-  }
+  };
+  for (Stream st : s.streams) destroy(st);
+  if (s.hash_stream) destroy(*s.hash_stream);
   for (Event e : s.events) {
     try {
       s.driver.event_destroy(e);

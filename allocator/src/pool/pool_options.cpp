@@ -61,6 +61,8 @@ void check_engine_options(PoolOptions& o) {
     throw invalid_argument(
         fmt::format("PoolOptions::copy_piece_bytes {} is below {}", o.copy_piece_bytes, HostStore::alignment));
   o.copy_piece_bytes = align_up(o.copy_piece_bytes, HostStore::alignment);
+  if (o.hash_group_bytes == 0)
+    throw invalid_argument("PoolOptions::hash_group_bytes is 0: it must be at least 1 (one chunk per hash call)");
   if (o.staging_slots < 2 || o.staging_slots > 64 || o.staging_slot_bytes < HostStore::alignment ||
       o.staging_slot_bytes > (std::size_t{1} << 30))
     throw invalid_argument(

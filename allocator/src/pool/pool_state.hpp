@@ -25,6 +25,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_set>
 #include <vector>
@@ -72,8 +73,11 @@ struct Pool::State {
   device_ptr va_base;
   ChunkMemory memory;           // physical memory of the chunks, access list, deferred releases
   std::vector<Stream> streams;  // copy streams; streams[0] also serves copy() and hash()
-  std::vector<Event> events;    // reused across sleeps, grown on demand
-  StagingRing staging;          // pinned ring for pageable backups, allocated on first use
+  // skip_unchanged: the sleep's hashes, apart from the copy streams so that hashing the next
+  // chunks does not wait behind the copies already queued (sleep_plan.hpp, step 3).
+  std::optional<Stream> hash_stream;
+  std::vector<Event> events;  // reused across sleeps, grown on demand
+  StagingRing staging;        // pinned ring for pageable backups, allocated on first use
 
   mutable std::mutex mu;
   RangeAllocator va;  // offsets from va_base

@@ -3,19 +3,22 @@
 // roll back, under the pool's lock for its whole duration:
 //
 //   1. wait for the device work that may touch the memory (device_synchronize);
-//   2. plan (sleep_plan.hpp): what survives the level (sleep_policy.hpp), in pieces, hashed,
-//      matched against retained copies, host space reserved;
-//   3. offload pipeline (offload_pipeline.hpp): copies in pieces on the copy streams, release
-//      workers unmapping each chunk once its copies are done;
+//   2. plan (sleep_plan.hpp): what survives the level (sleep_policy.hpp), in pieces;
+//   3. offload pipeline (offload_pipeline.hpp): release workers unmap the chunks with nothing to
+//      keep at once, while this thread places the host spans (retained copies lent, host space
+//      reserved), then hashes the other chunks group by group, matches them against their
+//      retained copies and issues their copies in pieces on the copy streams; the workers unmap
+//      each chunk once its copies are done;
 //   4. apply: the released chunks are asleep with their backups; empty slabs are dropped rather
 //      than re-created on wake; a chunk asleep at a shallower level drops the backups the deeper
 //      level does not keep (level 2 asked of a chunk at level 1; 1 asked of 2 changes nothing).
 //
 // Roll back: a failure in 1-2 leaves every chunk awake as it was. A failure in the pipeline
-// stops it at a chunk boundary: the chunks released so far are asleep with their backups, the
-// others stay awake with their bytes and their new spans go back to the store once no copy
-// writes into them. A tag none of whose chunks fell asleep is as it was. The call throws and a
-// repeat completes the sleep. Wake is in wake.cpp.
+// (placing the spans, a hash, a copy, an unmap) stops it at a chunk boundary: the chunks
+// released so far are asleep with their backups (those with nothing to keep may be among
+// them), the others stay awake with their bytes and their new spans go back to the store once
+// no copy writes into them. A tag none of whose chunks fell asleep is as it was. The call throws
+// and a repeat completes the sleep. Wake is in wake.cpp.
 #include <fmt/core.h>
 
 #include <algorithm>
@@ -275,15 +278,22 @@ TransitionReport Pool::sleep_tags(SleepLevel level, const std::vector<std::strin
     s.driver.device_synchronize(options_.device);
     r.phases.push_back({"synchronize", since(t)});
     s.retry_stranded_mappings();  // after the synchronize: no restore of a failed wake still writes
-    plan_offload(s, plan, r);
+    plan_pieces(s, plan, r);
   } catch (...) {
-    plan.free_spans(s);
     sleeping.settle_after_failure();
     throw;
   }
 
+  // The chunks with nothing to keep are released while the host copies are placed and hashed.
   OffloadPipeline pipeline(s, plan, r);
-  pipeline.run();
+  std::exception_ptr placing_failed;
+  try {
+    pipeline.start();
+    place_host_copies(s, plan, r);
+  } catch (...) {
+    placing_failed = std::current_exception();
+  }
+  pipeline.finish(placing_failed);
   put_released_to_sleep(plan, pipeline, r);
   if (pipeline.error()) roll_back_unreleased(s, plan, pipeline, sleeping);
   dispose_empty_slabs(s, plan);

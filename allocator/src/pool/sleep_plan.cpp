@@ -48,50 +48,44 @@ void split_into_pieces(const Pool::State& s, ChunkPlan& plan, SleepLevel level) 
   if (run_hi != 0) flush();
 }
 
-// Step 2: one device hash call for every piece of the plan that `wanted` picks.
+// One device hash call on `stream` for every piece of chunks [first, last) that `wanted` picks.
+// Returns the seconds it took (0 when nothing was wanted).
 template <typename Wanted>
-void hash_pieces(Pool::State& s, SleepPlan& plan, TransitionReport& r, Wanted wanted) {
+double hash_pieces(Pool::State& s, SleepPlan& plan, std::size_t first, std::size_t last, Stream stream,
+                   TransitionReport& r, Wanted wanted) {
   std::vector<HashRange> ranges;
-  for (auto& cp : plan.chunks)
-    for (auto& p : cp.pieces)
-      if (wanted(p)) ranges.push_back(HashRange{reinterpret_cast<const void*>(cp.chunk->va + p.offset), p.bytes});
-  if (ranges.empty()) return;
+  for (std::size_t k = first; k < last; ++k)
+    for (auto& p : plan.chunks[k].pieces)
+      if (wanted(p))
+        ranges.push_back(HashRange{reinterpret_cast<const void*>(plan.chunks[k].chunk->va + p.offset), p.bytes});
+  if (ranges.empty()) return 0;
   auto t = clock_type::now();
   std::vector<Hash128> hashes(ranges.size());
-  s.driver.hash(ranges, hashes.data(), s.streams[0]);
-  std::size_t k = 0;
-  for (auto& cp : plan.chunks)
-    for (auto& p : cp.pieces)
+  s.driver.hash(ranges, hashes.data(), stream);
+  std::size_t i = 0;
+  for (std::size_t k = first; k < last; ++k)
+    for (auto& p : plan.chunks[k].pieces)
       if (wanted(p)) {
-        p.hash = hashes[k++];
+        p.hash = hashes[i++];
         p.hashed = true;
         r.bytes_hashed += p.bytes;
       }
-  r.phases.push_back({"hash", std::chrono::duration<double>(clock_type::now() - t).count()});
+  return std::chrono::duration<double>(clock_type::now() - t).count();
 }
 
-// Step 3 for one chunk. Returns the host bytes its pieces without a span still need.
-std::size_t reuse_retained_copies(Pool::State& s, ChunkPlan& plan) {
+// Step 2 for one chunk: retained copies of exactly a piece's range lend it their span. Returns
+// the host bytes its pieces without a span still need.
+std::size_t lend_retained_copies(Pool::State& s, ChunkPlan& plan) {
   Chunk& c = *plan.chunk;
   for (auto& p : plan.pieces) {
     auto it = c.retained.find(p.offset);
     if (it == c.retained.end() || it->second.bytes != p.bytes) continue;
     const HostCopy& kept = it->second;
-    p.span = kept.span;
-    p.skip = p.hashed && kept.hashed && kept.hash == p.hash;
-    if (p.skip && kept.sampled && sample_of(kept.span.ptr, kept.bytes) != kept.sample) {
-      // The host copy changed while it was kept: the device still has the bytes, copy them again.
-      log::warn("sleep: the retained host copy of chunk {:#x} +{:#x} ({} bytes, tag '{}') changed since it was made; "
-                "copying the bytes again",
-                c.va, p.offset, p.bytes, c.tag);
-      p.skip = false;
-    }
-    if (p.skip) {
-      p.sample = kept.sample;
-      p.sampled = kept.sampled;
-    } else if (!s.host.writable(kept.span, p.bytes)) {
+    if (s.host.writable(kept.span, p.bytes)) {
+      p.span = kept.span;
+      p.lent = LentCopy{kept.hash, kept.hashed, kept.sample, kept.sampled};
+    } else {
       s.free_span(kept.span);  // a span cut by drop_copies: the piece takes a fresh one below
-      p.span = {};
     }
     c.retained.erase(it);
   }
@@ -102,8 +96,29 @@ std::size_t reuse_retained_copies(Pool::State& s, ChunkPlan& plan) {
   return needed;
 }
 
-// Step 4: a span for every piece still without one; `needed` (what is left to place) sizes the
-// blocks the store grows by.
+// Step 3 for one hashed chunk: a piece whose lent copy holds exactly its bytes is not copied.
+void match_lent_copies(ChunkPlan& plan) {
+  const Chunk& c = *plan.chunk;
+  for (Piece& p : plan.pieces) {
+    if (!p.lent) continue;
+    const LentCopy& kept = *p.lent;
+    p.skip = p.hashed && kept.hashed && kept.hash == p.hash;
+    if (p.skip && kept.sampled && sample_of(p.span.ptr, p.bytes) != kept.sample) {
+      // The host copy changed while it was kept: the device still has the bytes, copy them again.
+      log::warn("sleep: the retained host copy of chunk {:#x} +{:#x} ({} bytes, tag '{}') changed since it was made; "
+                "copying the bytes again",
+                c.va, p.offset, p.bytes, c.tag);
+      p.skip = false;
+    }
+    if (p.skip) {
+      p.sample = kept.sample;
+      p.sampled = kept.sampled;
+    }
+  }
+}
+
+// A span for every piece still without one; `needed` (what is left to place) sizes the blocks
+// the store grows by.
 void take_host_spans(Pool::State& s, SleepPlan& plan, std::size_t needed) {
   // Events first: creating one waits for the driver behind any registration of host memory in
   // flight, and the spans below start the pinning of new host store blocks.
@@ -119,11 +134,11 @@ void take_host_spans(Pool::State& s, SleepPlan& plan, std::size_t needed) {
       }
 }
 
-// Step 5: when the store grew and host_pin_overlap is off, the pinning of the new blocks finishes
-// before any copy starts. With it on nothing waits here: the pinner works through the new blocks
-// in the order their spans were handed out (plan order), and the pipeline waits for each span's
-// own block before the copy into it (host_copies.cpp), so block k's copies are queued while
-// block k + 1 is still being touched and registered, and no copy waits for a later block.
+// When the store grew and host_pin_overlap is off, the pinning of the new blocks finishes before
+// any copy starts. With it on nothing waits here: the pinner works through the new blocks in the
+// order their spans were handed out (plan order), and the pipeline waits for each span's own
+// block before the copy into it (host_copies.cpp), so block k's copies are queued while block
+// k + 1 is still being touched and registered, and no copy waits for a later block.
 void finish_pinning(Pool::State& s, std::size_t growths_before, TransitionReport& r) {
   if (s.host.growths() == growths_before || s.options.host_pin_overlap) return;
   auto t = clock_type::now();
@@ -174,21 +189,44 @@ std::size_t sleep_host_bytes(const Pool::State& s, const std::vector<std::string
 
 std::size_t level1_host_bytes(const Pool::State& s) { return sleep_host_bytes(s, nullptr, SleepLevel::offload); }
 
-void plan_offload(Pool::State& s, SleepPlan& plan, TransitionReport& r) {
+void plan_pieces(const Pool::State& s, SleepPlan& plan, TransitionReport& r) {
   for (auto& cp : plan.chunks) {
     split_into_pieces(s, cp, plan.level);
     r.pieces += cp.pieces.size();
   }
-  if (s.options.skip_unchanged) hash_pieces(s, plan, r, [](const Piece&) { return true; });
+}
+
+void place_host_copies(Pool::State& s, SleepPlan& plan, TransitionReport& r) {
   std::size_t needed = 0;
-  for (auto& cp : plan.chunks) needed += reuse_retained_copies(s, cp);
+  for (auto& cp : plan.chunks) needed += lend_retained_copies(s, cp);
   const std::size_t growths = s.host.growths();
   take_host_spans(s, plan, needed);
   // Bytes bound for the disk are checked at wake against the hash of what left the device: a
   // file can change while it waits there (wake.cpp).
-  if (!s.options.skip_unchanged && s.host.has_disk_tier())
-    hash_pieces(s, plan, r, [](const Piece& p) { return p.span.tier == HostTier::disk; });
+  if (!s.options.skip_unchanged && s.host.has_disk_tier()) {
+    double seconds = hash_pieces(s, plan, 0, plan.chunks.size(), s.streams[0], r,
+                                 [](const Piece& p) { return p.span.tier == HostTier::disk; });
+    if (seconds > 0) r.phases.push_back({"hash", seconds});
+  }
   finish_pinning(s, growths, r);
+}
+
+std::size_t hash_group_end(const Pool::State& s, const SleepPlan& plan, std::size_t first) {
+  std::size_t bytes = 0, k = first;
+  for (; k < plan.chunks.size(); ++k) {
+    std::size_t chunk_bytes = 0;
+    for (const Piece& p : plan.chunks[k].pieces) chunk_bytes += p.bytes;
+    if (k > first && bytes + chunk_bytes > s.options.hash_group_bytes) break;
+    bytes += chunk_bytes;
+  }
+  return k;
+}
+
+void hash_and_match(Pool::State& s, SleepPlan& plan, std::size_t first, std::size_t last, TransitionReport& r,
+                    double* hash_seconds) {
+  if (!s.hash_stream) return;  // created exactly when skip_unchanged is on
+  *hash_seconds += hash_pieces(s, plan, first, last, *s.hash_stream, r, [](const Piece&) { return true; });
+  for (std::size_t k = first; k < last; ++k) match_lent_copies(plan.chunks[k]);
 }
 
 }  // namespace torpor

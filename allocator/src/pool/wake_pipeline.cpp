@@ -1,6 +1,7 @@
 // The wake's plan and pipeline; the design note and invariants are in wake_pipeline.hpp.
 #include "pool/wake_pipeline.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <exception>
 #include <thread>
@@ -9,6 +10,13 @@
 #include "torpor/log.hpp"
 
 namespace torpor {
+
+namespace {
+
+// A chunk whose wake copies bytes back (restores), not only maps (and maybe fills).
+bool restores(const Chunk* c) { return !c->backups.empty(); }
+
+}  // namespace
 
 std::vector<WakeGroup> plan_wake_groups(const Pool::State& s, const std::vector<std::string>& tags) {
   std::vector<WakeGroup> groups;
@@ -24,6 +32,9 @@ std::vector<WakeGroup> plan_wake_groups(const Pool::State& s, const std::vector<
     group_end = c->va + c->bytes;
     group_bytes += c->bytes;
   }
+  // The groups with restores are mapped first, so their copies run while the others are mapped.
+  std::stable_partition(groups.begin(), groups.end(),
+                        [](const WakeGroup& g) { return std::any_of(g.begin(), g.end(), restores); });
   return groups;
 }
 

@@ -1,5 +1,7 @@
 // The wake's plan and pipeline. The plan groups the asleep chunks of the tags into runs of
-// VA-contiguous chunks of at most map_group_bytes: one set_access call each. The pipeline: a
+// VA-contiguous chunks of at most map_group_bytes: one set_access call each; the groups with a
+// backup to restore come first (in VA order, then the others in VA order), so their copies run
+// while the rest is mapped. The pipeline: a
 // map thread creates and maps each group's chunks (Chunk::remap) and sets access once for the
 // group; the calling thread enqueues each ready group's restores (host store -> device, pageable
 // and spilled backups through the staging ring) and fills (FillOnWake) on the copy streams in rotation while
@@ -32,7 +34,8 @@ namespace torpor {
 
 using WakeGroup = std::vector<Chunk*>;
 
-// The asleep chunks of `tags` in VA order, grouped for one set_access call per group.
+// The asleep chunks of `tags` grouped for one set_access call per group: the groups with
+// restores first, each part in VA order.
 std::vector<WakeGroup> plan_wake_groups(const Pool::State& s, const std::vector<std::string>& tags);
 
 class WakePipeline {
