@@ -25,6 +25,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <thread>
 
 #include "common/range_allocator.hpp"
 #include "timing.hpp"
@@ -54,6 +55,7 @@ struct Options {
   int baseline_cycles = 2;
   std::size_t ceiling_buffer = std::size_t{2} << 30;
   int release_threads = 2;
+  double settle = 0;                 // seconds of pause before each timed step of a cycle
   bool prepare = false;              // prepare_host_store() while the scenario loads
   bool overlap_pinning = false;      // PoolOptions::host_pin_overlap
   std::size_t host_store_limit = 0;  // PoolOptions::host_store_limit
@@ -292,13 +294,21 @@ int run(const Options& o) {
   j["backend"] = std::string(to_string(sel.backend));
   j["device"] = props.name;
   if (const char* c = std::getenv("TORPOR_COMMIT")) j["commit"] = c;
-  j["scenario"] = {{"param_count", o.param_count}, {"param_bytes", o.param_bytes},
-                   {"state_bytes", o.state_bytes}, {"state_min", o.state_min},
-                   {"state_max", o.state_max},     {"shared", o.shared},
-                   {"cache_bytes", o.cache_bytes}, {"cache_alloc", o.cache_alloc},
-                   {"cycles", o.cycles},           {"release_threads", o.release_threads},
-                   {"prepare", o.prepare},         {"host_store_limit", o.host_store_limit},
-                   {"spill_dir", o.spill_dir},     {"overlap_pinning", o.overlap_pinning}};
+  j["scenario"] = {{"param_count", o.param_count},
+                   {"param_bytes", o.param_bytes},
+                   {"state_bytes", o.state_bytes},
+                   {"state_min", o.state_min},
+                   {"state_max", o.state_max},
+                   {"shared", o.shared},
+                   {"cache_bytes", o.cache_bytes},
+                   {"cache_alloc", o.cache_alloc},
+                   {"cycles", o.cycles},
+                   {"release_threads", o.release_threads},
+                   {"settle_seconds", o.settle},
+                   {"prepare", o.prepare},
+                   {"host_store_limit", o.host_store_limit},
+                   {"spill_dir", o.spill_dir},
+                   {"overlap_pinning", o.overlap_pinning}};
 
   Ceiling ceiling;
   std::vector<nlohmann::json> cycles;
@@ -347,6 +357,7 @@ int run(const Options& o) {
       auto hp = hashes(d, st, s.params);
       auto hs = hashes(d, st, s.state);
       auto step = [&](const char* name, auto&& fn) {
+        if (o.settle > 0) std::this_thread::sleep_for(std::chrono::duration<double>(o.settle));
         std::size_t mapped = pool.stats().mapped_bytes;
         std::size_t free_before = d.memory_info(device).free_bytes;
         auto t0 = clock_type::now();
@@ -377,12 +388,15 @@ int run(const Options& o) {
                  " | returned L1 {:.4f} L2 {:.4f}\n",
                  c, g("l1_sleep"), g("l1_wake"), g("l1_sleep_unchanged"), g("l2_sleep"), g("l2_wake_weights"),
                  g("l2_wake_kv"), cj["l1_sleep"]["returned"].get<double>(), cj["l2_sleep"]["returned"].get<double>());
-      // Where the changed sleep's time goes: with the pinning overlapped, host_pinning_wait is the
-      // time the copies waited for their blocks, inside offload_and_release.
-      std::string phases;
-      for (auto& [name, sec] : cj["l1_sleep"]["phases"].items())
-        phases += fmt::format("{}{} {:.3f} s", phases.empty() ? "" : ", ", name, sec.get<double>());
-      fmt::print("  cycle {} L1 sleep phases: {}\n", c, phases);
+      // Where each step's time goes. With the pinning overlapped, host_pinning_wait is the time
+      // the copies waited for their blocks, inside offload_and_release; the hash runs group by
+      // group inside offload_and_release too, so the phases of a sleep overlap.
+      for (const char* k : {"l1_sleep", "l1_sleep_unchanged", "l2_sleep", "l2_wake_weights", "l2_wake_kv"}) {
+        std::string phases;
+        for (auto& [name, sec] : cj[k]["phases"].items())
+          phases += fmt::format("{}{} {:.4f} s", phases.empty() ? "" : ", ", name, sec.get<double>());
+        fmt::print("  cycle {} {} phases: {}\n", c, k, phases);
+      }
       cycles.push_back(cj);
     }
     PoolStats hs = pool.stats();
@@ -533,6 +547,11 @@ int main(int argc, char** argv) {
       "pinned buffer for the ceiling copies (default 2G)");
   app.add_option("--release-threads", o.release_threads, "PoolOptions::release_threads (default 2)")
       ->check(CLI::Range(1, 64));
+  app.add_option("--settle", o.settle,
+                 "pause this many seconds before each timed step of a cycle, as an engine's rollout or a trainer's "
+                 "step would between a sleep and a wake: the driver's own work on the memory just released or "
+                 "created is then done (default 0)")
+      ->check(CLI::Range(0.0, 60.0));
   app.add_flag("--prepare", o.prepare, "prepare_host_store() while the scenario loads (first-sleep target 0.8 s)");
   app.add_flag("--overlap-pinning", o.overlap_pinning,
                "a first sleep that grows the host store copies into each block once it is page-locked, "

@@ -5,7 +5,8 @@
 #   scripts/gpu_run.sh [stage ...]     stages: probe doctor tests readme readme-main readme-test bench-sleep bench-sleep-threads python
 #                                      bench-first-sleep first-sleep-variance bench-torch-sleep
 #                                      bench-engine-first-sleep
-#                                      torch-sleep-profile host-store bench-fixed-costs bench-multi-pool
+#                                      torch-sleep-profile host-store bench-fixed-costs bench-fixed-scenario
+#                                      bench-multi-pool
 #                                      engines graphs vllm-today tms-examples sglang-sequence
 #                                      distributed symmetric symmetric-nccl tail tail-bench stress
 #                                      stress-tail soak
@@ -92,7 +93,12 @@
 # bench-fixed-costs (1 GPU) is issue 30's fixed-cost record: torpor_bench_fixed sweeps 100 to
 # 10,000 one-granule chunks and reports each phase (unchanged L1 sleep, L1 wake, L2 sleep, L2 wake)
 # per chunk and per call, beside the floor of each driver call timed in the same run
-# (bench-fixed-costs.txt, .json, and the plot bench-fixed-costs.png). bench-multi-pool (any
+# (bench-fixed-costs.txt, .json, and the plot bench-fixed-costs.png). bench-fixed-scenario (1 GPU)
+# is the same record on issue 3's scenario (103 chunks, the host store prepared, 4 cycles, each
+# step's phases): with TORPOR_BASELINE_SRC=dir (an older tree, e.g. `git archive` of the commit
+# before a change unpacked under the ignored .anchors/ and carried) that tree's bench is built
+# too and the two run alternately, twice each, on the same machine
+# (bench-fixed-scenario-N-{ours,baseline}.txt, .json). bench-multi-pool (any
 # number of GPUs; on one, N pools share it)
 # sleeps and wakes 1, 2, 4 and 8 pools at once from threads and sets the aggregate rate beside the
 # host's own memcpy bandwidth measured in the same process (bench-multi-pool.txt, .json).
@@ -242,6 +248,24 @@ for stage in "${stages[@]}"; do
         echo "release threads $t:"; grep -E "^cycle|L1 sleep \(unchanged\)|L2 sleep|L2 wake" "$OUT/bench-sleep-threads$t.txt"
       done
       ;;
+    bench-fixed-scenario)
+      runs=(ours)
+      if [ -n "${TORPOR_BASELINE_SRC:-}" ]; then
+        { cmake -S "$TORPOR_BASELINE_SRC" -B build-baseline -G Ninja -DCMAKE_BUILD_TYPE=Release > "$OUT/baseline-configure.log" 2>&1 &&
+            cmake --build build-baseline -j "$(nproc)" --target torpor_bench_sleep > "$OUT/baseline-build.log" 2>&1 &&
+            runs=(baseline ours baseline ours); } || { echo "baseline build failed"; tail -n 20 "$OUT/baseline-build.log"; status=1; }
+      fi
+      n=0
+      for who in "${runs[@]}"; do
+        n=$((n + 1))
+        bin=$build/bench/torpor_bench_sleep
+        [ "$who" = baseline ] && bin=build-baseline/bench/torpor_bench_sleep
+        timeout 200 $bin --no-baseline --cycles 4 --prepare --json "$OUT/bench-fixed-scenario-$n-$who.json" \
+          > "$OUT/bench-fixed-scenario-$n-$who.txt" 2>&1 || status=1
+        echo "== $n $who:"
+        grep -E "^cycle [34]|cycle 4 .*phases:|^torpor L|issue30" "$OUT/bench-fixed-scenario-$n-$who.txt"
+      done
+      ;;
     bench-first-sleep)
       # unprepared: all the pinning, then the copies (the default); unprepared-overlap: the other
       # arrangement (--overlap-pinning), in the same run, so the record says which is faster.
@@ -254,7 +278,7 @@ for stage in "${stages[@]}"; do
         TORPOR_LOG=info timeout 300 $build/bench/torpor_bench_sleep --no-baseline --cycles 2 $flag \
           --json "$OUT/bench-first-sleep-$variant.json" > "$OUT/bench-first-sleep-$variant.txt" 2>&1 || status=1
         echo "== first sleep, $variant:"
-        grep -E "host store|^cycle|L1 sleep phases|first_l1_sleep|l1_sleep_of_ceiling|l1_wake_of_ceiling|unchanged_sleep|issue30" \
+        grep -E "host store|^cycle|phases:|first_l1_sleep|l1_sleep_of_ceiling|l1_wake_of_ceiling|unchanged_sleep|issue30" \
           "$OUT/bench-first-sleep-$variant.txt"
       done
       spill=$(mktemp -d "$PWD/spill.XXXXXX")
