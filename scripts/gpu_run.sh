@@ -98,7 +98,8 @@
 # step's phases): with TORPOR_BASELINE_SRC=dir (an older tree, e.g. `git archive` of the commit
 # before a change unpacked under the ignored .anchors/ and carried) that tree's bench is built
 # too and the two run alternately, twice each, on the same machine
-# (bench-fixed-scenario-N-{ours,baseline}.txt, .json). bench-multi-pool (any
+# (bench-fixed-scenario-N-{ours,baseline}.txt, .json); then ours once more with --settle 1
+# (bench-fixed-scenario-settled.txt, .json). bench-multi-pool (any
 # number of GPUs; on one, N pools share it)
 # sleeps and wakes 1, 2, 4 and 8 pools at once from threads and sets the aggregate rate beside the
 # host's own memcpy bandwidth measured in the same process (bench-multi-pool.txt, .json).
@@ -265,6 +266,12 @@ for stage in "${stages[@]}"; do
         echo "== $n $who:"
         grep -E "^cycle [34]|cycle 4 .*phases:|^torpor L|issue30" "$OUT/bench-fixed-scenario-$n-$who.txt"
       done
+      # Ours again with a second's pause before each step: what is left is torpor's and the
+      # driver's cost of the step itself, not the driver's work on memory the step before freed.
+      timeout 200 $build/bench/torpor_bench_sleep --no-baseline --cycles 3 --prepare --settle 1 \
+        --json "$OUT/bench-fixed-scenario-settled.json" > "$OUT/bench-fixed-scenario-settled.txt" 2>&1 || status=1
+      echo "== ours, settled 1 s:"
+      grep -E "^cycle 3|cycle 3 .*phases:|^torpor L|issue30" "$OUT/bench-fixed-scenario-settled.txt"
       ;;
     bench-first-sleep)
       # unprepared: all the pinning, then the copies (the default); unprepared-overlap: the other
