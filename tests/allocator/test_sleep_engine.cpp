@@ -557,13 +557,22 @@ PoolOptions one_granule_chunks() {
   return o;
 }
 
+// A pool on the host backend behind the decorator, its observer set before the pool uses it.
+struct OverlapRig {
+  HostDriver host{HostBackend::options()};
+  FaultInjectingDriver d{host};
+  Overlap overlap;
+  Pool pool;
+  OverlapRig(DriverCall held, std::size_t nth, DriverCall partner, const PoolOptions& o)
+      : overlap(held, nth, partner), pool((d.observe(overlap.observer()), d), o) {}
+  std::size_t gran() const { return host.options().granularity; }
+};
+
 TEST(EngineOverlap, ChunksWithNothingToKeepAreReleasedWhileTheOthersAreHashed) {
-  HostDriver host(HostBackend::options());
-  FaultInjectingDriver d(host);
-  Overlap overlap(DriverCall::hash, 1, DriverCall::release);
-  d.observe(overlap.observer());
-  Pool pool(d, one_granule_chunks());
-  Granules g(pool, host.options().granularity, 4, 4, 4);
+  OverlapRig rig(DriverCall::hash, 1, DriverCall::release, one_granule_chunks());
+  Pool& pool = rig.pool;
+  Overlap& overlap = rig.overlap;
+  Granules g(pool, rig.gran(), 4, 4, 4);
   pool.sleep(1);
   pool.wake_up();
 
@@ -586,15 +595,13 @@ TEST(EngineOverlap, ChunksWithNothingToKeepAreReleasedWhileTheOthersAreHashed) {
 }
 
 TEST(EngineOverlap, LaterChunksAreHashedWhileEarlierOnesAreCopiedAndReleased) {
-  HostDriver host(HostBackend::options());
-  FaultInjectingDriver d(host);
-  Overlap overlap(DriverCall::hash, 2, DriverCall::release);
-  d.observe(overlap.observer());
   PoolOptions o = one_granule_chunks();
   o.hash_group_bytes = 1;  // one chunk per hash call
-  Pool pool(d, o);
+  OverlapRig rig(DriverCall::hash, 2, DriverCall::release, o);
+  Pool& pool = rig.pool;
+  Overlap& overlap = rig.overlap;
   constexpr int chunks = 6;
-  Granules g(pool, host.options().granularity, chunks, 0, 0);
+  Granules g(pool, rig.gran(), chunks, 0, 0);
   for (int sleep = 0; sleep < 2; ++sleep) {  // copied, then unchanged
     overlap.arm();
     TransitionReport r = pool.sleep(1);
@@ -623,14 +630,12 @@ TEST(EngineOverlap, AHashGroupOfZeroBytesIsRefusedNamingTheOption) {
 }
 
 TEST(EngineOverlap, AWakeMapsTheChunksWithRestoresFirstAndRestoresWhileTheOthersMap) {
-  HostDriver host(HostBackend::options());
-  FaultInjectingDriver d(host);
-  Overlap overlap(DriverCall::create, 2, DriverCall::copy);
-  d.observe(overlap.observer());
   PoolOptions o = one_granule_chunks();
   o.map_group_bytes = 1;  // one chunk per map group
-  Pool pool(d, o);
-  Granules g(pool, host.options().granularity, 4, 2, 0);
+  OverlapRig rig(DriverCall::create, 2, DriverCall::copy, o);
+  Pool& pool = rig.pool;
+  Overlap& overlap = rig.overlap;
+  Granules g(pool, rig.gran(), 4, 2, 0);
   auto lowest = [&](MemoryClass cls) {
     std::uintptr_t low = UINTPTR_MAX;
     for (auto& it : g.items)
