@@ -97,9 +97,8 @@
 # is the same record on issue 3's scenario (103 chunks, the host store prepared, 4 cycles, each
 # step's phases): with TORPOR_BASELINE_SRC=dir (an older tree, e.g. `git archive` of the commit
 # before a change unpacked under the ignored .anchors/ and carried) that tree's bench is built
-# too and the two run alternately, twice each, on the same machine
-# (bench-fixed-scenario-N-{ours,baseline}.txt, .json); then ours once more with --settle 1
-# (bench-fixed-scenario-settled.txt, .json). bench-multi-pool (any
+# too and the two run alternately, twice each, on the same machine, with ours once more after the
+# first pair with --settle 1 (bench-fixed-scenario-N-{baseline,ours,settled}.txt, .json). bench-multi-pool (any
 # number of GPUs; on one, N pools share it)
 # sleeps and wakes 1, 2, 4 and 8 pools at once from threads and sets the aggregate rate beside the
 # host's own memcpy bandwidth measured in the same process (bench-multi-pool.txt, .json).
@@ -250,28 +249,25 @@ for stage in "${stages[@]}"; do
       done
       ;;
     bench-fixed-scenario)
-      runs=(ours)
+      # "settled": ours with a second's pause before each step: what is left is torpor's and the
+      # driver's cost of the step itself, not the driver's work on memory the step before freed.
+      runs=(ours settled)
       if [ -n "${TORPOR_BASELINE_SRC:-}" ]; then
         { cmake -S "$TORPOR_BASELINE_SRC" -B build-baseline -G Ninja -DCMAKE_BUILD_TYPE=Release > "$OUT/baseline-configure.log" 2>&1 &&
             cmake --build build-baseline -j "$(nproc)" --target torpor_bench_sleep > "$OUT/baseline-build.log" 2>&1 &&
-            runs=(baseline ours baseline ours); } || { echo "baseline build failed"; tail -n 20 "$OUT/baseline-build.log"; status=1; }
+            runs=(baseline ours settled baseline ours); } || { echo "baseline build failed"; tail -n 20 "$OUT/baseline-build.log"; status=1; }
       fi
       n=0
       for who in "${runs[@]}"; do
         n=$((n + 1))
-        bin=$build/bench/torpor_bench_sleep
+        bin=$build/bench/torpor_bench_sleep args=(--cycles 4)
         [ "$who" = baseline ] && bin=build-baseline/bench/torpor_bench_sleep
-        timeout 200 $bin --no-baseline --cycles 4 --prepare --json "$OUT/bench-fixed-scenario-$n-$who.json" \
+        [ "$who" = settled ] && args=(--cycles 3 --settle 1)
+        timeout 200 $bin --no-baseline --prepare "${args[@]}" --json "$OUT/bench-fixed-scenario-$n-$who.json" \
           > "$OUT/bench-fixed-scenario-$n-$who.txt" 2>&1 || status=1
         echo "== $n $who:"
-        grep -E "^cycle [34]|cycle 4 .*phases:|^torpor L|issue30" "$OUT/bench-fixed-scenario-$n-$who.txt"
+        grep -E "^cycle [34]|cycle [34] .*phases:|^torpor L|issue30" "$OUT/bench-fixed-scenario-$n-$who.txt"
       done
-      # Ours again with a second's pause before each step: what is left is torpor's and the
-      # driver's cost of the step itself, not the driver's work on memory the step before freed.
-      timeout 200 $build/bench/torpor_bench_sleep --no-baseline --cycles 3 --prepare --settle 1 \
-        --json "$OUT/bench-fixed-scenario-settled.json" > "$OUT/bench-fixed-scenario-settled.txt" 2>&1 || status=1
-      echo "== ours, settled 1 s:"
-      grep -E "^cycle 3|cycle 3 .*phases:|^torpor L|issue30" "$OUT/bench-fixed-scenario-settled.txt"
       ;;
     bench-first-sleep)
       # unprepared: all the pinning, then the copies (the default); unprepared-overlap: the other
