@@ -83,7 +83,7 @@ std::size_t lend_retained_copies(Pool::State& s, ChunkPlan& plan) {
     const HostCopy& kept = it->second;
     if (s.host.writable(kept.span, p.bytes)) {
       p.span = kept.span;
-      p.lent = LentCopy{kept.hash, kept.hashed, kept.sample, kept.sampled};
+      p.lent = kept;
     } else {
       s.free_span(kept.span);  // a span cut by drop_copies: the piece takes a fresh one below
     }
@@ -101,9 +101,9 @@ void match_lent_copies(ChunkPlan& plan) {
   const Chunk& c = *plan.chunk;
   for (Piece& p : plan.pieces) {
     if (!p.lent) continue;
-    const LentCopy& kept = *p.lent;
+    const HostCopy& kept = *p.lent;
     p.skip = p.hashed && kept.hashed && kept.hash == p.hash;
-    if (p.skip && kept.sampled && sample_of(p.span.ptr, p.bytes) != kept.sample) {
+    if (p.skip && kept.sampled && sample_of(kept.span.ptr, kept.bytes) != kept.sample) {
       // The host copy changed while it was kept: the device still has the bytes, copy them again.
       log::warn("sleep: the retained host copy of chunk {:#x} +{:#x} ({} bytes, tag '{}') changed since it was made; "
                 "copying the bytes again",

@@ -40,21 +40,13 @@
 
 namespace torpor {
 
-// What a retained copy that lends a piece its span says of the bytes it holds (HostCopy).
-struct LentCopy {
-  Hash128 hash;
-  bool hashed = false;
-  Hash128 sample;
-  bool sampled = false;
-};
-
 struct Piece {
   std::size_t offset = 0;  // in the chunk
   std::size_t bytes = 0;
   HostSpan span;  // destination (null until assigned)
   Hash128 hash;
   bool hashed = false;
-  std::optional<LentCopy> lent;  // the span is a retained copy's (step 2)
+  std::optional<HostCopy> lent;  // the retained copy whose span this is (step 2)
   bool skip = false;             // the retained copy holds exactly these bytes (step 3)
   Hash128 sample;                // sample_of the host copy (chunk.hpp), once it holds the bytes
   bool sampled = false;
