@@ -15,8 +15,12 @@ MemAllocator protocol of ``vllm.device_allocator``) over torpor, with vLLM's sem
 What each call does, as vLLM's CuMemAllocator (the versions README's vLLM section names):
 
 - ``sleep(offload_tags)``: every byte of every allocation whose tag is in offload_tags is kept
-  (copied to host memory); every byte of every other tag is discarded. None means ("default",),
-  a string one tag. Tags already asleep keep the fate they fell asleep with.
+  (copied to host memory), and so is every byte of the tags vLLM keeps at every level ("runtime",
+  "cudagraph"); the tags vLLM declares discardable ("weights", "kv_cache", "default",
+  "workspace") lose every byte unless listed. A tag vLLM does not declare discardable
+  (VLLM_TAG_FATES does not name it) is kept, and named once in the log: torpor never discards
+  bytes the engine did not declare discardable. None means ("default",), a string one tag. Tags
+  already asleep keep the fate they fell asleep with.
 - ``discard(tags)``: the awake allocations of those tags are discarded, nothing copied.
 - ``wake_up(tags)``: None wakes every tag. A list wakes those tags, and every sleeping tag other
   than "weights" and "kv_cache" (vLLM: selective wake may defer only those two). Tags that were
@@ -99,6 +103,8 @@ e.g. commit 010c211270c004db49f91933849804821d153e4d, predate the graph pool).
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
 from typing import Callable, Iterable
 
 from . import engine, environment
@@ -107,8 +113,63 @@ from .errors import InvalidArgument, InvalidType
 from .pool import MemoryClass
 from .tags import KV_CACHE, WEIGHTS
 
+logger = logging.getLogger(__name__)
+
 # vLLM's DEFERRABLE_TAGS: a selective wake leaves only these asleep.
 DEFERRABLE_TAGS: tuple[str, ...] = (WEIGHTS, KV_CACHE)
+
+# What vLLM's sleep does with each tag it allocates into, the one table this mode follows.
+# "listed": offloaded when the sleep's offload_tags names the tag, else discarded (vLLM declares
+# the bytes discardable); "always": offloaded at every level, whatever offload_tags says. Read from
+# vLLM's public sources (code index ids; the index gives no commit for them):
+# - weights, kv_cache: the worker's sleep through CuMemBackend.suspend, offload_tags ("weights",)
+#   at level 1 and () at level 2 (vllm/device_allocator/sleep_mode_backend.py, id 66905327771);
+# - default: CuMemAllocator.default_tag, offloaded by sleep() with no argument (cumem.py, commit
+#   9ac9658813add86b01198b8204d02e245daddb2a; test_basic_cumem);
+# - workspace: the WorkspaceManager's scratch, "Discarded, not copied" at level 1 (test_cumem.py's
+#   test_workspace_scratch_discarded_on_sleep, id 70104731465; vllm/v1/worker/workspace.py, commit
+#   4f5923a7b50cbafa0f93a7ec70125ee74619dd38);
+# - runtime: "Runtime state is offloaded at both levels and restored by the first selective wake"
+#   (test_cumem.py's test_runtime_state_survives_sleep, id 70104731465);
+# - cudagraph: Model Runner V2's graph pool, backed up at both levels (test_cudagraph_pool_sleep,
+#   same file).
+# A tag this table does not name was not declared discardable by vLLM: it is offloaded at every
+# level, like "always", and named once in the log (a newer vLLM may have added it). An engine that
+# allocates into discardable tags of its own declares them here ("listed") before its first sleep.
+VLLM_TAG_FATES: dict[str, str] = {
+    WEIGHTS: "listed",
+    KV_CACHE: "listed",
+    "default": "listed",
+    "workspace": "listed",
+    "runtime": "always",
+    "cudagraph": "always",
+}
+
+_unknown_lock = threading.Lock()
+_unknown_logged: set[str] = set()
+
+
+def kept_by_vllm(tag: str, offload: tuple[str, ...]) -> bool:
+    """Whether vLLM's sleep with these offload_tags keeps `tag`'s bytes (VLLM_TAG_FATES); a tag
+    the table does not know is kept, and named once in the log."""
+    fate = VLLM_TAG_FATES.get(tag)
+    if fate == "listed":
+        return tag in offload
+    if fate is None and tag not in offload:
+        _log_unknown(tag)
+    return True
+
+
+def _log_unknown(tag: str) -> None:
+    with _unknown_lock:
+        if tag in _unknown_logged:
+            return
+        _unknown_logged.add(tag)
+    logger.warning(
+        "torpor: vLLM tag %r is not one vLLM declares discardable (torpor.vllm.VLLM_TAG_FATES): its bytes are "
+        "offloaded to host memory at every sleep level instead of discarded",
+        tag,
+    )
 
 
 def _tag_tuple(tags, what: str) -> tuple[str, ...]:
@@ -240,10 +301,11 @@ class CuMemAllocator:
     # -- sleep -------------------------------------------------------------------------------
 
     def _steps(self, offload: tuple[str, ...], tags: list[str]) -> list:
-        offload = offload + (self.cudagraph_tag,)  # vLLM backs the graph pool up at every level
+        """The two sleeps of vLLM's sleep(offload): what it keeps (VLLM_TAG_FATES), then the rest."""
+        kept = [t for t in tags if kept_by_vllm(t, offload)]
         return [
-            (1, [t for t in tags if t in offload], keep_everything),
-            (2, [t for t in tags if t not in offload], _discard),
+            (1, kept, keep_everything),
+            (2, [t for t in tags if t not in kept], _discard),
         ]
 
     def _planned(self, level: int, tags: list[str]) -> list:
@@ -290,4 +352,4 @@ class CuMemAllocator:
         return environment.enabled(variable) if value is None else bool(value)
 
 
-__all__ = ["DEFERRABLE_TAGS", "CuMemAllocator", "register_tag_hooks"]
+__all__ = ["DEFERRABLE_TAGS", "VLLM_TAG_FATES", "CuMemAllocator", "kept_by_vllm", "register_tag_hooks"]

@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 
 import torpor  # noqa: E402
 from torpor.tms import torch_memory_saver as tms  # noqa: E402
-from torpor.vllm import CuMemAllocator  # noqa: E402
+from torpor.vllm import VLLM_TAG_FATES, CuMemAllocator  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -88,9 +88,10 @@ def test_vllm_discard_tags():
     del weights, kv
 
 
-def test_vllm_level_2_discards_every_byte_of_an_unregistered_weights_tag():
+def test_vllm_level_2_discards_every_byte_of_an_unregistered_weights_tag(monkeypatch):
     # vLLM's test poisons the remapped memory with 0xA5; torpor's pools poison it themselves
-    # (fill_on_wake="poison": 0xFF).
+    # (fill_on_wake="poison": 0xFF). The tag stands for "weights": declared discardable unless listed.
+    monkeypatch.setitem(VLLM_TAG_FATES, "e.l2", "listed")
     allocator = CuMemAllocator.get_instance()
     with allocator.use_memory_pool("e.l2"):
         fake_weight = torch.full((4096,), 0x44, dtype=torch.uint8, device="cuda")

@@ -11,6 +11,7 @@ import fake_torch
 import torpor
 from torpor import engine
 from torpor.torch import api, parameters, remark
+from torpor.vllm import VLLM_TAG_FATES
 from conftest import MiB, POISON, TORCH_POOL_OPTIONS, pattern, fresh_torch_layer
 
 
@@ -188,7 +189,9 @@ def test_sleep_and_wake_restore_the_current_device(torch):
     assert torch.current["set_device_calls"] == calls + 2 and torch.cuda.current_device() == 0
 
 
-def test_vllm_cumem_allocator_maps_offload_tags_to_levels(torch):
+def test_vllm_cumem_allocator_maps_offload_tags_to_levels(torch, monkeypatch):
+    for tag in ("tl.vllm_weights", "tl.vllm_other"):  # tags of this test, declared discardable as vLLM's own
+        monkeypatch.setitem(VLLM_TAG_FATES, tag, "listed")
     allocator = torpor.CuMemAllocator.get_instance()
     with allocator.use_memory_pool(tag="tl.vllm_weights"):
         torch.empty(MiB)

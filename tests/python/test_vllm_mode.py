@@ -149,6 +149,31 @@ def test_registered_parameters_make_level_2_keep_everything_else_and_copy_no_par
     assert e.lost("kv") and e.lost("other"), "tags without registered parameters are discarded in full"
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_tags_vllm_did_not_declare_discardable_keep_every_byte_at_both_levels(torch, level, caplog):
+    """vLLM keeps "runtime" at both levels and declares "workspace" discardable; a tag vLLM's files
+    do not name (a newer vLLM's) is kept rather than lost, and named once in the log. The oracle
+    is the bytes written before the sleep (discarded bytes come back as the poison fill)."""
+    allocator = CuMemAllocator.get_instance()
+    unknown = f"a_tag_vllm_added_later_{level}"  # new to this process: logged here
+    tensors = {}
+    for tag in ("runtime", "workspace", unknown):
+        with allocator.use_memory_pool(tag=tag):
+            tensors[tag] = torch.empty(32 << 10)
+    data = {tag: fill(t, 40 + i) for i, (tag, t) in enumerate(tensors.items())}
+    with caplog.at_level("WARNING", logger="torpor.vllm"):
+        for _ in range(2):
+            allocator.sleep(offload_tags=("weights",) if level == 1 else ())
+            allocator.wake_up(["weights"])
+            assert not allocator.is_asleep(list(tensors)), "a selective wake wakes every tag but weights and kv_cache"
+            assert read(tensors["runtime"]) == data["runtime"], "runtime state survives both levels"
+            assert read(tensors[unknown]) == data[unknown], "a tag vLLM did not declare discardable is kept"
+            assert read(tensors["workspace"]) == POISON * tensors["workspace"]._nbytes, "workspace is scratch"
+    named = [r for r in caplog.records if unknown in r.getMessage()]
+    assert len(named) == 1, "named once in the log, not at every sleep"
+    assert not any("'runtime'" in r.getMessage() or "'workspace'" in r.getMessage() for r in caplog.records)
+
+
 def test_wake_up_ignores_unknown_tags_and_defers_only_weights_and_kv_cache(torch):
     allocator = CuMemAllocator.get_instance()
     e = Engine(torch, allocator)
