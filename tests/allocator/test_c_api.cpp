@@ -140,6 +140,41 @@ TEST(CApiEnums, NamesAndValuesMatchTheHeader) {
   EXPECT_STREQ(torpor_fill_name(TORPOR_FILL_POISON), "poison");
   EXPECT_EQ(torpor_fill_name(-1), nullptr);
   EXPECT_EQ(torpor_fill_name(TORPOR_FILL_POISON + 1), nullptr);
+
+  EXPECT_STREQ(torpor_sleep_level_name(TORPOR_SLEEP_NONE), "none");
+  EXPECT_STREQ(torpor_sleep_level_name(TORPOR_SLEEP_OFFLOAD), "offload");
+  EXPECT_STREQ(torpor_sleep_level_name(TORPOR_SLEEP_DISCARD_PARAMETERS), "discard_parameters");
+  EXPECT_EQ(torpor_sleep_level_name(-1), nullptr);
+  EXPECT_EQ(torpor_sleep_level_name(TORPOR_SLEEP_DISCARD_PARAMETERS + 1), nullptr);
+}
+
+// The graph-memory entries check their arguments before asking a driver, and without a usable GPU
+// say so (UNAVAILABLE, naming the cuda backend), never crash or report 0. The GPU side (a graph
+// with memory nodes counted) is tests/python/test_graphs_gpu.py's and the fusion runner's.
+TEST(CApi, GraphMemoryEntriesCheckArgumentsAndNameAMissingGpu) {
+  std::size_t count = 7;
+  EXPECT_EQ(torpor_graph_memory_nodes(0x1000, nullptr), TORPOR_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(torpor_graph_memory_nodes(0, &count), TORPOR_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(torpor_last_error()).find("graph is 0"), std::string::npos) << torpor_last_error();
+  EXPECT_EQ(count, 7u);
+  unsigned long long used = 0;
+  unsigned long long reserved = 0;
+  EXPECT_EQ(torpor_graph_memory(0, nullptr, &reserved), TORPOR_ERROR_INVALID_ARGUMENT);
+  // Whether a usable GPU is here, asked of the pool API rather than of the entries under test.
+  torpor_pool_options o;
+  torpor_pool_options_init(&o);
+  o.backend = TORPOR_BACKEND_CUDA;
+  torpor_pool_t gpu_pool = nullptr;
+  const bool gpu = torpor_pool_create(&o, &gpu_pool) == TORPOR_OK;
+  if (gpu) ASSERT_EQ(torpor_pool_destroy(gpu_pool), TORPOR_OK);
+  const torpor_status s = torpor_graph_memory(0, &used, &reserved);
+  if (gpu) {
+    EXPECT_EQ(s, TORPOR_OK) << torpor_last_error();
+    return;
+  }
+  EXPECT_EQ(s, TORPOR_ERROR_UNAVAILABLE) << torpor_last_error();
+  EXPECT_NE(std::string(torpor_last_error()).find("cuda backend"), std::string::npos) << torpor_last_error();
+  EXPECT_EQ(torpor_graph_memory_nodes(0x1000, &count), TORPOR_ERROR_UNAVAILABLE) << torpor_last_error();
 }
 
 TEST_F(CPoolFixture, MarkAndPreserveThroughTheCApi) {

@@ -120,6 +120,13 @@ struct MemoryInfo {
   std::size_t total_bytes = 0;
 };
 
+// What CUDA's own graph allocator holds on a device (memory nodes of every graph of the process):
+// memory torpor does not own, which a sleep cannot give back.
+struct GraphMemory {
+  std::uint64_t used_bytes = 0;
+  std::uint64_t reserved_bytes = 0;
+};
+
 // What a driver can do, as far as the layers above need to know. A decorator reports its inner
 // driver's.
 struct DriverCapabilities {
@@ -294,6 +301,14 @@ class Driver {
   // runtime that take one (NCCL): on the cuda backend the CUstream, the same object as the
   // runtime's cudaStream_t. The default says "not supported".
   virtual void* native_stream(Stream s);
+
+  // --- CUDA graphs the application captured (outside torpor's pools) -------------------------
+  // Memory nodes (allocation and free nodes, child graphs included) of a captured graph, given as
+  // the backend's graph handle (a CUgraph); a graph with such nodes keeps memory in CUDA's graph
+  // allocator, out of torpor's reach. graph_memory: that allocator's current bytes on `device`.
+  // The defaults say "not supported" (a backend without CUDA graphs).
+  virtual std::size_t graph_memory_nodes(std::uintptr_t graph);
+  virtual GraphMemory graph_memory(int device);
 
   // --- exact accounting (capabilities().physical_accounting) ---------------------------------
   // Bytes of physical memory created on `device` and still alive (a handle or a mapping refers to

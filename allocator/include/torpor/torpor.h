@@ -56,6 +56,13 @@ typedef enum torpor_backend {
 
 typedef enum torpor_fill { TORPOR_FILL_NONE = 0, TORPOR_FILL_ZERO = 1, TORPOR_FILL_POISON = 2 } torpor_fill;
 
+/* The `level` of torpor_sleep and its kin (what each does to each class: README's sleep table). */
+typedef enum torpor_sleep_level {
+  TORPOR_SLEEP_NONE = 0,              /* memory is not touched */
+  TORPOR_SLEEP_OFFLOAD = 1,           /* parameters and state offloaded, cache discarded */
+  TORPOR_SLEEP_DISCARD_PARAMETERS = 2 /* parameters discarded too, unless preserved; state offloaded */
+} torpor_sleep_level;
+
 typedef struct torpor_pool_options {
   int device;       /* default 0 */
   int backend;      /* torpor_backend; default AUTO (TORPOR_BACKEND, else cuda if usable, else host) */
@@ -297,6 +304,18 @@ const char* torpor_backend_name(int backend);
 const char* torpor_fill_name(int fill);
 /* "auto", "posix_fd" or "fabric" for a torpor_handle_kind; NULL for a value out of range. */
 const char* torpor_handle_kind_name(int kind);
+/* "none", "offload" or "discard_parameters" for a torpor_sleep_level; NULL for a value out of range. */
+const char* torpor_sleep_level_name(int level);
+
+/* CUDA graphs the application captured outside torpor (the cuda backend; TORPOR_ERROR_UNAVAILABLE
+ * without a usable GPU):
+ *   torpor_graph_memory_nodes: the memory nodes (allocation and free nodes, child graphs included)
+ *     of the captured graph `graph` (a CUgraph / cudaGraph_t, as an integer) into *count: a graph
+ *     with such nodes keeps memory in CUDA's graph allocator, which no sleep gives back;
+ *   torpor_graph_memory: the bytes CUDA's graph allocator holds on `device` now (every graph of the
+ *     process), used and reserved. */
+torpor_status torpor_graph_memory_nodes(unsigned long long graph, size_t* count);
+torpor_status torpor_graph_memory(int device, unsigned long long* used, unsigned long long* reserved);
 
 #ifdef __cplusplus
 }

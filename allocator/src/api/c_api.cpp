@@ -653,6 +653,25 @@ const char* torpor_fill_name(int fill) {
 
 const char* torpor_handle_kind_name(int kind) { return detail::handle_kind_name_of(kind); }
 
+const char* torpor_sleep_level_name(int level) { return detail::sleep_level_name_of(level); }
+
+torpor_status torpor_graph_memory_nodes(unsigned long long graph, size_t* count) {
+  return guarded("torpor_graph_memory_nodes", [&] {
+    if (count == nullptr) throw invalid_argument("count is NULL");
+    if (graph == 0) throw invalid_argument("graph is 0 (no captured graph)");
+    *count = shared_driver(Backend::cuda).driver->graph_memory_nodes(static_cast<std::uintptr_t>(graph));
+  });
+}
+
+torpor_status torpor_graph_memory(int device, unsigned long long* used, unsigned long long* reserved) {
+  return guarded("torpor_graph_memory", [&] {
+    if (used == nullptr || reserved == nullptr) throw invalid_argument("used or reserved is NULL");
+    const GraphMemory m = shared_driver(Backend::cuda).driver->graph_memory(device);
+    *used = m.used_bytes;
+    *reserved = m.reserved_bytes;
+  });
+}
+
 }  // extern "C"
 
 // --- groups over the embedder's collectives ------------------------------------------------

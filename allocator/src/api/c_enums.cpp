@@ -52,6 +52,14 @@ const char* handle_kind_name_of(int kind) noexcept {
   return name == "?" ? nullptr : name.data();
 }
 
+const char* sleep_level_name_of(int level) noexcept {
+  static_assert(TORPOR_SLEEP_NONE == static_cast<int>(SleepLevel::none) &&
+                TORPOR_SLEEP_OFFLOAD == static_cast<int>(SleepLevel::offload) &&
+                TORPOR_SLEEP_DISCARD_PARAMETERS == static_cast<int>(SleepLevel::discard_parameters));
+  if (level < TORPOR_SLEEP_NONE || level > TORPOR_SLEEP_DISCARD_PARAMETERS) return nullptr;
+  return to_string(static_cast<SleepLevel>(level)).data();  // literals, so NUL-terminated
+}
+
 const char* status_name_of(int status) noexcept {
   const std::string_view name = name_of(status_names, status);
   return name == "?" ? nullptr : name.data();

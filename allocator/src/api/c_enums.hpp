@@ -25,6 +25,9 @@ const char* class_name_of(int memory_class) noexcept;
 // "auto", "posix_fd" or "fabric" for a torpor_handle_kind; nullptr for a value out of range.
 const char* handle_kind_name_of(int kind) noexcept;
 
+// "none", "offload" or "discard_parameters" for a torpor_sleep_level; nullptr out of range.
+const char* sleep_level_name_of(int level) noexcept;
+
 // "TORPOR_OK", "TORPOR_ERROR_INVALID_ARGUMENT", ...; nullptr for a value out of range.
 const char* status_name_of(int status) noexcept;
 

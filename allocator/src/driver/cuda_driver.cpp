@@ -82,13 +82,17 @@ namespace torpor {
   X(cuLaunchKernel, 4000)
 
 // Optional: multicast needs a recent driver; absence only means "no multicast".
-#define TORPOR_CUDA_OPTIONAL(X)       \
-  X(cuMulticastCreate, 12010)         \
-  X(cuMulticastAddDevice, 12010)      \
-  X(cuMulticastBindMem, 12010)        \
-  X(cuMulticastUnbind, 12010)         \
-  X(cuMulticastGetGranularity, 12010) \
-  X(cuDeviceGetPCIBusId, 4010)
+#define TORPOR_CUDA_OPTIONAL(X)           \
+  X(cuMulticastCreate, 12010)             \
+  X(cuMulticastAddDevice, 12010)          \
+  X(cuMulticastBindMem, 12010)            \
+  X(cuMulticastUnbind, 12010)             \
+  X(cuMulticastGetGranularity, 12010)     \
+  X(cuDeviceGetPCIBusId, 4010)            \
+  X(cuGraphGetNodes, 10000)               \
+  X(cuGraphNodeGetType, 10000)            \
+  X(cuGraphChildGraphNodeGetGraph, 10000) \
+  X(cuDeviceGetGraphMemAttribute, 11040)
 
 namespace {
 
@@ -727,6 +731,60 @@ MulticastHandle CudaDriver::multicast_import_fabric(const FabricHandle& handle) 
 
 // A Stream's value is the CUstream this driver created (stream_create).
 void* CudaDriver::native_stream(Stream s) { return reinterpret_cast<void*>(static_cast<std::uintptr_t>(s.value)); }
+
+namespace {
+
+// Memory nodes of one graph and of the graphs its child-graph nodes hold, recursively.
+std::size_t count_graph_memory_nodes(const CudaDriver::Impl& d, CUgraph graph);
+
+}  // namespace
+
+std::size_t CudaDriver::graph_memory_nodes(std::uintptr_t graph) {
+  Impl& d = *impl_;
+  if (d.cuGraphGetNodes_ == nullptr || d.cuGraphNodeGetType_ == nullptr || d.cuGraphChildGraphNodeGetGraph_ == nullptr)
+    throw_driver_error(CUDA_ERROR_NOT_SUPPORTED, "cuGraphGetNodes", "not in this driver");
+  if (graph == 0) throw invalid_argument("graph_memory_nodes: the graph handle is null");
+  return count_graph_memory_nodes(d, reinterpret_cast<CUgraph>(graph));
+}
+
+GraphMemory CudaDriver::graph_memory(int device) {
+  Impl& d = *impl_;
+  if (d.cuDeviceGetGraphMemAttribute_ == nullptr)
+    throw_driver_error(CUDA_ERROR_NOT_SUPPORTED, "cuDeviceGetGraphMemAttribute", "not in this driver");
+  auto context = d.bind(device, "cuDeviceGetGraphMemAttribute");
+  GraphMemory m;
+  const std::string args = fmt::format("device {}", device);
+  d.check(d.cuDeviceGetGraphMemAttribute_(d.devices[device], CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &m.used_bytes),
+          "cuDeviceGetGraphMemAttribute(used)", args);
+  d.check(d.cuDeviceGetGraphMemAttribute_(d.devices[device], CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &m.reserved_bytes),
+          "cuDeviceGetGraphMemAttribute(reserved)", args);
+  return m;
+}
+
+namespace {
+
+std::size_t count_graph_memory_nodes(const CudaDriver::Impl& d, CUgraph graph) {
+  std::size_t count = 0;
+  d.check(d.cuGraphGetNodes_(graph, nullptr, &count), "cuGraphGetNodes", "count");
+  std::vector<CUgraphNode> nodes(count);
+  if (count != 0) d.check(d.cuGraphGetNodes_(graph, nodes.data(), &count), "cuGraphGetNodes", "nodes");
+  std::size_t found = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    CUgraphNodeType type{};
+    d.check(d.cuGraphNodeGetType_(nodes[i], &type), "cuGraphNodeGetType", fmt::format("node {}", i));
+    if (type == CU_GRAPH_NODE_TYPE_MEM_ALLOC || type == CU_GRAPH_NODE_TYPE_MEM_FREE) {
+      ++found;
+    } else if (type == CU_GRAPH_NODE_TYPE_GRAPH) {
+      CUgraph child = nullptr;
+      d.check(d.cuGraphChildGraphNodeGetGraph_(nodes[i], &child), "cuGraphChildGraphNodeGetGraph",
+              fmt::format("node {}", i));
+      found += count_graph_memory_nodes(d, child);
+    }
+  }
+  return found;
+}
+
+}  // namespace
 
 void CudaDriver::make_current(int device) {
   // Deliberately persistent (no guard): the caller wants this device current from now on.

@@ -66,6 +66,8 @@ class CudaDriver final : public Driver {
   // libraries built on it such as NCCL, read as the current device.
   void make_current(int device) override;
   void* native_stream(Stream s) override;
+  std::size_t graph_memory_nodes(std::uintptr_t graph) override;
+  GraphMemory graph_memory(int device) override;
 
   void* host_alloc(std::size_t bytes) override;
   void host_free(void* p) override;

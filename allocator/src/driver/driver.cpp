@@ -146,6 +146,14 @@ void* Driver::native_stream(Stream) {
   not_supported(*this, "native_stream", "has no native stream for the CUDA runtime's libraries");
 }
 
+std::size_t Driver::graph_memory_nodes(std::uintptr_t) {
+  not_supported(*this, "cuGraphGetNodes", "has no CUDA graphs");
+}
+
+GraphMemory Driver::graph_memory(int) {
+  not_supported(*this, "cuDeviceGetGraphMemAttribute", "has no CUDA graph allocator");
+}
+
 std::size_t Driver::live_physical_bytes(int) const {
   not_supported(*this, "live_physical_bytes", "keeps no exact account of live physical memory");
 }

@@ -88,6 +88,8 @@ class FaultInjectingDriver final : public Driver {
   void make_current(int d) override;
   void* native_stream(Stream s) override;
   std::size_t live_physical_bytes(int d) const override;
+  std::size_t graph_memory_nodes(std::uintptr_t graph) override { return inner_.graph_memory_nodes(graph); }
+  GraphMemory graph_memory(int d) override { return inner_.graph_memory(d); }
   void* host_alloc(std::size_t b) override;
   void host_free(void* p) override;
   void host_register(void* p, std::size_t b, int d) override;
