@@ -67,6 +67,14 @@ def wing_rule():
     return names, allowed_arrows(chains, names)
 
 
+def wing_order() -> list[str]:
+    """The wings from the top, as the page's chain over them lists them (one wing per level)."""
+    names, _ = wing_rule()
+    chains = [c for c in rule_chains() if all(n in names for level in c for n in level)]
+    assert len(chains) == 1 and all(len(level) == 1 for level in chains[0]), "one chain of wings"
+    return [level[0] for level in chains[0]]
+
+
 def wing_table() -> dict[str, str]:
     """The page's table of wings: public header (as included, `torpor/...`) -> wing."""
     text = PAGE.read_text(encoding="utf-8").split("## The allocator's wings", 1)[1].split("\n## ", 1)[0]
@@ -225,19 +233,16 @@ def test_every_public_header_has_a_wing():
     table = wing_table()
     headers = allocator_headers()
     wings, _ = wing_rule()
-    order = ["api", "ranks", "pool", "pool/store", "driver", "common"]
     assert set(table.values()) <= wings
     assert sorted(set(table) - set(headers)) == [], "the table names headers that do not exist"
-    placed = header_wings(table, headers, order)
+    placed = header_wings(table, headers, wing_order())
     assert sorted(set(headers) - set(placed)) == [], "headers no named header includes: name them in the table"
 
 
 def test_includes_follow_the_wings_rule():
     wings, allowed = wing_rule()
-    order = ["api", "ranks", "pool", "pool/store", "driver", "common"]
-    assert set(order) == wings, "the order the header placement uses is the page's"
     headers = allocator_headers()
-    placed = header_wings(wing_table(), headers, order)
+    placed = header_wings(wing_table(), headers, wing_order())
     files = [(p, file_wing(p, wings)) for p in source_files("allocator/src")]
     files += [(p, placed.get(name)) for name, p in headers.items()]
     wrong, seen = [], 0
