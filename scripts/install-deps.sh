@@ -8,7 +8,8 @@
 # format tools scripts/lint.sh runs (clang-format 14, clang-tidy, flake8, black) are installed
 # the same way when apt can (clang-tidy 22 where the distribution has it, else 14: .clang-tidy says
 # why), and otherwise only reported: lint skips a missing tool. So are ccache
-# (scripts/test.sh compiles through it when present) and clang
+# (scripts/test.sh compiles through it when present), doxygen (scripts/test.sh's API reference
+# stage; skipped without it) and clang
 # with libFuzzer (scripts/test.sh's fuzz run; without it the fuzz targets run their seeded random
 # driver only). On a machine
 # where everything needed runs (the GPU machines: cmake, ninja and pytest from pip, no network)
@@ -83,6 +84,8 @@ black --version > /dev/null 2>&1 || lint_missing+=(black)
 # ccache: scripts/test.sh compiles through it when it runs (the wheel's build then finds the
 # release build's objects); optional like the lint tools.
 ccache --version > /dev/null 2>&1 || lint_missing+=(ccache)
+# doxygen: scripts/test.sh's API reference stage (docs/api/Doxyfile) when present; optional too.
+doxygen --version > /dev/null 2>&1 || lint_missing+=(doxygen)
 # libFuzzer ships in the runtime package of clang's own major version (14 on Debian 12, 18 on
 # Ubuntu 24.04): checked by linking an empty fuzz target.
 fuzzer_ok() {
@@ -99,7 +102,7 @@ elif ! fuzzer_ok; then
 fi
 
 if [ ${#missing[@]} -eq 0 ] && [ ${#lint_missing[@]} -eq 0 ] && [ -z "$(tidy_package)" ]; then
-  say "every tool runs (cmake >= $cmake_min, ninja, pytest, the compiler, lint tools, ccache); nothing to install"
+  say "every tool runs (cmake >= $cmake_min, ninja, pytest, the compiler, lint tools, ccache, doxygen); nothing to install"
   exit 0
 fi
 
@@ -130,8 +133,9 @@ if [ ${#lint_missing[@]} -gt 0 ]; then
       apt_install "$(clang_rt_package)" || say "libFuzzer not installed: fuzz targets run their random driver only"
     fi
   else
-    say "lint, fuzz or cache tools not installed (${lint_missing[*]}): scripts/lint.sh skips them, the fuzz" \
-      "targets run their random driver only, saying so, and the builds compile without ccache"
+    say "lint, fuzz, cache or documentation tools not installed (${lint_missing[*]}): scripts/lint.sh skips" \
+      "them, the fuzz targets run their random driver only, saying so, the builds compile without ccache" \
+      "and the API reference stage is skipped"
   fi
 fi
 exit 0

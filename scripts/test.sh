@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it (.ci/run calls the README's test command, which runs
-# this). Three builds:
+# this; docs/development.md describes it). Three builds:
 #   build/        release build (Release, the main command's build type), CUDA backend compiled when nvcc is present; every test
 #                 (cuda-typed tests skip, saying why, when no GPU is present), then an
 #                 install and a project outside the tree built against it with find_package,
 #                 then scripts/check_wheel.sh (pip install . in a fresh venv, the package
 #                 and a C++ consumer from it), then scripts/lint.sh (format and lint;
-#                 clang-tidy uses this build's compile_commands.json)
+#                 clang-tidy uses this build's compile_commands.json), then the API reference
+#                 (doxygen docs/api/Doxyfile, failing on a warning; skipped without doxygen)
 #   build-asan/   host backend under AddressSanitizer + UndefinedBehaviorSanitizer (clang where
 #                 it can link them, else the default compiler; build-tsan/ likewise); every test
 #                 executable's tests (the torpor CLI's runs, cli.*, are the first build's), each
@@ -61,9 +62,18 @@ CMAKE_ARGS="${CMAKE_ARGS:-} ${launcher[*]}" scripts/check_wheel.sh
 stage_done "wheel"
 scripts/lint.sh
 stage_done lint
+# The API reference (docs/api/Doxyfile: the public headers and the Python docstrings, into
+# build/api/html); any Doxygen warning fails the stage. Optional like the lint tools.
+if command -v doxygen > /dev/null; then
+  rm -rf build/api
+  doxygen docs/api/Doxyfile
+  stage_done "api reference"
+else
+  echo "torpor: doxygen not installed (scripts/install-deps.sh installs it): the API reference stage skipped"
+fi
 
 # The sanitizer builds compile with clang where clang can link that sanitizer: it compiles these
-# unoptimised, instrumented builds in about half of g++'s time (the stage times in README). Where
+# unoptimised, instrumented builds in about half of g++'s time (the stage times in bench/results). Where
 # it cannot (no clang: the GPU image), the default compiler builds them.
 sanitizer_compiler() {  # sanitizer flag -> "CC=clang CXX=clang++" or nothing
   echo 'int main() { return 0; }' | clang++ -x c++ -fsanitize="$1" - -o /dev/null > /dev/null 2>&1 &&

@@ -1,6 +1,7 @@
 // The options table: every environment variable torpor reads, parsed and validated in one place.
-// Oracles: the accepted ranges and defaults as the README and the public headers state them,
-// and the README's Configuration table itself.
+// Oracles: the accepted ranges and defaults as the configuration reference
+// (docs/reference/configuration.md) and the public headers state them, and that reference's table
+// of environment variables itself.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -277,17 +278,18 @@ TEST(Options, EveryDefaultIsValid) {
   }
 }
 
-// README's Configuration table lists exactly the table's variables, in its order, with its
-// defaults ("unset" for none).
+// The configuration reference's table of environment variables (docs/reference/configuration.md,
+// once README's Configuration section, hence the test's name) lists exactly the table's
+// variables, in its order, with its defaults ("unset" for none).
 TEST(Options, ReadmeConfigurationTableMatches) {
-  std::ifstream in(TORPOR_SOURCE_DIR "/README.md");
-  ASSERT_TRUE(in) << "cannot read " TORPOR_SOURCE_DIR "/README.md";
+  std::ifstream in(TORPOR_SOURCE_DIR "/docs/reference/configuration.md");
+  ASSERT_TRUE(in) << "cannot read " TORPOR_SOURCE_DIR "/docs/reference/configuration.md";
   std::string line;
   bool inside = false;
   std::vector<std::pair<std::string, std::string>> rows;
   const std::regex row(R"(^\| `([A-Z_]+)` \| ([^|]*?) \|)");
   while (std::getline(in, line)) {
-    if (line.rfind("## ", 0) == 0) inside = line == "## Configuration";
+    if (line.rfind("## ", 0) == 0) inside = line == "## Environment variables";
     std::smatch m;
     if (inside && std::regex_search(line, m, row)) {
       std::string def = m[2].str();

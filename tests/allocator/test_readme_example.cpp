@@ -1,5 +1,6 @@
 // The README's ten-line C++ example, compiled and run on the host backend, so the README
-// cannot drift from the API.
+// cannot drift from the API (tests/python/test_readme_commands.py checks that every statement of
+// the README's block is one of this test's).
 #include <gtest/gtest.h>
 
 #include "torpor/backend.hpp"
