@@ -7,6 +7,9 @@
 // `failure_grace` to finish; a process still running then is killed, a thread still running is
 // reported as such (launch() returns with abandoned = true and the caller must exit the process
 // without unwinding: those threads still use the driver and the group).
+//
+// The room: launch.cpp (this interface's small functions), threads.cpp and processes.cpp (the
+// two launchers; spawn.cpp starts the processes), worker.cpp (a worker process's side).
 #pragma once
 
 #include <chrono>
@@ -95,12 +98,6 @@ class rank_failure : public std::runtime_error {
   nlohmann::json partial_;
 };
 
-// Writes `j` (indented, one trailing newline) to `path`; on any failure (a missing directory, a
-// full disk, a failed close) prints "torpor COMMAND: could not write PATH: why" on stderr and
-// returns false, and the command must then exit non-zero: a run whose results were lost is not a
-// success.
-bool write_json_file(const std::string& path, const nlohmann::json& j, std::string_view command);
-
 // The accepted range of every --timeout (seconds): 0 would silently become the default and a
 // larger value overflows the group's clocks.
 inline constexpr int max_timeout_s = 86400;
@@ -123,19 +120,6 @@ struct GroupTimeout {
   void resolve();
   // The worker's command line: --timeout-ms <value>.
   std::vector<std::string> worker_args() const;
-};
-
-// A progress line on stderr, rewritten in place, when stderr is a terminal (nothing otherwise).
-class Progress {
- public:
-  explicit Progress(bool enabled);
-  ~Progress();
-  void update(const std::string& text);
-  void done();
-
- private:
-  bool enabled_;
-  bool dirty_ = false;
 };
 
 }  // namespace torpor::cli

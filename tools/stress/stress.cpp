@@ -9,9 +9,10 @@
 #include <cstdlib>
 
 #include "commands.hpp"
-#include "launch.hpp"
-#include "stress_plan.hpp"
-#include "stress_report.hpp"
+#include "launch/launch.hpp"
+#include "output.hpp"
+#include "stress/stress_plan.hpp"
+#include "stress/stress_report.hpp"
 #include "torpor/error.hpp"
 
 namespace torpor::cli {

@@ -11,7 +11,7 @@
 // --preserve the version stays (a preserved parameter is kept on purpose: a new version would
 // change it). The negative control stale-weights makes exactly that defect: every parameter kept
 // by level 2 and skipped by the reload while the version advances; the run must fail.
-#include "stress_plan.hpp"
+#include "stress/stress_plan.hpp"
 
 #include <fmt/core.h>
 
@@ -20,7 +20,8 @@
 #include <map>
 #include <optional>
 
-#include "launch.hpp"
+#include "launch/launch.hpp"
+#include "output.hpp"
 #include "torpor/error.hpp"
 
 namespace torpor::cli {

@@ -4,8 +4,8 @@
 #include <cstdint>
 #include <string>
 
-#include "launch.hpp"
-#include "model_flags.hpp"
+#include "launch/launch.hpp"
+#include "stress/model_flags.hpp"
 
 namespace torpor::cli {
 

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "launch.hpp"
+#include "launch/launch.hpp"
 
 namespace torpor::cli {
 

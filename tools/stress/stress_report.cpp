@@ -1,5 +1,5 @@
 // Aggregation and rendering for `torpor stress` (stress_report.hpp).
-#include "stress_report.hpp"
+#include "stress/stress_report.hpp"
 
 #include <fmt/core.h>
 #include <fmt/ranges.h>

@@ -1,9 +1,9 @@
 // Shared model flags and per-rank engine for the CLI (model_flags.hpp).
-#include "model_flags.hpp"
+#include "stress/model_flags.hpp"
 
 #include <fmt/core.h>
 
-#include "launch.hpp"
+#include "launch/launch.hpp"
 #include "torpor/consensus.hpp"
 #include "torpor/error.hpp"
 

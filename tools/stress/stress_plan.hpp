@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "model_flags.hpp"
+#include "stress/model_flags.hpp"
 #include "torpor/driver.hpp"
 #include "torpor/group.hpp"
 

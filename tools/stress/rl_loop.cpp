@@ -8,7 +8,7 @@
 //   compute, new tails, new allocations) loaded with the same version.
 // Time per phase per iteration; exit 0 only when every iteration matched on every rank and the
 // training phase really took its share of the returned memory.
-#include "rl_loop.hpp"
+#include "stress/rl_loop.hpp"
 
 #include <fmt/core.h>
 
@@ -17,8 +17,9 @@
 #include <cstdlib>
 
 #include "commands.hpp"
-#include "launch.hpp"
-#include "model_flags.hpp"
+#include "launch/launch.hpp"
+#include "output.hpp"
+#include "stress/model_flags.hpp"
 #include "torpor/backend.hpp"
 #include "torpor/error.hpp"
 

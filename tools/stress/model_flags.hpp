@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "launch.hpp"
+#include "launch/launch.hpp"
 #include "torpor/fusion/compute.hpp"
 #include "torpor/fusion/tiny_moe.hpp"
 #include "torpor/group.hpp"
