@@ -26,9 +26,9 @@
 #include <cuda_runtime.h>
 #include <fmt/core.h>
 
-#include "compute_impl.hpp"
-#include "cuda_check.hpp"
-#include "cuda_runtime.hpp"
+#include "compute/compute_impl.hpp"
+#include "cuda/cuda_check.hpp"
+#include "cuda/cuda_runtime.hpp"
 #include "torpor/error.hpp"
 #include "torpor/kernels/native_stream.hpp"
 #include "torpor/log.hpp"

@@ -13,7 +13,7 @@
 
 #include <algorithm>
 
-#include "expert_sharding.hpp"
+#include "moe/expert_sharding.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 

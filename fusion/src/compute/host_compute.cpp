@@ -9,7 +9,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "compute_impl.hpp"
+#include "compute/compute_impl.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 

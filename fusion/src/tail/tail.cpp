@@ -15,7 +15,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "tail_impl.hpp"
+#include "tail/tail_impl.hpp"
 #include "torpor/consensus.hpp"
 #include "torpor/error.hpp"
 #include "torpor/fusion/tail_state.hpp"

@@ -11,7 +11,7 @@
 //   epilogue   residual + RMSNorm of the output rows with the fused kernel's arithmetic.
 // The scratch buffer (device kernels) is pool memory of class cache in "weights": sleep may drop
 // its bytes, since every call rewrites it before reading.
-#include "tail_impl.hpp"
+#include "tail/tail_impl.hpp"
 
 namespace torpor::fusion::detail {
 

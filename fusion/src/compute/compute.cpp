@@ -1,7 +1,7 @@
 // make_compute: the Compute that runs where the driver's capabilities say the math runs.
 #include <fmt/core.h>
 
-#include "compute_impl.hpp"
+#include "compute/compute_impl.hpp"
 #include "torpor/error.hpp"
 
 namespace torpor::fusion {

@@ -19,7 +19,7 @@
 #include <map>
 #include <mutex>
 
-#include "tail_impl.hpp"
+#include "tail/tail_impl.hpp"
 #include "torpor/consensus.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"

@@ -9,7 +9,7 @@
 #include <cstring>
 #include <vector>
 
-#include "tail_ops.hpp"
+#include "tail/tail_ops.hpp"
 #include "torpor/error.hpp"
 #include "torpor/group.hpp"
 #include "torpor/kernels/tail_reference.hpp"

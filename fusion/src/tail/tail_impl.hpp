@@ -14,7 +14,7 @@
 #include <memory>
 #include <string>
 
-#include "tail_ops.hpp"
+#include "tail/tail_ops.hpp"
 #include "torpor/fusion/tail.hpp"
 #include "torpor/group.hpp"
 #include "torpor/kernels/tail_protocol.hpp"

@@ -17,7 +17,7 @@
 #include <chrono>
 #include <cmath>
 
-#include "expert_sharding.hpp"
+#include "moe/expert_sharding.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 

@@ -10,8 +10,8 @@
 #include <cuda_runtime.h>
 #include <fmt/core.h>
 
-#include "cuda_runtime.hpp"
-#include "tail_ops.hpp"
+#include "cuda/cuda_runtime.hpp"
+#include "tail/tail_ops.hpp"
 #include "torpor/error.hpp"
 #include "torpor/group.hpp"
 #include "torpor/kernels/native_stream.hpp"
