@@ -556,64 +556,99 @@ __device__ __forceinline__ void push_to_block(uint2* local, std::uint64_t* bar, 
 #endif
 }
 
-// WITHHOLD_PUSH: a variant for tests only (launch_tail_fused_withholding_push), whose block 1 of
-// each cluster never pushes its sums of its first row, so the row barrier's deadline is exercised.
-template <int VPT, int C, bool MULTICAST, bool WITHHOLD_PUSH = false>
-__global__ void __launch_bounds__(T / C, C) tail_fused_kernel(TailParams p) {
-  constexpr int TB = T / C;           // threads per block
-  constexpr int WB = TB / tail_warp;  // warps per block
-  __shared__ std::uint64_t s_table[tail_max_ranks + 1];
-  __shared__ std::uint64_t s_calls;
-  __shared__ int s_ok;
-  __shared__ int s_clear_begin;
-  __shared__ int s_clear_end;
-  // Per warp of the row (all C blocks' warps, in lane order) and row: {sum of squares (bits), any
-  // lane failed}; two rows' worth, each with its barrier (C > 1), so the next row's sums can land
-  // while this block still reads this row's. A block pushes row i + 2 only after its barrier
-  // for row i + 1 completed, which needs every block's push of row i + 1, which each block makes
-  // after reading row i: nothing is overwritten before it is read.
-  __shared__ uint2 s_row[2][C * WB];
-  __shared__ alignas(8) std::uint64_t s_row_barrier[2];
-  TailControl* c = p.control;
-  // Diagnostics: thread 0 of every block stamps its phases (TailTrace).
-  const bool tracer = p.trace != nullptr && threadIdx.x == 0;
-  // stamp[0]: entry; stamp[1 + k]: TailStamp k. In shared memory: no registers held.
-  __shared__ std::uint64_t stamp[tail_trace_phases + 1];
-  __shared__ long long cycle_stamp;
-  __shared__ unsigned long long s_all_sent, s_all_in, s_rounds;  // trace: maxima over the block's threads
-#define TORPOR_TAIL_STAMP(k) \
-  if (tracer) stamp[1 + (k)] = globaltimer()
-  if (tracer) {
-    for (int k = 1; k <= tail_trace_phases; ++k) stamp[k] = 0;
-    cycle_stamp = clock64();
-    s_all_sent = s_all_in = s_rounds = 0;
-    stamp[0] = globaltimer();
-  }
+// ---- The fused kernel's phases (the steps of the note at the top), each a device function that
+// is inlined into tail_fused_kernel: the same statements in the same order as one body, named.
 
-  const int V = p.hidden / tail_vector_elems;
-  const int gtid = blockIdx.x * TB + threadIdx.x;
-  const int gstride = gridDim.x * TB;
-  const int send_items = p.tokens * V;
-  const int block_in_row = C == 1 ? 0 : cluster_block_rank();
-  const int lane = block_in_row * TB + threadIdx.x;  // this thread's lane of the rows it finishes
-  const int row_group = blockIdx.x / C;              // the cluster's index: rows row_group, + groups, ...
-  const int row_groups = gridDim.x / C;
+// Diagnostics (TailTrace): thread 0 of every block stamps its phases. The stamps live in the
+// kernel's shared memory, so no registers are held: stamp[0] is the entry, stamp[1 + k] TailStamp
+// k; all_sent, all_in and rounds are maxima over the block's threads.
+struct FusedTrace {
+  bool tracer;  // the call is traced and this is thread 0
+  std::uint64_t* stamp;
+  long long* cycle_stamp;
+  unsigned long long* all_sent;
+  unsigned long long* all_in;
+  unsigned long long* rounds;
+
+  __device__ __forceinline__ void mark(int k) const {
+    if (tracer) stamp[1 + k] = globaltimer();
+  }
+};
+
+__device__ __forceinline__ void trace_begin(const FusedTrace& t) {
+  if (t.tracer) {
+    for (int k = 1; k <= tail_trace_phases; ++k) t.stamp[k] = 0;
+    *t.cycle_stamp = clock64();
+    *t.all_sent = *t.all_in = *t.rounds = 0;
+    t.stamp[0] = globaltimer();
+  }
+}
+
+// Where a thread of the fused kernel stands: its items of the send and clear loops (strided over
+// the whole grid) and its lane of the rows its cluster finishes.
+struct FusedThread {
+  int V;             // 16-byte vectors per row
+  int gtid;          // this thread's first item
+  int gstride;       // the grid's threads
+  int send_items;    // tokens * V
+  int block_in_row;  // this block's rank in its cluster
+  int lane;          // this thread's lane of the rows it finishes
+  int row_group;     // the cluster's index: rows row_group, + row_groups, ...
+  int row_groups;
+};
+
+template <int C>
+__device__ __forceinline__ FusedThread fused_thread(const TailParams& p) {
+  constexpr int TB = T / C;  // threads per block
+  FusedThread t;
+  t.V = p.hidden / tail_vector_elems;
+  t.gtid = blockIdx.x * TB + threadIdx.x;
+  t.gstride = gridDim.x * TB;
+  t.send_items = p.tokens * t.V;
+  t.block_in_row = C == 1 ? 0 : cluster_block_rank();
+  t.lane = t.block_in_row * TB + threadIdx.x;
+  t.row_group = blockIdx.x / C;
+  t.row_groups = gridDim.x / C;
+  return t;
+}
+
+// Step 0's start. With C > 1 the row barriers exist and the cluster has synchronised before
+// anything is pushed into them (this precedes griddepcontrol.wait, so it overlaps the kernel
+// before). Everything after the wait may read what the kernels before this one wrote (inputs,
+// control block).
+template <int C>
+__device__ __forceinline__ void enter_call(const TailParams& p, std::uint64_t* row_barrier, const FusedTrace& trace) {
   if constexpr (C > 1) {
     if (threadIdx.x == 0) {
-      row_barrier_init(&s_row_barrier[0]);
-      row_barrier_init(&s_row_barrier[1]);
+      row_barrier_init(&row_barrier[0]);
+      row_barrier_init(&row_barrier[1]);
     }
     cluster_sync_at_start();
   }
-  // Everything below may read what the kernels before this one wrote (inputs, control block).
   grid_dependency_wait();
   allow_dependent_launch();
-  TORPOR_TAIL_STAMP(tail_stamp_waited);
-  if (tracer && blockIdx.x == 0) p.trace->block0_waited = stamp[1 + tail_stamp_waited];
+  trace.mark(tail_stamp_waited);
+  if (trace.tracer && blockIdx.x == 0) p.trace->block0_waited = trace.stamp[1 + tail_stamp_waited];
+}
 
-  // 0. Thread 0 reads the control block: its first 48 bytes, in three independent loads issued
-  //    before this thread's partial and used after it, so the two memory latencies overlap.
-  //    Nobody writes the block until every block of the call counted in.
+// What thread 0 read from the control block in step 0, for the whole block (shared memory).
+struct CallControl {
+  std::uint64_t* table;  // the peer table: every rank's part, then the multicast address
+  std::uint64_t* calls;  // the call count: slot = calls % tail_slot_count
+  int* ok;               // the control block is intact and no earlier call failed
+  int* clear_begin;      // rows of the previous slot still to clear (I3)
+  int* clear_end;
+};
+
+// The control block's first 48 bytes.
+struct ControlWords {
+  uint4 w0, w1, w2;
+};
+
+// Step 0, thread 0: three independent loads, issued before this thread's partial and used after
+// it, so the two memory latencies overlap. Nobody writes the block until every block of the call
+// counted in.
+__device__ __forceinline__ ControlWords load_control_words(const TailControl* c) {
   uint4 cw0 = make_uint4(0, 0, 0, 0), cw1 = cw0, cw2 = cw0;
   if (threadIdx.x == 0) {
     const uint4* cw = reinterpret_cast<const uint4*>(c);
@@ -621,191 +656,260 @@ __global__ void __launch_bounds__(T / C, C) tail_fused_kernel(TailParams p) {
     cw1 = __ldcg(cw + 1);
     cw2 = __ldcg(cw + 2);
   }
+  return ControlWords{cw0, cw1, cw2};
+}
+
+// Step 0, thread 0: the control block checked (I6: magic and the clear range; I5: a recorded
+// error makes the call a no-op until reset) and the call's state published to the block.
+__device__ __forceinline__ void decode_control(const TailParams& p, const ControlWords& cw, const CallControl& s) {
+  const std::uint32_t words[12] = {cw.w0.x, cw.w0.y, cw.w0.z, cw.w0.w, cw.w1.x, cw.w1.y,
+                                   cw.w1.z, cw.w1.w, cw.w2.x, cw.w2.y, cw.w2.z, cw.w2.w};
+  const std::uint32_t magic = words[offsetof(TailControl, magic) / 4];
+  const std::uint64_t calls = static_cast<std::uint64_t>(words[offsetof(TailControl, calls) / 4]) |
+                              (static_cast<std::uint64_t>(words[offsetof(TailControl, calls) / 4 + 1]) << 32);
+  const int prev = static_cast<int>((calls + tail_slot_count - 1) % tail_slot_count);
+  std::uint32_t cb = 0, ce = 0;
+#pragma unroll
+  for (int i = 0; i < tail_slot_count; ++i)
+    if (i == prev) {
+      cb = words[offsetof(TailControl, clear_begin) / 4 + i];
+      ce = words[offsetof(TailControl, clear_end) / 4 + i];
+    }
+  const std::uint32_t failed_before = words[(offsetof(TailControl, error) + offsetof(TailErrorRecord, flag)) / 4];
+  int ok = 1;
+  if (magic != tail_control_magic || cb > ce || ce > static_cast<std::uint32_t>(p.max_tokens)) {
+    record_error(p.control, p.abort, TailOp::control_lost, p.rank, -1, -1, -1, calls, 0, magic);
+    ok = 0;
+  } else if (failed_before != 0u) {
+    ok = 0;  // an earlier call failed: nothing until reset()
+  }
+  *s.ok = ok;
+  *s.calls = calls;
+  *s.clear_begin = static_cast<int>(cb);
+  *s.clear_end = static_cast<int>(ce);
+}
+
+// Step 0 for the whole block: thread 0 reads the control block while every thread computes its
+// first partial (usually the only item at small tokens: it needs no control state, so its input
+// loads overlap thread 0's reads instead of waiting behind the barrier), and the peer table goes
+// to shared memory. Past the barrier thread 0 counts the block in. Returns the first partial.
+__device__ __forceinline__ uint4 read_control(const TailParams& p, const FusedThread& t, const CallControl& s,
+                                              const FusedTrace& trace) {
+  const ControlWords cw = load_control_words(p.control);
   // The peer table goes to shared memory after the partial: a store of a loaded value waits for
   // the load, and the partial's input loads should not wait behind it.
   const std::uint64_t table_entry = threadIdx.x <= p.ranks ? __ldg(p.peer_table + threadIdx.x) : 0;
-  // This thread's first partial needs no control state: its input loads overlap thread 0's
-  // reads above instead of waiting behind the barrier (usually the only item at small tokens).
   uint4 first = make_uint4(0, 0, 0, 0);
-  if (gtid < send_items) first = partial_vector(p, gtid / V, gtid % V);
-  if (threadIdx.x <= p.ranks) s_table[threadIdx.x] = table_entry;
-  TORPOR_TAIL_STAMP(tail_stamp_partial);
+  if (t.gtid < t.send_items) first = partial_vector(p, t.gtid / t.V, t.gtid % t.V);
+  if (threadIdx.x <= p.ranks) s.table[threadIdx.x] = table_entry;
+  trace.mark(tail_stamp_partial);
   if (threadIdx.x == 0) {
-    const std::uint32_t words[12] = {cw0.x, cw0.y, cw0.z, cw0.w, cw1.x, cw1.y,
-                                     cw1.z, cw1.w, cw2.x, cw2.y, cw2.z, cw2.w};
-    const std::uint32_t magic = words[offsetof(TailControl, magic) / 4];
-    const std::uint64_t calls = static_cast<std::uint64_t>(words[offsetof(TailControl, calls) / 4]) |
-                                (static_cast<std::uint64_t>(words[offsetof(TailControl, calls) / 4 + 1]) << 32);
-    const int prev = static_cast<int>((calls + tail_slot_count - 1) % tail_slot_count);
-    std::uint32_t cb = 0, ce = 0;
-#pragma unroll
-    for (int i = 0; i < tail_slot_count; ++i)
-      if (i == prev) {
-        cb = words[offsetof(TailControl, clear_begin) / 4 + i];
-        ce = words[offsetof(TailControl, clear_end) / 4 + i];
-      }
-    const std::uint32_t failed_before = words[(offsetof(TailControl, error) + offsetof(TailErrorRecord, flag)) / 4];
-    int ok = 1;
-    if (magic != tail_control_magic || cb > ce || ce > static_cast<std::uint32_t>(p.max_tokens)) {
-      record_error(c, p.abort, TailOp::control_lost, p.rank, -1, -1, -1, calls, 0, magic);
-      ok = 0;
-    } else if (failed_before != 0u) {
-      ok = 0;  // an earlier call failed: nothing until reset()
-    }
-    s_ok = ok;
-    s_calls = calls;
-    s_clear_begin = static_cast<int>(cb);
-    s_clear_end = static_cast<int>(ce);
-    TORPOR_TAIL_STAMP(tail_stamp_control_read);
+    decode_control(p, cw, s);
+    trace.mark(tail_stamp_control_read);
   }
   __syncthreads();
-  TORPOR_TAIL_STAMP(tail_stamp_setup);
+  trace.mark(tail_stamp_setup);
   // Count this block in: thread 0's control reads returned their values before the barrier
-  // (they were written to shared memory), so the updater, which overwrites the control block only
-  // after seeing every count, cannot change what they read. A relaxed add: a release here compiles
-  // to a fence that held thread 0, and the block behind it, visibly in --trace
+  // (they were written to shared memory), so the updater, which overwrites the control block
+  // only after seeing every count, cannot change what they read. A relaxed add: a release here
+  // compiles to a fence that held thread 0, and the block behind it, visibly in --trace
   // (bench/results/2026-11-30-tail-tuned-2xh200.md).
-  if (threadIdx.x == 0) count_in(&c->arrived);
+  if (threadIdx.x == 0) count_in(&p.control->arrived);
+  return first;
+}
 
-  const int slot = static_cast<int>(s_calls % tail_slot_count);
-  const int prev = (slot + tail_slot_count - 1) % tail_slot_count;
-  const TailRows recv = tail_receive_rows(p);
-  // Every block reads the same control block, so s_ok is the same in every block of a cluster.
-  const bool cluster_has_rows = s_ok && row_group < recv.count();
-
-  if (s_ok) {
-    // 1. Send this rank's partial rows.
-    for (int i = gtid; i < send_items; i += gstride) {  // tokens * hidden / 8 fits an int
-      const int row = i / V;
-      const int vec = i - row * V;
-      const uint4 v = i == gtid ? first : partial_vector<4>(p, row, vec);
-      const std::size_t off =
-          tail_slot_offset(slot, p.rank, row, vec * tail_vector_elems, p.ranks, p.max_tokens, p.hidden);
-      if constexpr (MULTICAST) {
-        store_multicast(reinterpret_cast<bf16*>(s_table[p.ranks]) + off, v);
-      } else {
-        for (int j = 0, d = p.rank; j < p.ranks; ++j, d = d + 1 == p.ranks ? 0 : d + 1) {  // self first, then
-                                                                                           // the peers in turn
-          if (!tail_receives(p, d, row)) continue;
-          store_peer(reinterpret_cast<uint4*>(reinterpret_cast<bf16*>(s_table[d]) + off), v);
-        }
+// Step 1 (MoE finalize and the all-reduce's send): this rank's partial rows, every vector to
+// every rank that receives its row (self first, then the peers in turn), or once to the multicast
+// address.
+template <bool MULTICAST>
+__device__ __forceinline__ void send_partials(const TailParams& p, const FusedThread& t, uint4 first, int slot,
+                                              const std::uint64_t* table) {
+  for (int i = t.gtid; i < t.send_items; i += t.gstride) {  // tokens * hidden / 8 fits an int
+    const int row = i / t.V;
+    const int vec = i - row * t.V;
+    const uint4 v = i == t.gtid ? first : partial_vector<4>(p, row, vec);
+    const std::size_t off =
+        tail_slot_offset(slot, p.rank, row, vec * tail_vector_elems, p.ranks, p.max_tokens, p.hidden);
+    if constexpr (MULTICAST) {
+      store_multicast(reinterpret_cast<bf16*>(table[p.ranks]) + off, v);
+    } else {
+      for (int j = 0, d = p.rank; j < p.ranks; ++j, d = d + 1 == p.ranks ? 0 : d + 1) {
+        if (!tail_receives(p, d, row)) continue;
+        store_peer(reinterpret_cast<uint4*>(reinterpret_cast<bf16*>(table[d]) + off), v);
       }
-    }
-
-    TORPOR_TAIL_STAMP(tail_stamp_sent);
-    if (p.trace != nullptr) atomicMax(&s_all_sent, static_cast<unsigned long long>(globaltimer()));
-
-    // 2. Clear this rank's part of the previous slot (I3). After the send, which the peers are
-    //    waiting for; before the kernel ends, which is all I3 needs.
-    uint4* own = reinterpret_cast<uint4*>(s_table[p.rank]);
-    // Rows [clear_begin, clear_end) of one source are contiguous in the slot: plain strided
-    // stores per source, no index arithmetic beyond an add.
-    const int clear_vectors = (s_clear_end - s_clear_begin) * V;
-    const uint4 sentinel = make_uint4(tail_sentinel_pair, tail_sentinel_pair, tail_sentinel_pair, tail_sentinel_pair);
-    for (int src = 0; src < p.ranks && clear_vectors > 0; ++src) {
-      uint4* rows =
-          own + tail_slot_offset(prev, src, s_clear_begin, 0, p.ranks, p.max_tokens, p.hidden) / tail_vector_elems;
-      for (int i = gtid; i < clear_vectors; i += gstride) rows[i] = sentinel;
-    }
-
-    TORPOR_TAIL_STAMP(tail_stamp_cleared);
-
-    // 3. Receive: poll, sum in rank order, residual + RMSNorm for output rows. Each cluster takes
-    //    rows row_group, row_group + row_groups, ...; each thread its lane's vectors of them.
-    const TailRows out = tail_output_rows(p);
-    const bf16* own_part = reinterpret_cast<const bf16*>(s_table[p.rank]);
-    SpinDeadline deadline;  // from this thread's first poll that found a sentinel
-    std::uint64_t waited = 0;
-    uint4 gamma[VPT];  // this lane's vectors of gamma, for every row the cluster finishes
-    if (cluster_has_rows) load_gamma<VPT>(p, lane, gamma);
-    int rows_done = 0;  // row i of this cluster uses s_row[i % 2] and its barrier's phase i / 2
-    for (int r = row_group; r < recv.count(); r += row_groups, ++rows_done) {
-      const int buffer = rows_done & 1;
-      const int row = recv.begin + r;
-      const bool output = out.contains(row);
-      RowInputs<VPT> in;
-      if (output) in = load_row_inputs<VPT>(p, row, lane);
-      float x[VPT][tail_vector_elems];
-      bool failed = false;
-      // Sources in rank order (I7), sources_together at a time.
-      for (int src0 = 0; src0 < p.ranks && !failed; src0 += sources_together) {
-        const int n = p.ranks - src0 < sources_together ? p.ranks - src0 : sources_together;
-        SourceRows<VPT> got;
-        const int missing = wait_sources<VPT>(p, own_part, slot, src0, n, row, lane, got, deadline, waited);
-        if (missing >= 0) {
-          record_wait_failure(c, p.abort, p.rank, MULTICAST, missing, slot, row, s_calls, waited);
-          failed = true;
-          break;
-        }
-        if (r == row_group) TORPOR_TAIL_STAMP(tail_stamp_vectors_in);
-        if (p.trace != nullptr && r == row_group && src0 + sources_together >= p.ranks) {
-          atomicMax(&s_all_in, static_cast<unsigned long long>(globaltimer()));
-          atomicMax(&s_rounds, static_cast<unsigned long long>(deadline.checks));
-        }
-#pragma unroll
-        for (int g = 0; g < sources_together; ++g) {
-          if (g >= n) break;
-#pragma unroll
-          for (int v = 0; v < VPT; ++v) {
-            if (lane + v * T >= V) continue;
-            float f[tail_vector_elems];
-            unpack(got.got[g][v], f);
-#pragma unroll
-            for (int j = 0; j < tail_vector_elems; ++j) x[v][j] = src0 + g == 0 ? f[j] : tail_add(x[v][j], f[j]);
-          }
-        }
-      }
-      // The residual of the vectors that arrived is final whatever happens to the rest of the
-      // row; a thread whose vectors did not arrive leaves its residual_out untouched.
-      const bool finish = output && !failed;
-      uint4 words[VPT];
-      const float ss = warp_sum(finish ? add_residual<VPT>(p, lane, x, in, words) : 0.0f);
-      const bool warp_failed = __any_sync(0xFFFFFFFFu, failed);
-      if (r == row_group) TORPOR_TAIL_STAMP(tail_stamp_residual);
-      const int warp_of_row = block_in_row * WB + threadIdx.x / tail_warp;
-      const uint2 mine = make_uint2(__float_as_uint(ss), warp_failed ? 1u : 0u);
-      if constexpr (C == 1) {
-        if ((threadIdx.x & (tail_warp - 1)) == 0) s_row[buffer][warp_of_row] = mine;
-        if (finish) store_residual<VPT>(p, row, lane, words);
-        __syncthreads();
-      } else {
-        // The test variant: block 1 of each cluster never pushes its sums of its first row.
-        const bool withhold = WITHHOLD_PUSH && block_in_row == 1 && rows_done == 0;
-        if ((threadIdx.x & (tail_warp - 1)) == 0 && !withhold)
-#pragma unroll
-          for (int b = 0; b < C; ++b) push_to_block(&s_row[buffer][warp_of_row], &s_row_barrier[buffer], b, mine);
-        if (threadIdx.x == 0) row_barrier_expect(&s_row_barrier[buffer], C * WB * sizeof(uint2));
-        if (finish) store_residual<VPT>(p, row, lane, words);
-        if (!row_barrier_wait(&s_row_barrier[buffer], static_cast<std::uint32_t>((rows_done >> 1) & 1), p.timeout_ns,
-                              waited)) {
-          record_error(c, p.abort, TailOp::cluster_barrier, p.rank, -1, slot, row, s_calls, waited, tail_control_magic);
-          break;  // every block of the cluster gives up on the row (none completes its barrier)
-        }
-      }
-      if (r == row_group) TORPOR_TAIL_STAMP(tail_stamp_row_barrier);
-      // The row's warps in order (the tree's last level); and whether any lane of the row failed,
-      // so the whole cluster abandons it together.
-      float total = 0.0f;
-      bool row_failed = false;
-#pragma unroll
-      for (int w = 0; w < C * WB; ++w) {
-        const uint2 e = s_row[buffer][w];
-        total = w == 0 ? __uint_as_float(e.x) : tail_add(total, __uint_as_float(e.x));
-        row_failed = row_failed || e.y != 0u;
-      }
-      if (row_failed) break;  // the same decision in every block of the cluster
-      if (r == row_group) TORPOR_TAIL_STAMP(tail_stamp_block_in);
-      if (output) store_norm<VPT>(p, row, lane, x, gamma, tail_inv_rms(total, p.hidden, p.eps));
-      if (r == row_group) TORPOR_TAIL_STAMP(tail_stamp_epilogue);
     }
   }
-  // A block may leave once its last row's barrier completed: every store into its shared memory
-  // has landed, and nothing reads another block's. (Or once it gave up on a row barrier: then a
-  // sibling has not pushed for twice the bound, past any wait of its own.)
+}
 
-  // 4. The last block advances the control block (I4) once every block has read it. Blocks are
-  //    all resident, so the wait is short; it is bounded all the same (I5).
+// Step 2: this rank's part of the previous slot back to sentinels (I3). After the send, which the
+// peers are waiting for; before the kernel ends, which is all I3 needs. Rows [clear_begin,
+// clear_end) of one source are contiguous in the slot: plain strided stores per source, no index
+// arithmetic beyond an add.
+__device__ __forceinline__ void clear_previous_slot(const TailParams& p, const FusedThread& t, const CallControl& s,
+                                                    int prev) {
+  uint4* own = reinterpret_cast<uint4*>(s.table[p.rank]);
+  const int clear_vectors = (*s.clear_end - *s.clear_begin) * t.V;
+  const uint4 sentinel = make_uint4(tail_sentinel_pair, tail_sentinel_pair, tail_sentinel_pair, tail_sentinel_pair);
+  for (int src = 0; src < p.ranks && clear_vectors > 0; ++src) {
+    uint4* rows =
+        own + tail_slot_offset(prev, src, *s.clear_begin, 0, p.ranks, p.max_tokens, p.hidden) / tail_vector_elems;
+    for (int i = t.gtid; i < clear_vectors; i += t.gstride) rows[i] = sentinel;
+  }
+}
+
+// The receive side's wait state, kept across a thread's rows: the deadline runs from the
+// thread's first poll that found a sentinel.
+struct ReceiveWait {
+  SpinDeadline deadline;
+  std::uint64_t waited = 0;
+};
+
+// Step 3, the all-reduce's receive of one row: this lane's vectors from every source, polled
+// sources_together at a time and summed in rank order in fp32 (I7) into x. True when a wait gave
+// up (recorded; the row's other vectors are then not waited for).
+template <int VPT, bool MULTICAST>
+__device__ __forceinline__ bool sum_sources(const TailParams& p, const FusedThread& t, const CallControl& s,
+                                            const bf16* own_part, int slot, int r, int row,
+                                            float (&x)[VPT][tail_vector_elems], ReceiveWait& wait,
+                                            const FusedTrace& trace) {
+  bool failed = false;
+  for (int src0 = 0; src0 < p.ranks && !failed; src0 += sources_together) {
+    const int n = p.ranks - src0 < sources_together ? p.ranks - src0 : sources_together;
+    SourceRows<VPT> got;
+    const int missing = wait_sources<VPT>(p, own_part, slot, src0, n, row, t.lane, got, wait.deadline, wait.waited);
+    if (missing >= 0) {
+      record_wait_failure(p.control, p.abort, p.rank, MULTICAST, missing, slot, row, *s.calls, wait.waited);
+      failed = true;
+      break;
+    }
+    if (r == t.row_group) trace.mark(tail_stamp_vectors_in);
+    if (p.trace != nullptr && r == t.row_group && src0 + sources_together >= p.ranks) {
+      atomicMax(trace.all_in, static_cast<unsigned long long>(globaltimer()));
+      atomicMax(trace.rounds, static_cast<unsigned long long>(wait.deadline.checks));
+    }
+#pragma unroll
+    for (int g = 0; g < sources_together; ++g) {
+      if (g >= n) break;
+#pragma unroll
+      for (int v = 0; v < VPT; ++v) {
+        if (t.lane + v * T >= t.V) continue;
+        float f[tail_vector_elems];
+        unpack(got.got[g][v], f);
+#pragma unroll
+        for (int j = 0; j < tail_vector_elems; ++j) x[v][j] = src0 + g == 0 ? f[j] : tail_add(x[v][j], f[j]);
+      }
+    }
+  }
+  return failed;
+}
+
+// A row's warp sums in shared memory: per warp of the row (all C blocks' warps, in lane order)
+// {sum of squares (bits), any lane failed}; two rows' worth, each with its barrier (C > 1), so the
+// next row's sums can land while this block still reads this row's. A block pushes row i + 2 only
+// after its barrier for row i + 1 completed, which needs every block's push of row i + 1, which
+// each block makes after reading row i: nothing is overwritten before it is read.
+struct RowSums {
+  uint2 (*sums)[W];        // [2][W]
+  std::uint64_t* barrier;  // [2], C > 1 only
+};
+
+// Step 3, the RMSNorm's exchange of row `rows_done` of this cluster: this warp's sum of squares
+// and failure flag (`mine`) go to every block of the row -- C == 1: into the block's own shared
+// memory, then a block barrier; C > 1: st.async into every block of the cluster, then a wait on
+// this block's transaction barrier, bounded by twice the wait bound -- and this lane's
+// residual_out is written meanwhile. False when the barrier wait gave up (recorded; every block
+// of the cluster gives up on the row, as none completes its barrier).
+template <int VPT, int C, bool WITHHOLD_PUSH>
+__device__ __forceinline__ bool exchange_row_sums(const TailParams& p, const FusedThread& t, const CallControl& s,
+                                                  const RowSums& sums, int buffer, int rows_done, int warp_of_row,
+                                                  uint2 mine, bool finish, const uint4 (&words)[VPT], int slot, int row,
+                                                  ReceiveWait& wait) {
+  constexpr int WB = T / C / tail_warp;  // warps per block
+  if constexpr (C == 1) {
+    if ((threadIdx.x & (tail_warp - 1)) == 0) sums.sums[buffer][warp_of_row] = mine;
+    if (finish) store_residual<VPT>(p, row, t.lane, words);
+    __syncthreads();
+  } else {
+    // The test variant: block 1 of each cluster never pushes its sums of its first row.
+    const bool withhold = WITHHOLD_PUSH && t.block_in_row == 1 && rows_done == 0;
+    if ((threadIdx.x & (tail_warp - 1)) == 0 && !withhold)
+#pragma unroll
+      for (int b = 0; b < C; ++b) push_to_block(&sums.sums[buffer][warp_of_row], &sums.barrier[buffer], b, mine);
+    if (threadIdx.x == 0) row_barrier_expect(&sums.barrier[buffer], C * WB * sizeof(uint2));
+    if (finish) store_residual<VPT>(p, row, t.lane, words);
+    if (!row_barrier_wait(&sums.barrier[buffer], static_cast<std::uint32_t>((rows_done >> 1) & 1), p.timeout_ns,
+                          wait.waited)) {
+      record_error(p.control, p.abort, TailOp::cluster_barrier, p.rank, -1, slot, row, *s.calls, wait.waited,
+                   tail_control_magic);
+      return false;
+    }
+  }
+  return true;
+}
+
+// Step 3, the tree's last level: the row's warp sums in order; and whether any lane of the row
+// failed, so the whole cluster abandons it together.
+__device__ __forceinline__ float row_total(const uint2 (&sums)[W], bool& row_failed) {
+  float total = 0.0f;
+  row_failed = false;
+#pragma unroll
+  for (int w = 0; w < W; ++w) {
+    const uint2 e = sums[w];
+    total = w == 0 ? __uint_as_float(e.x) : tail_add(total, __uint_as_float(e.x));
+    row_failed = row_failed || e.y != 0u;
+  }
+  return total;
+}
+
+// Step 3: poll, sum in rank order, residual + RMSNorm for output rows. Each cluster takes rows
+// row_group, row_group + row_groups, ... of this rank's receive rows; each thread its lane's
+// vectors of them. Row i of this cluster uses sums[i % 2] and its barrier's phase i / 2.
+template <int VPT, int C, bool MULTICAST, bool WITHHOLD_PUSH>
+__device__ __forceinline__ void receive_rows(const TailParams& p, const FusedThread& t, const CallControl& s, int slot,
+                                             const TailRows& recv, bool cluster_has_rows, const RowSums& sums,
+                                             const FusedTrace& trace) {
+  const TailRows out = tail_output_rows(p);
+  const bf16* own_part = reinterpret_cast<const bf16*>(s.table[p.rank]);
+  ReceiveWait wait;
+  uint4 gamma[VPT];  // this lane's vectors of gamma, for every row the cluster finishes
+  if (cluster_has_rows) load_gamma<VPT>(p, t.lane, gamma);
+  int rows_done = 0;
+  for (int r = t.row_group; r < recv.count(); r += t.row_groups, ++rows_done) {
+    const int buffer = rows_done & 1;
+    const int row = recv.begin + r;
+    const bool output = out.contains(row);
+    RowInputs<VPT> in;
+    if (output) in = load_row_inputs<VPT>(p, row, t.lane);
+    float x[VPT][tail_vector_elems];
+    const bool failed = sum_sources<VPT, MULTICAST>(p, t, s, own_part, slot, r, row, x, wait, trace);
+    // The residual of the vectors that arrived is final whatever happens to the rest of the
+    // row; a thread whose vectors did not arrive leaves its residual_out untouched.
+    const bool finish = output && !failed;
+    uint4 words[VPT];
+    const float ss = warp_sum(finish ? add_residual<VPT>(p, t.lane, x, in, words) : 0.0f);
+    const bool warp_failed = __any_sync(0xFFFFFFFFu, failed);
+    if (r == t.row_group) trace.mark(tail_stamp_residual);
+    const int warp_of_row = t.block_in_row * (T / C / tail_warp) + threadIdx.x / tail_warp;
+    const uint2 mine = make_uint2(__float_as_uint(ss), warp_failed ? 1u : 0u);
+    if (!exchange_row_sums<VPT, C, WITHHOLD_PUSH>(p, t, s, sums, buffer, rows_done, warp_of_row, mine, finish, words,
+                                                  slot, row, wait))
+      break;
+    if (r == t.row_group) trace.mark(tail_stamp_row_barrier);
+    bool row_failed;
+    const float total = row_total(sums.sums[buffer], row_failed);
+    if (row_failed) break;  // the same decision in every block of the cluster
+    if (r == t.row_group) trace.mark(tail_stamp_block_in);
+    if (output) store_norm<VPT>(p, row, t.lane, x, gamma, tail_inv_rms(total, p.hidden, p.eps));
+    if (r == t.row_group) trace.mark(tail_stamp_epilogue);
+  }
+}
+
+// Step 4: the grid's last block advances the control block (I4) once every block has read it.
+// Blocks are all resident, so the wait is short; it is bounded all the same (I5).
+__device__ __forceinline__ void advance_control(const TailParams& p, const CallControl& s, int slot, int prev,
+                                                const TailRows& recv, const FusedTrace& trace) {
   if (blockIdx.x == gridDim.x - 1 && threadIdx.x == 0) {
+    TailControl* c = p.control;
     SpinDeadline until;
     std::uint64_t waited_here = 0;
     bool counted = true;
@@ -813,29 +917,34 @@ __global__ void __launch_bounds__(T / C, C) tail_fused_kernel(TailParams p) {
       // Not on the abort word: leaving before every block counted in would let this call's late
       // counts reach the next call's.
       if (until.expired(p.timeout_ns, waited_here, nullptr)) {
-        record_error(c, p.abort, TailOp::block_arrival, p.rank, -1, slot, -1, s_calls, waited_here, tail_control_magic,
+        record_error(c, p.abort, TailOp::block_arrival, p.rank, -1, slot, -1, *s.calls, waited_here, tail_control_magic,
                      load_acquire(&c->arrived));
         counted = false;
         break;
       }
     }
-    if (counted && s_ok) {
+    if (counted && *s.ok) {
       c->clear_begin[slot] = static_cast<std::uint32_t>(recv.begin);
       c->clear_end[slot] = static_cast<std::uint32_t>(recv.end);
       c->clear_begin[prev] = 0;
       c->clear_end[prev] = 0;
-      c->calls = s_calls + 1;
+      c->calls = *s.calls + 1;
     }
     c->arrived = 0;
-    if (tracer)
+    if (trace.tracer)
       atomicAdd(reinterpret_cast<unsigned long long*>(&p.trace->updater_ns),
-                static_cast<unsigned long long>(globaltimer() - stamp[0]));
+                static_cast<unsigned long long>(globaltimer() - trace.stamp[0]));
   }
-  if (tracer && blockIdx.x < tail_trace_blocks) {
-    // Calls are ordered (each waits for the last), so this block's thread 0 is the only writer of
-    // its entries. block0_waited was written when this call's block 0 passed its wait.
+}
+
+// The block's trace entries (the first tail_trace_blocks blocks). Calls are ordered (each waits
+// for the last), so this block's thread 0 is the only writer of its entries. block0_waited was
+// written when this call's block 0 passed its wait.
+__device__ __forceinline__ void trace_block_end(const TailParams& p, const FusedTrace& trace) {
+  if (trace.tracer && blockIdx.x < tail_trace_blocks) {
     const std::uint64_t end = globaltimer();
     TailTrace* t = p.trace;
+    const std::uint64_t* stamp = trace.stamp;
     const std::uint64_t w = stamp[1 + tail_stamp_waited];
     t->block_waited_ns[blockIdx.x] +=
         static_cast<std::int64_t>(w) -
@@ -843,15 +952,19 @@ __global__ void __launch_bounds__(T / C, C) tail_fused_kernel(TailParams p) {
     const int which[4] = {tail_stamp_partial, tail_stamp_sent, tail_stamp_cleared, tail_stamp_block_in};
     for (int k = 0; k < 4; ++k)
       if (stamp[1 + which[k]] != 0) t->block_ns[blockIdx.x][k] += stamp[1 + which[k]] - w;
-    if (s_all_sent != 0) t->block_ns[blockIdx.x][4] += s_all_sent - w;
-    if (s_all_in != 0) t->block_ns[blockIdx.x][5] += s_all_in - w;
-    t->block_ns[blockIdx.x][6] += s_rounds * 1000;  // shown as a count (the bench divides by 1000)
+    if (*trace.all_sent != 0) t->block_ns[blockIdx.x][4] += *trace.all_sent - w;
+    if (*trace.all_in != 0) t->block_ns[blockIdx.x][5] += *trace.all_in - w;
+    t->block_ns[blockIdx.x][6] += *trace.rounds * 1000;  // shown as a count (the bench divides by 1000)
     t->block_ns[blockIdx.x][tail_block_stamps - 1] += end - w;
   }
-  if (tracer && blockIdx.x == 0) {
-    // Calls are ordered (each waits for the last), so block 0's thread 0 is the only writer here.
+}
+
+// The call's trace (block 0's thread 0, the only writer: calls are ordered).
+__device__ __forceinline__ void trace_call_end(const TailParams& p, const FusedTrace& trace) {
+  if (trace.tracer && blockIdx.x == 0) {
     const std::uint64_t end = globaltimer();
     TailTrace* t = p.trace;
+    std::uint64_t* stamp = trace.stamp;
     stamp[1 + tail_stamp_end] = end;
     std::uint64_t last = stamp[0];  // a phase this block skipped ends where the one before did
     for (int k = 0; k < tail_trace_phases; ++k) {
@@ -864,11 +977,58 @@ __global__ void __launch_bounds__(T / C, C) tail_fused_kernel(TailParams p) {
     }
     t->last_end = end;
     t->calls += 1;
-    t->cycles += static_cast<std::uint64_t>(clock64() - cycle_stamp);
+    t->cycles += static_cast<std::uint64_t>(clock64() - *trace.cycle_stamp);
   }
 }
 
-#undef TORPOR_TAIL_STAMP
+// WITHHOLD_PUSH: a variant for tests only (launch_tail_fused_withholding_push), whose block 1 of
+// each cluster never pushes its sums of its first row, so the row barrier's deadline is exercised.
+// The block's shared state is declared here and handed to the phases.
+template <int VPT, int C, bool MULTICAST, bool WITHHOLD_PUSH = false>
+__global__ void __launch_bounds__(T / C, C) tail_fused_kernel(TailParams p) {
+  __shared__ std::uint64_t s_table[tail_max_ranks + 1];
+  __shared__ std::uint64_t s_calls;
+  __shared__ int s_ok;
+  __shared__ int s_clear_begin;
+  __shared__ int s_clear_end;
+  __shared__ uint2 s_row[2][W];
+  __shared__ alignas(8) std::uint64_t s_row_barrier[2];
+  __shared__ std::uint64_t stamp[tail_trace_phases + 1];
+  __shared__ long long cycle_stamp;
+  __shared__ unsigned long long s_all_sent, s_all_in, s_rounds;
+  const FusedTrace trace{p.trace != nullptr && threadIdx.x == 0,
+                         stamp,
+                         &cycle_stamp,
+                         &s_all_sent,
+                         &s_all_in,
+                         &s_rounds};
+  trace_begin(trace);
+  const FusedThread t = fused_thread<C>(p);
+  enter_call<C>(p, s_row_barrier, trace);
+
+  const CallControl s{s_table, &s_calls, &s_ok, &s_clear_begin, &s_clear_end};
+  const uint4 first = read_control(p, t, s, trace);  // 0
+  const int slot = static_cast<int>(s_calls % tail_slot_count);
+  const int prev = (slot + tail_slot_count - 1) % tail_slot_count;
+  const TailRows recv = tail_receive_rows(p);
+  // Every block reads the same control block, so s_ok is the same in every block of a cluster.
+  const bool cluster_has_rows = s_ok && t.row_group < recv.count();
+  if (s_ok) {
+    send_partials<MULTICAST>(p, t, first, slot, s_table);  // 1
+    trace.mark(tail_stamp_sent);
+    if (p.trace != nullptr) atomicMax(&s_all_sent, static_cast<unsigned long long>(globaltimer()));
+    clear_previous_slot(p, t, s, prev);  // 2
+    trace.mark(tail_stamp_cleared);
+    receive_rows<VPT, C, MULTICAST, WITHHOLD_PUSH>(p, t, s, slot, recv, cluster_has_rows, RowSums{s_row, s_row_barrier},
+                                                   trace);  // 3
+  }
+  // A block may leave once its last row's barrier completed: every store into its shared memory
+  // has landed, and nothing reads another block's. (Or once it gave up on a row barrier: then a
+  // sibling has not pushed for twice the bound, past any wait of its own.)
+  advance_control(p, s, slot, prev, recv, trace);  // 4
+  trace_block_end(p, trace);
+  trace_call_end(p, trace);
+}
 
 // The partial is rounded to bf16 exactly as the fused kernel sends it, then stored as fp32: the
 // all-reduce then sums in fp32 like the fused kernel does, instead of rounding the sum to bf16

@@ -29,7 +29,8 @@
 
 #include "commands.hpp"
 #include "common/options.hpp"
-#include "launch.hpp"
+#include "launch/launch.hpp"
+#include "output.hpp"
 #include "ranks/multicast.hpp"
 #include "torpor/backend.hpp"
 #include "torpor/error.hpp"
@@ -177,7 +178,7 @@ std::string timeout_phase(const SymmetricCheckOptions& o, Group& group) {
   return result;
 }
 
-// One rank's check (a RankBody for tools/launch.hpp): the result row the parent prints.
+// One rank's check (a RankBody for launch/launch.hpp): the result row the parent prints.
 nlohmann::json check_rank(const SymmetricCheckOptions& o, Driver& driver, Group& bootstrap, int device) {
   std::unique_ptr<Group> nccl;
   Group* group = &bootstrap;

@@ -3,7 +3,7 @@
 
 #include <string>
 
-#include "launch.hpp"
+#include "launch/launch.hpp"
 
 namespace torpor::cli {
 

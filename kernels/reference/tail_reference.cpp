@@ -19,6 +19,7 @@
 #include <bit>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -134,6 +135,130 @@ void residual_norm_row(const TailParams& p, int row, const float* sum, std::vect
     norm_out[col] = tail_norm_element(x[static_cast<std::size_t>(col)], inv, gamma[col]);
 }
 
+// The call's state from the control block (step 0).
+struct CallControl {
+  std::uint64_t calls = 0;        // this call's number
+  int slot = 0;                   // calls % tail_slot_count
+  int prev = 0;                   // the slot before it
+  std::uint32_t clear_begin = 0;  // rows of the previous slot still to clear (I3)
+  std::uint32_t clear_end = 0;
+};
+
+// Where source `source`'s row `row` of slot `s` lies in rank `rank`'s part.
+std::uint16_t* slot_at(const TailParams& p, int rank, int s, int source, int row) {
+  return reinterpret_cast<std::uint16_t*>(static_cast<std::uintptr_t>(p.peer_table[rank])) +
+         tail_slot_offset(s, source, row, 0, p.ranks, p.max_tokens, p.hidden);
+}
+
+// Step 0: the control block (I6: magic and the clear range, recorded when lost; I5: a recorded
+// error makes the call a no-op). nullopt: nothing to do.
+std::optional<CallControl> read_control(const TailParams& p) {
+  TailControl* c = p.control;
+  const std::uint32_t magic = c->magic;
+  CallControl call;
+  call.calls = c->calls;
+  call.slot = static_cast<int>(call.calls % tail_slot_count);
+  call.prev = (call.slot + tail_slot_count - 1) % tail_slot_count;
+  call.clear_begin = c->clear_begin[call.prev];
+  call.clear_end = c->clear_end[call.prev];
+  if (magic != tail_control_magic || call.clear_begin > call.clear_end ||
+      call.clear_end > static_cast<std::uint32_t>(p.max_tokens)) {
+    record_error(p, TailOp::control_lost, -1, -1, -1, call.calls, 0, magic);
+    return std::nullopt;
+  }
+  if (std::atomic_ref<std::uint32_t>(c->error.flag).load(std::memory_order_acquire) != 0) return std::nullopt;
+  return call;
+}
+
+// Step 1: this rank's part of the previous slot back to sentinels (I3). Nobody stores there
+// before call s + 2.
+void clear_previous_slot(const TailParams& p, const CallControl& call) {
+  for (int source = 0; source < p.ranks; ++source)
+    for (std::uint32_t row = call.clear_begin; row < call.clear_end; ++row) {
+      std::uint16_t* d = slot_at(p, p.rank, call.prev, source, static_cast<int>(row));
+      for (int col = 0; col < p.hidden; ++col) d[col] = tail_sentinel;
+    }
+}
+
+// Step 2 (MoE finalize and the all-reduce's send): this rank's partial rows, to every rank that
+// receives the row (self first, then the peers in turn), or once through the multicast hook.
+// Stores move 4 elements (64 bits) at a time; rows are 128-byte aligned (hidden is a multiple of
+// 64).
+void send_partials(const TailParams& p, const CallControl& call, const ReferenceHooks& hooks) {
+  const int words = p.hidden / 4;
+  std::vector<std::uint16_t> row_bits(static_cast<std::size_t>(p.hidden));
+  for (int row = 0; row < p.tokens; ++row) {
+    partial_row(p, row, row_bits.data());
+    if (p.multicast) {
+      const std::uint64_t mc = p.peer_table[p.ranks];
+      hooks.multicast_store(mc + tail_slot_offset(call.slot, p.rank, row, 0, p.ranks, p.max_tokens, p.hidden) *
+                                     sizeof(bf16),
+                            row_bits.data(), row_bits.size() * sizeof(bf16));
+      continue;
+    }
+    for (int j = 0; j < p.ranks; ++j) {
+      const int d = (p.rank + j) % p.ranks;
+      if (!tail_receives(p, d, row)) continue;
+      auto* dst = reinterpret_cast<std::uint64_t*>(slot_at(p, d, call.slot, p.rank, row));
+      for (int w = 0; w < words; ++w) {
+        std::uint64_t v;
+        std::memcpy(&v, row_bits.data() + w * 4, sizeof v);
+        std::atomic_ref<std::uint64_t>(dst[w]).store(v, std::memory_order_release);
+      }
+    }
+  }
+}
+
+// Step 3, the all-reduce's receive of one row: every source's partial, polled 4 elements at a
+// time (every element of a word is checked, as the GPU checks its 16-byte vectors) and summed in
+// rank order in fp32 (I7) into sum. False when a wait gave up (recorded).
+bool sum_sources(const TailParams& p, const CallControl& call, int row, Waiter& waiter, std::vector<float>& sum) {
+  const int words = p.hidden / 4;
+  for (int source = 0; source < p.ranks; ++source) {
+    const auto* a = reinterpret_cast<const std::uint64_t*>(slot_at(p, p.rank, call.slot, source, row));
+    for (int w = 0; w < words; ++w) {
+      std::uint64_t v = 0;
+      if (!waiter.wait(a + w, v)) {
+        const TailOp op = waiter.aborted() ? TailOp::aborted
+                          : p.multicast    ? TailOp::wait_multicast
+                                           : TailOp::wait_unicast;
+        record_error(p, op, source, call.slot, row, call.calls, waiter.waited_ns(), tail_control_magic);
+        return false;
+      }
+      for (int e = 0; e < 4; ++e) {
+        const float f = tail_bf16_to_float(static_cast<std::uint16_t>(v >> (16 * e)));
+        float& acc = sum[static_cast<std::size_t>(w * 4 + e)];
+        acc = source == 0 ? f : tail_add(acc, f);
+      }
+    }
+  }
+  return true;
+}
+
+// Step 3: every row this rank receives (all of them must land before the slot is cleared again);
+// residual + RMSNorm for the output rows. The first failed wait ends the step.
+void receive_rows(const TailParams& p, const CallControl& call) {
+  const TailRows recv = tail_receive_rows(p);
+  const TailRows out = tail_output_rows(p);
+  Waiter waiter(p.timeout_ns, p.abort);
+  std::vector<float> sum(static_cast<std::size_t>(p.hidden)), x;
+  for (int row = recv.begin; row < recv.end; ++row) {
+    if (!sum_sources(p, call, row, waiter, sum)) return;
+    if (out.contains(row)) residual_norm_row(p, row, sum.data(), x);
+  }
+}
+
+// Step 4: the control block advanced (I4): this call's receive rows are the next call's to clear.
+void advance_control(const TailParams& p, const CallControl& call) {
+  TailControl* c = p.control;
+  const TailRows recv = tail_receive_rows(p);
+  c->clear_begin[call.slot] = static_cast<std::uint32_t>(recv.begin);
+  c->clear_end[call.slot] = static_cast<std::uint32_t>(recv.end);
+  c->clear_begin[call.prev] = 0;
+  c->clear_end[call.prev] = 0;
+  c->calls = call.calls + 1;
+}
+
 }  // namespace
 
 float reference_sum_squares(const float* x, int hidden) {
@@ -177,93 +302,12 @@ void reference_residual_norm(const TailParams& p, const float* sum) {
 void reference_tail_fused(const TailParams& p, const ReferenceHooks& hooks) {
   if (p.multicast && !hooks.multicast_store)
     throw invalid_argument("reference_tail_fused: the multicast variant needs ReferenceHooks::multicast_store");
-  TailControl* c = p.control;
-
-  // 0. The control block (I6, I5).
-  const std::uint32_t magic = c->magic;
-  const std::uint64_t calls = c->calls;
-  const int slot = static_cast<int>(calls % tail_slot_count);
-  const int prev = (slot + tail_slot_count - 1) % tail_slot_count;
-  const std::uint32_t cb = c->clear_begin[prev], ce = c->clear_end[prev];
-  if (magic != tail_control_magic || cb > ce || ce > static_cast<std::uint32_t>(p.max_tokens)) {
-    record_error(p, TailOp::control_lost, -1, -1, -1, calls, 0, magic);
-    return;
-  }
-  if (std::atomic_ref<std::uint32_t>(c->error.flag).load(std::memory_order_acquire) != 0) return;
-
-  const auto slot_at = [&](int rank, int s, int source, int row) {
-    return reinterpret_cast<std::uint16_t*>(static_cast<std::uintptr_t>(p.peer_table[rank])) +
-           tail_slot_offset(s, source, row, 0, p.ranks, p.max_tokens, p.hidden);
-  };
-
-  // 1. Clear this rank's part of the previous slot (I3). Nobody stores there before call s + 2.
-  for (int source = 0; source < p.ranks; ++source)
-    for (std::uint32_t row = cb; row < ce; ++row) {
-      std::uint16_t* d = slot_at(p.rank, prev, source, static_cast<int>(row));
-      for (int col = 0; col < p.hidden; ++col) d[col] = tail_sentinel;
-    }
-
-  // 2. Send this rank's partial rows.
-  // Stores and polls move 4 elements (64 bits) at a time; rows are 128-byte aligned (hidden is a
-  // multiple of 64) and every element of a word is checked, as the GPU checks its 16-byte vectors.
-  const int words = p.hidden / 4;
-  std::vector<std::uint16_t> row_bits(static_cast<std::size_t>(p.hidden));
-  for (int row = 0; row < p.tokens; ++row) {
-    partial_row(p, row, row_bits.data());
-    if (p.multicast) {
-      const std::uint64_t mc = p.peer_table[p.ranks];
-      hooks.multicast_store(mc + tail_slot_offset(slot, p.rank, row, 0, p.ranks, p.max_tokens, p.hidden) * sizeof(bf16),
-                            row_bits.data(), row_bits.size() * sizeof(bf16));
-      continue;
-    }
-    for (int j = 0; j < p.ranks; ++j) {
-      const int d = (p.rank + j) % p.ranks;
-      if (!tail_receives(p, d, row)) continue;
-      auto* dst = reinterpret_cast<std::uint64_t*>(slot_at(d, slot, p.rank, row));
-      for (int w = 0; w < words; ++w) {
-        std::uint64_t v;
-        std::memcpy(&v, row_bits.data() + w * 4, sizeof v);
-        std::atomic_ref<std::uint64_t>(dst[w]).store(v, std::memory_order_release);
-      }
-    }
-  }
-
-  // 3. Receive every row this rank receives (all of them must land before the slot is cleared
-  //    again); sum in rank order; residual + RMSNorm for the output rows.
-  const TailRows recv = tail_receive_rows(p);
-  const TailRows out = tail_output_rows(p);
-  Waiter waiter(p.timeout_ns, p.abort);
-  std::vector<float> sum(static_cast<std::size_t>(p.hidden)), x;
-  bool failed = false;
-  for (int row = recv.begin; row < recv.end && !failed; ++row) {
-    for (int source = 0; source < p.ranks && !failed; ++source) {
-      const auto* a = reinterpret_cast<const std::uint64_t*>(slot_at(p.rank, slot, source, row));
-      for (int w = 0; w < words; ++w) {
-        std::uint64_t v = 0;
-        if (!waiter.wait(a + w, v)) {
-          const TailOp op = waiter.aborted() ? TailOp::aborted
-                            : p.multicast    ? TailOp::wait_multicast
-                                             : TailOp::wait_unicast;
-          record_error(p, op, source, slot, row, calls, waiter.waited_ns(), tail_control_magic);
-          failed = true;
-          break;
-        }
-        for (int e = 0; e < 4; ++e) {
-          const float f = tail_bf16_to_float(static_cast<std::uint16_t>(v >> (16 * e)));
-          float& acc = sum[static_cast<std::size_t>(w * 4 + e)];
-          acc = source == 0 ? f : tail_add(acc, f);
-        }
-      }
-    }
-    if (!failed && out.contains(row)) residual_norm_row(p, row, sum.data(), x);
-  }
-
-  // 4. Advance the control block (I4).
-  c->clear_begin[slot] = static_cast<std::uint32_t>(recv.begin);
-  c->clear_end[slot] = static_cast<std::uint32_t>(recv.end);
-  c->clear_begin[prev] = 0;
-  c->clear_end[prev] = 0;
-  c->calls = calls + 1;
+  const std::optional<CallControl> call = read_control(p);  // 0
+  if (!call) return;
+  clear_previous_slot(p, *call);   // 1
+  send_partials(p, *call, hooks);  // 2
+  receive_rows(p, *call);          // 3
+  advance_control(p, *call);       // 4
 }
 
 }  // namespace torpor::kernels

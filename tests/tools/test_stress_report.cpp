@@ -2,7 +2,7 @@
 // clean run must pass. Rows are written by hand here; the CLI tests run the real plan.
 #include <gtest/gtest.h>
 
-#include "stress_report.hpp"
+#include "stress/stress_report.hpp"
 
 namespace torpor::cli {
 namespace {
