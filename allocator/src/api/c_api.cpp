@@ -17,6 +17,7 @@
 
 #include "api/c_api_internal.hpp"
 #include "api/c_enums.hpp"
+#include "common/error_kind.hpp"
 #include "torpor/backend.hpp"
 #include "torpor/callback_group.hpp"
 #include "torpor/collective_sleep.hpp"
@@ -46,16 +47,13 @@ namespace {
 using namespace torpor;
 
 // The typed error of a hook's status, so that torpor_sleep (and a collective sleep, which
-// sends the type to every rank) reports the kind of failure the hook returned.
+// sends the type to every rank) reports the kind of failure the hook returned. A status whose
+// kind does not come back as its own type (TORPOR_ERROR_DRIVER, ..., or no status at all) is a
+// torpor::error whose message names it.
 [[noreturn]] void throw_refusal(torpor_status s, const std::string& message) {
-  switch (s) {
-    case TORPOR_ERROR_INVALID_ARGUMENT: throw invalid_argument(message);
-    case TORPOR_ERROR_INVALID_STATE: throw invalid_state(message);
-    case TORPOR_ERROR_OUT_OF_MEMORY: throw out_of_memory(message);
-    case TORPOR_ERROR_TIMEOUT: throw timeout_error(message);
-    case TORPOR_ERROR_UNAVAILABLE: throw unavailable(message);
-    default: throw error(fmt::format("{} (status {})", message, torpor_status_name(s)));
-  }
+  const std::optional<ErrorKind> kind = error_kind_of_status(s);
+  if (kind && raises_own_type(*kind)) raise_error_kind(*kind, message);
+  throw error(fmt::format("{} (status {})", message, torpor_status_name(s)));
 }
 
 // The C sleep hooks as a SleepObserver. A removed hook stays allocated (inactive) until its
@@ -169,25 +167,8 @@ torpor_status guarded(const char* fn, F&& f) {
   try {
     f();
     return TORPOR_OK;
-  } catch (const invalid_argument& e) {
-    return fail(TORPOR_ERROR_INVALID_ARGUMENT, fmt::format("{}: {}", fn, e.what()));
-  } catch (const invalid_state& e) {
-    return fail(TORPOR_ERROR_INVALID_STATE, fmt::format("{}: {}", fn, e.what()));
-  } catch (const out_of_memory& e) {
-    return fail(TORPOR_ERROR_OUT_OF_MEMORY, fmt::format("{}: {}", fn, e.what()));
-  } catch (const timeout_error& e) {
-    return fail(TORPOR_ERROR_TIMEOUT, fmt::format("{}: {}", fn, e.what()));
-  } catch (const unavailable& e) {
-    return fail(TORPOR_ERROR_UNAVAILABLE, fmt::format("{}: {}", fn, e.what()));
-  } catch (const driver_error& e) {
-    return fail(e.is_out_of_memory() ? TORPOR_ERROR_OUT_OF_MEMORY : TORPOR_ERROR_DRIVER,
-                fmt::format("{}: {}", fn, e.what()));
-  } catch (const std::bad_alloc&) {
-    return fail(TORPOR_ERROR_OUT_OF_MEMORY, fmt::format("{}: host out of memory", fn));
-  } catch (const std::exception& e) {
-    return fail(TORPOR_ERROR_INTERNAL, fmt::format("{}: {}", fn, e.what()));
   } catch (...) {
-    return fail(TORPOR_ERROR_INTERNAL, fmt::format("{}: unknown exception", fn));
+    return detail::fail_with_caught(fn);
   }
 }
 
@@ -221,7 +202,6 @@ torpor_status with_pool(const char* fn, torpor_pool_t handle, F&& f) {
 
 // The C enums' tables, shared with the PyTorch entry points (api/c_enums.hpp).
 using detail::backend_of;
-using detail::status_last;
 
 MemoryClass to_class(int c) {
   if (c < 0 || c >= static_cast<int>(memory_class_count))
@@ -261,6 +241,11 @@ torpor_status write_out(const std::string& text, char* buffer, std::size_t capac
 
 namespace torpor::detail {
 void set_last_error(std::string message) noexcept { last_error = std::move(message); }
+
+torpor_status fail_with_caught(const char* fn) {
+  const CaughtError caught = caught_error();
+  return fail(status_of(caught.kind), fmt::format("{}: {}", fn, caught.message));
+}
 
 bool keep_for_torch(torpor_pool_t pool, int device) noexcept {
   try {
@@ -625,14 +610,16 @@ const char* torpor_last_error(void) { return last_error.c_str(); }
 const char* torpor_version() { return TORPOR_VERSION; }
 
 const char* torpor_status_name(torpor_status s) {
-  const char* name = detail::status_name_of(s);
-  return name != nullptr ? name : "TORPOR_ERROR_UNKNOWN";
+  const std::optional<ErrorKind> kind = error_kind_of_status(s);
+  return kind ? status_name(*kind) : "TORPOR_ERROR_UNKNOWN";
 }
 
 int torpor_status_value(const char* name) {
   if (name == nullptr) return -1;
-  for (int s = TORPOR_OK; s <= status_last; ++s)
-    if (std::string_view(torpor_status_name(static_cast<torpor_status>(s))) == name) return s;
+  for (int k = 0; k < error_kind_count; ++k) {
+    const auto kind = static_cast<ErrorKind>(k);
+    if (std::string_view(status_name(kind)) == name) return status_of(kind);
+  }
   return -1;
 }
 

@@ -9,20 +9,6 @@ namespace torpor::detail {
 
 namespace {
 
-constexpr auto status_names =
-    std::to_array<EnumName<int>>({{TORPOR_OK, "TORPOR_OK"},
-                                  {TORPOR_ERROR_INVALID_ARGUMENT, "TORPOR_ERROR_INVALID_ARGUMENT"},
-                                  {TORPOR_ERROR_INVALID_STATE, "TORPOR_ERROR_INVALID_STATE"},
-                                  {TORPOR_ERROR_OUT_OF_MEMORY, "TORPOR_ERROR_OUT_OF_MEMORY"},
-                                  {TORPOR_ERROR_DRIVER, "TORPOR_ERROR_DRIVER"},
-                                  {TORPOR_ERROR_TIMEOUT, "TORPOR_ERROR_TIMEOUT"},
-                                  {TORPOR_ERROR_INVALID_HANDLE, "TORPOR_ERROR_INVALID_HANDLE"},
-                                  {TORPOR_ERROR_INTERNAL, "TORPOR_ERROR_INTERNAL"},
-                                  {TORPOR_ERROR_UNAVAILABLE, "TORPOR_ERROR_UNAVAILABLE"}});
-// Every status from TORPOR_OK to status_last has its name (tests/python/test_constants.py checks
-// torpor.h's list against torpor_status_value).
-static_assert(status_names.size() == status_last + 1);
-
 constexpr auto handle_kind_names = std::to_array<EnumName<int>>(
     {{TORPOR_HANDLE_AUTO, "auto"}, {TORPOR_HANDLE_POSIX_FD, "posix_fd"}, {TORPOR_HANDLE_FABRIC, "fabric"}});
 
@@ -58,11 +44,6 @@ const char* sleep_level_name_of(int level) noexcept {
                 TORPOR_SLEEP_DISCARD_PARAMETERS == static_cast<int>(SleepLevel::discard_parameters));
   if (level < TORPOR_SLEEP_NONE || level > TORPOR_SLEEP_DISCARD_PARAMETERS) return nullptr;
   return to_string(static_cast<SleepLevel>(level)).data();  // literals, so NUL-terminated
-}
-
-const char* status_name_of(int status) noexcept {
-  const std::string_view name = name_of(status_names, status);
-  return name == "?" ? nullptr : name.data();
 }
 
 }  // namespace torpor::detail

@@ -73,20 +73,15 @@ const char* class_name(int c) {
 
 torpor::Backend to_backend(int b) { return torpor::detail::backend_of(b).value_or(torpor::Backend::automatic); }
 
-// The status and message for the exception being handled. Only std::bad_alloc is expected
-// here (the C API calls do not throw); anything else is reported as internal.
+// The status and message for the exception being handled (common/error_kind's mapping, as the
+// C API's). The C API calls do not throw: what reaches here is std::bad_alloc, or a failure of
+// the driver's memory_info in the margin check.
 torpor_status from_exception(const char* fn) noexcept {
   try {
-    throw;
-  } catch (const std::bad_alloc&) {
-    set_last_error(std::string(fn) + ": host out of memory");
+    return torpor::detail::fail_with_caught(fn);
+  } catch (...) {  // formatting the message ran out of memory
     return TORPOR_ERROR_OUT_OF_MEMORY;
-  } catch (const std::exception& e) {
-    set_last_error(std::string(fn) + ": " + e.what());
-  } catch (...) {
-    set_last_error(std::string(fn) + ": unknown exception");
   }
-  return TORPOR_ERROR_INTERNAL;
 }
 
 bool same_options(const torpor_pool_options& a, const torpor_pool_options& b) {
