@@ -1,7 +1,7 @@
 // The C enumerations of torpor.h, read and named once for both C entry points: the C API
-// (c_api.cpp) and the PyTorch allocator entry points (torch_allocator.cpp). Each enum has one
+// (c_api_*.cpp) and the PyTorch allocator entry points (torch_allocator.cpp). Each enum has one
 // table (common/enum_names.hpp's EnumNames), so the two cannot disagree on what a value means or
-// how it prints. The C values of classes and fills are the C++ ones (c_api.cpp asserts it), so
+// how it prints. The C values of classes and fills are the C++ ones (c_enums.cpp asserts it), so
 // they convert by a checked cast. The statuses are named by the ErrorKind table
 // (common/error_kind.hpp).
 #pragma once
