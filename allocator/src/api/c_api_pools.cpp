@@ -1,16 +1,15 @@
 // The C API's pools and allocation: options, create and destroy, allocate, free and mark,
-// find and copy, the host store and the host copies (torpor.h). Every entry point runs in
-// with_pool() or guarded() (c_api_internal.hpp), so no exception crosses the boundary.
+// find and copy, the host store and the host copies (torpor.h). The pool options cross through
+// one field list (c_pool_options.hpp); every entry point runs in with_pool() or guarded()
+// (c_api_internal.hpp), so no exception crosses the boundary.
 #include <fmt/core.h>
 
 #include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
 #include "api/c_api_internal.hpp"
-#include "api/c_enums.hpp"
-#include "torpor/backend.hpp"
+#include "api/c_pool_options.hpp"
 #include "torpor/error.hpp"
 #include "torpor/pool.hpp"
 #include "torpor/torpor.h"
@@ -26,18 +25,7 @@ extern "C" {
 
 void torpor_pool_options_init(torpor_pool_options* o) {
   if (o == nullptr) return;
-  *o = torpor_pool_options{};
-  o->device = 0;
-  o->backend = TORPOR_BACKEND_AUTO;
-  o->va_bytes = 0;
-  o->fill_on_wake = TORPOR_FILL_NONE;
-  o->exportable = 0;
-  o->skip_unchanged = 1;
-  o->host_store_limit = 0;
-  o->host_store_prepare = 0;
-  o->spill_dir = nullptr;
-  o->spill_limit = 0;
-  o->spill_file_per_allocation = 0;
+  init_c_pool_options(*o);
 }
 
 torpor_status torpor_pool_create(const torpor_pool_options* options, torpor_pool_t* out) {
@@ -47,26 +35,10 @@ torpor_status torpor_pool_create(const torpor_pool_options* options, torpor_pool
     torpor_pool_options o;
     torpor_pool_options_init(&o);
     if (options != nullptr) o = *options;
-    const std::optional<Backend> b = backend_of(o.backend);
-    if (!b) throw invalid_argument(fmt::format("unknown backend {} (0 auto, 1 host, 2 cuda)", o.backend));
-    if (o.fill_on_wake < TORPOR_FILL_NONE || o.fill_on_wake > TORPOR_FILL_POISON)
-      throw invalid_argument(fmt::format("unknown fill_on_wake {} (0 none, 1 zero, 2 poison)", o.fill_on_wake));
+    const PoolSpec spec = pool_spec_of(o);
     auto cp = std::make_shared<CPool>();
-    cp->driver = shared_driver(*b);
-    PoolOptions po;
-    po.device = o.device;
-    po.va_bytes = o.va_bytes;
-    po.fill_on_wake = static_cast<FillOnWake>(o.fill_on_wake);
-    po.exportable = o.exportable != 0;
-    if (o.skip_unchanged != 0 && o.skip_unchanged != 1)
-      throw invalid_argument(fmt::format("skip_unchanged {} is not 0 or 1", o.skip_unchanged));
-    po.skip_unchanged = o.skip_unchanged != 0;
-    po.host_store_limit = o.host_store_limit;
-    po.host_store_prepare = o.host_store_prepare;
-    if (o.spill_dir != nullptr) po.spill_dir = o.spill_dir;
-    po.spill_limit = o.spill_limit;
-    po.spill_file_per_allocation = o.spill_file_per_allocation != 0;
-    cp->pool = std::make_unique<Pool>(*cp->driver.driver, po);
+    cp->driver = shared_driver(spec.backend);
+    cp->pool = std::make_unique<Pool>(*cp->driver.driver, spec.pool);
     Registry& r = registry();
     *out = reinterpret_cast<torpor_pool_t>(r.add(r.pools, std::move(cp)));
   });
