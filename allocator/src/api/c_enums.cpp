@@ -1,27 +1,36 @@
-// The C enumerations' tables. See c_enums.hpp.
+// The C enumerations' tables, and the C API's entry points that name their values
+// (torpor_status_name, torpor_class_name, ...). See c_enums.hpp.
 #include "api/c_enums.hpp"
 
 #include <array>
+#include <optional>
+#include <string_view>
 
 #include "common/enum_names.hpp"
+#include "common/error_kind.hpp"
+#include "torpor/driver.hpp"
+#include "torpor/tags.hpp"
+
+// torpor.h's tag macros are torpor/tags.hpp's strings.
+static_assert(std::string_view(TORPOR_TAG_WEIGHTS) == torpor::tags::weights);
+static_assert(std::string_view(TORPOR_TAG_KV_CACHE) == torpor::tags::kv_cache);
+static_assert(std::string_view(TORPOR_TAG_CUDA_GRAPH) == torpor::tags::cuda_graph);
+// The C enumerations' values are the C++ ones, so a class or fill converts by a cast.
+static_assert(static_cast<int>(torpor::MemoryClass::parameter) == TORPOR_CLASS_PARAMETER &&
+              static_cast<int>(torpor::MemoryClass::state) == TORPOR_CLASS_STATE &&
+              static_cast<int>(torpor::MemoryClass::cache) == TORPOR_CLASS_CACHE &&
+              torpor::memory_class_count == TORPOR_CLASS_CACHE + 1);
+// torpor_handle_kind's concrete kinds are the seam's HandleKind values.
+static_assert(static_cast<int>(torpor::HandleKind::posix_fd) == TORPOR_HANDLE_POSIX_FD &&
+              static_cast<int>(torpor::HandleKind::fabric) == TORPOR_HANDLE_FABRIC);
+static_assert(TORPOR_FABRIC_HANDLE_BYTES == torpor::fabric_handle_bytes);
+static_assert(static_cast<int>(torpor::FillOnWake::none) == TORPOR_FILL_NONE &&
+              static_cast<int>(torpor::FillOnWake::zero) == TORPOR_FILL_ZERO &&
+              static_cast<int>(torpor::FillOnWake::poison) == TORPOR_FILL_POISON);
 
 namespace torpor::detail {
 
 namespace {
-
-constexpr auto status_names =
-    std::to_array<EnumName<int>>({{TORPOR_OK, "TORPOR_OK"},
-                                  {TORPOR_ERROR_INVALID_ARGUMENT, "TORPOR_ERROR_INVALID_ARGUMENT"},
-                                  {TORPOR_ERROR_INVALID_STATE, "TORPOR_ERROR_INVALID_STATE"},
-                                  {TORPOR_ERROR_OUT_OF_MEMORY, "TORPOR_ERROR_OUT_OF_MEMORY"},
-                                  {TORPOR_ERROR_DRIVER, "TORPOR_ERROR_DRIVER"},
-                                  {TORPOR_ERROR_TIMEOUT, "TORPOR_ERROR_TIMEOUT"},
-                                  {TORPOR_ERROR_INVALID_HANDLE, "TORPOR_ERROR_INVALID_HANDLE"},
-                                  {TORPOR_ERROR_INTERNAL, "TORPOR_ERROR_INTERNAL"},
-                                  {TORPOR_ERROR_UNAVAILABLE, "TORPOR_ERROR_UNAVAILABLE"}});
-// Every status from TORPOR_OK to status_last has its name (tests/python/test_constants.py checks
-// torpor.h's list against torpor_status_value).
-static_assert(status_names.size() == status_last + 1);
 
 constexpr auto handle_kind_names = std::to_array<EnumName<int>>(
     {{TORPOR_HANDLE_AUTO, "auto"}, {TORPOR_HANDLE_POSIX_FD, "posix_fd"}, {TORPOR_HANDLE_FABRIC, "fabric"}});
@@ -60,9 +69,40 @@ const char* sleep_level_name_of(int level) noexcept {
   return to_string(static_cast<SleepLevel>(level)).data();  // literals, so NUL-terminated
 }
 
-const char* status_name_of(int status) noexcept {
-  const std::string_view name = name_of(status_names, status);
-  return name == "?" ? nullptr : name.data();
+}  // namespace torpor::detail
+
+extern "C" {
+
+const char* torpor_version() { return TORPOR_VERSION; }
+
+const char* torpor_status_name(torpor_status s) {
+  const std::optional<torpor::ErrorKind> kind = torpor::error_kind_of_status(s);
+  return kind ? torpor::status_name(*kind) : "TORPOR_ERROR_UNKNOWN";
 }
 
-}  // namespace torpor::detail
+int torpor_status_value(const char* name) {
+  if (name == nullptr) return -1;
+  for (int k = 0; k < torpor::error_kind_count; ++k) {
+    const auto kind = static_cast<torpor::ErrorKind>(k);
+    if (std::string_view(torpor::status_name(kind)) == name) return torpor::status_of(kind);
+  }
+  return -1;
+}
+
+const char* torpor_class_name(int memory_class) { return torpor::detail::class_name_of(memory_class); }
+
+const char* torpor_backend_name(int backend) {
+  const std::optional<torpor::Backend> b = torpor::detail::backend_of(backend);
+  return b ? to_string(*b).data() : nullptr;
+}
+
+const char* torpor_fill_name(int fill) {
+  if (fill < TORPOR_FILL_NONE || fill > TORPOR_FILL_POISON) return nullptr;
+  return to_string(static_cast<torpor::FillOnWake>(fill)).data();
+}
+
+const char* torpor_handle_kind_name(int kind) { return torpor::detail::handle_kind_name_of(kind); }
+
+const char* torpor_sleep_level_name(int level) { return torpor::detail::sleep_level_name_of(level); }
+
+}  // extern "C"

@@ -1,8 +1,9 @@
 // The C enumerations of torpor.h, read and named once for both C entry points: the C API
-// (c_api.cpp) and the PyTorch allocator entry points (torch_allocator.cpp). Each enum has one
+// (c_api_*.cpp) and the PyTorch allocator entry points (torch_allocator.cpp). Each enum has one
 // table (common/enum_names.hpp's EnumNames), so the two cannot disagree on what a value means or
-// how it prints. The C values of classes and fills are the C++ ones (c_api.cpp asserts it), so
-// they convert by a checked cast.
+// how it prints. The C values of classes and fills are the C++ ones (c_enums.cpp asserts it), so
+// they convert by a checked cast. The statuses are named by the ErrorKind table
+// (common/error_kind.hpp).
 #pragma once
 
 #include <optional>
@@ -27,11 +28,5 @@ const char* handle_kind_name_of(int kind) noexcept;
 
 // "none", "offload" or "discard_parameters" for a torpor_sleep_level; nullptr out of range.
 const char* sleep_level_name_of(int level) noexcept;
-
-// "TORPOR_OK", "TORPOR_ERROR_INVALID_ARGUMENT", ...; nullptr for a value out of range.
-const char* status_name_of(int status) noexcept;
-
-// The highest torpor_status (they run from TORPOR_OK up without gaps).
-inline constexpr int status_last = TORPOR_ERROR_UNAVAILABLE;
 
 }  // namespace torpor::detail

@@ -22,6 +22,7 @@
 
 #include "api/c_api_internal.hpp"
 #include "api/c_enums.hpp"
+#include "api/c_pool_options.hpp"
 #include "torpor/backend.hpp"
 #include "torpor/log.hpp"
 
@@ -73,28 +74,15 @@ const char* class_name(int c) {
 
 torpor::Backend to_backend(int b) { return torpor::detail::backend_of(b).value_or(torpor::Backend::automatic); }
 
-// The status and message for the exception being handled. Only std::bad_alloc is expected
-// here (the C API calls do not throw); anything else is reported as internal.
+// The status and message for the exception being handled (common/error_kind's mapping, as the
+// C API's). The C API calls do not throw: what reaches here is std::bad_alloc, or a failure of
+// the driver's memory_info in the margin check.
 torpor_status from_exception(const char* fn) noexcept {
   try {
-    throw;
-  } catch (const std::bad_alloc&) {
-    set_last_error(std::string(fn) + ": host out of memory");
+    return torpor::detail::fail_with_caught(fn);
+  } catch (...) {  // formatting the message ran out of memory
     return TORPOR_ERROR_OUT_OF_MEMORY;
-  } catch (const std::exception& e) {
-    set_last_error(std::string(fn) + ": " + e.what());
-  } catch (...) {
-    set_last_error(std::string(fn) + ": unknown exception");
   }
-  return TORPOR_ERROR_INTERNAL;
-}
-
-bool same_options(const torpor_pool_options& a, const torpor_pool_options& b) {
-  auto dir = [](const torpor_pool_options& o) { return std::string(o.spill_dir != nullptr ? o.spill_dir : ""); };
-  return a.backend == b.backend && a.va_bytes == b.va_bytes && a.fill_on_wake == b.fill_on_wake &&
-         a.exportable == b.exportable && a.skip_unchanged == b.skip_unchanged &&
-         a.host_store_limit == b.host_store_limit && a.host_store_prepare == b.host_store_prepare && dir(a) == dir(b) &&
-         a.spill_limit == b.spill_limit && (a.spill_file_per_allocation != 0) == (b.spill_file_per_allocation != 0);
 }
 
 // Whether a new segment of `size` bytes leaves the memory margin free on `device`; sets the
@@ -266,19 +254,12 @@ torpor_status torpor_torch_configure(const torpor_pool_options* options) {
   torpor_pool_options_init(&o);
   if (options != nullptr) o = *options;
   o.device = 0;
-  if (o.backend < TORPOR_BACKEND_AUTO || o.backend > TORPOR_BACKEND_CUDA) {
-    set_last_error(fmt::format("torpor_torch_configure: unknown backend {} (0 auto, 1 host, 2 cuda)", o.backend));
-    return TORPOR_ERROR_INVALID_ARGUMENT;
-  }
-  if (o.fill_on_wake < TORPOR_FILL_NONE || o.fill_on_wake > TORPOR_FILL_POISON) {
-    set_last_error(
-        fmt::format("torpor_torch_configure: unknown fill_on_wake {} (0 none, 1 zero, 2 poison)", o.fill_on_wake));
-    return TORPOR_ERROR_INVALID_ARGUMENT;
-  }
   try {
+    // Every field checked as torpor_pool_create checks it (api/c_pool_options.hpp).
+    const torpor::detail::PoolSpec wanted = torpor::detail::pool_spec_of(o);
     DevicePools& d = device_pools();
     std::lock_guard lock(d.mu);
-    if (!d.pools.empty() && !same_options(d.options, o)) {
+    if (!d.pools.empty() && !torpor::detail::same_pool_spec(torpor::detail::pool_spec_of(d.options), wanted)) {
       std::string devices;
       for (auto& [dev, slot] : d.pools) devices += fmt::format("{}{}", devices.empty() ? "" : ", ", dev);
       set_last_error(fmt::format("torpor_torch_configure: the pools of device(s) {} already exist with other "

@@ -13,6 +13,7 @@
 #include <charconv>
 #include <new>
 
+#include "common/error_kind.hpp"
 #include "torpor/error.hpp"
 
 namespace torpor::consensus {
@@ -85,30 +86,20 @@ std::vector<std::string> agree(Group& group, std::string_view operation, std::st
                                      a.requests[0], theirs));
 }
 
+// A Failure is the ErrorKind it travels as (common/error_kind.hpp): the same values.
 Failure classify(const std::exception& e) noexcept {
-  if (dynamic_cast<const invalid_argument*>(&e)) return Failure::invalid_argument;
-  if (dynamic_cast<const invalid_state*>(&e)) return Failure::invalid_state;
-  if (dynamic_cast<const out_of_memory*>(&e) || dynamic_cast<const std::bad_alloc*>(&e)) return Failure::out_of_memory;
-  if (dynamic_cast<const timeout_error*>(&e)) return Failure::timeout;
-  if (dynamic_cast<const unavailable*>(&e)) return Failure::unavailable;
-  if (const auto* d = dynamic_cast<const driver_error*>(&e))
-    return d->is_out_of_memory() ? Failure::out_of_memory : Failure::driver;
-  return Failure::error;
+  static_assert(static_cast<int>(Failure::none) == static_cast<int>(ErrorKind::none) &&
+                static_cast<int>(Failure::error) == static_cast<int>(ErrorKind::internal) &&
+                static_cast<int>(Failure::invalid_argument) == static_cast<int>(ErrorKind::invalid_argument) &&
+                static_cast<int>(Failure::invalid_state) == static_cast<int>(ErrorKind::invalid_state) &&
+                static_cast<int>(Failure::out_of_memory) == static_cast<int>(ErrorKind::out_of_memory) &&
+                static_cast<int>(Failure::timeout) == static_cast<int>(ErrorKind::timeout) &&
+                static_cast<int>(Failure::unavailable) == static_cast<int>(ErrorKind::unavailable) &&
+                static_cast<int>(Failure::driver) == static_cast<int>(ErrorKind::driver));
+  return static_cast<Failure>(error_kind_of(e));  // never invalid_handle: no exception is
 }
 
-void raise(Failure failure, const std::string& text) {
-  switch (failure) {
-    case Failure::invalid_argument: throw invalid_argument(text);
-    case Failure::invalid_state: throw invalid_state(text);
-    case Failure::out_of_memory: throw out_of_memory(text);
-    case Failure::timeout: throw timeout_error(text);
-    case Failure::unavailable: throw unavailable(text);
-    case Failure::none:
-    case Failure::error:
-    case Failure::driver: throw error(text);
-  }
-  throw error(text);
-}
+void raise(Failure failure, const std::string& text) { raise_error_kind(static_cast<ErrorKind>(failure), text); }
 
 std::vector<Outcome> gather_outcomes(Group& group, const Outcome& mine) {
   std::string wire(1, static_cast<char>(mine.failure));

@@ -3,10 +3,12 @@
 
 #include <fmt/core.h>
 
-#include <vector>
+#include <cstdint>
 
+#include "common/error_kind.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
+#include "torpor/torpor.h"
 
 namespace torpor::fusion::detail {
 
@@ -15,33 +17,30 @@ void cuda_check(cudaError_t e, const char* call, const std::string& what) {
   throw error(fmt::format("{} failed: {} ({}) [{}]", call, cudaGetErrorName(e), cudaGetErrorString(e), what));
 }
 
+namespace {
+
+// A status of libtorpor's C API as its exception type, with the entry's message.
+void check_torpor(torpor_status s, const std::string& what) {
+  if (s == TORPOR_OK) return;
+  raise_error_kind(error_kind_of_status(s).value_or(ErrorKind::internal),
+                   fmt::format("{} [{}]", torpor_last_error(), what));
+}
+
+}  // namespace
+
 std::size_t graph_memory_nodes(cudaGraph_t graph) {
+  // A cudaGraph_t is the driver's CUgraph, which the entry takes as an integer.
   std::size_t count = 0;
-  TORPOR_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &count), "counting a captured graph's nodes");
-  std::vector<cudaGraphNode_t> nodes(count);
-  if (count > 0) TORPOR_CUDA_CHECK(cudaGraphGetNodes(graph, nodes.data(), &count), "listing a captured graph's nodes");
-  std::size_t found = 0;
-  for (std::size_t i = 0; i < count; ++i) {
-    cudaGraphNodeType type{};
-    TORPOR_CUDA_CHECK(cudaGraphNodeGetType(nodes[i], &type), "the type of a captured graph's node");
-    if (type == cudaGraphNodeTypeMemAlloc || type == cudaGraphNodeTypeMemFree) {
-      ++found;
-    } else if (type == cudaGraphNodeTypeGraph) {
-      cudaGraph_t child = nullptr;
-      TORPOR_CUDA_CHECK(cudaGraphChildGraphNodeGetGraph(nodes[i], &child), "a child graph of a captured graph");
-      found += graph_memory_nodes(child);
-    }
-  }
-  return found;
+  check_torpor(torpor_graph_memory_nodes(reinterpret_cast<std::uintptr_t>(graph), &count),
+               "the memory nodes of a captured graph");
+  return count;
 }
 
 GraphAllocatorBytes graph_allocator_bytes(int device) {
+  unsigned long long used = 0, reserved = 0;
+  check_torpor(torpor_graph_memory(device, &used, &reserved),
+               fmt::format("graph allocator bytes on device {}", device));
   GraphAllocatorBytes b;
-  unsigned long long used = 0, reserved = 0;  // the attributes' value type is cuuint64_t
-  TORPOR_CUDA_CHECK(cudaDeviceGetGraphMemAttribute(device, cudaGraphMemAttrUsedMemCurrent, &used),
-                    fmt::format("graph allocator bytes in use on device {}", device));
-  TORPOR_CUDA_CHECK(cudaDeviceGetGraphMemAttribute(device, cudaGraphMemAttrReservedMemCurrent, &reserved),
-                    fmt::format("graph allocator bytes reserved on device {}", device));
   b.used = static_cast<std::size_t>(used);
   b.reserved = static_cast<std::size_t>(reserved);
   return b;

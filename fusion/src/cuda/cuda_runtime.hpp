@@ -1,8 +1,9 @@
 // CUDA runtime helpers for the fusion layer (built with TORPOR_CUDA only): a checked call that
 // throws torpor::error naming the call, the CUDA error and what it was for, a guard that makes
-// a device current for a scope and restores the caller's device afterwards, and what the CUDA
-// runtime says about graph memory (the memory nodes of a captured graph, the bytes of the
-// device's graph allocator).
+// a device current for a scope and restores the caller's device afterwards, and graph memory
+// (the memory nodes of a captured graph, the bytes of the device's graph allocator) through
+// libtorpor's one entry for it (torpor_graph_memory_nodes / torpor_graph_memory, which the
+// Python package calls too): a failure throws its status's exception type.
 #pragma once
 
 #if !defined(TORPOR_KERNELS_CUDA)
@@ -23,12 +24,12 @@ void cuda_check(cudaError_t e, const char* call, const std::string& what);
 
 #define TORPOR_CUDA_CHECK(call, what) ::torpor::fusion::detail::cuda_check((call), #call, (what))
 
-// Memory nodes (cudaGraphNodeTypeMemAlloc / MemFree) of `graph`, child graphs included: memory
-// that CUDA's own graph allocator would own, outside every pool.
+// Memory nodes (allocation and free nodes) of `graph`, child graphs included: memory that CUDA's
+// own graph allocator would own, outside every pool.
 std::size_t graph_memory_nodes(cudaGraph_t graph);
 
-// Bytes CUDA's graph allocator holds on `device` (cudaDeviceGetGraphMemAttribute, current and
-// reserved): the memory nodes of every graph of the process instantiated on that device.
+// Bytes CUDA's graph allocator holds on `device` (current and reserved): the memory nodes of
+// every graph of the process instantiated on that device.
 GraphAllocatorBytes graph_allocator_bytes(int device);
 
 class DeviceGuard {

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "torpor/torch_allocator.h"
@@ -190,6 +191,57 @@ TEST(TorchAllocator, ConfigureIsRefusedOnceOtherOptionsAreInUse) {
   o.fill_on_wake = 9;
   EXPECT_EQ(torpor_torch_configure(&o), TORPOR_ERROR_INVALID_ARGUMENT);
   EXPECT_EQ(torpor_torch_pool(0, nullptr), TORPOR_ERROR_INVALID_ARGUMENT);
+}
+
+// Once the pools exist, the same options are accepted again and a change of any one field of
+// torpor_pool_options (the device aside: configure applies to every device) is refused; an
+// empty spill_dir is the same as none.
+TEST(TorchAllocator, ConfigureComparesEveryField) {
+  ASSERT_NE(host_pool(), nullptr);
+  auto same = [] {
+    torpor_pool_options o;
+    torpor_pool_options_init(&o);
+    o.backend = TORPOR_BACKEND_HOST;
+    o.fill_on_wake = TORPOR_FILL_POISON;
+    o.va_bytes = std::size_t{1} << 30;
+    return o;
+  };
+  torpor_pool_options o = same();
+  EXPECT_EQ(torpor_torch_configure(&o), TORPOR_OK) << torpor_last_error();
+  o.device = 3;
+  EXPECT_EQ(torpor_torch_configure(&o), TORPOR_OK) << "the device is not an option of the pools";
+  const std::vector<std::pair<const char*, void (*)(torpor_pool_options&)>> changes = {
+      {"backend", [](torpor_pool_options& c) { c.backend = TORPOR_BACKEND_AUTO; }},
+      {"va_bytes", [](torpor_pool_options& c) { c.va_bytes *= 2; }},
+      {"fill_on_wake", [](torpor_pool_options& c) { c.fill_on_wake = TORPOR_FILL_ZERO; }},
+      {"exportable", [](torpor_pool_options& c) { c.exportable = 1; }},
+      {"skip_unchanged", [](torpor_pool_options& c) { c.skip_unchanged = 0; }},
+      {"host_store_limit", [](torpor_pool_options& c) { c.host_store_limit = 64 * MiB; }},
+      {"host_store_prepare", [](torpor_pool_options& c) { c.host_store_prepare = 2 * MiB; }},
+      {"spill_dir", [](torpor_pool_options& c) { c.spill_dir = "/tmp/torpor-configure-test"; }},
+      {"spill_limit", [](torpor_pool_options& c) { c.spill_limit = 64 * MiB; }},
+      {"spill_file_per_allocation", [](torpor_pool_options& c) { c.spill_file_per_allocation = 1; }},
+  };
+  for (const auto& [field, change] : changes) {
+    o = same();
+    change(o);
+    EXPECT_EQ(torpor_torch_configure(&o), TORPOR_ERROR_INVALID_STATE) << field << " changed: " << torpor_last_error();
+  }
+  o = same();
+  o.spill_dir = "";
+  EXPECT_EQ(torpor_torch_configure(&o), TORPOR_OK) << "an empty spill_dir is none: " << torpor_last_error();
+  o = same();
+  o.skip_unchanged = 2;
+  EXPECT_EQ(torpor_torch_configure(&o), TORPOR_ERROR_INVALID_ARGUMENT) << "checked as torpor_pool_create checks it";
+  EXPECT_NE(std::string(torpor_last_error()).find("torpor_torch_configure: skip_unchanged 2 is not 0 or 1"),
+            std::string::npos)
+      << torpor_last_error();
+  o = same();
+  o.backend = 7;
+  EXPECT_EQ(torpor_torch_configure(&o), TORPOR_ERROR_INVALID_ARGUMENT);
+  EXPECT_STREQ(torpor_last_error(), "torpor_torch_configure: unknown backend 7 (0 auto, 1 host, 2 cuda)");
+  o = same();
+  EXPECT_EQ(torpor_torch_configure(&o), TORPOR_OK) << "a refused configure changed nothing: " << torpor_last_error();
 }
 
 TEST(TorchAllocatorThreads, TagsAndClassesAreThreadLocal) {
