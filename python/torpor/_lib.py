@@ -14,7 +14,7 @@ order, the first hit wins:
 
 The library is loaded once per process, on first use, so ``import torpor`` never fails. On
 loading, the values of the C enumerations (status codes, memory classes, backends, fills,
-handle kinds) are read from the library (torpor_status_value, torpor_class_name, ...), never
+handle kinds, sleep levels) are read from the library (torpor_status_value, torpor_class_name, ...), never
 copied here.
 """
 
@@ -43,6 +43,7 @@ _ENUM_NAME_FUNCTIONS = {
     "backend": "torpor_backend_name",
     "fill": "torpor_fill_name",
     "handle_kind": "torpor_handle_kind_name",
+    "sleep_level": "torpor_sleep_level_name",
 }
 _ENUM_LIMIT = 256  # no enumeration of torpor.h comes near; guards against a library that never says NULL
 
@@ -239,6 +240,9 @@ def _prototypes(lib: ctypes.CDLL) -> None:
         "torpor_backend_name": (C, [I]),
         "torpor_fill_name": (C, [I]),
         "torpor_handle_kind_name": (C, [I]),
+        "torpor_sleep_level_name": (C, [I]),
+        "torpor_graph_memory_nodes": (I, [ctypes.c_ulonglong, PS]),
+        "torpor_graph_memory": (I, [I, ctypes.POINTER(ctypes.c_ulonglong), ctypes.POINTER(ctypes.c_ulonglong)]),
         # torch_allocator.h
         "torpor_torch_malloc": (P, [S, I, P]),
         "torpor_torch_free": (None, [P, S, I, P]),
@@ -299,9 +303,8 @@ def lib() -> ctypes.CDLL:
 
 
 def enum_values(enum: str) -> dict[str, int]:
-    """{name: value} of a C enumeration as the library defines it: "memory_class" (parameter,
-    state, cache), "backend" (auto, host, cuda), "fill" (none, zero, poison) or "handle_kind"
-    (auto, posix_fd, fabric); in value order."""
+    """{name: value} of a C enumeration as the library defines it (its torpor_*_name function):
+    "memory_class", "backend", "fill", "handle_kind" or "sleep_level"; in value order."""
     lib()
     return _enums[enum]
 

@@ -237,9 +237,9 @@ def sleep(pool=None, level: int = 1, tags: Tags = None, *, group: Group | None =
     group) calls it with the same level and tags. `pool` is a torpor.Pool (returns this rank's
     report), or None for the PyTorch embedding's pools: the collective runs on each device's
     pool this rank has, in device order, so every rank must have as many (returns {device:
-    report}). level: 0, 1, 2 or a SleepLevel (not bool or float); anything else is
-    InvalidArgument on this rank before any collective runs."""
-    level = sleep_level(level, "sleep: level (0, 1 or 2)")
+    report}). level: a SleepLevel or its value (torpor.values.sleep_level: not bool or float);
+    anything else is InvalidArgument on this rank before any collective runs."""
+    level = sleep_level(level, "sleep: level")
     tags = _request_tags(tags)
     if pool is not None and not isinstance(pool, Pool):
         raise InvalidArgument(f"sleep: pool must be a torpor.Pool or None, not {type(pool).__name__}")

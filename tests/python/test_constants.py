@@ -5,9 +5,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import torpor
 from conftest import REPO, subprocess_env
 from torpor import errors
+from torpor.values import SleepLevel
 
 INCLUDE = REPO / "allocator" / "include" / "torpor"
 
@@ -65,6 +68,25 @@ def test_classes_backends_fills_and_handle_kinds_are_the_headers():
         assert torpor.pool.to_memory_class(classes[member.value]) is member
     o = torpor.pool.pool_options(0, "cuda", 0, "poison")
     assert (o.backend, o.fill_on_wake) == (backends["cuda"], fills["poison"])
+
+
+def test_the_sleep_levels_are_the_headers():
+    """SleepLevel is built from the library (torpor_sleep_level_name), not listed in Python: its
+    members, names and values are torpor.h's torpor_sleep_level, and so is the range a level is
+    checked against."""
+    levels = lower_names(header_enum("torpor_sleep_level"), "TORPOR_SLEEP_")
+    assert levels == {"none": 0, "offload": 1, "discard_parameters": 2}, levels
+    assert torpor._lib.enum_values("sleep_level") == levels
+    assert {level.name.lower(): int(level) for level in SleepLevel} == levels
+    assert len(SleepLevel) == len(levels)
+    for name, value in levels.items():
+        member = getattr(SleepLevel, name.upper())
+        assert member == value and isinstance(member, SleepLevel) and SleepLevel(value) == member
+    top = max(levels.values())
+    with pytest.raises(
+        torpor.InvalidArgument, match=f"sleep level {top + 1} is out of range \\(accepted: 0 to {top}\\)"
+    ):
+        SleepLevel(top + 1)
 
 
 def test_the_errors_are_usable_before_the_library_loads_and_without_it():

@@ -13,7 +13,7 @@ from ..errors import InvalidArgument, InvalidState, InvalidType, OutOfMemory, er
 from ..exports import ExportedHandles
 from ..pool import ClassLike, MemoryClass, Pool, Tags, pool_options, tag_list, to_memory_class
 from ..tags import KV_CACHE
-from ..values import SleepLevel, text
+from ..values import SleepLevel, sleep_level, text
 from . import prepare, remark, routing, sleep_hook
 from .runtime import cuda_torch, device_index, keep_current_device
 
@@ -221,15 +221,6 @@ def _tags_by_device(tags: list[str] | None, operation: str) -> dict[int, list[st
     return {d: [t for t in tags if t in known[d]] for d in devices}
 
 
-def checked_level(level) -> SleepLevel:
-    """The level of a sleep of the PyTorch embedding, checked once where it enters."""
-    if isinstance(level, SleepLevel):
-        return level
-    if isinstance(level, bool) or not isinstance(level, int) or level not in (0, 1, 2):
-        raise InvalidArgument(f"sleep: level {level!r} is not 0, 1 or 2")
-    return SleepLevel(level)
-
-
 def _checked_collect(collect: int | None) -> None:
     if collect is not None and (isinstance(collect, bool) or collect not in (0, 1, 2)):
         raise InvalidArgument(f"sleep: collect {collect!r} is not a generation 0..2 or None")
@@ -268,7 +259,7 @@ def sleep_with_policy(
     level: int | SleepLevel, tags: Tags, policy: remark.ClassPolicy, collect: int | None = 1
 ) -> dict[int, dict]:
     """sleep(), with the classes of allocated blocks decided by `policy` (torpor.engine)."""
-    level = checked_level(level)
+    level = sleep_level(level, "sleep: level")  # the level checked once, where it enters
     _checked_collect(collect)
     selected = selected_devices(tags, "sleep")
     if selected is None:
