@@ -68,26 +68,6 @@ class Closing:
             pass
 
 
-class PoolOptions(ctypes.Structure):
-    """torpor_pool_options. The trailing reserve keeps torpor_pool_options_init inside this
-    buffer should a later library append fields (it writes the whole C struct)."""
-
-    _fields_ = [
-        ("device", ctypes.c_int),
-        ("backend", ctypes.c_int),
-        ("va_bytes", ctypes.c_size_t),
-        ("fill_on_wake", ctypes.c_int),
-        ("exportable", ctypes.c_int),
-        ("skip_unchanged", ctypes.c_int),
-        ("host_store_limit", ctypes.c_size_t),
-        ("host_store_prepare", ctypes.c_size_t),
-        ("spill_dir", ctypes.c_char_p),
-        ("spill_limit", ctypes.c_size_t),
-        ("spill_file_per_allocation", ctypes.c_int),
-        ("_reserved", ctypes.c_char * 256),
-    ]
-
-
 FABRIC_HANDLE_BYTES = 64  # TORPOR_FABRIC_HANDLE_BYTES (sizeof(CUmemFabricHandle))
 EXPORT_TAG_MAX = 255  # TORPOR_EXPORT_TAG_MAX
 
@@ -198,8 +178,9 @@ def _prototypes(lib: ctypes.CDLL) -> None:
     PP, PS = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)
     CC = ctypes.POINTER(ctypes.c_char_p)
     protos = {
-        "torpor_pool_options_init": (None, [ctypes.POINTER(PoolOptions)]),
-        "torpor_pool_create": (I, [ctypes.POINTER(PoolOptions), PP]),
+        # torpor_pool_options* as a plain pointer: torpor.options builds that struct from its rows
+        "torpor_pool_options_init": (None, [P]),
+        "torpor_pool_create": (I, [P, PP]),
         "torpor_pool_destroy": (I, [P]),
         "torpor_alloc": (I, [P, S, C, I, C, PP]),
         "torpor_free": (I, [P, P]),
@@ -251,7 +232,7 @@ def _prototypes(lib: ctypes.CDLL) -> None:
         "torpor_set_current_class": (I, [I]),
         "torpor_current_class": (I, []),
         "torpor_torch_pool": (I, [I, PP]),
-        "torpor_torch_configure": (I, [ctypes.POINTER(PoolOptions)]),
+        "torpor_torch_configure": (I, [P]),
         "torpor_torch_failures": (ctypes.c_ulonglong, [ctypes.POINTER(ctypes.c_int)]),
         "torpor_torch_set_memory_margin": (I, [S]),
         "torpor_torch_memory_margin": (S, []),

@@ -23,9 +23,9 @@ The interface:
   None keeps each MemPool's class. The policy applies inside the pool's sleep (the re-mark is a
   sleep hook), so its marks and the sleep are one step. ``fill_on_wake(fill)``: a block whose
   wakes fill discarded bytes with `fill` on every device pool. ``wake_up(tags)``, ``tag_states()``,
-  ``stats()``, ``release_host_store()`` as torpor's; ``configure_host_store(host_store_limit,
-  spill_dir)``: torpor.configure's host-store options (before the first allocation), the others
-  as last configured.
+  ``stats()``, ``release_host_store()`` as torpor's; ``reconfigure(**changes)``: torpor.configure
+  with the options last configured, `changes` changed (the fields of ``PoolOptions``; before the
+  first allocation).
 - ``use_pool(tag, memory_class, exportable=False)``: allocations of the block in torpor under that
   tag and class (exportable: the device's pool has shareable handles, torpor.use_pool's);
   ``export_handles(tags, device, kind)``: the handles of that memory for a KV transport
@@ -71,6 +71,7 @@ from typing import Callable
 
 from . import _lib
 from .errors import InvalidState, InvalidType, TorporError, error_for
+from .options import PoolOptions
 from .pool import ClassLike, MemoryClass, Pool, Tags
 from .torch import api, graphs, parameters, prepare, routing
 from .torch.remark import ClassPolicy, pool_class
@@ -110,7 +111,7 @@ tag_states = api.tag_states
 is_graph_tag = routing.is_graph_tag  # whether a torpor tag holds CUDA graph pools (torpor.graph)
 stats = api.stats
 release_host_store = api.release_host_store
-configure_host_store = api.configure_host_store  # the host-store options of the torch pools, kept the rest
+reconfigure = api.reconfigure  # the torch pools' options as last configured, some changed
 
 
 # -- routing and parameters ------------------------------------------------------------------
@@ -361,13 +362,14 @@ def read_host_copy(device: int, address: int, nbytes: int, dst: int) -> bool | N
 
 __all__ = [
     "ClassPolicy",
+    "PoolOptions",
     "add_mapping_hooks",
     "add_preserve",
     "add_tag_hooks",
     "as_runtime_errors",
     "capture_into",
     "capturing_into",
-    "configure_host_store",
+    "reconfigure",
     "cuda_torch",
     "export_handles",
     "fill_on_wake",

@@ -619,7 +619,7 @@ class TorchMemorySaver:
                 return
             try:
                 # torch_memory_saver writes a file per disk-backed allocation (csrc/disk_backend.cpp)
-                engine.configure_host_store(
+                engine.reconfigure(
                     host_store_limit=wanted[0], spill_dir=wanted[1], spill_file_per_allocation=wanted[1] is not None
                 )
             except InvalidState as e:

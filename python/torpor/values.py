@@ -1,8 +1,9 @@
 """Values that cross into the C API, checked where they enter: whole numbers in a C type's range
-(sizes, addresses, ids), C strings and sleep levels. Every Python function that hands such a
-value to ctypes checks it here first. A SleepLevel, once made, passes every later call unchecked
-(the level is validated once per boundary, as the C API validates it once on its side). The
-levels themselves are the library's (torpor_sleep_level_name), as the memory classes are."""
+(sizes, addresses, ids), C strings, names of the library's enumerations and sleep levels. Every
+Python function that hands such a value to ctypes checks it here first. A SleepLevel, once made,
+passes every later call unchecked (the level is validated once per boundary, as the C API
+validates it once on its side). The levels themselves are the library's
+(torpor_sleep_level_name), as the memory classes are."""
 
 from __future__ import annotations
 
@@ -45,6 +46,16 @@ def text(value, what: str, allow_empty: bool = False) -> bytes:
         return value.encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidArgument(f"{what} {value!r} is not valid Unicode text (a lone surrogate?)") from None
+
+
+def choice(enum: str, value, what: str) -> int:
+    """The library's value of the name `value` in its enumeration `enum` (a backend, a fill, a
+    handle kind: torpor._lib.enum_values); InvalidArgument listing the names otherwise."""
+    table = _lib.enum_values(enum)
+    try:
+        return table[value]
+    except (KeyError, TypeError):  # TypeError: an unhashable value, e.g. a list
+        raise InvalidArgument(f"unknown {what} '{value}' (expected {', '.join(table)})") from None
 
 
 class _LibraryLevels(type):

@@ -1,6 +1,7 @@
 """The Python package's constants agree with the C and C++ headers, which are the oracle here:
 parsed from the source tree, not taken from the library or the package."""
 
+import ctypes
 import re
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import pytest
 import torpor
 from conftest import REPO, subprocess_env
 from torpor import errors
+from torpor.options import CPoolOptions, PoolOptions
 from torpor.values import SleepLevel
 
 INCLUDE = REPO / "allocator" / "include" / "torpor"
@@ -66,8 +68,25 @@ def test_classes_backends_fills_and_handle_kinds_are_the_headers():
         assert int(member) == classes[member.value]
         assert torpor.MemoryClass(classes[member.value]) is member
         assert torpor.pool.to_memory_class(classes[member.value]) is member
-    o = torpor.pool.pool_options(0, "cuda", 0, "poison")
+    o = PoolOptions(backend="cuda", fill_on_wake="poison").c_struct(0)
     assert (o.backend, o.fill_on_wake) == (backends["cuda"], fills["poison"])
+
+
+def test_the_pool_options_are_the_headers_struct_in_its_order():
+    """torpor.options builds the C struct from PoolOptions' rows: they must be torpor.h's
+    torpor_pool_options fields, in its order, after the device."""
+    text = (INCLUDE / "torpor.h").read_text()
+    body = re.search(r"typedef struct torpor_pool_options \{(.*?)\} torpor_pool_options;", text, re.S).group(1)
+    body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
+    fields = re.findall(r"(\w+);", body)
+    assert fields[0] == "device" and list(PoolOptions.names()) == fields[1:]
+    assert [name for name, _ in CPoolOptions._fields_] == fields + ["_reserved"]
+    defaults = PoolOptions().c_struct(3)
+    init = CPoolOptions()
+    torpor._lib.lib().torpor_pool_options_init(ctypes.byref(init))
+    for name in fields[1:]:
+        assert getattr(defaults, name) == getattr(init, name), f"{name}: the library's default, not Python's"
+    assert defaults.device == 3
 
 
 def test_the_sleep_levels_are_the_headers():

@@ -6,85 +6,44 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import gc
 
 from .. import _lib, _marks
 from ..errors import InvalidArgument, InvalidState, InvalidType, OutOfMemory, error_for
 from ..exports import ExportedHandles
-from ..pool import ClassLike, MemoryClass, Pool, Tags, pool_options, tag_list, to_memory_class
+from ..options import PoolOptions
+from ..pool import ClassLike, MemoryClass, Pool, Tags, tag_list, to_memory_class
 from ..tags import KV_CACHE
 from ..values import SleepLevel, sleep_level, text
 from . import prepare, remark, routing, sleep_hook
 from .runtime import cuda_torch, device_index, keep_current_device
 
 
-def configure(
-    *,
-    backend: str = "auto",
-    fill_on_wake: str = "none",
-    va_bytes: int = 0,
-    skip_unchanged: bool = True,
-    host_store_limit: int = 0,
-    host_store_prepare: int = 0,
-    spill_dir=None,
-    spill_limit: int = 0,
-    spill_file_per_allocation: bool = False,
-    exportable: bool = False,
-) -> None:
-    """Options of the pools PyTorch allocates in; call before the first allocation (later,
-    only the same options are accepted). backend: auto (TORPOR_BACKEND, else cuda when
-    usable, else host), cuda or host. fill_on_wake: none, zero, or poison (NaN bytes, so a
-    forgotten weight reload is visible). va_bytes: address space per device (0 = twice its
-    memory). exportable: memory with shareable handles for KV transports (export_handles;
-    use_pool(..., exportable=True) sets it for a pool not created yet). Host memory
-    (torpor.pool.pool_options says more): skip_unchanged (default True:
-    host copies stay after wake so an unchanged re-sleep copies nothing, costing that host
-    memory while awake; release_host_store() gives it back), host_store_limit (page-locked
-    bytes at most), spill_dir and spill_limit (the disk tier beyond the limit),
-    spill_file_per_allocation (that tier as a file per allocation), host_store_prepare (bytes
-    to page-lock in the background when a pool is created)."""
-    o = pool_options(
-        0,
-        backend,
-        va_bytes,
-        fill_on_wake,
-        exportable,
-        skip_unchanged=skip_unchanged,
-        host_store_limit=host_store_limit,
-        host_store_prepare=host_store_prepare,
-        spill_dir=spill_dir,
-        spill_limit=spill_limit,
-        spill_file_per_allocation=spill_file_per_allocation,
-    )
-    _lib.check(_lib.lib().torpor_torch_configure(ctypes.byref(o)))
-    _configured.clear()
-    _configured.update(
-        backend=backend,
-        fill_on_wake=fill_on_wake,
-        va_bytes=va_bytes,
-        skip_unchanged=skip_unchanged,
-        host_store_limit=host_store_limit,
-        host_store_prepare=host_store_prepare,
-        spill_dir=spill_dir,
-        spill_limit=spill_limit,
-        spill_file_per_allocation=spill_file_per_allocation,
-        exportable=exportable,
-    )
+def configure(**options) -> None:
+    """Options of the pools PyTorch allocates in: the fields of torpor.options.PoolOptions
+    (backend, fill_on_wake, va_bytes, exportable, skip_unchanged and the host store's; each
+    defaulting to the library's). Call before the first allocation; later, only the same
+    options are accepted. exportable: memory with shareable handles for KV transports
+    (export_handles; use_pool(..., exportable=True) sets it for a pool not created yet)."""
+    _apply(PoolOptions(**options))
 
 
-# The options of the last configure() from Python (empty: the library's defaults), so that a mode
-# that sets only the host-store part (torpor.tms's disk and pageable backups) keeps the rest.
-_configured: dict = {}
+def reconfigure(**changes) -> None:
+    """configure() with the options of the last configure() from Python, `changes` changed
+    (before the first allocation, as configure): a mode that sets only some options (torpor.tms's
+    disk and pageable backups, use_pool's exportable) keeps the rest."""
+    _apply(dataclasses.replace(_configured, **changes))
 
 
-def configure_host_store(*, host_store_limit: int, spill_dir=None, spill_file_per_allocation: bool = False) -> None:
-    """configure() with the last options but host_store_limit, spill_dir and
-    spill_file_per_allocation (before the first allocation, as configure)."""
-    options = dict(_configured)
-    options.update(
-        host_store_limit=host_store_limit, spill_dir=spill_dir, spill_file_per_allocation=spill_file_per_allocation
-    )
-    configure(**options)
+def _apply(options: PoolOptions) -> None:
+    global _configured
+    _lib.check(_lib.lib().torpor_torch_configure(ctypes.byref(options.c_struct(0))))
+    _configured = options
+
+
+# The options of the last configure() from Python (all the library's defaults before one).
+_configured = PoolOptions()
 
 
 def _default_class(tag: str) -> MemoryClass:
@@ -111,9 +70,9 @@ def _refuse_a_sleeping_tag(tag: str, device: int) -> None:
 def _ensure_exportable(device: int) -> None:
     """The device's torch pool exportable: created so when it does not exist yet (the torch pools'
     options as last configured, with exportable on), else it must have been created so."""
-    if not _configured.get("exportable", False):
+    if not _configured.c_struct().exportable:
         try:
-            configure(**{**_configured, "exportable": True})
+            reconfigure(exportable=True)
         except InvalidState:
             pass  # pools exist already, with other options: the check below names the fix
     if not Pool.torch(device).exportable:
