@@ -25,6 +25,8 @@ another's underscore names):
   one context that points a thread's allocations at torpor, which use_pool and graph capture
   share; giving empty segments back (pool lifetime and empty segments: its note).
 - parameters: register_parameters and the walk over registered modules' parameter spans.
+- marks: the plan of a re-mark (which bytes of a snapshot's segments are parameters, state or
+  cache), PyTorch-free.
 - remark: the classes of PyTorch's blocks computed from its snapshot before a sleep, the cache
   that skips an unchanged one, and the registry of state-span sources graphs feed.
 - sleep_hook: the re-mark as a sleep hook of each device's torpor pool (torpor_add_sleep_hook),

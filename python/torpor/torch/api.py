@@ -9,7 +9,7 @@ import ctypes
 import dataclasses
 import gc
 
-from .. import _lib, _marks
+from .. import _lib
 from ..errors import InvalidArgument, InvalidState, InvalidType, OutOfMemory, error_for
 from ..exports import ExportedHandles
 from ..options import PoolOptions
@@ -17,6 +17,7 @@ from ..pool import ClassLike, MemoryClass, Pool, Tags, tag_list, to_memory_class
 from ..tags import KV_CACHE
 from ..values import SleepLevel, sleep_level, text
 from . import prepare, remark, routing, sleep_hook
+from .marks import segment_blocks
 from .runtime import cuda_torch, device_index, keep_current_device
 
 
@@ -312,7 +313,7 @@ def _device_stats(device: int) -> dict:
             size
             for p in routing.pools_of(tag, device)
             for seg in routing.own_segments(p, device)
-            for _, size, state in _marks.segment_blocks(seg)
+            for _, size, state in segment_blocks(seg)
             if state != "inactive"
         )
     return st

@@ -27,7 +27,7 @@ What PyTorch does with a capture's memory, and what torpor does with it:
   them. PyTorch never releases a live graph's segments (empty_cache skips pools in use).
 - So a graph pool's bytes are class cache by default: a replay recomputes every intermediate
   and every output before reading it. At every sleep the embedding re-marks each block from
-  PyTorch's snapshot (torpor/_marks.py): free blocks cache, allocated blocks the tag's class.
+  PyTorch's snapshot (torpor.torch.marks): free blocks cache, allocated blocks the tag's class.
   Exactly the bytes whose contents outlive a replay are state, and only because someone says
   so: mark_state(tensor) for a static input allocated inside the capture or an output read
   after a sleep, or memory_class="state" for a pool whose graphs keep data between replays
@@ -77,12 +77,12 @@ import weakref
 from dataclasses import dataclass, field
 
 from .. import _lib, environment
-from .._marks import Span
 from ..errors import InvalidArgument, InvalidState
 from ..pool import ClassLike, MemoryClass, Pool, to_memory_class
 from ..tags import CUDA_GRAPH
 from ..values import INT_MAX, address, text, whole
 from . import remark, routing
+from .marks import Span
 from .runtime import cuda_torch, device_index, span_bytes, torch_module
 
 
