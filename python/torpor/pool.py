@@ -28,7 +28,7 @@ import json
 from typing import Iterable, Union
 
 from . import _hooks, _lib, exports
-from .errors import InvalidArgument, InvalidHandle, InvalidType
+from .errors import InvalidArgument, InvalidHandle, InvalidState, InvalidType, error_for
 from .options import PoolOptions
 from .values import INT_MAX, SIZE_MAX, ULLONG_MAX, SleepLevel, address, choice, sleep_level, text, whole
 
@@ -311,6 +311,22 @@ class Pool(_lib.Closing):
         buf = ctypes.create_string_buffer(whole(nbytes, "read: nbytes", 0, SIZE_MAX))
         self.copy(ctypes.addressof(buf), ptr, nbytes)
         return buf.raw
+
+    def read_host_copy(self, ptr: int, nbytes: int, dst: int) -> bool | None:
+        """Copy the host copy of [ptr, ptr + nbytes) to host memory at `dst`
+        (torpor_read_host_copy): True when the bytes are asleep (their backup), False when awake
+        with a retained copy, None when awake without one. Raises the typed error otherwise
+        (InvalidState: no host copy of sleeping bytes, as for bytes of class cache)."""
+        ptr = whole(ptr, "read_host_copy: address", 0, SIZE_MAX)
+        nbytes = whole(nbytes, "read_host_copy: nbytes", 0, SIZE_MAX)
+        dst = whole(dst, "read_host_copy: dst", 0, SIZE_MAX)
+        asleep = ctypes.c_int(0)
+        status = _lib.lib().torpor_read_host_copy(self.handle, ptr, nbytes, dst, ctypes.byref(asleep))
+        if status == _lib.status_ok():
+            return bool(asleep.value)
+        if status == InvalidState.status and not asleep.value:
+            return None
+        raise error_for(status, _lib.last_error())
 
     # -- sleep ----------------------------------------------------------------------------
 

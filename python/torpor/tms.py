@@ -399,7 +399,7 @@ class TorchMemorySaver:
             return
         self._apply_store(disk=False)
         cls = MemoryClass.STATE if enable_cpu_backup else MemoryClass.CACHE
-        with engine.graph(
+        with engine.graphs.graph(
             cuda_graph,
             pool,
             stream,
@@ -547,7 +547,7 @@ class TorchMemorySaver:
             text(tag, f"{operation}: tag (None means every tag)")
         with self._lock:
             wanted = set(self._tags) if tag is None else {tag}
-        wanted |= {graph_tag(t) for t in wanted if engine.is_graph_tag(graph_tag(t))}
+        wanted |= {graph_tag(t) for t in wanted if engine.graphs.is_graph_tag(graph_tag(t))}
         return sorted(t for t, sleeping in engine.tag_states().items() if t in wanted and sleeping == asleep)
 
     def _planned(self, level: int, tags: list[str]) -> list:

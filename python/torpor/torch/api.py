@@ -1,6 +1,8 @@
 """The public API of the PyTorch embedding: configure, use_pool, sleep, wake_up, stats,
-export_handles and the host-store calls (re-exported as torpor.*). See torpor.torch's package note for the design;
-engine modes reach sleep with a class policy through torpor.engine (``sleep_with_policy``)."""
+export_handles and the host-store calls (re-exported as torpor.*), and what engine modes use
+besides through torpor.engine: sleep with a class policy (``sleep_with_policy``), ``reconfigure``,
+``fill_on_wake``, the memory margin and ``read_host_copy``. See torpor.torch's package note for
+the design."""
 
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ from ..exports import ExportedHandles
 from ..options import PoolOptions
 from ..pool import ClassLike, MemoryClass, Pool, Tags, tag_list, to_memory_class
 from ..tags import KV_CACHE
-from ..values import SleepLevel, sleep_level, text
-from . import prepare, remark, routing, sleep_hook
+from ..values import INT_MAX, SIZE_MAX, SleepLevel, sleep_level, text, whole
+from . import hook_bus, prepare, remark, routing
 from .marks import segment_blocks
 from .runtime import cuda_torch, device_index, keep_current_device
 
@@ -216,27 +218,31 @@ def sleep(level: int = 1, tags: Tags = None, collect: int | None = 1) -> dict[in
 
 
 def sleep_with_policy(
-    level: int | SleepLevel, tags: Tags, policy: remark.ClassPolicy, collect: int | None = 1
+    level: int | SleepLevel, tags: Tags, policy: remark.ClassPolicy | None = None, collect: int | None = 1
 ) -> dict[int, dict]:
-    """sleep(), with the classes of allocated blocks decided by `policy` (torpor.engine)."""
+    """sleep(), with the classes of allocated blocks decided by `policy`: (tag, the class its
+    MemPool allocates, whether registered parameters lie in the tag's segments on the device) ->
+    MemoryClass (None: each MemPool's own class). The policy applies inside each pool's sleep (the
+    hook bus's re-mark), so its marks and the sleep are one step. Returns {device: report}."""
     level = sleep_level(level, "sleep: level")  # the level checked once, where it enters
     _checked_collect(collect)
     selected = selected_devices(tags, "sleep")
     if selected is None:
         return {}
+    policy = remark.pool_class if policy is None else policy
     return each_device_sleep(selected, lambda d, t: Pool.torch(d).sleep(level, t), policy, collect)
 
 
 def each_device_sleep(selected: dict, sleep_one, policy: remark.ClassPolicy = remark.pool_class, collect=1) -> dict:
     """sleep_one(device, tags) on every device of `selected` that has tags, as torpor.sleep
     sleeps: the garbage collected first, the re-mark inside each pool's sleep with `policy`
-    (sleep_hook), the current device kept, PyTorch's cached memory released after. Returns
+    (the hook bus), the current device kept, PyTorch's cached memory released after. Returns
     {device: report}."""
     torch = cuda_torch()
     if collect is not None:
         gc.collect(collect)  # tensors only a reference cycle still holds are free space, not state
     reports = {}
-    with keep_current_device(torch), sleep_hook.with_policy(policy):
+    with keep_current_device(torch), hook_bus.sleeping(policy):
         for device, device_tags in selected.items():
             if device_tags:
                 reports[device] = sleep_one(device, device_tags)
@@ -269,6 +275,20 @@ def wake_up(tags: Tags = None) -> dict[int, dict]:
     return reports
 
 
+@contextlib.contextmanager
+def fill_on_wake(fill: str):
+    """Inside: the wakes of every device pool write `fill` (none, zero, poison) into discarded
+    bytes (Pool.set_fill_on_wake); each pool's own fill comes back after."""
+    previous = []
+    try:
+        for pool in routing.device_pools().values():
+            previous.append((pool, pool.set_fill_on_wake(fill)))
+        yield
+    finally:
+        for pool, old in previous:
+            pool.set_fill_on_wake(old)
+
+
 def tag_states() -> dict[str, bool]:
     """{tag: whether it is asleep (on any device)} of every tag of the pools PyTorch uses."""
     out: dict[str, bool] = {}
@@ -291,6 +311,26 @@ def prepare_host_store(nbytes: int = 0, wait: bool = False) -> dict[int, int]:
     speed: call it while or after the model loads. wait: block until done.
     Returns {device: bytes added}."""
     return {d: Pool.torch(d).prepare_host_store(nbytes, wait) for d in routing.devices()}
+
+
+def memory_margin() -> int:
+    """Bytes of device memory a new segment must leave free (torpor_torch_memory_margin)."""
+    return int(_lib.lib().torpor_torch_memory_margin())
+
+
+def set_memory_margin(nbytes: int) -> None:
+    """Refuse a new segment that would leave less than `nbytes` free (a checked size_t)."""
+    n = whole(nbytes, "set_memory_margin: nbytes (the memory margin, 0 = no check)", 0, SIZE_MAX)
+    _lib.check(_lib.lib().torpor_torch_set_memory_margin(n))
+
+
+def read_host_copy(device: int, address: int, nbytes: int, dst: int) -> bool | None:
+    """Pool.read_host_copy on the torpor pool of `device`: the host copy of [address, +nbytes)
+    into host memory at `dst`; True asleep, False awake with a retained copy, None awake without."""
+    device = whole(device, "read_host_copy: device", 0, INT_MAX)
+    for what, value in (("address", address), ("nbytes", nbytes), ("dst", dst)):
+        whole(value, f"read_host_copy: {what}", 0, SIZE_MAX)  # all checked before a pool is made
+    return Pool.torch(device).read_host_copy(address, nbytes, dst)
 
 
 def stats(device: int | None = None) -> dict:

@@ -492,6 +492,8 @@ def graph_memory(device: int | None = None) -> dict:
     return {"used": used.value, "reserved": reserved.value}
 
 
+is_graph_tag = routing.is_graph_tag  # whether a torpor tag holds graph pools (use_pool refuses it)
+
 __all__ = [
     "GraphPool",
     "capture_into",
@@ -501,6 +503,7 @@ __all__ = [
     "graph_pool",
     "graph_pools",
     "is_graph_pool",
+    "is_graph_tag",
     "mark_state",
     "memory_nodes",
     "nccl_graph_register_off",

@@ -14,7 +14,7 @@ import threading
 import weakref
 from dataclasses import dataclass, field
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, InvalidType
 from ..pool import MemoryClass, Pool
 from . import routing
 from .marks import Span
@@ -144,6 +144,16 @@ def _preserve_globs(preserve) -> list[str]:
         if not isinstance(g, str) or not g:
             raise InvalidArgument(f"register_parameters: preserve glob {g!r} is not a non-empty string")
     return globs
+
+
+def add_preserve(globs) -> None:
+    """Parameter-name globs (fnmatch) kept through level 2 on every device pool, as
+    register_parameters(preserve=...) adds them, without a module."""
+    globs = [globs] if isinstance(globs, str) else list(globs)
+    for g in globs:
+        if not isinstance(g, str) or not g:
+            raise InvalidType(f"add_preserve: glob {g!r} is not a non-empty string")
+    routing.add_preserve(globs)
 
 
 def register_parameters(module, preserve=None, prefix: str = "") -> Registration:

@@ -8,7 +8,7 @@ steady speed.
 How: an engine mode says what its sleep will do (``intend``): a plan ``steps(level, tags)`` giving, for
 a sleep at that level of a device pool holding `tags`, the torpor sleeps it makes as (level, tags,
 class policy). Once the model is loaded, ``after_load`` re-marks each step's tags with its policy on
-every device (what the sleep's hook does first: torpor.torch.sleep_hook.remark_now), asks each device
+every device (what the sleep's hook does first: torpor.torch.remark.remark_now), asks each device
 pool for the host bytes those steps would hold (Pool.sleep_host_bytes) and starts page-locking
 that much in the background (Pool.prepare_host_store, which stays within the pool's page-locked
 budget). "Loaded" is the exit of the outermost use_pool block of a tag (vLLM loads its weights
@@ -39,7 +39,7 @@ from .. import environment
 from ..errors import InvalidArgument, TorporError
 from ..pool import Pool
 from ..values import SleepLevel
-from . import parameters, remark, routing, sleep_hook
+from . import parameters, remark, routing
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def prepare(level: int, plan: Plan) -> dict[int, int]:
             tags = [t for t in tags if t in known]
             if not tags:
                 continue
-            sleep_hook.remark_now(device, tags, policy)
+            remark.remark_now(device, tags, policy)
             need += pool.sleep_host_bytes(step_level, tags)
         added[device] = pool.prepare_host_store(need) if need > 0 else 0
     return added

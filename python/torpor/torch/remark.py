@@ -40,8 +40,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..pool import MemoryClass, Pool, marks_generation
-from . import marks, routing
+from . import marks, parameters, routing
 from .marks import Span
+from .runtime import torch_module
 
 # How a sleep classes the allocated blocks of a tag: (tag, the MemPool's class, whether registered
 # parameters lie in the tag's segments on this device) -> class. An engine mode (torpor.engine)
@@ -52,6 +53,11 @@ ClassPolicy = Callable[[str, MemoryClass, bool], MemoryClass]
 def pool_class(tag: str, memory_class: MemoryClass, has_parameters: bool) -> MemoryClass:
     """The default policy: a MemPool's blocks keep the class it allocates."""
     return memory_class
+
+
+def keep_everything(tag: str, memory_class: MemoryClass, has_parameters: bool) -> MemoryClass:
+    """A policy: every allocated byte survives (parameters are offloaded at level 1 too)."""
+    return MemoryClass.STATE
 
 
 @dataclass
@@ -247,3 +253,16 @@ def refresh_classes(
         cache.remark_marks += marks_generation() - before
         _keep(key, device, tags, Remark(inputs, snapshots, live, outside_marks, routings, counters, foreign))
     return True
+
+
+def remark_now(device: int, tags: list[str], policy: ClassPolicy = pool_class) -> None:
+    """The re-mark that a sleep of `tags` on `device` with `policy` makes first (torpor.torch's
+    hook bus runs it inside every sleep of a device pool), now: torpor.torch.prepare sizes the host
+    store from the classes it leaves."""
+    if not any(routing.pools_of(t, device) for t in tags):
+        return  # tags of the C API alone (or a registry reset by a test): nothing of PyTorch's
+    torch = torch_module()
+    spans = parameters.registered_spans().get(device, [])
+    states = state_spans().get(device, [])
+    counters = block_counters(torch, device)
+    refresh_classes(torch, device, tags, spans, states, policy, counters)
