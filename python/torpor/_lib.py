@@ -1,4 +1,5 @@
-"""Finding and loading libtorpor.so, and the ctypes prototypes of its C API.
+"""Finding and loading libtorpor.so, the ctypes prototypes of its C API, and what an installed
+package carries beside the library (its VERSION, the CMake package).
 
 Nothing here is compiled: ctypes binds the C API (torpor.h, torch_allocator.h) at run time,
 so one package works with any Python 3 and any PyTorch. The library is looked up in this
@@ -14,8 +15,14 @@ order, the first hit wins:
 
 The library is loaded once per process, on first use, so ``import torpor`` never fails. On
 loading, the values of the C enumerations (status codes, memory classes, backends, fills,
-handle kinds, sleep levels) are read from the library (torpor_status_value, torpor_class_name, ...), never
-copied here.
+handle kinds, sleep levels) are read from the library (torpor_status_value, torpor_class_name,
+...), never copied here.
+
+The package's version is read from the one place it is written, the repository's VERSION file:
+an installed package carries a copy (``torpor/VERSION``, put there by setup.py), a checkout used
+through PYTHONPATH reads the repository's own. CMake reads the same file for the library
+(``torpor_version()``, ``library_version()``) and the CLI (``torpor --version``); the ctest
+``version.agree`` and tests/python/test_version.py check that they agree.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from .errors import InternalError, LibraryNotFound, bind_status_codes, error_for
 
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 _REPO_DIR = _PACKAGE_DIR.parent.parent  # python/torpor -> repository root, in a checkout
+# Bundled copy first: an installed package must report its own version, not a checkout's.
+_VERSION_FILES = (_PACKAGE_DIR / "VERSION", _REPO_DIR / "VERSION")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -178,7 +187,7 @@ def _prototypes(lib: ctypes.CDLL) -> None:
     PP, PS = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)
     CC = ctypes.POINTER(ctypes.c_char_p)
     protos = {
-        # torpor_pool_options* as a plain pointer: torpor.options builds that struct from its rows
+        # torpor_pool_options* as a plain pointer: torpor.pool.options builds that struct from its rows
         "torpor_pool_options_init": (None, [P]),
         "torpor_pool_create": (I, [P, PP]),
         "torpor_pool_destroy": (I, [P]),
@@ -322,6 +331,19 @@ def cmake_dir() -> str:
             f"(TORPOR_LIBRARY unset); in a checkout, use `cmake --install build --prefix DIR` and DIR/lib/cmake/torpor"
         )
     return str(path)
+
+
+def package_version() -> str:
+    """The first line of the first VERSION file found; "0+unknown" when there is none (a package
+    copied without it: `import torpor` never fails for want of a version)."""
+    for path in _VERSION_FILES:
+        try:
+            text = path.read_text(encoding="utf-8").strip()
+        except OSError:
+            continue
+        if text:
+            return text.splitlines()[0].strip()
+    return "0+unknown"
 
 
 def library_version() -> str:

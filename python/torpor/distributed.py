@@ -41,9 +41,10 @@ from __future__ import annotations
 import ctypes
 from typing import Callable, Sequence
 
-from . import _hooks, _lib
+from . import _lib
 from .errors import InvalidArgument, InvalidType
 from .pool import Pool, Tags, tag_list
+from .pool.callbacks import take_failure
 from .torch import api
 from .values import SleepLevel, sleep_level, whole
 
@@ -195,7 +196,7 @@ def _collective(call, g: Group, pool: Pool, *args) -> dict:
     """One C collective on `pool`; a sleep hook's exception on this rank is already in the
     collective's message (the C layer sent it to every rank), so it is not raised apart."""
     status = call(pool.handle, g.handle, *args)
-    _hooks.take_failure()
+    take_failure()
     _lib.check(status)
     return pool.last_report()
 

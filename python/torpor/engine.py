@@ -2,7 +2,7 @@
 (torpor.vllm: vLLM's CuMemAllocator; torpor.tms: torch_memory_saver's API; torpor.sglang) uses of
 torpor, and all it uses. A new mode (an RL framework's) is one module written against this one;
 it touches neither torpor.torch nor the C library. This module only names the contract: each
-name is defined where its concept lives (torpor.torch, torpor.errors, torpor.options).
+name is defined where its concept lives (torpor.torch, torpor.errors, torpor.pool).
 
     from torpor import engine
 
@@ -77,7 +77,7 @@ from __future__ import annotations
 
 from ._lib import library_path
 from .errors import as_runtime_errors, runtime_error
-from .options import PoolOptions
+from .pool import PoolOptions
 from .torch import graphs
 from .torch import hook_bus as hooks
 from .torch.api import (

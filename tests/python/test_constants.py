@@ -11,7 +11,7 @@ import pytest
 import torpor
 from conftest import REPO, subprocess_env
 from torpor import errors
-from torpor.options import CPoolOptions, PoolOptions
+from torpor.pool import CPoolOptions, PoolOptions
 from torpor.values import SleepLevel
 
 INCLUDE = REPO / "allocator" / "include" / "torpor"
@@ -73,7 +73,7 @@ def test_classes_backends_fills_and_handle_kinds_are_the_headers():
 
 
 def test_the_pool_options_are_the_headers_struct_in_its_order():
-    """torpor.options builds the C struct from PoolOptions' rows: they must be torpor.h's
+    """torpor.pool.options builds the C struct from PoolOptions' rows: they must be torpor.h's
     torpor_pool_options fields, in its order, after the device."""
     text = (INCLUDE / "torpor.h").read_text()
     body = re.search(r"typedef struct torpor_pool_options \{(.*?)\} torpor_pool_options;", text, re.S).group(1)

@@ -14,8 +14,7 @@ import gc
 from .. import _lib
 from ..errors import InvalidArgument, InvalidState, InvalidType, OutOfMemory, error_for
 from ..exports import ExportedHandles
-from ..options import PoolOptions
-from ..pool import ClassLike, MemoryClass, Pool, Tags, tag_list, to_memory_class
+from ..pool import ClassLike, MemoryClass, Pool, PoolOptions, Tags, tag_list, to_memory_class
 from ..tags import KV_CACHE
 from ..values import INT_MAX, SIZE_MAX, SleepLevel, sleep_level, text, whole
 from . import hook_bus, prepare, remark, routing
@@ -24,7 +23,7 @@ from .runtime import cuda_torch, device_index, keep_current_device
 
 
 def configure(**options) -> None:
-    """Options of the pools PyTorch allocates in: the fields of torpor.options.PoolOptions
+    """Options of the pools PyTorch allocates in: the fields of torpor.pool.PoolOptions
     (backend, fill_on_wake, va_bytes, exportable, skip_unchanged and the host store's; each
     defaulting to the library's). Call before the first allocation; later, only the same
     options are accepted. exportable: memory with shareable handles for KV transports

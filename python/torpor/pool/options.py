@@ -20,9 +20,9 @@ import dataclasses
 import os
 from typing import Any, Callable
 
-from . import _lib
-from .errors import InvalidArgument, InvalidType
-from .values import INT_MAX, SIZE_MAX, choice, whole
+from .. import _lib
+from ..errors import InvalidArgument, InvalidType
+from ..values import INT_MAX, SIZE_MAX, choice, whole
 
 
 class _LibraryDefault:

@@ -27,10 +27,11 @@ import enum
 import json
 from typing import Iterable, Union
 
-from . import _hooks, _lib, exports
-from .errors import InvalidArgument, InvalidHandle, InvalidState, InvalidType, error_for
+from .. import _lib, exports
+from ..errors import InvalidArgument, InvalidHandle, InvalidState, InvalidType, error_for
+from . import callbacks
 from .options import PoolOptions
-from .values import INT_MAX, SIZE_MAX, ULLONG_MAX, SleepLevel, address, choice, sleep_level, text, whole
+from ..values import INT_MAX, SIZE_MAX, ULLONG_MAX, SleepLevel, address, choice, sleep_level, text, whole
 
 
 class MemoryClass(enum.Enum):
@@ -65,7 +66,8 @@ def to_memory_class(value: ClassLike) -> MemoryClass:
         return MemoryClass(key)
     except ValueError:
         shown = f"'{value}'" if isinstance(value, str) else repr(value)
-        raise InvalidArgument(f"unknown memory class {shown} (expected parameter, state or cache)") from None
+        *others, last = [m.value for m in MemoryClass]
+        raise InvalidArgument(f"unknown memory class {shown} (expected {', '.join(others)} or {last})") from None
 
 
 def _iterable(value, what: str):
@@ -127,7 +129,7 @@ class Pool(_lib.Closing):
     """One device's torpor pool (see the module note)."""
 
     def __init__(self, device: int = 0, **options):
-        """A new pool on `device` with `options`: the fields of torpor.options.PoolOptions
+        """A new pool on `device` with `options`: the fields of torpor.pool.PoolOptions
         (backend, va_bytes, fill_on_wake, exportable, skip_unchanged, the host store's), each
         defaulting to the library's."""
         o = PoolOptions(**options).c_struct(device)
@@ -340,7 +342,7 @@ class Pool(_lib.Closing):
         if tags == []:
             return {}
         arr, n = _lib.encode_list(tags or [])
-        _hooks.check(_lib.lib().torpor_sleep(self.handle, int(level), arr if tags else None, n))
+        callbacks.check(_lib.lib().torpor_sleep(self.handle, int(level), arr if tags else None, n))
         return self.last_report()
 
     def set_fill_on_wake(self, fill: str) -> str:
@@ -357,10 +359,10 @@ class Pool(_lib.Closing):
         at levels 1 and 2, before anything moves (an exception from it aborts the sleep with
         nothing changed; the sleep raises it), and after_wake(tags, ok: bool) after every wake
         (torpor_add_sleep_hook). Returns the hook's id for remove_sleep_hook."""
-        return _hooks.add(self.handle, before_sleep, after_wake)
+        return callbacks.add(self.handle, before_sleep, after_wake)
 
     def remove_sleep_hook(self, hook_id: int) -> None:
-        _hooks.remove(self.handle, whole(hook_id, "remove_sleep_hook: hook_id", 0, ULLONG_MAX))
+        callbacks.remove(self.handle, whole(hook_id, "remove_sleep_hook: hook_id", 0, ULLONG_MAX))
 
     def add_tag_hooks(self, tag: str, before_unmap=None, after_map=None) -> int:
         """Tag hooks (torpor_add_tag_hooks; vLLM's register_tag_hooks): before_unmap(tag) in
@@ -369,10 +371,10 @@ class Pool(_lib.Closing):
         every wake that leaves `tag` fully mapped (it must be idempotent), and after a failed
         sleep that left mapped a tag whose before_unmap ran. Returns the id for
         remove_tag_hooks."""
-        return _hooks.add_tag(self.handle, tag, before_unmap, after_map)
+        return callbacks.add_tag(self.handle, tag, before_unmap, after_map)
 
     def remove_tag_hooks(self, hook_id: int) -> None:
-        _hooks.remove_tag(self.handle, whole(hook_id, "remove_tag_hooks: hook_id", 0, ULLONG_MAX))
+        callbacks.remove_tag(self.handle, whole(hook_id, "remove_tag_hooks: hook_id", 0, ULLONG_MAX))
 
     def run_after_map_hooks(self) -> None:
         """after_map(tag) of every hooked tag that is fully mapped, as at the end of a wake
