@@ -2,6 +2,7 @@
 hooks (torpor.engine.hooks.add_tag_hooks). Oracles: the bytes a wake restores (conftest.pattern), the
 calls the hooks recorded, and the pool's own asleep flags."""
 
+import inspect
 import sys
 
 import pytest
@@ -128,3 +129,16 @@ def test_the_hook_bus_runs_the_re_mark_with_the_sleeps_policy_then_the_tag_hooks
         engine.hooks.remove_tag_hooks(hook)
     assert seen[0] == before["allocated_bytes"], "the policy's re-mark ran before the tag hook"
     assert seen[1] < before["allocated_bytes"], "the next sleep's re-mark, with its own policy, ran first too"
+
+
+def test_the_engine_seam_names_its_contract_and_implements_nothing():
+    """torpor.engine is a facade: every name of its contract is defined where its concept lives
+    (torpor.torch, torpor.errors, torpor.pool), and it defines no function or class itself."""
+    assert sorted(engine.__all__) == sorted(set(engine.__all__))
+    for name in engine.__all__:
+        obj = getattr(engine, name)
+        home = obj.__name__ if inspect.ismodule(obj) else getattr(obj, "__module__", None)
+        assert home and home != "torpor.engine", f"engine.{name} is defined in engine.py"
+    own = [n for n, v in vars(engine).items() if callable(v) and getattr(v, "__module__", None) == "torpor.engine"]
+    assert own == [], own
+    assert engine.hooks.add_tag_hooks and engine.graphs.capture_into, "the hook bus and graph capture are there"
