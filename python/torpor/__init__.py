@@ -29,9 +29,8 @@ repository's build directories, then the system path (see torpor._lib). The envi
 variables the package reads are one table, torpor.environment.
 """
 
-from . import distributed, errors, tags, tms, vllm
+from . import _lib, distributed, errors, tags, tms, vllm
 from ._lib import cmake_dir, last_error, library_path, library_version
-from ._version import VERSION as __version__  # noqa: F401 - the package version, not an API name
 from .errors import (
     DriverError,
     InternalError,
@@ -70,6 +69,7 @@ from .torch import (
 )
 from .vllm import CuMemAllocator
 
+__version__ = _lib.package_version()  # the package's version (VERSION), not an API name
 
 __all__ = [
     "CuMemAllocator",

@@ -1,4 +1,5 @@
-"""Finding and loading libtorpor.so, and the ctypes prototypes of its C API.
+"""Finding and loading libtorpor.so, the ctypes prototypes of its C API, and what an installed
+package carries beside the library (its VERSION, the CMake package).
 
 Nothing here is compiled: ctypes binds the C API (torpor.h, torch_allocator.h) at run time,
 so one package works with any Python 3 and any PyTorch. The library is looked up in this
@@ -14,8 +15,14 @@ order, the first hit wins:
 
 The library is loaded once per process, on first use, so ``import torpor`` never fails. On
 loading, the values of the C enumerations (status codes, memory classes, backends, fills,
-handle kinds) are read from the library (torpor_status_value, torpor_class_name, ...), never
-copied here.
+handle kinds, sleep levels) are read from the library (torpor_status_value, torpor_class_name,
+...), never copied here.
+
+The package's version is read from the one place it is written, the repository's VERSION file:
+an installed package carries a copy (``torpor/VERSION``, put there by setup.py), a checkout used
+through PYTHONPATH reads the repository's own. CMake reads the same file for the library
+(``torpor_version()``, ``library_version()``) and the CLI (``torpor --version``); the ctest
+``version.agree`` and tests/python/test_version.py check that they agree.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from .errors import InternalError, LibraryNotFound, bind_status_codes, error_for
 
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 _REPO_DIR = _PACKAGE_DIR.parent.parent  # python/torpor -> repository root, in a checkout
+# Bundled copy first: an installed package must report its own version, not a checkout's.
+_VERSION_FILES = (_PACKAGE_DIR / "VERSION", _REPO_DIR / "VERSION")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -43,6 +52,7 @@ _ENUM_NAME_FUNCTIONS = {
     "backend": "torpor_backend_name",
     "fill": "torpor_fill_name",
     "handle_kind": "torpor_handle_kind_name",
+    "sleep_level": "torpor_sleep_level_name",
 }
 _ENUM_LIMIT = 256  # no enumeration of torpor.h comes near; guards against a library that never says NULL
 
@@ -65,26 +75,6 @@ class Closing:
             self.close()
         except Exception:  # noqa: BLE001 - never raise from a finaliser
             pass
-
-
-class PoolOptions(ctypes.Structure):
-    """torpor_pool_options. The trailing reserve keeps torpor_pool_options_init inside this
-    buffer should a later library append fields (it writes the whole C struct)."""
-
-    _fields_ = [
-        ("device", ctypes.c_int),
-        ("backend", ctypes.c_int),
-        ("va_bytes", ctypes.c_size_t),
-        ("fill_on_wake", ctypes.c_int),
-        ("exportable", ctypes.c_int),
-        ("skip_unchanged", ctypes.c_int),
-        ("host_store_limit", ctypes.c_size_t),
-        ("host_store_prepare", ctypes.c_size_t),
-        ("spill_dir", ctypes.c_char_p),
-        ("spill_limit", ctypes.c_size_t),
-        ("spill_file_per_allocation", ctypes.c_int),
-        ("_reserved", ctypes.c_char * 256),
-    ]
 
 
 FABRIC_HANDLE_BYTES = 64  # TORPOR_FABRIC_HANDLE_BYTES (sizeof(CUmemFabricHandle))
@@ -197,8 +187,9 @@ def _prototypes(lib: ctypes.CDLL) -> None:
     PP, PS = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)
     CC = ctypes.POINTER(ctypes.c_char_p)
     protos = {
-        "torpor_pool_options_init": (None, [ctypes.POINTER(PoolOptions)]),
-        "torpor_pool_create": (I, [ctypes.POINTER(PoolOptions), PP]),
+        # torpor_pool_options* as a plain pointer: torpor.pool.options builds that struct from its rows
+        "torpor_pool_options_init": (None, [P]),
+        "torpor_pool_create": (I, [P, PP]),
         "torpor_pool_destroy": (I, [P]),
         "torpor_alloc": (I, [P, S, C, I, C, PP]),
         "torpor_free": (I, [P, P]),
@@ -239,6 +230,9 @@ def _prototypes(lib: ctypes.CDLL) -> None:
         "torpor_backend_name": (C, [I]),
         "torpor_fill_name": (C, [I]),
         "torpor_handle_kind_name": (C, [I]),
+        "torpor_sleep_level_name": (C, [I]),
+        "torpor_graph_memory_nodes": (I, [ctypes.c_ulonglong, PS]),
+        "torpor_graph_memory": (I, [I, ctypes.POINTER(ctypes.c_ulonglong), ctypes.POINTER(ctypes.c_ulonglong)]),
         # torch_allocator.h
         "torpor_torch_malloc": (P, [S, I, P]),
         "torpor_torch_free": (None, [P, S, I, P]),
@@ -247,7 +241,7 @@ def _prototypes(lib: ctypes.CDLL) -> None:
         "torpor_set_current_class": (I, [I]),
         "torpor_current_class": (I, []),
         "torpor_torch_pool": (I, [I, PP]),
-        "torpor_torch_configure": (I, [ctypes.POINTER(PoolOptions)]),
+        "torpor_torch_configure": (I, [P]),
         "torpor_torch_failures": (ctypes.c_ulonglong, [ctypes.POINTER(ctypes.c_int)]),
         "torpor_torch_set_memory_margin": (I, [S]),
         "torpor_torch_memory_margin": (S, []),
@@ -299,9 +293,8 @@ def lib() -> ctypes.CDLL:
 
 
 def enum_values(enum: str) -> dict[str, int]:
-    """{name: value} of a C enumeration as the library defines it: "memory_class" (parameter,
-    state, cache), "backend" (auto, host, cuda), "fill" (none, zero, poison) or "handle_kind"
-    (auto, posix_fd, fabric); in value order."""
+    """{name: value} of a C enumeration as the library defines it (its torpor_*_name function):
+    "memory_class", "backend", "fill", "handle_kind" or "sleep_level"; in value order."""
     lib()
     return _enums[enum]
 
@@ -338,6 +331,19 @@ def cmake_dir() -> str:
             f"(TORPOR_LIBRARY unset); in a checkout, use `cmake --install build --prefix DIR` and DIR/lib/cmake/torpor"
         )
     return str(path)
+
+
+def package_version() -> str:
+    """The first line of the first VERSION file found; "0+unknown" when there is none (a package
+    copied without it: `import torpor` never fails for want of a version)."""
+    for path in _VERSION_FILES:
+        try:
+            text = path.read_text(encoding="utf-8").strip()
+        except OSError:
+            continue
+        if text:
+            return text.splitlines()[0].strip()
+    return "0+unknown"
 
 
 def library_version() -> str:

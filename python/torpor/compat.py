@@ -1,5 +1,5 @@
 """What the engine-compatible modes (torpor.vllm, torpor.tms) share, under its first name:
-errors that are caught where the engines' own are (torpor.engine defines them), and the name
+errors that are caught where the engines' own are (torpor.errors defines them), and the name
 torpor.CuMemAllocator keeps for the vLLM mode's allocator.
 
 vLLM raises RuntimeError when its allocator fails (a failed wake is a CUDA error from its C
@@ -12,7 +12,7 @@ class deriving from both the original class and RuntimeError, with torpor's mess
 
 from __future__ import annotations
 
-from .engine import as_runtime_errors, runtime_error, runtime_error_class
+from .errors import as_runtime_errors, runtime_error, runtime_error_class
 from .vllm import CuMemAllocator
 
 __all__ = ["CuMemAllocator", "as_runtime_errors", "runtime_error", "runtime_error_class"]

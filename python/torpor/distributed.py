@@ -41,9 +41,10 @@ from __future__ import annotations
 import ctypes
 from typing import Callable, Sequence
 
-from . import _hooks, _lib
+from . import _lib
 from .errors import InvalidArgument, InvalidType
 from .pool import Pool, Tags, tag_list
+from .pool.callbacks import take_failure
 from .torch import api
 from .values import SleepLevel, sleep_level, whole
 
@@ -195,7 +196,7 @@ def _collective(call, g: Group, pool: Pool, *args) -> dict:
     """One C collective on `pool`; a sleep hook's exception on this rank is already in the
     collective's message (the C layer sent it to every rank), so it is not raised apart."""
     status = call(pool.handle, g.handle, *args)
-    _hooks.take_failure()
+    take_failure()
     _lib.check(status)
     return pool.last_report()
 
@@ -237,9 +238,9 @@ def sleep(pool=None, level: int = 1, tags: Tags = None, *, group: Group | None =
     group) calls it with the same level and tags. `pool` is a torpor.Pool (returns this rank's
     report), or None for the PyTorch embedding's pools: the collective runs on each device's
     pool this rank has, in device order, so every rank must have as many (returns {device:
-    report}). level: 0, 1, 2 or a SleepLevel (not bool or float); anything else is
-    InvalidArgument on this rank before any collective runs."""
-    level = sleep_level(level, "sleep: level (0, 1 or 2)")
+    report}). level: a SleepLevel or its value (torpor.values.sleep_level: not bool or float);
+    anything else is InvalidArgument on this rank before any collective runs."""
+    level = sleep_level(level, "sleep: level")
     tags = _request_tags(tags)
     if pool is not None and not isinstance(pool, Pool):
         raise InvalidArgument(f"sleep: pool must be a torpor.Pool or None, not {type(pool).__name__}")

@@ -5,6 +5,11 @@ exception a Python caller would expect (InvalidArgument is a ValueError, OutOfMe
 MemoryError, ...), so generic handlers keep working. The message is torpor's own
 (torpor_last_error()), which names the thing and the fix.
 
+The engine-compatible modes (torpor.vllm, torpor.tms) raise these as ``runtime_error(e)``: an
+instance of a class deriving from both e's class and RuntimeError (vLLM's allocator raises
+RuntimeError, and engines and their tests catch exactly that), with torpor's message, so
+``except RuntimeError``, ``except torpor.OutOfMemory`` and ``except MemoryError`` all catch it.
+
 A class knows its status by name (``status_name``, as written in torpor.h); the numeric code
 (``status``) comes from the library when it loads (torpor._lib binds it), so nothing here
 copies the C values. Before that the classes are importable, raisable and catchable, and
@@ -13,6 +18,7 @@ copies the C values. Before that the classes are importable, raisable and catcha
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 
@@ -127,3 +133,46 @@ def error_for(status: int, message: str) -> TorporError:
     if cls is None:
         return InternalError(f"unknown torpor status {status}: {message}")
     return cls(message)
+
+
+# -- the same errors as RuntimeError, for the engine-compatible modes ---------------------------
+
+_runtime_classes: dict[type, type] = {}
+
+
+def runtime_error_class(cls: type[TorporError]) -> type[TorporError]:
+    """A class deriving from `cls` and RuntimeError (`cls` itself when it already is one)."""
+    if issubclass(cls, RuntimeError):
+        return cls
+    made = _runtime_classes.get(cls)
+    if made is None:
+        made = type(
+            cls.__name__,
+            (cls, RuntimeError),
+            {
+                "__module__": __name__,
+                "__qualname__": f"RuntimeError[{cls.__qualname__}]",
+                "__doc__": f"{cls.__name__}, also a RuntimeError (vLLM's allocator raises those).",
+            },
+        )
+        _runtime_classes[cls] = made
+    return made
+
+
+def runtime_error(e: TorporError) -> TorporError:
+    """`e` as an instance of runtime_error_class(type(e)), same message and status."""
+    cls = runtime_error_class(type(e))
+    if cls is type(e):
+        return e
+    out = cls(e.message)
+    out.status = e.status
+    return out
+
+
+@contextlib.contextmanager
+def as_runtime_errors():
+    """Inside: a TorporError leaves as runtime_error(e), with its traceback."""
+    try:
+        yield
+    except TorporError as e:
+        raise runtime_error(e).with_traceback(e.__traceback__) from None

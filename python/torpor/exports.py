@@ -17,7 +17,7 @@ A handle names the memory mapped now. The tag's next sleep releases that memory,
 maps new memory, with new handles, at the same addresses; an open descriptor, like any import of
 it, may keep the released memory alive (on the host backend it does). So a transport closes its
 handles in a before_unmap tag hook and exports again in an after_map one
-(torpor.engine.add_mapping_hooks, Pool.add_tag_hooks, vLLM's register_tag_hooks in the vLLM mode).
+(torpor.engine.hooks.add_mapping_hooks, Pool.add_tag_hooks, vLLM's register_tag_hooks in the vLLM mode).
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ e.g. commit 010c211270c004db49f91933849804821d153e4d, predate the graph pool).
 - ``use_cudagraph_pool(pool=None)``: a context manager yielding torpor's graph pool id (tag
   "cudagraph", class state) to capture into. Either call form works: the argument (vLLM's own
   graph_pool_handle()) is accepted and not used, since every capture the thread begins inside
-  goes to torpor's pool whatever pool it names (torpor.engine.capture_into). So graphs live in
+  goes to torpor's pool whatever pool it names (torpor.engine.graphs.capture_into). So graphs live in
   torpor: every sleep (levels 1 and 2, as vLLM) keeps their allocated blocks (static outputs,
   constants a replay never writes) in host memory and gives every byte of device memory back;
   any wake maps them back at the same addresses, and the same graphs replay. Entering it sets
@@ -205,7 +205,7 @@ def _discard(tag: str, memory_class: MemoryClass, has_parameters: bool) -> Memor
 
 def register_tag_hooks(tag: str, before_unmap: Callable[[], None], after_map: Callable[[], None]) -> Callable[[], None]:
     """vLLM's ``vllm.device_allocator.register_tag_hooks`` over torpor's hook bus
-    (torpor.engine.add_mapping_hooks, the C pool's tag hooks): `before_unmap()` right before a
+    (torpor.engine.hooks.add_mapping_hooks, the C pool's tag hooks): `before_unmap()` right before a
     sleep or discard unmaps allocations of `tag`, the idempotent `after_map()` after every wake
     that leaves all of them mapped. Returns the function that unregisters them (a second call
     raises KeyError). The plugin puts it under vLLM's name (see the module note)."""
@@ -213,8 +213,8 @@ def register_tag_hooks(tag: str, before_unmap: Callable[[], None], after_map: Ca
         if not callable(fn):
             raise runtime_error(InvalidType(f"register_tag_hooks: {what} must be callable, not {type(fn).__name__}"))
     with as_runtime_errors():
-        hook_id = engine.add_mapping_hooks(tag, lambda _tag: before_unmap(), lambda _tag: after_map())
-    return lambda: engine.remove_mapping_hooks(hook_id)
+        hook_id = engine.hooks.add_mapping_hooks(tag, lambda _tag: before_unmap(), lambda _tag: after_map())
+    return lambda: engine.hooks.remove_mapping_hooks(hook_id)
 
 
 class CuMemAllocator:
@@ -244,7 +244,7 @@ class CuMemAllocator:
     @property
     def current_tag(self) -> str:
         """The tag allocations go to now (see the module note)."""
-        if engine.capturing_into() == self.cudagraph_tag:
+        if engine.graphs.capturing_into() == self.cudagraph_tag:
             return self.cudagraph_tag
         return self._pool_tags[-1] if self._pool_tags else self.default_tag
 
@@ -274,14 +274,14 @@ class CuMemAllocator:
         _check_pool(pool, "use_cudagraph_pool")
         with contextlib.ExitStack() as scope:
             with as_runtime_errors():
-                graph_pool = scope.enter_context(engine.capture_into(self.cudagraph_tag, MemoryClass.STATE))
+                graph_pool = scope.enter_context(engine.graphs.capture_into(self.cudagraph_tag, MemoryClass.STATE))
             yield graph_pool
 
     def release_cudagraph_pool(self, pool: tuple[int, int] | None = None) -> int:
         """Give the graph pool's memory back once its graphs are destroyed; returns the bytes."""
         _check_pool(pool, "release_cudagraph_pool")
         with as_runtime_errors():
-            return engine.release_graph_pool(self.cudagraph_tag)
+            return engine.graphs.release_graph_pool(self.cudagraph_tag)
 
     def export_handles(self, tags: Iterable[str] | str | None = KV_CACHE, kind: str = "auto", device=None):
         """The shareable handles of the memory of `tags` (default the KV cache; None: every tag) on

@@ -41,8 +41,9 @@ from vllm.device_allocator.sleep_mode_backend import SleepModeBackend
 from . import engine
 from .vllm import CuMemAllocator
 
-# Pool options a backend cannot change once the model is loaded: where to set them instead.
-_POOL_OPTIONS = ("fill_on_wake", "host_store_limit", "skip_unchanged", "spill_dir", "spill_limit", "va_bytes")
+# Pool options (torpor's one description of them) a backend cannot change once the model is loaded:
+# the message says where to set them instead.
+_POOL_OPTIONS = engine.PoolOptions.names()
 _OPTIONS = ("suspend_tags", "poison_discarded_pages", "release_host_memory", "preserve", "memory_margin_bytes")
 
 

@@ -30,7 +30,7 @@ VLLM_PLUGINS, when set, must list "torpor"), and a worker does it in
    ``model.named_parameters()`` kept through level 2) becomes register_parameters' preserve; a
    glob that matches no parameter raises ValueError from the call, as vLLM refuses it (its
    documentation, index id 69070261150: "Each pattern must match model.named_parameters()").
-4. sets NCCL_GRAPH_REGISTER=0 when unset (torpor.engine.nccl_graph_register_off; a warning when the
+4. sets NCCL_GRAPH_REGISTER=0 when unset (torpor.engine.graphs.nccl_graph_register_off; a warning when the
    user set another value): vLLM points NCCL's graph allocations at the sleep pool, and NCCL reads
    the variable when a communicator is created, before any graph is captured; its registrations
    would pin torpor's memory through sleep and go stale after wake.
@@ -121,7 +121,7 @@ def nccl_graph_register_off() -> str:
     """Step 4: before vLLM creates its communicators. Returns the value in force."""
     from . import engine
 
-    return engine.nccl_graph_register_off()
+    return engine.graphs.nccl_graph_register_off()
 
 
 def substitute_allocator() -> None:

@@ -78,11 +78,11 @@ def test_python_protocol_rolls_back_a_failed_rank(dist, torch_ranks):
         if dist.local.rank == 1:
             raise torpor.OutOfMemory("host store full")
 
-    hook = engine.add_tag_hooks("tdist.w", before_sleep=refuse_on_rank_1)
+    hook = engine.hooks.add_tag_hooks("tdist.w", before_sleep=refuse_on_rank_1)
     try:
         errors = on_ranks(dist, lambda r: tdist.sleep(None, 1, group=tdist.Group.from_torch()))
     finally:
-        engine.remove_tag_hooks(hook)
+        engine.hooks.remove_tag_hooks(hook)
     for r in range(N):
         assert isinstance(errors[r], torpor.OutOfMemory), errors[r]
         assert "rank(s) [1] failed to sleep" in str(errors[r]) and "host store full" in str(errors[r])
@@ -92,11 +92,11 @@ def test_python_protocol_rolls_back_a_failed_rank(dist, torch_ranks):
 
 def test_python_protocol_rejects_a_mismatch_before_anything_sleeps(dist, torch_ranks):
     slept = []
-    hook = engine.add_tag_hooks("tdist.w", before_sleep=lambda tag, level: slept.append(dist.local.rank))
+    hook = engine.hooks.add_tag_hooks("tdist.w", before_sleep=lambda tag, level: slept.append(dist.local.rank))
     try:
         errors = on_ranks(dist, lambda r: tdist.sleep(None, 1 + r, group=tdist.Group.from_torch()))
     finally:
-        engine.remove_tag_hooks(hook)
+        engine.hooks.remove_tag_hooks(hook)
     for r in range(N):
         assert isinstance(errors[r], torpor.InvalidArgument) and "rank(s) [1]" in str(errors[r]), errors[r]
     assert slept == []

@@ -255,8 +255,8 @@ def wrong_typed_calls(pool):
         "spill_dir": lambda: torpor.Pool(0, backend="host", spill_dir=5),
         "Group rank": lambda: tdist.Group(0.9, 1, lambda data: [data], lambda: None),
         "Group barrier": lambda: tdist.Group(0, 1, lambda data: [data], None),
-        "add_tag_hooks tag": lambda: torpor.engine.add_tag_hooks(5, lambda tag, level: None),
-        "add_tag_hooks hooks": lambda: torpor.engine.add_tag_hooks("w"),
+        "add_tag_hooks tag": lambda: torpor.engine.hooks.add_tag_hooks(5, lambda tag, level: None),
+        "add_tag_hooks hooks": lambda: torpor.engine.hooks.add_tag_hooks("w"),
     }
 
 

@@ -1,13 +1,18 @@
 """The Python package's constants agree with the C and C++ headers, which are the oracle here:
 parsed from the source tree, not taken from the library or the package."""
 
+import ctypes
 import re
 import subprocess
 import sys
 
+import pytest
+
 import torpor
 from conftest import REPO, subprocess_env
 from torpor import errors
+from torpor.pool import CPoolOptions, PoolOptions
+from torpor.values import SleepLevel
 
 INCLUDE = REPO / "allocator" / "include" / "torpor"
 
@@ -63,8 +68,44 @@ def test_classes_backends_fills_and_handle_kinds_are_the_headers():
         assert int(member) == classes[member.value]
         assert torpor.MemoryClass(classes[member.value]) is member
         assert torpor.pool.to_memory_class(classes[member.value]) is member
-    o = torpor.pool.pool_options(0, "cuda", 0, "poison")
+    o = PoolOptions(backend="cuda", fill_on_wake="poison").c_struct(0)
     assert (o.backend, o.fill_on_wake) == (backends["cuda"], fills["poison"])
+
+
+def test_the_pool_options_are_the_headers_struct_in_its_order():
+    """torpor.pool.options builds the C struct from PoolOptions' rows: they must be torpor.h's
+    torpor_pool_options fields, in its order, after the device."""
+    text = (INCLUDE / "torpor.h").read_text()
+    body = re.search(r"typedef struct torpor_pool_options \{(.*?)\} torpor_pool_options;", text, re.S).group(1)
+    body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
+    fields = re.findall(r"(\w+);", body)
+    assert fields[0] == "device" and list(PoolOptions.names()) == fields[1:]
+    assert [name for name, _ in CPoolOptions._fields_] == fields + ["_reserved"]
+    defaults = PoolOptions().c_struct(3)
+    init = CPoolOptions()
+    torpor._lib.lib().torpor_pool_options_init(ctypes.byref(init))
+    for name in fields[1:]:
+        assert getattr(defaults, name) == getattr(init, name), f"{name}: the library's default, not Python's"
+    assert defaults.device == 3
+
+
+def test_the_sleep_levels_are_the_headers():
+    """SleepLevel is built from the library (torpor_sleep_level_name), not listed in Python: its
+    members, names and values are torpor.h's torpor_sleep_level, and so is the range a level is
+    checked against."""
+    levels = lower_names(header_enum("torpor_sleep_level"), "TORPOR_SLEEP_")
+    assert levels == {"none": 0, "offload": 1, "discard_parameters": 2}, levels
+    assert torpor._lib.enum_values("sleep_level") == levels
+    assert {level.name.lower(): int(level) for level in SleepLevel} == levels
+    assert len(SleepLevel) == len(levels)
+    for name, value in levels.items():
+        member = getattr(SleepLevel, name.upper())
+        assert member == value and isinstance(member, SleepLevel) and SleepLevel(value) == member
+    top = max(levels.values())
+    with pytest.raises(
+        torpor.InvalidArgument, match=f"sleep level {top + 1} is out of range \\(accepted: 0 to {top}\\)"
+    ):
+        SleepLevel(top + 1)
 
 
 def test_the_errors_are_usable_before_the_library_loads_and_without_it():

@@ -238,7 +238,7 @@ def test_use_pool_exportable_creates_the_torch_pool_exportable_and_its_tensors_e
                 chunks["kv"] = engine.export_handles(tag, kind="posix_fd")
                 print("re-exported", tag)
 
-        engine.add_mapping_hooks("kv_cache", before_unmap, after_map)
+        engine.hooks.add_mapping_hooks("kv_cache", before_unmap, after_map)
         torpor.sleep(1)  # the KV cache is class cache: discarded
         torpor.wake_up()
         after = pattern(kv._nbytes, 2)

@@ -129,7 +129,7 @@ def test_after_sleep_and_wake_the_mapping_hooks_hand_out_descriptors_of_the_new_
             transport["chunks"] = engine.export_handles(tag, kind="posix_fd")
             transport["events"].append("register")
 
-    hook = engine.add_mapping_hooks("kv_cache", before_unmap, after_map)
+    hook = engine.hooks.add_mapping_hooks("kv_cache", before_unmap, after_map)
     try:
         address = kv.data_ptr()
         torpor.sleep(1)  # the KV cache is class cache: discarded
@@ -140,5 +140,5 @@ def test_after_sleep_and_wake_the_mapping_hooks_hand_out_descriptors_of_the_new_
         torch.cuda.synchronize()
         assert read_elsewhere(holding(transport["chunks"], kv), kv) == digest(kv)
     finally:
-        engine.remove_mapping_hooks(hook)
+        engine.hooks.remove_mapping_hooks(hook)
         transport["chunks"].close()

@@ -286,3 +286,32 @@ def test_a_failed_capture_restores_the_thread(torch):
         with torch.cuda.graph(torch.cuda.CUDAGraph(), pool=torpor.graph_pool("tg.fail")):
             raise KeyError("inside a raw capture")
     assert current_tag() == ("default", torpor.MemoryClass.STATE)
+
+
+def cuda_usable() -> bool:
+    try:
+        torpor.Pool(0, backend="cuda", va_bytes=1 << 30).close()
+    except torpor.Unavailable:
+        return False
+    return True
+
+
+def test_graph_memory_and_memory_nodes_ask_the_library_which_needs_a_gpu(torch):
+    """Both go through the library's one walk of CUDA graph memory (torpor_graph_memory_nodes,
+    torpor_graph_memory), which answers Unavailable, naming the cuda backend, without a usable GPU
+    (the GPU twin counts real nodes: test_graphs_gpu.py). A graph without a kept cudaGraph_t has
+    no nodes to count, GPU or not."""
+    if cuda_usable():
+        pytest.skip("a usable GPU: test_graphs_gpu.py checks the counts there")
+
+    class KeptGraph:
+        def raw_cuda_graph(self):
+            return 0x7F00DEAD0000  # never read: the library refuses before any driver call
+
+    with pytest.raises(torpor.Unavailable, match="^torpor_graph_memory_nodes: the cuda backend"):
+        torpor.memory_nodes(KeptGraph())
+    with pytest.raises(torpor.Unavailable, match="^torpor_graph_memory: the cuda backend"):
+        torpor.graph_memory()
+    assert torpor.memory_nodes(torch.CUDAGraph()) is None, "no raw_cuda_graph: nothing kept to count"
+    with pytest.raises(torpor.InvalidArgument, match="memory_nodes: graph"):
+        torpor.memory_nodes(type("Negative", (), {"raw_cuda_graph": lambda self: -5})())

@@ -1,6 +1,6 @@
 """The pluggable-allocator path without PyTorch: the entry points PyTorch calls
 (torpor_torch_malloc/free, through ctypes as PyTorch would), and the class refresh that
-torpor.sleep() applies to PyTorch's segments before sleeping (torpor/_marks.py), run on
+torpor.sleep() applies to PyTorch's segments before sleeping (torpor.torch.marks), run on
 segments laid out the way PyTorch's caching allocator lays them out."""
 
 import ctypes
@@ -8,7 +8,8 @@ import ctypes
 import pytest
 
 import torpor
-from torpor import _lib, _marks
+from torpor import _lib
+from torpor.torch import marks
 from torpor.pool import MemoryClass
 from conftest import MiB, POISON, TORCH_POOL_OPTIONS, pattern
 
@@ -106,13 +107,13 @@ def test_refresh_then_level_2_keeps_state_drops_parameters_and_free_space(lib, s
     # Stale classes from an earlier life of the segment: the buffer's block was a parameter.
     pool.mark(seg + offsets[1], 8 << 10, "parameter", "old.weight")
     spans = [
-        _marks.Span("layers.0.w", seg + offsets[0], 64 << 10),
-        _marks.Span("layers.1.w", seg + offsets[3], 60 << 10),  # a tensor smaller than its block
-        _marks.Span("elsewhere.w", 0x1000, 4096),
+        marks.Span("layers.0.w", seg + offsets[0], 64 << 10),
+        marks.Span("layers.1.w", seg + offsets[3], 60 << 10),  # a tensor smaller than its block
+        marks.Span("elsewhere.w", 0x1000, 4096),
     ]  # not in this pool
-    plan = _marks.plan([pytorch_segment(seg, layout)], MemoryClass.STATE, spans)
+    plan = marks.plan([pytorch_segment(seg, layout)], MemoryClass.STATE, spans)
     assert plan.parameters == 2 and plan.parameter_bytes == 124 << 10 and plan.foreign == []
-    _marks.apply(pool, plan)
+    marks.apply(pool, plan)
     classes = pool.stats()["tags"]["py.weights"]["classes"]
     assert classes["parameter"]["allocated_bytes"] == 124 << 10
     assert classes["state"]["allocated_bytes"] == (8 << 10) + (4 << 10)  # the buffer, a block's tail
@@ -134,10 +135,8 @@ def test_refreshed_parameter_names_match_preserve_globs(lib, segment):
     pool.write(seg, pattern(2 * MiB, 3))
     pool.set_preserve(["embed.*"])
     try:
-        spans = [_marks.Span("embed.weight", seg, MiB), _marks.Span("head.weight", seg + MiB, MiB)]
-        _marks.apply(
-            pool, _marks.plan([pytorch_segment(seg, [(2 * MiB, "active_allocated")])], MemoryClass.STATE, spans)
-        )
+        spans = [marks.Span("embed.weight", seg, MiB), marks.Span("head.weight", seg + MiB, MiB)]
+        marks.apply(pool, marks.plan([pytorch_segment(seg, [(2 * MiB, "active_allocated")])], MemoryClass.STATE, spans))
         pool.sleep(2, "py.preserve")
         pool.wake_up("py.preserve")
         got = pool.read(seg, 2 * MiB)
@@ -150,7 +149,7 @@ def test_refreshed_parameter_names_match_preserve_globs(lib, segment):
 def test_a_kv_cache_tag_refreshes_to_cache_and_expandable_segments_are_reported():
     seg = pytorch_segment(1 << 40, [(MiB, "active_allocated"), (MiB, "active_pending_free"), (MiB, "inactive")])
     foreign = dict(pytorch_segment(1 << 41, [(MiB, "active_allocated")]), is_expandable=True)
-    plan = _marks.plan([seg, foreign], MemoryClass.CACHE, [])
+    plan = marks.plan([seg, foreign], MemoryClass.CACHE, [])
     assert [(m.address - (1 << 40), m.memory_class) for m in plan.marks] == [
         (0, MemoryClass.CACHE),
         (MiB, MemoryClass.CACHE),
@@ -158,7 +157,7 @@ def test_a_kv_cache_tag_refreshes_to_cache_and_expandable_segments_are_reported(
     ]
     assert plan.foreign == [1 << 41]
     # A block still in use by another stream ("active_pending_free") is not free space.
-    plan = _marks.plan([seg], MemoryClass.STATE, [])
+    plan = marks.plan([seg], MemoryClass.STATE, [])
     assert [m.memory_class for m in plan.marks] == [MemoryClass.STATE, MemoryClass.STATE, MemoryClass.CACHE]
 
 
@@ -168,4 +167,4 @@ def test_snapshot_blocks_without_addresses_are_placed_in_order():
         "total_size": 3 * 4096,
         "blocks": [{"size": 4096, "state": "inactive"}, {"size": 8192, "state": "active_allocated"}],
     }
-    assert list(_marks.segment_blocks(seg)) == [(4096, 4096, "inactive"), (8192, 8192, "active_allocated")]
+    assert list(marks.segment_blocks(seg)) == [(4096, 4096, "inactive"), (8192, 8192, "active_allocated")]

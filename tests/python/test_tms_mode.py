@@ -250,7 +250,7 @@ def test_zero_copy_backup_keeps_its_address_across_retained_resumes_as_tms_examp
     saver.resume("tms.zc")  # retain is off: the slot goes
     assert read(x) == second_bytes
     assert saver.get_cpu_backup(x) is None and saver.get_cpu_backup(x, zero_copy=True) is None
-    assert all(k[1] != x.data_ptr() for k in saver._host_backups), "the slot's memory was dropped"
+    assert all(k[1] != x.data_ptr() for k in saver._mode.host_backups), "the slot's memory was dropped"
 
 
 def test_disable_allocates_outside_torpor_even_inside_a_region(torch):
@@ -295,7 +295,7 @@ def test_settings_and_what_is_not_here(torch, tmp_path):
     # The pools hold memory already (earlier tests): their host store cannot get a disk tier now.
     with pytest.raises(torpor.Unavailable, match="already hold memory.*before the first CUDA allocation"):
         saver.set_disk_backup_dir(str(tmp_path / "disk"))
-    assert (tmp_path / "disk").is_dir() and saver._disk_dir is None, "created, as TMS does; not kept"
+    assert (tmp_path / "disk").is_dir() and saver._regions.disk_dir is None, "created, as TMS does; not kept"
     with pytest.raises(torpor.Unavailable, match="disk backup into '/tmp'"):
         with saver.region(enable_disk_backup=True):
             pass

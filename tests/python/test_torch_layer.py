@@ -138,8 +138,10 @@ def test_bad_calls_are_typed_errors(torch):
     with pytest.raises(torpor.InvalidArgument, match="unknown memory class 'nope'"):
         with torpor.use_pool("tl.cls", memory_class="nope"):
             pass
-    with pytest.raises(torpor.InvalidArgument, match="level 5 is not 0, 1 or 2"):
-        torpor.sleep(5)
+    with pytest.raises(torpor.InvalidArgument, match=r"sleep: level 5 is out of range \(accepted: 0 to 2\)"):
+        torpor.sleep(5)  # the one level check of every boundary (torpor.values.sleep_level)
+    with pytest.raises(torpor.InvalidType, match="sleep: level True is not a whole number"):
+        torpor.sleep(True)
     with pytest.raises(torpor.InvalidArgument, match="sleep: unknown tag 'nope'"):
         torpor.sleep(1, ["nope"])
     with pytest.raises(torpor.InvalidArgument, match="use_pool: tag '' is not a non-empty string"):

@@ -24,17 +24,23 @@ another's underscore names):
 - routing: the MemPool registry (one per (tag, class, device)) and ``routed(tag, class)``, the
   one context that points a thread's allocations at torpor, which use_pool and graph capture
   share; giving empty segments back (pool lifetime and empty segments: its note).
+- marks: the plan of a re-mark (which bytes of a snapshot's segments are parameters, state or
+  cache), PyTorch-free.
 - parameters: register_parameters and the walk over registered modules' parameter spans.
-- remark: the classes of PyTorch's blocks computed from its snapshot before a sleep, the cache
-  that skips an unchanged one, and the registry of state-span sources graphs feed.
-- sleep_hook: the re-mark as a sleep hook of each device's torpor pool (torpor_add_sleep_hook),
-  so it runs inside every sleep of those pools, collective ones included.
+- remark: the classes of PyTorch's blocks computed from its snapshot before a sleep (``remark_now``),
+  the cache that skips an unchanged one, the class policies, and the registry of state-span
+  sources graphs feed.
+- hook_bus: what runs around the sleeps and wakes of each device's torpor pool, installed once
+  per pool: one sleep hook (torpor_add_sleep_hook) that runs the re-mark with the sleep's class
+  policy, then the engine modes' tag hooks, so it runs inside every sleep of those pools,
+  collective ones included; and the mapping hooks (the C pool's tag hooks).
 - prepare: the host store page-locked in the background once the model is loaded, for the sleep an
   engine mode declared (TORPOR_PREPARE_SLEEP; triggered by use_pool and register_parameters).
 - graphs: CUDA graphs captured into torpor graph pools (torpor.graph, torpor.graph_pool,
   torpor.mark_state).
 - api: configure, use_pool (exportable pools for KV transports), sleep, wake_up, stats,
-  export_handles, the host-store calls.
+  export_handles, the host-store calls; and the engine modes' sleep with a policy,
+  reconfigure, fill_on_wake, the memory margin, read_host_copy.
 
 Engine modes (torpor.vllm, torpor.tms) use this package through torpor.engine only.
 

@@ -1,90 +1,51 @@
 """The public API of the PyTorch embedding: configure, use_pool, sleep, wake_up, stats,
-export_handles and the host-store calls (re-exported as torpor.*). See torpor.torch's package note for the design;
-engine modes reach sleep with a class policy through torpor.engine (``sleep_with_policy``)."""
+export_handles and the host-store calls (re-exported as torpor.*), and what engine modes use
+besides through torpor.engine: sleep with a class policy (``sleep_with_policy``), ``reconfigure``,
+``fill_on_wake``, the memory margin and ``read_host_copy``. See torpor.torch's package note for
+the design."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import gc
 
-from .. import _lib, _marks
+from .. import _lib
 from ..errors import InvalidArgument, InvalidState, InvalidType, OutOfMemory, error_for
 from ..exports import ExportedHandles
-from ..pool import ClassLike, MemoryClass, Pool, Tags, pool_options, tag_list, to_memory_class
+from ..pool import ClassLike, MemoryClass, Pool, PoolOptions, Tags, tag_list, to_memory_class
 from ..tags import KV_CACHE
-from ..values import SleepLevel, text
-from . import prepare, remark, routing, sleep_hook
+from ..values import INT_MAX, SIZE_MAX, SleepLevel, sleep_level, text, whole
+from . import hook_bus, prepare, remark, routing
+from .marks import segment_blocks
 from .runtime import cuda_torch, device_index, keep_current_device
 
 
-def configure(
-    *,
-    backend: str = "auto",
-    fill_on_wake: str = "none",
-    va_bytes: int = 0,
-    skip_unchanged: bool = True,
-    host_store_limit: int = 0,
-    host_store_prepare: int = 0,
-    spill_dir=None,
-    spill_limit: int = 0,
-    spill_file_per_allocation: bool = False,
-    exportable: bool = False,
-) -> None:
-    """Options of the pools PyTorch allocates in; call before the first allocation (later,
-    only the same options are accepted). backend: auto (TORPOR_BACKEND, else cuda when
-    usable, else host), cuda or host. fill_on_wake: none, zero, or poison (NaN bytes, so a
-    forgotten weight reload is visible). va_bytes: address space per device (0 = twice its
-    memory). exportable: memory with shareable handles for KV transports (export_handles;
-    use_pool(..., exportable=True) sets it for a pool not created yet). Host memory
-    (torpor.pool.pool_options says more): skip_unchanged (default True:
-    host copies stay after wake so an unchanged re-sleep copies nothing, costing that host
-    memory while awake; release_host_store() gives it back), host_store_limit (page-locked
-    bytes at most), spill_dir and spill_limit (the disk tier beyond the limit),
-    spill_file_per_allocation (that tier as a file per allocation), host_store_prepare (bytes
-    to page-lock in the background when a pool is created)."""
-    o = pool_options(
-        0,
-        backend,
-        va_bytes,
-        fill_on_wake,
-        exportable,
-        skip_unchanged=skip_unchanged,
-        host_store_limit=host_store_limit,
-        host_store_prepare=host_store_prepare,
-        spill_dir=spill_dir,
-        spill_limit=spill_limit,
-        spill_file_per_allocation=spill_file_per_allocation,
-    )
-    _lib.check(_lib.lib().torpor_torch_configure(ctypes.byref(o)))
-    _configured.clear()
-    _configured.update(
-        backend=backend,
-        fill_on_wake=fill_on_wake,
-        va_bytes=va_bytes,
-        skip_unchanged=skip_unchanged,
-        host_store_limit=host_store_limit,
-        host_store_prepare=host_store_prepare,
-        spill_dir=spill_dir,
-        spill_limit=spill_limit,
-        spill_file_per_allocation=spill_file_per_allocation,
-        exportable=exportable,
-    )
+def configure(**options) -> None:
+    """Options of the pools PyTorch allocates in: the fields of torpor.pool.PoolOptions
+    (backend, fill_on_wake, va_bytes, exportable, skip_unchanged and the host store's; each
+    defaulting to the library's). Call before the first allocation; later, only the same
+    options are accepted. exportable: memory with shareable handles for KV transports
+    (export_handles; use_pool(..., exportable=True) sets it for a pool not created yet)."""
+    _apply(PoolOptions(**options))
 
 
-# The options of the last configure() from Python (empty: the library's defaults), so that a mode
-# that sets only the host-store part (torpor.tms's disk and pageable backups) keeps the rest.
-_configured: dict = {}
+def reconfigure(**changes) -> None:
+    """configure() with the options of the last configure() from Python, `changes` changed
+    (before the first allocation, as configure): a mode that sets only some options (torpor.tms's
+    disk and pageable backups, use_pool's exportable) keeps the rest."""
+    _apply(dataclasses.replace(_configured, **changes))
 
 
-def configure_host_store(*, host_store_limit: int, spill_dir=None, spill_file_per_allocation: bool = False) -> None:
-    """configure() with the last options but host_store_limit, spill_dir and
-    spill_file_per_allocation (before the first allocation, as configure)."""
-    options = dict(_configured)
-    options.update(
-        host_store_limit=host_store_limit, spill_dir=spill_dir, spill_file_per_allocation=spill_file_per_allocation
-    )
-    configure(**options)
+def _apply(options: PoolOptions) -> None:
+    global _configured
+    _lib.check(_lib.lib().torpor_torch_configure(ctypes.byref(options.c_struct(0))))
+    _configured = options
+
+
+# The options of the last configure() from Python (all the library's defaults before one).
+_configured = PoolOptions()
 
 
 def _default_class(tag: str) -> MemoryClass:
@@ -111,9 +72,9 @@ def _refuse_a_sleeping_tag(tag: str, device: int) -> None:
 def _ensure_exportable(device: int) -> None:
     """The device's torch pool exportable: created so when it does not exist yet (the torch pools'
     options as last configured, with exportable on), else it must have been created so."""
-    if not _configured.get("exportable", False):
+    if not _configured.c_struct().exportable:
         try:
-            configure(**{**_configured, "exportable": True})
+            reconfigure(exportable=True)
         except InvalidState:
             pass  # pools exist already, with other options: the check below names the fix
     if not Pool.torch(device).exportable:
@@ -221,15 +182,6 @@ def _tags_by_device(tags: list[str] | None, operation: str) -> dict[int, list[st
     return {d: [t for t in tags if t in known[d]] for d in devices}
 
 
-def checked_level(level) -> SleepLevel:
-    """The level of a sleep of the PyTorch embedding, checked once where it enters."""
-    if isinstance(level, SleepLevel):
-        return level
-    if isinstance(level, bool) or not isinstance(level, int) or level not in (0, 1, 2):
-        raise InvalidArgument(f"sleep: level {level!r} is not 0, 1 or 2")
-    return SleepLevel(level)
-
-
 def _checked_collect(collect: int | None) -> None:
     if collect is not None and (isinstance(collect, bool) or collect not in (0, 1, 2)):
         raise InvalidArgument(f"sleep: collect {collect!r} is not a generation 0..2 or None")
@@ -265,27 +217,31 @@ def sleep(level: int = 1, tags: Tags = None, collect: int | None = 1) -> dict[in
 
 
 def sleep_with_policy(
-    level: int | SleepLevel, tags: Tags, policy: remark.ClassPolicy, collect: int | None = 1
+    level: int | SleepLevel, tags: Tags, policy: remark.ClassPolicy | None = None, collect: int | None = 1
 ) -> dict[int, dict]:
-    """sleep(), with the classes of allocated blocks decided by `policy` (torpor.engine)."""
-    level = checked_level(level)
+    """sleep(), with the classes of allocated blocks decided by `policy`: (tag, the class its
+    MemPool allocates, whether registered parameters lie in the tag's segments on the device) ->
+    MemoryClass (None: each MemPool's own class). The policy applies inside each pool's sleep (the
+    hook bus's re-mark), so its marks and the sleep are one step. Returns {device: report}."""
+    level = sleep_level(level, "sleep: level")  # the level checked once, where it enters
     _checked_collect(collect)
     selected = selected_devices(tags, "sleep")
     if selected is None:
         return {}
+    policy = remark.pool_class if policy is None else policy
     return each_device_sleep(selected, lambda d, t: Pool.torch(d).sleep(level, t), policy, collect)
 
 
 def each_device_sleep(selected: dict, sleep_one, policy: remark.ClassPolicy = remark.pool_class, collect=1) -> dict:
     """sleep_one(device, tags) on every device of `selected` that has tags, as torpor.sleep
     sleeps: the garbage collected first, the re-mark inside each pool's sleep with `policy`
-    (sleep_hook), the current device kept, PyTorch's cached memory released after. Returns
+    (the hook bus), the current device kept, PyTorch's cached memory released after. Returns
     {device: report}."""
     torch = cuda_torch()
     if collect is not None:
         gc.collect(collect)  # tensors only a reference cycle still holds are free space, not state
     reports = {}
-    with keep_current_device(torch), sleep_hook.with_policy(policy):
+    with keep_current_device(torch), hook_bus.sleeping(policy):
         for device, device_tags in selected.items():
             if device_tags:
                 reports[device] = sleep_one(device, device_tags)
@@ -318,6 +274,20 @@ def wake_up(tags: Tags = None) -> dict[int, dict]:
     return reports
 
 
+@contextlib.contextmanager
+def fill_on_wake(fill: str):
+    """Inside: the wakes of every device pool write `fill` (none, zero, poison) into discarded
+    bytes (Pool.set_fill_on_wake); each pool's own fill comes back after."""
+    previous = []
+    try:
+        for pool in routing.device_pools().values():
+            previous.append((pool, pool.set_fill_on_wake(fill)))
+        yield
+    finally:
+        for pool, old in previous:
+            pool.set_fill_on_wake(old)
+
+
 def tag_states() -> dict[str, bool]:
     """{tag: whether it is asleep (on any device)} of every tag of the pools PyTorch uses."""
     out: dict[str, bool] = {}
@@ -342,6 +312,26 @@ def prepare_host_store(nbytes: int = 0, wait: bool = False) -> dict[int, int]:
     return {d: Pool.torch(d).prepare_host_store(nbytes, wait) for d in routing.devices()}
 
 
+def memory_margin() -> int:
+    """Bytes of device memory a new segment must leave free (torpor_torch_memory_margin)."""
+    return int(_lib.lib().torpor_torch_memory_margin())
+
+
+def set_memory_margin(nbytes: int) -> None:
+    """Refuse a new segment that would leave less than `nbytes` free (a checked size_t)."""
+    n = whole(nbytes, "set_memory_margin: nbytes (the memory margin, 0 = no check)", 0, SIZE_MAX)
+    _lib.check(_lib.lib().torpor_torch_set_memory_margin(n))
+
+
+def read_host_copy(device: int, address: int, nbytes: int, dst: int) -> bool | None:
+    """Pool.read_host_copy on the torpor pool of `device`: the host copy of [address, +nbytes)
+    into host memory at `dst`; True asleep, False awake with a retained copy, None awake without."""
+    device = whole(device, "read_host_copy: device", 0, INT_MAX)
+    for what, value in (("address", address), ("nbytes", nbytes), ("dst", dst)):
+        whole(value, f"read_host_copy: {what}", 0, SIZE_MAX)  # all checked before a pool is made
+    return Pool.torch(device).read_host_copy(address, nbytes, dst)
+
+
 def stats(device: int | None = None) -> dict:
     """{device: stats} of every torpor pool PyTorch uses, or one device's stats: the pool's
     statistics (torpor.Pool.stats: per tag the bytes mapped on the device, allocated in torpor
@@ -362,7 +352,7 @@ def _device_stats(device: int) -> dict:
             size
             for p in routing.pools_of(tag, device)
             for seg in routing.own_segments(p, device)
-            for _, size, state in _marks.segment_blocks(seg)
+            for _, size, state in segment_blocks(seg)
             if state != "inactive"
         )
     return st

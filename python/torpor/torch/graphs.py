@@ -27,7 +27,7 @@ What PyTorch does with a capture's memory, and what torpor does with it:
   them. PyTorch never releases a live graph's segments (empty_cache skips pools in use).
 - So a graph pool's bytes are class cache by default: a replay recomputes every intermediate
   and every output before reading it. At every sleep the embedding re-marks each block from
-  PyTorch's snapshot (torpor/_marks.py): free blocks cache, allocated blocks the tag's class.
+  PyTorch's snapshot (torpor.torch.marks): free blocks cache, allocated blocks the tag's class.
   Exactly the bytes whose contents outlive a replay are state, and only because someone says
   so: mark_state(tensor) for a static input allocated inside the capture or an output read
   after a sleep, or memory_class="state" for a pool whose graphs keep data between replays
@@ -57,9 +57,10 @@ What PyTorch does with a capture's memory, and what torpor does with it:
   unset (one log line) and warns once when the user set another value; capture_into calls it.
 - No CUDA graph memory node: torpor cannot release memory that CUDA's own graph allocator
   owns (a library calling cudaMallocAsync during capture adds MEM_ALLOC/MEM_FREE nodes). When
-  the graph was made with keep_graph=True, torpor.graph walks its nodes after capture and
-  raises if there is one; graph_memory() reports the device's graph-allocator bytes, which
-  stay 0 while every graph keeps its memory in torpor.
+  the graph was made with keep_graph=True, torpor.graph counts its memory nodes after capture
+  (torpor_graph_memory_nodes, the library's one walk of a graph) and raises if there is one;
+  graph_memory() reports the device's graph-allocator bytes (torpor_graph_memory), which stay 0
+  while every graph keeps its memory in torpor.
 
 Capture allocations happen on the capturing thread (PyTorch calls the pool's allocator
 there, in relaxed capture mode), which is why the thread-local tag is enough.
@@ -75,13 +76,13 @@ import threading
 import weakref
 from dataclasses import dataclass, field
 
-from .. import environment
-from .._marks import Span
-from ..errors import InvalidArgument, InvalidState, Unavailable
+from .. import _lib, environment
+from ..errors import InvalidArgument, InvalidState
 from ..pool import ClassLike, MemoryClass, Pool, to_memory_class
 from ..tags import CUDA_GRAPH
-from ..values import text
+from ..values import INT_MAX, address, text, whole
 from . import remark, routing
+from .marks import Span
 from .runtime import cuda_torch, device_index, span_bytes, torch_module
 
 
@@ -454,51 +455,14 @@ def state_spans() -> dict[int, list[Span]]:
 remark.add_state_source(state_spans)  # the re-mark keeps these bytes state at every sleep
 
 
-# -- CUDA graph memory, through the driver -----------------------------------------------------
-
-_CU_GRAPH_NODE_TYPE_GRAPH = 4
-_CU_GRAPH_NODE_TYPE_MEM_ALLOC = 10
-_CU_GRAPH_NODE_TYPE_MEM_FREE = 11
-_CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT = 0
-_CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT = 2
-
-
-@functools.lru_cache(maxsize=1)
-def _libcuda():
-    try:
-        return ctypes.CDLL("libcuda.so.1")
-    except OSError as e:
-        raise Unavailable(f"the CUDA driver library cannot be loaded ({e})") from None
-
-
-def _cu(result: int, call: str) -> None:
-    if result != 0:
-        raise InvalidState(f"{call} failed: CUresult {result}")
-
-
-def _count_memory_nodes(cuda, handle: int) -> int:
-    count = ctypes.c_size_t(0)
-    _cu(cuda.cuGraphGetNodes(ctypes.c_void_p(handle), None, ctypes.byref(count)), "cuGraphGetNodes")
-    nodes = (ctypes.c_void_p * count.value)()
-    if count.value:
-        _cu(cuda.cuGraphGetNodes(ctypes.c_void_p(handle), nodes, ctypes.byref(count)), "cuGraphGetNodes")
-    found = 0
-    for node in nodes[: count.value]:
-        kind = ctypes.c_int(0)
-        _cu(cuda.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)), "cuGraphNodeGetType")
-        if kind.value in (_CU_GRAPH_NODE_TYPE_MEM_ALLOC, _CU_GRAPH_NODE_TYPE_MEM_FREE):
-            found += 1
-        elif kind.value == _CU_GRAPH_NODE_TYPE_GRAPH:
-            child = ctypes.c_void_p(0)
-            _cu(cuda.cuGraphChildGraphNodeGetGraph(ctypes.c_void_p(node), ctypes.byref(child)), "cuGraphChildGraph")
-            found += _count_memory_nodes(cuda, child.value)
-    return found
+# -- CUDA graph memory, through the library ---------------------------------------------------
 
 
 def memory_nodes(cuda_graph) -> int | None:
     """CUDA graph memory nodes (MEM_ALLOC / MEM_FREE, child graphs included) of a captured
-    graph, or None when its cudaGraph_t is not kept (PyTorch keeps it only for
-    CUDAGraph(keep_graph=True)) or the object is not a real PyTorch graph."""
+    graph (torpor_graph_memory_nodes), or None when its cudaGraph_t is not kept (PyTorch keeps
+    it only for CUDAGraph(keep_graph=True)) or the object is not a real PyTorch graph.
+    Unavailable without a usable GPU."""
     raw = getattr(cuda_graph, "raw_cuda_graph", None)
     if raw is None:
         return None
@@ -508,28 +472,27 @@ def memory_nodes(cuda_graph) -> int | None:
         return None
     if not handle:
         return None
-    return _count_memory_nodes(_libcuda(), handle)
+    count = ctypes.c_size_t(0)
+    _lib.check(_lib.lib().torpor_graph_memory_nodes(address(handle, "memory_nodes: graph"), ctypes.byref(count)))
+    return count.value
 
 
 def graph_memory(device: int | None = None) -> dict:
     """Bytes CUDA's own graph allocator holds on `device` (memory nodes of every graph in the
-    process; default: current device): {"used": ..., "reserved": ...}. 0 while every graph
-    keeps its memory in torpor pools."""
+    process; default: current device): {"used": ..., "reserved": ...} (torpor_graph_memory). 0
+    while every graph keeps its memory in torpor pools. Unavailable without a usable GPU."""
     torch = cuda_torch()
     dev = device_index(torch, device)
-    cuda = _libcuda()
-    handle = ctypes.c_int(0)
-    _cu(cuda.cuDeviceGet(ctypes.byref(handle), dev), "cuDeviceGet")
-    out = {}
-    for key, attr in (
-        ("used", _CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT),
-        ("reserved", _CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT),
-    ):
-        value = ctypes.c_uint64(0)
-        _cu(cuda.cuDeviceGetGraphMemAttribute(handle, attr, ctypes.byref(value)), "cuDeviceGetGraphMemAttribute")
-        out[key] = value.value
-    return out
+    used, reserved = ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)
+    _lib.check(
+        _lib.lib().torpor_graph_memory(
+            whole(dev, "graph_memory: device", 0, INT_MAX), ctypes.byref(used), ctypes.byref(reserved)
+        )
+    )
+    return {"used": used.value, "reserved": reserved.value}
 
+
+is_graph_tag = routing.is_graph_tag  # whether a torpor tag holds graph pools (use_pool refuses it)
 
 __all__ = [
     "GraphPool",
@@ -540,6 +503,7 @@ __all__ = [
     "graph_pool",
     "graph_pools",
     "is_graph_pool",
+    "is_graph_tag",
     "mark_state",
     "memory_nodes",
     "nccl_graph_register_off",

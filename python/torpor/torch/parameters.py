@@ -14,10 +14,10 @@ import threading
 import weakref
 from dataclasses import dataclass, field
 
-from .. import _marks
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, InvalidType
 from ..pool import MemoryClass, Pool
 from . import routing
+from .marks import Span
 from .runtime import span_bytes, torch_module
 
 
@@ -77,7 +77,7 @@ def computed_spans(signature: tuple, values: list) -> ModuleSpans:
                 names.append(dot + name)
             at += 1
     params = [values[i] for i in first]
-    out: dict[int, list[_marks.Span]] = {}
+    out: dict[int, list[Span]] = {}
     pointers, sizes = [], []
     for name, p in zip(names, params):
         device = p.get_device() if p.is_cuda else -1
@@ -85,11 +85,11 @@ def computed_spans(signature: tuple, values: list) -> ModuleSpans:
         pointers.append(address)
         sizes.append(nbytes)
         extent = nbytes if p.is_contiguous() else span_bytes(p)
-        out.setdefault(device, []).append(_marks.Span(name, address, extent))
+        out.setdefault(device, []).append(Span(name, address, extent))
     return ModuleSpans(signature, None if len(first) == len(values) else first, pointers, sizes, out)
 
 
-def module_spans(module, prefix: str) -> dict[int, list[_marks.Span]]:
+def module_spans(module, prefix: str) -> dict[int, list[Span]]:
     """device -> spans of the parameters of one registered module. The last result is kept and
     used again when every submodule lists the same parameter objects under the same names, and
     each of them still has the data pointer and byte size it had (a weight loader's p.data = t,
@@ -108,13 +108,13 @@ def module_spans(module, prefix: str) -> dict[int, list[_marks.Span]]:
     return computed.spans
 
 
-def parameter_spans(modules) -> dict[int, list[_marks.Span]]:
+def parameter_spans(modules) -> dict[int, list[Span]]:
     """device -> named spans of the CUDA parameters of (module, prefix) pairs; the rest under
     device -1. The lists may be the ones a module's last result holds: not to be changed."""
     results = [module_spans(module, prefix) for module, prefix in modules]
     if len(results) == 1:
         return results[0]
-    out: dict[int, list[_marks.Span]] = {}
+    out: dict[int, list[Span]] = {}
     for spans in results:
         for device, device_spans in spans.items():
             out.setdefault(device, []).extend(device_spans)
@@ -133,7 +133,7 @@ def live_modules() -> list:
     return live
 
 
-def registered_spans() -> dict[int, list[_marks.Span]]:
+def registered_spans() -> dict[int, list[Span]]:
     """device -> spans of the parameters of every registered module still alive."""
     return parameter_spans(live_modules())
 
@@ -144,6 +144,16 @@ def _preserve_globs(preserve) -> list[str]:
         if not isinstance(g, str) or not g:
             raise InvalidArgument(f"register_parameters: preserve glob {g!r} is not a non-empty string")
     return globs
+
+
+def add_preserve(globs) -> None:
+    """Parameter-name globs (fnmatch) kept through level 2 on every device pool, as
+    register_parameters(preserve=...) adds them, without a module."""
+    globs = [globs] if isinstance(globs, str) else list(globs)
+    for g in globs:
+        if not isinstance(g, str) or not g:
+            raise InvalidType(f"add_preserve: glob {g!r} is not a non-empty string")
+    routing.add_preserve(globs)
 
 
 def register_parameters(module, preserve=None, prefix: str = "") -> Registration:

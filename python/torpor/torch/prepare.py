@@ -8,7 +8,7 @@ steady speed.
 How: an engine mode says what its sleep will do (``intend``): a plan ``steps(level, tags)`` giving, for
 a sleep at that level of a device pool holding `tags`, the torpor sleeps it makes as (level, tags,
 class policy). Once the model is loaded, ``after_load`` re-marks each step's tags with its policy on
-every device (what the sleep's hook does first: torpor.torch.sleep_hook.remark_now), asks each device
+every device (what the sleep's hook does first: torpor.torch.remark.remark_now), asks each device
 pool for the host bytes those steps would hold (Pool.sleep_host_bytes) and starts page-locking
 that much in the background (Pool.prepare_host_store, which stays within the pool's page-locked
 budget). "Loaded" is the exit of the outermost use_pool block of a tag (vLLM loads its weights
@@ -38,7 +38,8 @@ from typing import Callable
 from .. import environment
 from ..errors import InvalidArgument, TorporError
 from ..pool import Pool
-from . import parameters, remark, routing, sleep_hook
+from ..values import SleepLevel
+from . import parameters, remark, routing
 
 logger = logging.getLogger(__name__)
 
@@ -52,22 +53,38 @@ _lock = threading.Lock()
 _intent: dict = {}  # "plan": the engine mode's Plan, "level": its default level, "mode": its name
 
 
+def _releasing_levels() -> list[int]:
+    """The library's sleep levels that release memory (every one but none): those a host store is
+    prepared for."""
+    return [int(level) for level in SleepLevel if level != SleepLevel.NONE]
+
+
+def _either(levels: list[int]) -> str:
+    """ "1 or 2" """
+    return f"{', '.join(map(str, levels[:-1]))} or {levels[-1]}" if len(levels) > 1 else str(levels[0])
+
+
 def setting() -> int | None:
-    """TORPOR_PREPARE_SLEEP: 0 = off, 1 or 2 = that level, None = auto (InvalidArgument otherwise)."""
+    """TORPOR_PREPARE_SLEEP: 0 = off, a level that releases memory = that level, None = auto
+    (InvalidArgument otherwise)."""
     value = environment.text(ENV).strip().lower()
     if value == "auto":
         return None
     if value in ("off", "0", "no", "false"):
         return 0
-    if value in ("1", "2"):
+    levels = _releasing_levels()
+    if value in map(str, levels):
         return int(value)
-    raise InvalidArgument(f"{ENV}={value!r} is not auto, off, 1 or 2 (the sleep level to prepare the host store for)")
+    raise InvalidArgument(
+        f"{ENV}={value!r} is not auto, off, {_either(levels)} (the sleep level to prepare the host store for)"
+    )
 
 
 def intend(mode: str, plan: Plan, default_level: int) -> None:
     """An engine mode's sleep plan (see the module note); the last mode to call it wins."""
-    if default_level not in (1, 2):
-        raise InvalidArgument(f"intend: default_level {default_level!r} is not 1 or 2")
+    levels = _releasing_levels()
+    if default_level not in levels:
+        raise InvalidArgument(f"intend: default_level {default_level!r} is not {_either(levels)}")
     with _lock:
         _intent.update(mode=mode, plan=plan, level=default_level)
 
@@ -105,7 +122,7 @@ def prepare(level: int, plan: Plan) -> dict[int, int]:
             tags = [t for t in tags if t in known]
             if not tags:
                 continue
-            sleep_hook.remark_now(device, tags, policy)
+            remark.remark_now(device, tags, policy)
             need += pool.sleep_host_bytes(step_level, tags)
         added[device] = pool.prepare_host_store(need) if need > 0 else 0
     return added

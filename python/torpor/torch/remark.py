@@ -1,5 +1,5 @@
 """The re-mark: before a pool sleeps, every block of torpor's MemPools gets its class from
-PyTorch's snapshot (torpor/_marks.py plans it), and the cache that lets an unchanged sleep skip
+PyTorch's snapshot (torpor.torch.marks plans it), and the cache that lets an unchanged sleep skip
 that work.
 
 Computing the classes reads PyTorch's snapshot of every segment and every registered parameter,
@@ -39,9 +39,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .. import _marks
 from ..pool import MemoryClass, Pool, marks_generation
-from . import routing
+from . import marks, parameters, routing
+from .marks import Span
+from .runtime import torch_module
 
 # How a sleep classes the allocated blocks of a tag: (tag, the MemPool's class, whether registered
 # parameters lie in the tag's segments on this device) -> class. An engine mode (torpor.engine)
@@ -52,6 +53,11 @@ ClassPolicy = Callable[[str, MemoryClass, bool], MemoryClass]
 def pool_class(tag: str, memory_class: MemoryClass, has_parameters: bool) -> MemoryClass:
     """The default policy: a MemPool's blocks keep the class it allocates."""
     return memory_class
+
+
+def keep_everything(tag: str, memory_class: MemoryClass, has_parameters: bool) -> MemoryClass:
+    """A policy: every allocated byte survives (parameters are offloaded at level 1 too)."""
+    return MemoryClass.STATE
 
 
 @dataclass
@@ -90,18 +96,18 @@ def add_state_source(source: Callable[[], dict]) -> None:
             cache.state_sources.append(source)
 
 
-def state_spans() -> dict[int, list[_marks.Span]]:
+def state_spans() -> dict[int, list[Span]]:
     """device -> every registered source's state spans."""
     with cache.lock:
         sources = list(cache.state_sources)
-    out: dict[int, list[_marks.Span]] = {}
+    out: dict[int, list[Span]] = {}
     for source in sources:
         for device, spans in source().items():
             out.setdefault(device, []).extend(spans)
     return out
 
 
-def holds_parameters(segments: list[dict], spans: list[_marks.Span]) -> bool:
+def holds_parameters(segments: list[dict], spans: list[Span]) -> bool:
     """Whether any parameter span lies inside one of `segments`."""
     ranges = sorted((s["address"], s["address"] + s["total_size"]) for s in segments if not s.get("is_expandable"))
     starts = [lo for lo, _ in ranges]
@@ -155,7 +161,7 @@ def _live_blocks(segments: list[dict]) -> set[int]:
     """Addresses of the allocated blocks of snapshot segments (what checkPoolLiveAllocations
     compares: a block freed while a stream still uses it is no longer allocated)."""
     return {
-        address for seg in segments for address, _, state in _marks.segment_blocks(seg) if state == "active_allocated"
+        address for seg in segments for address, _, state in marks.segment_blocks(seg) if state == "active_allocated"
     }
 
 
@@ -185,11 +191,11 @@ def _apply_plans(device, tags, pools, own, spans, states, policy) -> list:
             continue  # a tag allocated through the C API directly, not by PyTorch
         has_parameters = policy is not pool_class and holds_parameters([s for _, ss in mine for s in ss], spans)
         for p, segments in mine:
-            plan = _marks.plan(segments, policy(tag, p.memory_class, has_parameters), spans, states)
+            plan = marks.plan(segments, policy(tag, p.memory_class, has_parameters), spans, states)
             if plan.foreign:
                 foreign.append((tag, len(plan.foreign)))
                 warn_foreign(tag, device, len(plan.foreign), stacklevel=6)
-            _marks.apply(pool, plan)
+            marks.apply(pool, plan)
     return foreign
 
 
@@ -214,12 +220,12 @@ def refresh_classes(
     torch,
     device: int,
     tags: list[str],
-    spans: list[_marks.Span],
-    states: list[_marks.Span],
+    spans: list[Span],
+    states: list[Span],
     policy: ClassPolicy = pool_class,
     counters: tuple | None = None,
 ) -> bool:
-    """Re-mark the segments of `tags` on `device` (see torpor/_marks.py), unless nothing changed
+    """Re-mark the segments of `tags` on `device` (see torpor.torch.marks), unless nothing changed
     since the last re-mark (the module note); `counters`: block_counters of the device, read
     before this call. Returns whether marks were made."""
     with cache.lock:
@@ -247,3 +253,16 @@ def refresh_classes(
         cache.remark_marks += marks_generation() - before
         _keep(key, device, tags, Remark(inputs, snapshots, live, outside_marks, routings, counters, foreign))
     return True
+
+
+def remark_now(device: int, tags: list[str], policy: ClassPolicy = pool_class) -> None:
+    """The re-mark that a sleep of `tags` on `device` with `policy` makes first (torpor.torch's
+    hook bus runs it inside every sleep of a device pool), now: torpor.torch.prepare sizes the host
+    store from the classes it leaves."""
+    if not any(routing.pools_of(t, device) for t in tags):
+        return  # tags of the C API alone (or a registry reset by a test): nothing of PyTorch's
+    torch = torch_module()
+    spans = parameters.registered_spans().get(device, [])
+    states = state_spans().get(device, [])
+    counters = block_counters(torch, device)
+    refresh_classes(torch, device, tags, spans, states, policy, counters)

@@ -22,7 +22,8 @@ one, and no block of a given-back segment is ever handed out again.
 The registry also counts the blocks that route allocations (entries and exits, and those open
 now): a sleep's re-mark (torpor.torch.remark) uses the count to know whether anything can have
 been allocated in these MemPools since its last snapshot. The device pools' preserve globs live
-here too, since every device pool gets them when it is first used.
+here too, since every device pool gets them when it is first used, and so does the hand-over of
+every device pool to the hook bus (``equip_device_pools``).
 """
 
 from __future__ import annotations
@@ -62,24 +63,30 @@ class Registry:
 
 
 registry = Registry()
-# Called with a device's torpor pool whenever a MemPool is made on it (the hooks are idempotent):
-# kept apart from the registry, since the C pools they act on live for the whole process.
-_pool_hooks: list = []
+# The hook bus (torpor.torch.hook_bus) equips each device pool with what runs around its sleeps
+# and wakes; routing hands it every device pool it uses. One subscriber, set once when the bus is
+# imported: what a sleep runs, and in which order, is the bus's code. Kept apart from the registry,
+# since the C pools it equips live for the whole process.
+_equip: Callable[[Pool], None] | None = None
 
 
-def on_new_mempool(hook: Callable[[Pool], None]) -> None:
-    """Call `hook(pool)` with the device's torpor pool each time a MemPool is made on a device."""
+def equip_device_pools(equip: Callable[[Pool], None]) -> None:
+    """Let `equip(pool)` (idempotent) equip each device's torpor pool when a MemPool is made on it,
+    and every device pool in use now (the hook bus calls this once)."""
+    global _equip
     with registry.lock:
-        if hook not in _pool_hooks:
-            _pool_hooks.append(hook)
+        _equip = equip
+        pools = [Pool.torch(d) for d in devices()]
+    for pool in pools:
+        equip(pool)
 
 
 def _device_pool(device: int) -> Pool:
-    """The device's torpor pool, with the preserve globs and the hooks (caller holds the lock)."""
+    """The device's torpor pool, with the preserve globs and the bus's hooks (caller holds the lock)."""
     pool = Pool.torch(device)
     pool.set_preserve(registry.preserve)
-    for hook in _pool_hooks:
-        hook(pool)
+    if _equip is not None:
+        _equip(pool)
     return pool
 
 
@@ -125,6 +132,17 @@ def devices() -> list[int]:
 def device_pools() -> dict[int, Pool]:
     """The torpor pool of every device PyTorch allocated in through torpor."""
     return {d: Pool.torch(d) for d in devices()}
+
+
+def tag_at(device: int, address: int) -> str | None:
+    """The tag of the use_pool MemPool whose segment on `device` holds `address` (None: none)."""
+    for (tag, _cls, dev), pool in every_mempool():
+        if dev != device:
+            continue
+        for seg in own_segments(pool, device):
+            if seg["address"] <= address < seg["address"] + seg["total_size"]:
+                return tag
+    return None
 
 
 def add_preserve(globs: list[str]) -> None:

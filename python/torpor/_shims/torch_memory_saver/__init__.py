@@ -1,6 +1,6 @@
 """torch_memory_saver resolved to torpor's torch_memory_saver mode (torpor.tms). This directory is
 on PYTHONPATH only when asked for (``python3 -m torpor.tms --shim-path``, or inside
-torpor.tms.configure_subprocess()); see torpor/tms.py. The submodules torch_memory_saver's own
+torpor.tms.configure_subprocess()); see torpor/tms/. The submodules torch_memory_saver's own
 tests import (testing_utils, utils) are here too, so its test/test_examples.py runs unmodified."""
 
 from . import testing_utils, utils  # noqa: F401  (registered as torch_memory_saver.* before the swap)

@@ -23,7 +23,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple
 
-from .pool import MemoryClass
+from ..pool import MemoryClass
 
 
 # Tuples rather than dataclasses: a sleep makes one per block and per parameter (thousands), and

@@ -25,12 +25,13 @@ from __future__ import annotations
 import ctypes
 import enum
 import json
-import os
 from typing import Iterable, Union
 
-from . import _hooks, _lib, exports
-from .errors import InvalidArgument, InvalidHandle, InvalidType
-from .values import INT_MAX, SIZE_MAX, ULLONG_MAX, SleepLevel, address, sleep_level, text, whole
+from .. import _lib, exports
+from ..errors import InvalidArgument, InvalidHandle, InvalidState, InvalidType, error_for
+from . import callbacks
+from .options import PoolOptions
+from ..values import INT_MAX, SIZE_MAX, ULLONG_MAX, SleepLevel, address, choice, sleep_level, text, whole
 
 
 class MemoryClass(enum.Enum):
@@ -65,96 +66,8 @@ def to_memory_class(value: ClassLike) -> MemoryClass:
         return MemoryClass(key)
     except ValueError:
         shown = f"'{value}'" if isinstance(value, str) else repr(value)
-        raise InvalidArgument(f"unknown memory class {shown} (expected parameter, state or cache)") from None
-
-
-def _choice(table: dict, value: str, what: str) -> int:
-    try:
-        return table[value]
-    except (KeyError, TypeError):  # TypeError: an unhashable value, e.g. a list
-        raise InvalidArgument(f"unknown {what} '{value}' (expected {', '.join(table)})") from None
-
-
-def _spill_dir(value) -> bytes | None:
-    """spill_dir for the C API: None for none (None or ""), else the path's bytes, which must be
-    UTF-8 (the pool reports its spill path as JSON text, so a path that is not UTF-8 would fail
-    every stats() call for the pool's life) and hold no NUL (the C string would end there)."""
-    if value is None:
-        return None
-    try:
-        path = os.fspath(value)
-    except TypeError:
-        raise InvalidType(
-            f"spill_dir {value!r} is not a path (give a str, bytes or os.PathLike, or None for no disk tier)"
-        ) from None
-    raw = os.fsencode(path)  # a str path's undecodable bytes come back as they are on disk
-    if not raw:
-        return None
-    if b"\0" in raw:
-        raise InvalidArgument(f"spill_dir {path!r} holds a NUL character (C strings end there): remove it")
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise InvalidArgument(
-            f"spill_dir {path!r} is not valid UTF-8 (torpor reports the spill path as text): choose a directory "
-            f"whose path is UTF-8"
-        ) from None
-    return raw
-
-
-def _size(value, what: str, accepted: str) -> int:
-    """A byte count for a size_t option: _whole over [0, 2**64 - 1], the message saying what 0 means."""
-    return whole(value, f"{what} ({accepted})", 0, SIZE_MAX)
-
-
-def pool_options(
-    device: int = 0,
-    backend: str = "auto",
-    va_bytes: int = 0,
-    fill_on_wake: str = "none",
-    exportable: bool = False,
-    *,
-    skip_unchanged: bool = True,
-    host_store_limit: int = 0,
-    host_store_prepare: int = 0,
-    spill_dir: str | os.PathLike | None = None,
-    spill_limit: int = 0,
-    spill_file_per_allocation: bool = False,
-) -> _lib.PoolOptions:
-    """torpor_pool_options, validated. backend: auto (TORPOR_BACKEND, else cuda when usable,
-    else host), host or cuda. fill_on_wake: what discarded bytes hold after wake (none, zero,
-    or poison: 0xFF bytes, NaN in fp32/fp16/bf16, so a forgotten weight reload shows).
-    exportable: memory with shareable handles (POSIX descriptors; fabric handles where the
-    device can) and GPUDirect RDMA capable where the device can (Pool.export_handles).
-
-    Host memory: skip_unchanged (default True) keeps the host copies after wake so that an
-    unchanged re-sleep copies nothing, at the price of that host memory while awake
-    (Pool.release_host_store() gives it back); host_store_limit caps page-locked host bytes
-    (0 = none); beyond it backups go to pageable memory, or with spill_dir to a file there (at
-    most spill_limit bytes, 0 = what the disk holds); host_store_prepare starts page-locking
-    that many bytes in the background when the pool is created. spill_dir must be UTF-8 without
-    NUL (InvalidArgument otherwise). spill_file_per_allocation: a file of its own there for each
-    allocation's backed-up bytes (torch_memory_saver's layout) instead of one file per pool."""
-    o = _lib.PoolOptions()
-    _lib.lib().torpor_pool_options_init(ctypes.byref(o))
-    o.device = whole(device, "device", 0, INT_MAX)
-    o.backend = _choice(_lib.enum_values("backend"), backend, "backend")
-    o.va_bytes = whole(va_bytes, "va_bytes (0 = twice the device's memory)", 0, SIZE_MAX)
-    o.fill_on_wake = _choice(_lib.enum_values("fill"), fill_on_wake, "fill_on_wake")
-    if not isinstance(exportable, bool):
-        raise InvalidType(f"exportable {exportable!r} is not True or False")
-    o.exportable = 1 if exportable else 0
-    o.skip_unchanged = 1 if skip_unchanged else 0
-    o.host_store_limit = _size(host_store_limit, "host_store_limit", "0 = no limit")
-    o.host_store_prepare = _size(host_store_prepare, "host_store_prepare", "0 = none")
-    o.spill_limit = _size(spill_limit, "spill_limit", "0 = what the disk holds")
-    if not isinstance(spill_file_per_allocation, bool):
-        raise InvalidArgument(f"spill_file_per_allocation {spill_file_per_allocation!r} is not True or False")
-    o.spill_file_per_allocation = 1 if spill_file_per_allocation else 0
-    spill = _spill_dir(spill_dir)
-    if spill is not None:
-        o.spill_dir = spill  # the C API copies it; ctypes keeps the bytes alive until then
-    return o
+        *others, last = [m.value for m in MemoryClass]
+        raise InvalidArgument(f"unknown memory class {shown} (expected {', '.join(others)} or {last})") from None
 
 
 def _iterable(value, what: str):
@@ -215,19 +128,11 @@ def _marked() -> None:
 class Pool(_lib.Closing):
     """One device's torpor pool (see the module note)."""
 
-    def __init__(
-        self,
-        device: int = 0,
-        *,
-        backend: str = "auto",
-        va_bytes: int = 0,
-        fill_on_wake: str = "none",
-        exportable: bool = False,
-        **host_options,
-    ):
-        """host_options: skip_unchanged, host_store_limit, host_store_prepare, spill_dir,
-        spill_limit (see pool_options)."""
-        o = pool_options(device, backend, va_bytes, fill_on_wake, exportable, **host_options)
+    def __init__(self, device: int = 0, **options):
+        """A new pool on `device` with `options`: the fields of torpor.pool.PoolOptions
+        (backend, va_bytes, fill_on_wake, exportable, skip_unchanged, the host store's), each
+        defaulting to the library's."""
+        o = PoolOptions(**options).c_struct(device)
         handle = ctypes.c_void_p()
         _lib.check(_lib.lib().torpor_pool_create(ctypes.byref(o), ctypes.byref(handle)))
         self._handle: int | None = handle.value
@@ -360,7 +265,7 @@ class Pool(_lib.Closing):
         wake it first), InvalidArgument for an unknown tag, Unavailable for fabric handles the
         device has not (the message says why)."""
         tags = tag_list(tags)
-        k = _choice(_lib.enum_values("handle_kind"), kind, "handle kind")
+        k = choice("handle_kind", kind, "handle kind")
         if tags == []:
             return exports.ExportedHandles()
         arr, n = _lib.encode_list(tags or [])
@@ -409,6 +314,22 @@ class Pool(_lib.Closing):
         self.copy(ctypes.addressof(buf), ptr, nbytes)
         return buf.raw
 
+    def read_host_copy(self, ptr: int, nbytes: int, dst: int) -> bool | None:
+        """Copy the host copy of [ptr, ptr + nbytes) to host memory at `dst`
+        (torpor_read_host_copy): True when the bytes are asleep (their backup), False when awake
+        with a retained copy, None when awake without one. Raises the typed error otherwise
+        (InvalidState: no host copy of sleeping bytes, as for bytes of class cache)."""
+        ptr = whole(ptr, "read_host_copy: address", 0, SIZE_MAX)
+        nbytes = whole(nbytes, "read_host_copy: nbytes", 0, SIZE_MAX)
+        dst = whole(dst, "read_host_copy: dst", 0, SIZE_MAX)
+        asleep = ctypes.c_int(0)
+        status = _lib.lib().torpor_read_host_copy(self.handle, ptr, nbytes, dst, ctypes.byref(asleep))
+        if status == _lib.status_ok():
+            return bool(asleep.value)
+        if status == InvalidState.status and not asleep.value:
+            return None
+        raise error_for(status, _lib.last_error())
+
     # -- sleep ----------------------------------------------------------------------------
 
     def sleep(self, level: int | SleepLevel = 1, tags: Tags = None) -> dict:
@@ -421,28 +342,27 @@ class Pool(_lib.Closing):
         if tags == []:
             return {}
         arr, n = _lib.encode_list(tags or [])
-        _hooks.check(_lib.lib().torpor_sleep(self.handle, int(level), arr if tags else None, n))
+        callbacks.check(_lib.lib().torpor_sleep(self.handle, int(level), arr if tags else None, n))
         return self.last_report()
 
     def set_fill_on_wake(self, fill: str) -> str:
         """What the wakes from now on write into discarded bytes (none, zero, poison: the pool
         option fill_on_wake, torpor_set_fill_on_wake). Returns the previous fill."""
-        table = _lib.enum_values("fill")
         previous = ctypes.c_int(-1)
         _lib.check(
-            _lib.lib().torpor_set_fill_on_wake(self.handle, _choice(table, fill, "fill"), ctypes.byref(previous))
+            _lib.lib().torpor_set_fill_on_wake(self.handle, choice("fill", fill, "fill"), ctypes.byref(previous))
         )
-        return next(name for name, value in table.items() if value == previous.value)
+        return next(name for name, value in _lib.enum_values("fill").items() if value == previous.value)
 
     def add_sleep_hook(self, before_sleep=None, after_wake=None) -> int:
         """Run before_sleep(level: SleepLevel, tags: list[str]) inside every sleep of this pool
         at levels 1 and 2, before anything moves (an exception from it aborts the sleep with
         nothing changed; the sleep raises it), and after_wake(tags, ok: bool) after every wake
         (torpor_add_sleep_hook). Returns the hook's id for remove_sleep_hook."""
-        return _hooks.add(self.handle, before_sleep, after_wake)
+        return callbacks.add(self.handle, before_sleep, after_wake)
 
     def remove_sleep_hook(self, hook_id: int) -> None:
-        _hooks.remove(self.handle, whole(hook_id, "remove_sleep_hook: hook_id", 0, ULLONG_MAX))
+        callbacks.remove(self.handle, whole(hook_id, "remove_sleep_hook: hook_id", 0, ULLONG_MAX))
 
     def add_tag_hooks(self, tag: str, before_unmap=None, after_map=None) -> int:
         """Tag hooks (torpor_add_tag_hooks; vLLM's register_tag_hooks): before_unmap(tag) in
@@ -451,10 +371,10 @@ class Pool(_lib.Closing):
         every wake that leaves `tag` fully mapped (it must be idempotent), and after a failed
         sleep that left mapped a tag whose before_unmap ran. Returns the id for
         remove_tag_hooks."""
-        return _hooks.add_tag(self.handle, tag, before_unmap, after_map)
+        return callbacks.add_tag(self.handle, tag, before_unmap, after_map)
 
     def remove_tag_hooks(self, hook_id: int) -> None:
-        _hooks.remove_tag(self.handle, whole(hook_id, "remove_tag_hooks: hook_id", 0, ULLONG_MAX))
+        callbacks.remove_tag(self.handle, whole(hook_id, "remove_tag_hooks: hook_id", 0, ULLONG_MAX))
 
     def run_after_map_hooks(self) -> None:
         """after_map(tag) of every hooked tag that is fully mapped, as at the end of a wake
@@ -488,7 +408,7 @@ class Pool(_lib.Closing):
         sleep copies at full speed; call it while the model loads. wait: block until done.
         The bytes added."""
         added = ctypes.c_size_t(0)
-        n = _size(nbytes, "prepare_host_store: nbytes", "0 = what a level-1 sleep needs")
+        n = whole(nbytes, "prepare_host_store: nbytes (0 = what a level-1 sleep needs)", 0, SIZE_MAX)
         _lib.check(_lib.lib().torpor_prepare_host_store(self.handle, n, 1 if wait else 0, ctypes.byref(added)))
         return added.value
 

@@ -16,9 +16,9 @@ import ctypes
 import logging
 import threading
 
-from . import _lib
-from .errors import InternalError, InvalidType, TorporError
-from .values import SleepLevel
+from .. import _lib
+from ..errors import InternalError, InvalidType, TorporError
+from ..values import SleepLevel
 
 _lock = threading.Lock()
 _alive: dict = {}  # (pool handle, hook id) -> the ctypes callbacks (kept alive while registered)
