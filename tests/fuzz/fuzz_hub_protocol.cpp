@@ -1,5 +1,5 @@
-// Fuzz target: the Unix socket group's hub protocol (ranks/hub_protocol.hpp) without sockets. The
-// input is read as datagrams from four connections of a 3-rank group: hellos (right or wrong
+// Fuzz target: the Unix socket group's hub protocol (ranks/groups/hub/hub_protocol.hpp) without
+// sockets. The input is read as datagrams from four connections of a 3-rank group: hellos (right or wrong
 // secret, any rank, size, version), raw bytes, well-formed frames of any type with fuzzed bodies
 // (contributions of every collective kind, give-ups, recoveries), datagrams carrying
 // descriptors, and connections that go away. What the server does with each is what
@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "ranks/hub_protocol.hpp"
+#include "ranks/groups/hub/hub_protocol.hpp"
 
 namespace {
 

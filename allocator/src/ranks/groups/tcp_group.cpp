@@ -32,9 +32,9 @@
 #include <thread>
 
 #include "common/options.hpp"
-#include "ranks/group_client.hpp"
-#include "ranks/group_wire.hpp"
-#include "ranks/hub_protocol.hpp"
+#include "ranks/groups/hub/group_client.hpp"
+#include "ranks/groups/hub/group_wire.hpp"
+#include "ranks/groups/hub/hub_protocol.hpp"
 #include "torpor/log.hpp"
 
 namespace torpor {

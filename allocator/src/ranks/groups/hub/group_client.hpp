@@ -13,7 +13,7 @@
 #include <optional>
 #include <string>
 
-#include "ranks/group_hub.hpp"
+#include "ranks/groups/hub/group_hub.hpp"
 #include "torpor/group.hpp"
 
 namespace torpor::detail {

@@ -1,5 +1,5 @@
 // Framing of the Unix socket group's messages; see group_wire.hpp.
-#include "ranks/group_wire.hpp"
+#include "ranks/groups/hub/group_wire.hpp"
 
 #include <fmt/core.h>
 #include <poll.h>

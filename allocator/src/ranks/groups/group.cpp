@@ -15,7 +15,7 @@
 #include <mutex>
 
 #include "common/options.hpp"
-#include "ranks/group_client.hpp"
+#include "ranks/groups/hub/group_client.hpp"
 #include "torpor/log.hpp"
 
 namespace torpor {

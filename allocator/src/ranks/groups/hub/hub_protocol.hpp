@@ -20,9 +20,9 @@
 #include <string>
 #include <vector>
 
-#include "ranks/group_client.hpp"
-#include "ranks/group_hub.hpp"
-#include "ranks/group_wire.hpp"
+#include "ranks/groups/hub/group_client.hpp"
+#include "ranks/groups/hub/group_hub.hpp"
+#include "ranks/groups/hub/group_wire.hpp"
 
 namespace torpor::detail {
 
