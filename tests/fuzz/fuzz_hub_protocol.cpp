@@ -3,7 +3,7 @@
 // secret, any rank, size, version), raw bytes, well-formed frames of any type with fuzzed bodies
 // (contributions of every collective kind, give-ups, recoveries), datagrams carrying
 // descriptors, and connections that go away. What the server does with each is what
-// unix_group.cpp does: a connection's first datagram goes to admit(), later ones to receive(),
+// hub_server.cpp does: a connection's first datagram goes to admit(), later ones to receive(),
 // and a torpor::error from receive() drops that rank (leave()).
 //
 // Oracle: no crash or sanitizer report; only torpor::error escapes the protocol; every delivery
