@@ -30,8 +30,8 @@
 
 #include "commands.hpp"
 #include "common/options.hpp"
+#include "ranks/groups/nccl/nccl_info.hpp"
 #include "ranks/multicast.hpp"
-#include "ranks/nccl/nccl_info.hpp"
 #include "torpor/backend.hpp"
 #include "torpor/error.hpp"
 

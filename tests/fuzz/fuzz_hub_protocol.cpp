@@ -1,9 +1,9 @@
-// Fuzz target: the Unix socket group's hub protocol (ranks/hub_protocol.hpp) without sockets. The
-// input is read as datagrams from four connections of a 3-rank group: hellos (right or wrong
+// Fuzz target: the Unix socket group's hub protocol (ranks/groups/hub/hub_protocol.hpp) without
+// sockets. The input is read as datagrams from four connections of a 3-rank group: hellos (right or wrong
 // secret, any rank, size, version), raw bytes, well-formed frames of any type with fuzzed bodies
 // (contributions of every collective kind, give-ups, recoveries), datagrams carrying
 // descriptors, and connections that go away. What the server does with each is what
-// unix_group.cpp does: a connection's first datagram goes to admit(), later ones to receive(),
+// hub_server.cpp does: a connection's first datagram goes to admit(), later ones to receive(),
 // and a torpor::error from receive() drops that rank (leave()).
 //
 // Oracle: no crash or sanitizer report; only torpor::error escapes the protocol; every delivery
@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "ranks/hub_protocol.hpp"
+#include "ranks/groups/hub/hub_protocol.hpp"
 
 namespace {
 

@@ -52,6 +52,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -64,6 +65,10 @@
 #include "torpor/pool.hpp"
 
 namespace torpor {
+
+namespace detail {
+struct SharedParts;  // ranks/handle_kinds.hpp
+}
 
 // The group's multicast decision (the first multicast buffer makes it; see Multicast above).
 struct MulticastDecision {
@@ -169,21 +174,16 @@ class SymmetricHeap final : private SleepObserver {
   // requests differ. Returns every rank's extra.
   std::vector<std::string> agree(const std::string& operation, const std::string& request, const std::string& extra);
   // Runs fn here, then every rank learns every outcome: returns only when all succeeded.
-  template <typename F>
-  void step(const std::string& what, F&& fn);
+  void step(const std::string& what, const std::function<void()>& fn);
 
   // This rank's share of a new buffer, local only: its part (a chunk of its own), its peer table,
   // the VA range for the peers' parts, and, with multicast, the range the object maps at.
   void place_local(SymmetricBuffer& b, const SymmetricBufferOptions& o, bool use_multicast, std::size_t alignment);
-  // Every rank's exported parts of `work` (in order), as handle_kind() carries them: fds[r][i] or
-  // blobs[r] (64 bytes per buffer), after a collective export step.
-  struct SharedParts {
-    std::vector<std::vector<UniqueFd>> fds;
-    std::vector<std::vector<std::byte>> blobs;
-  };
-  SharedParts share_parts(const std::vector<SymmetricBuffer*>& work);
+  // Every rank's exported parts of `work` (in order), as handle_kind() carries them, after a
+  // collective export step.
+  detail::SharedParts share_parts(const std::vector<SymmetricBuffer*>& work);
   // Imports and maps every peer part not mapped yet; `i` is the buffer's index in `shared`.
-  void import_peers(SymmetricBuffer& b, const SharedParts& shared, std::size_t i);
+  void import_peers(SymmetricBuffer& b, const detail::SharedParts& shared, std::size_t i);
   void drop_imports(SymmetricBuffer& b);
   void setup_multicast(SymmetricBuffer& b, SymmetricBuffer::Multicast& m);
   void teardown_multicast(SymmetricBuffer& b);

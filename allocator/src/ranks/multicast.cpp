@@ -10,45 +10,35 @@
 #include <utility>
 
 #include "common/options.hpp"
+#include "torpor/consensus.hpp"
 #include "torpor/log.hpp"
 
 namespace torpor {
 
 namespace {
 
+// One rank's part of the decision.
 struct Verdict {
   bool usable = false;
   bool shares_across_processes = false;
   // Ranks in one process can always share a multicast object (through the process's driver).
   std::string domain;
-  std::string reason;
   std::string backend;
+  std::string reason;
 };
 
-std::vector<std::byte> encode(const Verdict& v) {
-  std::string s =
-      fmt::format("{}|{}|{}|{}|{}", v.usable ? 1 : 0, v.shares_across_processes ? 1 : 0, v.domain, v.backend, v.reason);
-  auto b = std::as_bytes(std::span(s.data(), s.size()));
-  return {b.begin(), b.end()};
-}
-
-Verdict decode(const std::vector<std::byte>& bytes, int rank) {
-  std::string s(reinterpret_cast<const char*>(bytes.data()), bytes.size());
-  Verdict v;
-  std::size_t at = 0;
-  auto field = [&]() {
-    auto bar = s.find('|', at);
-    if (bar == std::string::npos) throw error(fmt::format("multicast decision: malformed verdict from rank {}", rank));
-    std::string f = s.substr(at, bar - at);
-    at = bar + 1;
-    return f;
-  };
-  v.usable = field() == "1";
-  v.shares_across_processes = field() == "1";
-  v.domain = field();
-  v.backend = field();
-  v.reason = s.substr(at);  // the rest: a reason may contain '|'
-  return v;
+// The exchange is consensus's: every rank's verdict as canonical fields, all-gathered.
+std::vector<Verdict> gather_verdicts(Group& group, const Verdict& mine) {
+  const std::string wire = consensus::encode_fields(
+      {mine.usable ? "1" : "0", mine.shares_across_processes ? "1" : "0", mine.domain, mine.backend, mine.reason});
+  const std::vector<std::string> all = consensus::gather_text(group, wire);
+  std::vector<Verdict> out;
+  out.reserve(all.size());
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    auto f = consensus::decode_fields(all[r], 5, fmt::format("multicast decision: the verdict of rank {}", r));
+    out.push_back({f[0] == "1", f[1] == "1", std::move(f[2]), std::move(f[3]), std::move(f[4])});
+  }
+  return out;
 }
 
 }  // namespace
@@ -88,10 +78,7 @@ MulticastDecision decide_multicast(Group& group, Driver& driver, int device) {
   mine.backend = std::string(driver.backend_name());
   mine.shares_across_processes = probe.usable && driver.multicast_shares_across_processes();
 
-  auto gathered = group.all_gather(encode(mine));
-  std::vector<Verdict> all;
-  all.reserve(gathered.size());
-  for (std::size_t r = 0; r < gathered.size(); ++r) all.push_back(decode(gathered[r], static_cast<int>(r)));
+  const std::vector<Verdict> all = gather_verdicts(group, mine);
 
   MulticastDecision d;
   std::vector<int> refusing;

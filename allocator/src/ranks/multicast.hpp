@@ -13,7 +13,8 @@
 // queries multicast state.
 //
 // The group (decide_multicast): each rank probes its own device; the verdicts are all-gathered
-// and ANDed, so every rank reaches the same answer. When the ranks are separate processes, every
+// through consensus (consensus.hpp: the one wire of every agreement) and ANDed, so every rank
+// reaches the same answer. When the ranks are separate processes, every
 // driver must also be able to share a multicast object across processes (HostDriver emulates
 // multicast inside one driver instance only, so its thread ranks must share one HostDriver).
 // When the answer is no, nothing multicast is ever called (not even the granularity query), and

@@ -1,5 +1,5 @@
 // HubProtocol: see hub_protocol.hpp for the invariants.
-#include "ranks/hub_protocol.hpp"
+#include "ranks/groups/hub/hub_protocol.hpp"
 
 #include <fmt/core.h>
 

@@ -1,5 +1,5 @@
 // Hub: see group_hub.hpp for the invariants.
-#include "ranks/group_hub.hpp"
+#include "ranks/groups/hub/group_hub.hpp"
 
 #include <fmt/core.h>
 

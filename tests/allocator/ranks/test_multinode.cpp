@@ -336,6 +336,29 @@ TEST(TcpGroup, AllGatherOverLoopbackAndAMissingRankIsNamedByTheTimeout) {
   EXPECT_EQ(failures(outcomes), "");
 }
 
+// Every rank's reply holds every rank's 16 MiB: far more than a loopback socket buffers, so the
+// hub must wait for each rank to read its reply (bounded by the send timeout) rather than give
+// the rank up when the socket's buffer is full. Oracle: each rank's bytes are a pattern of that
+// rank alone, checked in full on every rank.
+TEST(TcpGroup, AnAllGatherLargerThanTheSocketBuffersReachesEveryRank) {
+  const int port = free_port();
+  constexpr std::size_t bytes = std::size_t{16} << 20;
+  auto outcomes = run_ranks(3, [&](int r) {
+    TcpGroup group(loopback(port), r, 3, timeout(20s));
+    const std::vector<std::uint8_t> mine = pattern(r, r, 0, bytes);
+    auto all = group.all_gather(std::as_bytes(std::span(mine)));
+    check(all.size() == 3, "one entry per rank");
+    for (int q = 0; q < 3; ++q) {
+      const std::vector<std::uint8_t> theirs = pattern(q, q, 0, bytes);
+      const auto& got = all[static_cast<std::size_t>(q)];
+      check(got.size() == bytes && std::memcmp(got.data(), theirs.data(), bytes) == 0,
+            "rank " + std::to_string(q) + "'s 16 MiB arrived intact");
+    }
+    group.barrier();
+  });
+  EXPECT_EQ(failures(outcomes), "");
+}
+
 TEST(TcpGroup, RangeChecksItsArgumentsAndTheLauncherEnvironment) {
   EXPECT_THROW(TcpGroup(loopback(1234), 3, 3), invalid_argument);
   EXPECT_THROW(TcpGroup(loopback(0), 1, 2), invalid_argument);  // port 0 only on rank 0

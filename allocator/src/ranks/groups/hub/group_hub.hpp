@@ -1,7 +1,7 @@
 // The rendezvous bookkeeping every Group implementation shares: which rank contributed to which
 // collective, when one completes, who is missing when one is given up, and recovery. No I/O and
-// no locking: the thread group calls it under its mutex, the Unix socket group from the one
-// thread that serves the socket. Each call returns the replies to deliver, rank by rank.
+// no locking: the thread group calls it under its mutex, the hub server (hub_server.hpp) from
+// the one thread that serves the sockets. Each call returns the replies to deliver, rank by rank.
 //
 // Invariants:
 //   - collectives are identified by (generation, sequence number); every rank numbers its own

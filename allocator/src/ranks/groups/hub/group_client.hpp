@@ -1,6 +1,7 @@
 // The rank's side of a hub-based Group: numbering collectives, waiting with a deadline, giving
-// up, turning failures into typed errors, recovery. The transport (in-process mailbox or Unix
-// socket) only moves requests to the Hub and replies back.
+// up, turning failures into typed errors, recovery. The transport (an in-process mailbox, or a
+// connection to the hub server through WireClientGroup) only moves requests to the Hub and
+// replies back.
 //
 // Invariants: seq_ counts this rank's collectives in generation gen_; broken_ is set by any
 // failed collective and cleared only by a successful recover(); replies that do not belong to the
@@ -11,9 +12,11 @@
 #include <chrono>
 #include <functional>
 #include <optional>
+#include <span>
 #include <string>
 
-#include "ranks/group_hub.hpp"
+#include "ranks/groups/hub/group_hub.hpp"
+#include "ranks/groups/hub/group_wire.hpp"
 #include "torpor/group.hpp"
 
 namespace torpor::detail {
@@ -74,6 +77,32 @@ class HubClientGroup : public Group {
   std::uint64_t gen_ = 0;
   std::uint64_t seq_ = 0;
   std::optional<std::string> broken_;
+};
+
+// A HubClientGroup whose hub is a HubServer across a connection (Unix socket, TCP): requests and
+// replies travel as wire messages (hub_protocol.hpp's encodings). The transport sends and
+// receives whole messages; a failure of either means rank 0's rendezvous is gone.
+class WireClientGroup : public HubClientGroup {
+ protected:
+  using HubClientGroup::HubClientGroup;
+
+  // A whole message to the hub, with descriptors beside it. Throws on failure.
+  virtual void send_to_hub(MessageType type, std::span<const std::byte> body, std::span<const int> fds) = 0;
+  // The hub's next message, or nothing when `deadline` passes first. Throws when the connection
+  // broke.
+  virtual std::optional<Message> receive_from_hub(clock::time_point deadline) = 0;
+  // Where the rendezvous is, for messages (" at host:port"), or "" when the kind says enough.
+  virtual std::string rendezvous_address() const { return {}; }
+
+  void post_contribution(std::uint64_t generation, std::uint64_t sequence, CollectiveKind kind, Part part) override;
+  void post_give_up(std::uint64_t generation, std::uint64_t sequence, double waited_seconds) override;
+  void post_recover(std::uint64_t generation) override;
+  void post_give_up_recovery(std::uint64_t generation) override;
+  std::optional<Received> next_reply(clock::time_point deadline) override;
+
+ private:
+  void send(MessageType type, const std::vector<std::byte>& body, std::span<const int> fds = {});
+  [[noreturn]] void lost(const std::exception& e) const;
 };
 
 }  // namespace torpor::detail

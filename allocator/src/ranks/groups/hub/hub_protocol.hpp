@@ -1,7 +1,7 @@
-// What the Unix socket group's hub does with the datagrams it receives, without the sockets:
-// admission of a connection by its hello, reassembly of each rank's messages, their decoding
-// into Hub calls, and the encoding of the Hub's replies. The server (unix_group.cpp) only moves
-// datagrams; the fuzz target (tests/fuzz) drives this class with arbitrary bytes.
+// What the hub does with the frames it receives, without the sockets: admission of a connection
+// by its hello, reassembly of each rank's messages, their decoding into Hub calls, and the
+// encoding of the Hub's replies. The server (hub_server.hpp) only moves frames; the fuzz target
+// (tests/fuzz) drives this class with arbitrary bytes.
 //
 // Invariants:
 //   - admission reads exactly one datagram of a fixed size: a connection that has not
@@ -20,9 +20,9 @@
 #include <string>
 #include <vector>
 
-#include "ranks/group_client.hpp"
-#include "ranks/group_hub.hpp"
-#include "ranks/group_wire.hpp"
+#include "ranks/groups/hub/group_client.hpp"
+#include "ranks/groups/hub/group_hub.hpp"
+#include "ranks/groups/hub/group_wire.hpp"
 
 namespace torpor::detail {
 

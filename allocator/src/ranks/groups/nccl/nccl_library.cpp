@@ -1,5 +1,5 @@
 // The NCCL loader. See nccl_library.hpp.
-#include "ranks/nccl/nccl_library.hpp"
+#include "ranks/groups/nccl/nccl_library.hpp"
 
 #include <dlfcn.h>
 #include <fmt/core.h>
@@ -7,7 +7,7 @@
 #include <type_traits>
 
 #include "common/options.hpp"
-#include "ranks/nccl/nccl_info.hpp"
+#include "ranks/groups/nccl/nccl_info.hpp"
 
 namespace torpor {
 

@@ -1,40 +1,39 @@
-// TcpGroup: the hub of UnixSocketGroup (HubProtocol, HubClientGroup) over TCP streams.
+// TcpGroup: the hub (hub_server.hpp, hub_protocol.hpp) and the rank's side (group_client.hpp)
+// of UnixSocketGroup over TCP streams; what is TCP about it: the transport under the hub, the
+// stream's framing, and the rank's connection.
 //
-// Design: the Unix group's wire is frames over SOCK_SEQPACKET (one datagram per frame). A TCP
-// stream keeps no boundaries, so each frame travels as its FrameHeader followed by exactly
-// frame_bytes of body, and the reader cuts the stream back into the same datagrams; the hub's
-// admission, reassembly and bookkeeping are the Unix group's, unchanged. No descriptor ever
-// travels (a contribution with fds is refused before it is sent).
+// Design: the hub's wire is frames (group_wire.hpp). A TCP stream keeps no boundaries, so each
+// frame travels as its FrameHeader followed by exactly frame_bytes of body, and the reader cuts
+// the stream back into the same frames; the hub's admission, reassembly and bookkeeping are the
+// Unix group's, unchanged. No descriptor ever travels (a contribution with fds is refused before
+// it is sent, a reply with fds fails its rank).
 //
 // Invariants:
-//   - the server (rank 0's thread) never blocks on one connection: reads are non-blocking into a
-//     per-connection buffer of at most one frame (header + frame_data_limit); sends to a rank
-//     have a bounded wait (SO_SNDTIMEO), after which that rank leaves the group;
-//   - a connection that has not sent a valid hello within hello_deadline is closed; a hello's
-//     frame must be exactly hello_frame_bytes, so a stranger costs a bounded amount of memory;
-//   - a rank whose connection closes (its process exited or was killed) leaves: every rank
-//     waiting in a collective gets group_rank_left naming it at once.
+//   - a connection's reader buffers at most one frame (header + frame_data_limit) beyond what
+//     was cut out of it, so a stranger costs a bounded amount of memory; reads never wait
+//     (MSG_DONTWAIT), sends wait at most SO_SNDTIMEO;
+//   - a TCP peer's process cannot be told apart: the secret is the only credential (rank 0 is
+//     admitted as the hub's own process).
 #include "torpor/tcp_group.hpp"
 
-#include <fcntl.h>
+#include <arpa/inet.h>
 #include <fmt/core.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <thread>
 
 #include "common/options.hpp"
-#include "ranks/group_client.hpp"
-#include "ranks/group_wire.hpp"
-#include "ranks/hub_protocol.hpp"
+#include "ranks/groups/hub/group_client.hpp"
+#include "ranks/groups/hub/group_wire.hpp"
+#include "ranks/groups/hub/hub_protocol.hpp"
+#include "ranks/groups/hub/hub_server.hpp"
 #include "torpor/log.hpp"
 
 namespace torpor {
@@ -44,14 +43,7 @@ namespace {
 using detail::FrameHeader;
 using detail::MessageType;
 using detail::Reader;
-using detail::Writer;
 using clock_type = std::chrono::steady_clock;
-
-constexpr auto hello_deadline = std::chrono::seconds(2);
-// A message's later frames follow its first at once; a peer that stops mid-message is stuck.
-constexpr auto continuation_wait = std::chrono::seconds(5);
-constexpr int send_timeout_ms = 5000;
-constexpr std::size_t max_strangers = 64;
 
 std::string errno_text() { return std::strerror(errno); }
 
@@ -95,7 +87,7 @@ void send_stream_message(int sock, MessageType type, std::span<const std::byte> 
   } while (sent < body.size());
 }
 
-// Cuts a stream back into frames. add() appends what was read; next() pops one whole frame.
+// Cuts a stream back into frames. fill() appends what the socket has; next() pops one whole frame.
 class FrameReader {
  public:
   // Throws error when the bytes cannot be a frame (bad magic, longer than a frame may be).
@@ -139,21 +131,6 @@ class FrameReader {
   std::vector<std::byte> buf_;
 };
 
-bool wait_readable(int fd, clock_type::time_point deadline) {
-  for (;;) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock_type::now());
-    int ms = static_cast<int>(std::clamp<long long>(left.count(), 0, 1 << 30));
-    pollfd p{fd, POLLIN, 0};
-    int n = ::poll(&p, 1, ms);
-    if (n > 0) return true;
-    if (n == 0) {
-      if (clock_type::now() >= deadline) return false;
-      continue;
-    }
-    if (errno != EINTR) throw error(fmt::format("tcp group: poll failed: {}", errno_text()));
-  }
-}
-
 // The next whole message on a blocking client socket, or nothing when `deadline` passes first.
 std::optional<detail::Message> recv_stream_message(int sock, FrameReader& reader, clock_type::time_point deadline) {
   detail::MessageAssembler assembler;
@@ -161,7 +138,7 @@ std::optional<detail::Message> recv_stream_message(int sock, FrameReader& reader
     while (auto d = reader.next())
       if (auto m = assembler.add(std::move(*d))) return m;
     const bool mid = assembler.in_progress() || reader.partial();
-    if (!wait_readable(sock, mid ? clock_type::now() + continuation_wait : deadline)) {
+    if (!detail::wait_readable(sock, mid ? clock_type::now() + detail::continuation_wait : deadline)) {
       if (mid) throw error("tcp group: the rest of a message did not arrive");
       return std::nullopt;
     }
@@ -170,7 +147,7 @@ std::optional<detail::Message> recv_stream_message(int sock, FrameReader& reader
 }
 
 void set_send_timeout(int sock) {
-  timeval tv{send_timeout_ms / 1000, static_cast<suseconds_t>(send_timeout_ms % 1000) * 1000};
+  timeval tv{detail::send_timeout_seconds, 0};
   ::setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
   int one = 1;
   ::setsockopt(sock, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -196,12 +173,64 @@ AddrList resolve(const std::string& host, int port, bool passive) {
   return out;
 }
 
-// ---------------------------------------------------------------------------------------------
-// Rank 0's server
+// --- the hub's transport ------------------------------------------------------------------------
 
-class TcpHubServer {
+// "host:port" of a socket address, for the log.
+std::string address_text(const sockaddr_storage& a) {
+  char host[INET6_ADDRSTRLEN] = "?";
+  int port = 0;
+  if (a.ss_family == AF_INET6) {
+    const auto* in6 = reinterpret_cast<const sockaddr_in6*>(&a);
+    ::inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof host);
+    port = ntohs(in6->sin6_port);
+  } else if (a.ss_family == AF_INET) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(&a);
+    ::inet_ntop(AF_INET, &in->sin_addr, host, sizeof host);
+    port = ntohs(in->sin_port);
+  }
+  return fmt::format("{}:{}", host, port);
+}
+
+// One connection: frames cut out of the stream, no descriptors.
+class TcpLink final : public detail::HubLink {
  public:
-  TcpHubServer(const TcpEndpoint& ep, int size) : protocol_(size, ep.secret, ::getpid()), ranks_(size) {
+  TcpLink(UniqueFd sock, std::string peer) : sock_(std::move(sock)), peer_(std::move(peer)) {}
+
+  int fd() const noexcept override { return sock_.get(); }
+  std::string peer() const override { return peer_; }
+  pid_t pid() const noexcept override { return ::getpid(); }
+
+  // The reader never holds more than one frame, so a hello needs no bound of its own.
+  detail::RecvStatus receive(std::vector<detail::Datagram>& frames, bool) override {
+    detail::RecvStatus st = reader_.fill(sock_.get());
+    while (auto d = reader_.next()) frames.push_back(std::move(*d));
+    return st;
+  }
+  bool partial() const noexcept override { return reader_.partial(); }
+  void send(MessageType type, std::span<const std::byte> body, std::span<const int> fds) override {
+    if (!fds.empty()) throw error("a reply with descriptors cannot travel over TCP");
+    send_stream_message(sock_.get(), type, body);
+  }
+  bool try_send(MessageType type, std::span<const std::byte> body) noexcept override {
+    try {
+      const std::vector<std::byte> frame = detail::encode_frame(type, body);
+      return ::send(sock_.get(), frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT) ==
+             static_cast<ssize_t>(frame.size());
+    } catch (const std::exception&) {
+      return false;
+    }
+  }
+
+ private:
+  UniqueFd sock_;
+  std::string peer_;
+  FrameReader reader_;
+};
+
+// Rank 0's listening socket on (host, port).
+class TcpTransport final : public detail::HubTransport {
+ public:
+  explicit TcpTransport(const TcpEndpoint& ep) : host_(ep.host) {
     AddrList a = resolve(ep.host, ep.port, true);
     std::string last = "no address";
     for (addrinfo* ai = a.list; ai != nullptr && !listen_; ai = ai->ai_next) {
@@ -227,182 +256,31 @@ class TcpHubServer {
       throw error(fmt::format("tcp group: rank 0 cannot listen on {} port {}: {} (is the port taken? MASTER_PORT + 1 "
                               "must be free on rank 0's node)",
                               ep.host, ep.port, last));
-    int p[2];
-    if (::pipe2(p, O_CLOEXEC | O_NONBLOCK) != 0) throw error(fmt::format("tcp group: pipe failed: {}", errno_text()));
-    wake_read_.reset(p[0]);
-    wake_write_.reset(p[1]);
-    thread_ = std::thread([this] { run(); });
-  }
-
-  ~TcpHubServer() {
-    stop_ = true;
-    char c = 1;
-    (void)!::write(wake_write_.get(), &c, 1);
-    if (thread_.joinable()) thread_.join();
   }
 
   int port() const noexcept { return port_; }
+  std::string name() const override { return fmt::format("tcp group hub at {}:{}", host_, port_); }
+  int listening_fd() const noexcept override { return listen_.get(); }
+
+  std::optional<Arrival> accept() override {
+    sockaddr_storage from{};
+    socklen_t len = sizeof from;
+    // Blocking sends (bounded by SO_SNDTIMEO) for the ranks' replies; reads never wait
+    // (MSG_DONTWAIT).
+    UniqueFd s(::accept4(listen_.get(), reinterpret_cast<sockaddr*>(&from), &len, SOCK_CLOEXEC));
+    if (!s) {
+      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ECONNABORTED)
+        log::warn("{}: accept failed: {}", name(), errno_text());
+      return std::nullopt;
+    }
+    set_send_timeout(s.get());
+    return Arrival{std::make_unique<TcpLink>(std::move(s), address_text(from)), {}};
+  }
 
  private:
-  struct Conn {
-    UniqueFd sock;
-    FrameReader reader;
-    int rank = -1;                                  // -1 until its hello was accepted
-    clock_type::time_point since;                   // accepted at (strangers)
-    std::optional<clock_type::time_point> stalled;  // mid-message since
-  };
-
-  void run() {
-    try {
-      loop();
-    } catch (const std::exception& e) {
-      log::error("tcp group hub: stopped: {}", e.what());
-    }
-  }
-
-  void loop() {
-    std::vector<pollfd> fds;
-    while (!stop_) {
-      fds.clear();
-      fds.push_back({wake_read_.get(), POLLIN, 0});
-      fds.push_back({listen_.get(), POLLIN, 0});
-      for (auto& c : conns_) fds.push_back({c->sock.get(), POLLIN, 0});
-      int n = ::poll(fds.data(), fds.size(), 100);
-      if (n < 0 && errno != EINTR) throw error(fmt::format("poll failed: {}", errno_text()));
-      if (stop_) return;
-      if (n > 0 && (fds[1].revents & POLLIN)) accept_some();
-      const std::size_t polled = fds.size() - 2;
-      for (std::size_t i = 0; i < polled && i < conns_.size(); ++i)
-        if (fds[i + 2].revents != 0) serve(*conns_[i]);
-      expire();
-      std::erase_if(conns_, [](const std::unique_ptr<Conn>& c) { return !c->sock; });
-    }
-  }
-
-  void accept_some() {
-    for (int k = 0; k < 16; ++k) {
-      UniqueFd s(::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-      if (!s) return;
-      std::size_t strangers = std::count_if(conns_.begin(), conns_.end(), [](auto& c) { return c->rank < 0; });
-      if (strangers >= max_strangers) continue;  // closed at the door; a member knocks again
-      set_send_timeout(s.get());
-      auto c = std::make_unique<Conn>();
-      c->sock = std::move(s);
-      c->since = clock_type::now();
-      conns_.push_back(std::move(c));
-    }
-  }
-
-  void serve(Conn& c) {
-    detail::Deliveries out;
-    try {
-      for (int round = 0; round < 64 && c.sock; ++round) {
-        detail::RecvStatus st = c.reader.fill(c.sock.get());
-        if (st == detail::RecvStatus::closed) throw error("the connection closed");
-        bool progressed = false;
-        while (auto d = c.reader.next()) {
-          progressed = true;
-          if (c.rank < 0) {
-            if (!admit(c, *d)) return;
-            continue;
-          }
-          auto more = protocol_.receive(c.rank, std::move(*d));
-          for (auto& m : more) out.push_back(std::move(m));
-        }
-        if (st == detail::RecvStatus::would_block && !progressed) break;
-      }
-      if (c.rank >= 0) {
-        const bool mid = protocol_.mid_message(c.rank) || c.reader.partial();
-        if (!mid)
-          c.stalled.reset();
-        else if (!c.stalled)
-          c.stalled = clock_type::now();
-      }
-    } catch (const std::exception& e) {
-      if (c.rank >= 0) log::debug("tcp group hub: rank {} disconnected: {}", c.rank, e.what());
-      drop(c, out);
-    }
-    deliver(std::move(out));
-  }
-
-  bool admit(Conn& c, const detail::Datagram& hello) {
-    // A TCP peer's process cannot be told apart: the secret is the only credential.
-    detail::HubProtocol::Admission a = protocol_.admit(hello, ::getpid());
-    if (a.rank < 0) {
-      Writer w;
-      w.put_string(a.refusal);
-      auto body = w.take();
-      try {
-        send_stream_message(c.sock.get(), MessageType::refused, body);
-      } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): refused either way, and logged below
-      }
-      log::warn("tcp group hub: refused a connection: {}", a.refusal);
-      c.sock.reset();
-      return false;
-    }
-    try {
-      send_stream_message(c.sock.get(), MessageType::welcome, {});
-    } catch (const std::exception& e) {
-      log::warn("tcp group hub: rank {} vanished while joining ({})", a.rank, e.what());
-      deliver(protocol_.leave(a.rank));
-      c.sock.reset();
-      return false;
-    }
-    c.rank = a.rank;
-    ranks_[static_cast<std::size_t>(a.rank)] = &c;
-    log::debug("tcp group hub: rank {} joined", a.rank);
-    return true;
-  }
-
-  void expire() {
-    const auto now = clock_type::now();
-    for (auto& c : conns_) {
-      if (!c->sock) continue;
-      if (c->rank < 0 && now - c->since > hello_deadline) {
-        c->sock.reset();  // no hello in time
-      } else if (c->rank >= 0 && c->stalled && now - *c->stalled > continuation_wait) {
-        log::warn("tcp group hub: rank {} sent part of a message and nothing more; it leaves the group", c->rank);
-        detail::Deliveries out;
-        drop(*c, out);
-        deliver(std::move(out));
-      }
-    }
-  }
-
-  void drop(Conn& c, detail::Deliveries& out) {
-    c.sock.reset();
-    if (c.rank < 0) return;
-    ranks_[static_cast<std::size_t>(c.rank)] = nullptr;
-    for (auto& d : protocol_.leave(c.rank)) out.push_back(std::move(d));
-  }
-
-  void deliver(detail::Deliveries out) {
-    while (!out.empty()) {
-      detail::Deliveries next;
-      for (auto& [rank, reply] : out) {
-        Conn* c = ranks_[static_cast<std::size_t>(rank)];
-        if (c == nullptr || !c->sock) continue;
-        try {
-          detail::EncodedReply e = detail::encode_reply(reply);
-          if (!e.fds.empty()) throw error("a reply with descriptors cannot travel over TCP");
-          send_stream_message(c->sock.get(), MessageType::reply, e.body);
-        } catch (const std::exception& e) {
-          log::warn("tcp group hub: rank {} cannot be reached ({}); it leaves the group", rank, e.what());
-          drop(*c, next);
-        }
-      }
-      out = std::move(next);
-    }
-  }
-
-  detail::HubProtocol protocol_;
-  UniqueFd listen_;
-  UniqueFd wake_read_, wake_write_;
+  std::string host_;
   int port_ = 0;
-  std::vector<std::unique_ptr<Conn>> conns_;
-  std::vector<Conn*> ranks_;  // by rank, while connected
-  std::atomic<bool> stop_{false};
-  std::thread thread_;  // last: starts after everything above exists
+  UniqueFd listen_;
 };
 
 }  // namespace
@@ -410,9 +288,9 @@ class TcpHubServer {
 // ---------------------------------------------------------------------------------------------
 // The rank's side
 
-struct TcpGroup::Impl final : detail::HubClientGroup {
+struct TcpGroup::Impl final : detail::WireClientGroup {
   Impl(const TcpEndpoint& ep, int rank, int size, const GroupOptions& options)
-      : HubClientGroup(rank, size, options), endpoint_(ep) {
+      : WireClientGroup(rank, size, options), endpoint_(ep) {
     if (size < 1 || size > 65536) throw invalid_argument(fmt::format("TcpGroup: size {} is outside [1, 65536]", size));
     if (rank < 0 || rank >= size)
       throw invalid_argument(fmt::format("TcpGroup: rank {} is outside [0, {})", rank, size));
@@ -422,8 +300,9 @@ struct TcpGroup::Impl final : detail::HubClientGroup {
     if (endpoint_.secret.empty()) endpoint_.secret = zero_secret();
     validate_secret(endpoint_.secret);
     if (rank == 0) {
-      server_ = std::make_unique<TcpHubServer>(endpoint_, size);
-      endpoint_.port = server_->port();
+      auto transport = std::make_unique<TcpTransport>(endpoint_);
+      endpoint_.port = transport->port();
+      server_ = std::make_unique<detail::HubServer>(std::move(transport), size, endpoint_.secret);
     }
     connect();
     exchange(detail::CollectiveKind::formation, detail::Part{});
@@ -460,6 +339,11 @@ struct TcpGroup::Impl final : detail::HubClientGroup {
             throw group_timeout(fmt::format("{}: the rendezvous at {} did not welcome this rank within {} ms", who(),
                                             where(), timeout_.count()),
                                 {0});
+          if (m->type == MessageType::busy) {
+            // A crowd of connections at the door (a stranger's flood): knock again.
+            last = "the rendezvous had too many connections waiting to say hello";
+            continue;
+          }
           if (m->type == MessageType::refused) {
             Reader rd(m->body);
             throw error(fmt::format("{}: the rendezvous at {} refused this rank: {}", who(), where(), rd.get_string()));
@@ -488,43 +372,20 @@ struct TcpGroup::Impl final : detail::HubClientGroup {
     }
   }
 
-  void send(MessageType t, const std::vector<std::byte>& body) {
-    try {
-      send_stream_message(sock_.get(), t, body);
-    } catch (const std::exception& e) {
-      throw invalid_state(fmt::format("{}: lost the rendezvous hosted by rank 0 at {} ({}); rank 0 exited or "
-                                      "destroyed its group; build a new group",
-                                      who(), where(), e.what()));
-    }
+  std::string rendezvous_address() const override { return " at " + where(); }
+  void send_to_hub(MessageType type, std::span<const std::byte> body, std::span<const int>) override {
+    send_stream_message(sock_.get(), type, body);
   }
-
+  std::optional<detail::Message> receive_from_hub(clock::time_point deadline) override {
+    return recv_stream_message(sock_.get(), reader_, deadline);
+  }
   void post_contribution(std::uint64_t g, std::uint64_t s, detail::CollectiveKind k, detail::Part p) override {
     if (!p.fds.empty()) throw invalid_state(fmt::format("{}: descriptors cannot travel over TCP", who()));
-    send(MessageType::contribute, detail::encode_contribution(g, s, k, p.bytes));
-  }
-  void post_give_up(std::uint64_t g, std::uint64_t s, double waited) override {
-    send(MessageType::give_up, detail::encode_give_up(g, s, waited));
-  }
-  void post_recover(std::uint64_t g) override { send(MessageType::recover, detail::encode_generation(g)); }
-  void post_give_up_recovery(std::uint64_t g) override {
-    send(MessageType::give_up_recovery, detail::encode_generation(g));
-  }
-  std::optional<detail::Received> next_reply(clock::time_point deadline) override {
-    std::optional<detail::Message> m;
-    try {
-      m = recv_stream_message(sock_.get(), reader_, deadline);
-    } catch (const std::exception& e) {
-      throw invalid_state(fmt::format("{}: lost the rendezvous hosted by rank 0 at {} ({}); rank 0 exited or "
-                                      "destroyed its group; build a new group",
-                                      who(), where(), e.what()));
-    }
-    if (!m) return std::nullopt;
-    if (m->type != MessageType::reply) throw error(fmt::format("{}: unexpected message from the rendezvous", who()));
-    return detail::decode_reply(*m);
+    WireClientGroup::post_contribution(g, s, k, std::move(p));
   }
 
   TcpEndpoint endpoint_;
-  std::unique_ptr<TcpHubServer> server_;
+  std::unique_ptr<detail::HubServer> server_;
   UniqueFd sock_;
   FrameReader reader_;
 };

@@ -3,7 +3,7 @@
 
 #include <string>
 
-#include "ranks/nccl/nccl_library.hpp"
+#include "ranks/groups/nccl/nccl_library.hpp"
 #include "torpor/nccl_group.hpp"
 
 namespace torpor {

@@ -9,7 +9,7 @@
 #include <string>
 #include <utility>
 
-#include "ranks/group_client.hpp"
+#include "ranks/groups/hub/group_client.hpp"
 
 namespace torpor::detail {
 namespace {

@@ -17,8 +17,8 @@
 #include <thread>
 
 #include "common/range_allocator.hpp"
+#include "ranks/groups/nccl/nccl_library.hpp"
 #include "ranks/multicast.hpp"
-#include "ranks/nccl/nccl_library.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
 

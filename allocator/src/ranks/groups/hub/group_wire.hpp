@@ -1,7 +1,9 @@
-// The Unix socket group's wire: messages over SOCK_SEQPACKET (boundaries kept, so descriptors
-// passed with SCM_RIGHTS always arrive with the frame they were sent with). A message is one or
-// more frames: each frame is a FrameHeader, up to frame_data_limit bytes of body and up to
-// frame_fd_limit descriptors; the first frame's header carries the totals.
+// The hub's wire: every transport carries the same frames. A message is one or more frames: each
+// frame is a FrameHeader, up to frame_data_limit bytes of body and up to frame_fd_limit
+// descriptors; the first frame's header carries the totals. Over the Unix socket group's
+// SOCK_SEQPACKET a frame is one datagram (boundaries kept, so descriptors passed with SCM_RIGHTS
+// always arrive with the frame they were sent with: the functions below); over TcpGroup's stream
+// a frame is its header and exactly frame_bytes of body, without descriptors (tcp_group.cpp).
 //
 // Every connection opens with a hello: one frame of exactly hello_frame_bytes holding the
 // protocol version, the rank, the group size and the secret. Its size is fixed so that the hub
@@ -48,6 +50,10 @@ struct Message {
 
 // 2: the fixed-size hello.
 inline constexpr std::uint32_t wire_version = 2;
+
+// A message's later frames are sent right after its first; waiting longer than this for one
+// means the peer is stuck or gone (the hub then drops the rank, a rank loses the hub).
+inline constexpr auto continuation_wait = std::chrono::seconds(5);
 
 inline constexpr std::uint32_t frame_magic = 0x54525047;  // "TRPG"
 inline constexpr std::size_t frame_data_limit = std::size_t{32} * 1024;
@@ -123,6 +129,8 @@ std::vector<std::byte> encode_frame(MessageType type, std::span<const std::byte>
 // The next whole message, or nothing when `deadline` passes before its first frame. Throws
 // error on end of stream ("closed") or a malformed frame.
 std::optional<Message> recv_message(int fd, std::chrono::steady_clock::time_point deadline);
+// Waits until fd is readable; false when the deadline passes first. Throws error when poll fails.
+bool wait_readable(int fd, std::chrono::steady_clock::time_point deadline);
 
 // Body encoding: fixed-width native integers (both ends are on one machine), length-prefixed
 // byte strings.

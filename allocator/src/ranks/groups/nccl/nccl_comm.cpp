@@ -9,8 +9,8 @@
 #include <cstring>
 #include <span>
 
+#include "ranks/groups/nccl/nccl_library.hpp"
 #include "ranks/multicast.hpp"
-#include "ranks/nccl/nccl_library.hpp"
 #include "torpor/consensus.hpp"
 #include "torpor/error.hpp"
 #include "torpor/group.hpp"

@@ -1,5 +1,5 @@
-// Framing of the Unix socket group's messages; see group_wire.hpp.
-#include "ranks/group_wire.hpp"
+// Framing of the hub's messages as datagrams; see group_wire.hpp.
+#include "ranks/groups/hub/group_wire.hpp"
 
 #include <fmt/core.h>
 #include <poll.h>
@@ -12,27 +12,7 @@ namespace torpor::detail {
 
 namespace {
 
-// A message's later frames are sent right after its first; waiting longer than this for one
-// means the peer is stuck or gone. (The rank's side only: the hub never waits on one connection.)
-constexpr auto continuation_wait = std::chrono::seconds(5);
-
 std::string errno_text() { return std::strerror(errno); }
-
-// Waits until fd is readable; false when the deadline passes.
-bool wait_readable(int fd, std::chrono::steady_clock::time_point deadline) {
-  for (;;) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-    int ms = static_cast<int>(std::clamp<long long>(left.count(), 0, 1 << 30));
-    pollfd p{fd, POLLIN, 0};
-    int n = ::poll(&p, 1, ms);
-    if (n > 0) return true;
-    if (n == 0) {
-      if (std::chrono::steady_clock::now() >= deadline) return false;
-      continue;
-    }
-    if (errno != EINTR) throw error(fmt::format("group socket: poll failed: {}", errno_text()));
-  }
-}
 
 FrameHeader header_of(const Datagram& d) {
   if (d.truncated) throw error("group socket: truncated frame");
@@ -48,6 +28,21 @@ FrameHeader header_of(const Datagram& d) {
 }
 
 }  // namespace
+
+bool wait_readable(int fd, std::chrono::steady_clock::time_point deadline) {
+  for (;;) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    int ms = static_cast<int>(std::clamp<long long>(left.count(), 0, 1 << 30));
+    pollfd p{fd, POLLIN, 0};
+    int n = ::poll(&p, 1, ms);
+    if (n > 0) return true;
+    if (n == 0) {
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+      continue;
+    }
+    if (errno != EINTR) throw error(fmt::format("group socket: poll failed: {}", errno_text()));
+  }
+}
 
 std::vector<std::byte> encode_hello(int rank, int size, std::string_view secret) {
   if (secret.size() != sizeof(HelloBody::secret))

@@ -1,5 +1,5 @@
 // nccl_info() in a build without NCCL support (TORPOR_NCCL off). See nccl_info.hpp.
-#include "ranks/nccl/nccl_info.hpp"
+#include "ranks/groups/nccl/nccl_info.hpp"
 
 namespace torpor {
 
