@@ -34,12 +34,12 @@ def statements(code: str) -> list[str]:
 
 
 def test_the_cpp_example_is_the_one_the_test_compiles():
-    """Readme.TenLineExample (tests/allocator/test_readme_example.cpp) compiles and runs the
+    """Readme.TenLineExample (tests/allocator/api/test_readme_example.cpp) compiles and runs the
     README's C++ lines on the host backend: each statement of the README's block is one of its
     statements, except the backend choice (the test names the host backend)."""
     text = (REPO / "README.md").read_text(encoding="utf-8")
     block = re.search(r"## C\+\+ in ten lines\n.*?```cpp\n(.*?)```", text, re.S).group(1)
-    test = statements((REPO / "tests" / "allocator" / "test_readme_example.cpp").read_text(encoding="utf-8"))
+    test = statements((REPO / "tests" / "allocator" / "api" / "test_readme_example.cpp").read_text(encoding="utf-8"))
     readme = statements(block)
     assert "auto sel = torpor::open_driver()" in readme
     missing = [s for s in readme if s not in test and s != "auto sel = torpor::open_driver()"]

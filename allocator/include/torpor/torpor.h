@@ -16,6 +16,7 @@
 
 #include <stddef.h> /* NOLINT(modernize-deprecated-headers): a C header */
 
+#include "torpor/status.h"
 #include "torpor/version.h"
 
 #ifdef __cplusplus
@@ -29,18 +30,6 @@ typedef struct torpor_pool_s* torpor_pool_t;
 #define TORPOR_TAG_WEIGHTS "weights"
 #define TORPOR_TAG_KV_CACHE "kv_cache"
 #define TORPOR_TAG_CUDA_GRAPH "cuda_graph"
-
-typedef enum torpor_status {
-  TORPOR_OK = 0,
-  TORPOR_ERROR_INVALID_ARGUMENT = 1, /* bad size, pointer, tag, class, level ... */
-  TORPOR_ERROR_INVALID_STATE = 2,    /* e.g. allocate into a sleeping tag */
-  TORPOR_ERROR_OUT_OF_MEMORY = 3,    /* device, VA or host backing store */
-  TORPOR_ERROR_DRIVER = 4,           /* a CUDA driver call failed */
-  TORPOR_ERROR_TIMEOUT = 5,
-  TORPOR_ERROR_INVALID_HANDLE = 6, /* pool handle destroyed or never created */
-  TORPOR_ERROR_INTERNAL = 7,
-  TORPOR_ERROR_UNAVAILABLE = 8 /* the backend or feature is not available here (no usable GPU, ...) */
-} torpor_status;
 
 typedef enum torpor_class {
   TORPOR_CLASS_PARAMETER = 0, /* reloadable weights: offloaded at level 1, discarded at level 2 */

@@ -21,7 +21,7 @@
 #include <optional>
 #include <string>
 
-#include "torpor/torpor.h"
+#include "torpor/status.h"
 
 namespace torpor {
 

@@ -1,4 +1,5 @@
-// The one ErrorKind table (common/error_kind.hpp) against torpor.h's list of statuses, parsed
+// The one ErrorKind table (common/error_kind.hpp) against the statuses of torpor/status.h (which
+// torpor.h includes), parsed
 // from the header: every status has its kind, and every kind round-trips: an exception of the
 // type the C API documents for the status -> kind -> status -> the exception raised again, of
 // the same type (or torpor::error, where the status cannot carry the type) and the same message.
@@ -26,10 +27,10 @@
 namespace torpor {
 namespace {
 
-// torpor.h's `typedef enum torpor_status { NAME = value, ... }`, comments removed.
+// status.h's `typedef enum torpor_status { NAME = value, ... }`, comments removed.
 std::map<std::string, int> header_statuses() {
-  std::ifstream in(TORPOR_SOURCE_DIR "/allocator/include/torpor/torpor.h");
-  EXPECT_TRUE(in) << "cannot read torpor.h";
+  std::ifstream in(TORPOR_SOURCE_DIR "/allocator/include/torpor/status.h");
+  EXPECT_TRUE(in) << "cannot read status.h";
   std::stringstream text;
   text << in.rdbuf();
   std::smatch body;
@@ -73,7 +74,7 @@ std::map<std::string, Expected> expected_by_status() {
 
 TEST(ErrorKind, EveryStatusOfTheHeaderHasItsKindAndName) {
   const std::map<std::string, int> statuses = header_statuses();
-  ASSERT_GE(statuses.size(), 9u) << "torpor.h's statuses were not found";
+  ASSERT_GE(statuses.size(), 9u) << "status.h's statuses were not found";
   const std::map<std::string, Expected> expected = expected_by_status();
   for (const auto& [name, value] : statuses) {
     SCOPED_TRACE(name);
