@@ -529,7 +529,7 @@ torpor_status torpor_last_report_json(torpor_pool_t pool, char* buffer, size_t c
 const char* torpor_pool_backend(torpor_pool_t pool) {
   try {
     auto p = lookup(pool);
-    return p->driver.backend == Backend::cuda ? "cuda" : "host";
+    return to_string(p->driver.backend).data();  // the table's names are literals
   } catch (...) {
     last_error = "torpor_pool_backend: pool handle is not a live pool";
     return nullptr;

@@ -18,16 +18,20 @@ namespace torpor {
 
 namespace {
 
-constexpr auto backend_names =
-    std::to_array<EnumName<Backend>>({{Backend::automatic, "auto"}, {Backend::host, "host"}, {Backend::cuda, "cuda"}});
+// backend_table's names as an enum name table, for to_string and parse_backend.
+constexpr auto backend_enum_names = [] {
+  EnumNames<Backend, backend_table.size()> names{};
+  for (std::size_t i = 0; i < backend_table.size(); ++i) names[i] = {backend_table[i].value, backend_table[i].name};
+  return names;
+}();
 
 }  // namespace
 
-std::string_view to_string(Backend b) noexcept { return name_of(backend_names, b); }
+std::string_view to_string(Backend b) noexcept { return name_of(backend_enum_names, b); }
 
 Backend parse_backend(std::string_view name) {
   if (name.empty()) return Backend::automatic;
-  return parse_named(backend_names, name, "backend");
+  return parse_named(backend_enum_names, name, "backend");
 }
 
 Backend backend_from_env() { return parse_backend(options::backend()); }
