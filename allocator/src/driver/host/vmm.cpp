@@ -31,7 +31,7 @@
 #include <string_view>
 #include <thread>
 
-#include "driver/host_driver_async.hpp"
+#include "driver/host/async_engine.hpp"
 #include "torpor/content_hash.hpp"
 #include "torpor/error.hpp"
 #include "torpor/log.hpp"
