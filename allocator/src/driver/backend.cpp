@@ -1,3 +1,9 @@
+// Choosing a backend (torpor/backend.hpp): the backends' names come from backend_table.hpp;
+// open_driver tries cuda (CudaDriver::open, then VMM support on device 0) unless host was asked
+// for, and keeps the reason for its choice, so `torpor probe` and errors can say why. A cuda
+// backend that was asked for and cannot be used is an error naming the cause, never a silent
+// fall back to host. shared_driver keeps one driver per backend for the whole process, never
+// destroyed (pools may still use it while static destructors run).
 #include "torpor/backend.hpp"
 
 #include <fmt/core.h>
