@@ -316,7 +316,8 @@ int run(const Options& o) {
 int main(int argc, char** argv) {
   CLI::App app{"torpor_bench_fixed: per-chunk and per-call costs of sleep and wake, beside the driver's floor"};
   Options o;
-  app.add_option("--backend", o.backend, "auto, host or cuda")->check(CLI::IsMember({"auto", "host", "cuda"}));
+  app.add_option("--backend", o.backend, std::string(torpor::backends_in_words.view()))
+      ->check(CLI::IsMember(torpor::backend_name_strings()));
   app.add_option("--chunks", o.chunks, "chunk counts to sweep (default 100 316 1000 3162 10000)")
       ->check(CLI::Range(std::size_t{1}, std::size_t{100000}));
   app.add_option_function<std::string>(

@@ -190,7 +190,8 @@ int run(const Options& o) {
 int main(int argc, char** argv) {
   CLI::App app{"torpor_bench_multi: N pools sleeping at once against the host's memory bandwidth"};
   Options o;
-  app.add_option("--backend", o.backend, "auto, host or cuda")->check(CLI::IsMember({"auto", "host", "cuda"}));
+  app.add_option("--backend", o.backend, std::string(torpor::backends_in_words.view()))
+      ->check(CLI::IsMember(torpor::backend_name_strings()));
   app.add_option("--pools", o.pools, "pool counts to sweep (default 1 2 4 8)")->check(CLI::Range(1, 64));
   app.add_option_function<std::string>(
       "--bytes", [&](const std::string& s) { o.bytes = parse_size(s); }, "state bytes per pool (default 4G)");

@@ -518,7 +518,8 @@ int run(const Options& o) {
 int main(int argc, char** argv) {
   CLI::App app{"torpor_bench_sleep: sleep/wake against the PCIe ceiling and the per-allocation policy"};
   Options o;
-  app.add_option("--backend", o.backend, "auto, host or cuda")->check(CLI::IsMember({"auto", "host", "cuda"}));
+  app.add_option("--backend", o.backend, std::string(torpor::backends_in_words.view()))
+      ->check(CLI::IsMember(torpor::backend_name_strings()));
   app.add_option("--params", o.param_count, "parameter tensors (default 2048)");
   app.add_option_function<std::string>(
       "--param-bytes", [&](const std::string& s) { o.param_bytes = parse_size(s); },

@@ -98,9 +98,9 @@ void add_probe(CLI::App& app, int& exit_code) {
       app.add_subcommand("probe", "Report the backend, devices, VMM support, peer access and multicast decision");
   auto o = std::make_shared<ProbeOptions>();
   cmd->add_option("--backend", o->backend,
-                  fmt::format("auto ({}, else cuda if usable, else host), host or cuda",
+                  fmt::format("{}; auto follows {} when it is set", backends_in_words.view(),
                               options::option(options::id::backend).name))
-      ->check(CLI::IsMember({"auto", "host", "cuda"}));
+      ->check(CLI::IsMember(backend_name_strings()));
   cmd->add_flag("--json", o->json, "Print one JSON document instead of the human-readable report");
   cmd->add_flag("--config", o->config,
                 "Print the effective settings (every environment variable torpor reads: value, and whether it "
@@ -116,9 +116,9 @@ void add_doctor(CLI::App& app, int& exit_code) {
       "a usage error");
   auto o = std::make_shared<DoctorOptions>();
   cmd->add_option("--backend", o->backend,
-                  "auto (the GPU's when usable: judged for a GPU), cuda, or host (the emulator: judges the host "
-                  "side only)")
-      ->check(CLI::IsMember({"auto", "host", "cuda"}));
+                  fmt::format("{}; judged for a GPU, except {} (the emulator: judges the host side only)",
+                              backends_in_words.view(), to_string(Backend::host)))
+      ->check(CLI::IsMember(backend_name_strings()));
   cmd->add_flag("--json", o->json, "Print one JSON document (backend, checks, exit_code, full_speed, verdict)");
   cmd->add_option("--host-store", o->host_store,
                   "Host memory the store will page-lock, bytes (K, M, G, T suffixes), for the memlock check; default "
@@ -144,7 +144,8 @@ void add_symmetric_check(CLI::App& app, int& exit_code) {
                   "over TCP on loopback, sharing memory as fabric handles (default 1)")
       ->check(CLI::Range(1, 1024));
   cmd->add_option("--bytes", o->bytes, "Symmetric buffer size per rank, K/M/G suffixes (default 1G)");
-  cmd->add_option("--backend", o->backend, "auto, host or cuda")->check(CLI::IsMember({"auto", "host", "cuda"}));
+  cmd->add_option("--backend", o->backend, std::string(backends_in_words.view()))
+      ->check(CLI::IsMember(backend_name_strings()));
   cmd->add_option("--json", o->json, "Also write the results to this file");
   add_group_timeout_flags(cmd, o->timeout,
                           "Group timeout in seconds (default: TORPOR_GROUP_TIMEOUT_MS when set, else 120)");
@@ -172,8 +173,8 @@ void add_stress(CLI::App& app, int& exit_code) {
                   "With --processes: the ranks in this many emulated nodes that share no Unix socket and meet over "
                   "TCP on loopback (default 1)")
       ->check(CLI::Range(1, 1024));
-  cmd->add_option("--backend", o->backend, "auto, host or cuda")
-      ->check(CLI::IsMember({"auto", "host", "cuda"}))
+  cmd->add_option("--backend", o->backend, std::string(backends_in_words.view()))
+      ->check(CLI::IsMember(backend_name_strings()))
       ->capture_default_str();
   cmd->add_option("--cycles", o->cycles, "Soak: this many more sleep/wake cycles, mixed levels and partial wakes")
       ->check(CLI::NonNegativeNumber)
@@ -218,8 +219,8 @@ void add_rl_loop(CLI::App& app, int& exit_code) {
   cmd->add_option("--iterations", o->iterations, "Weight updates")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--ranks", o->ranks, "Tensor-parallel ranks (default: every GPU on cuda, 2 on host)");
   cmd->add_flag("--processes", o->processes, "One process per rank and device instead of threads");
-  cmd->add_option("--backend", o->backend, "auto, host or cuda")
-      ->check(CLI::IsMember({"auto", "host", "cuda"}))
+  cmd->add_option("--backend", o->backend, std::string(backends_in_words.view()))
+      ->check(CLI::IsMember(backend_name_strings()))
       ->capture_default_str();
   cmd->add_option("--update-seed", o->update_seed, "Seed of the weight updates")->capture_default_str();
   cmd->add_option("--update-scale", o->update_scale, "Size of one update, relative to the weights' scale")

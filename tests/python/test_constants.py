@@ -26,8 +26,8 @@ def test_the_tag_names_are_the_cpp_apis():
 
 
 def header_enum(name: str) -> dict[str, int]:
-    """The enumerators of `typedef enum name { ... }` in torpor.h or the status.h it includes."""
-    text = (INCLUDE / "torpor.h").read_text() + (INCLUDE / "status.h").read_text()
+    """The enumerators of `typedef enum name { ... }` in torpor.h or the C headers it includes."""
+    text = "".join((INCLUDE / h).read_text() for h in ("torpor.h", "status.h", "backend.h"))
     body = re.search(r"typedef enum %s \{(.*?)\}" % name, text, re.S).group(1)
     body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
     return {k: int(v) for k, v in re.findall(r"(\w+)\s*=\s*(-?\d+)", body)}

@@ -8,14 +8,15 @@
 #include <string>
 #include <string_view>
 
+#include "torpor/backend_table.hpp"
 #include "torpor/driver.hpp"
 #include "torpor/host_driver.hpp"
 
 namespace torpor {
 
-enum class Backend { automatic, host, cuda };
+// The backends' names (backend_table.hpp); a value the table lacks prints as "?".
 std::string_view to_string(Backend b) noexcept;
-// "auto", "host", "cuda"; throws invalid_argument otherwise.
+// A name of backend_table.hpp's table ("auto", "host", "cuda"); throws invalid_argument otherwise.
 Backend parse_backend(std::string_view name);
 // TORPOR_BACKEND (any case), or automatic when unset; an unknown value throws invalid_argument
 // naming the accepted ones.

@@ -64,7 +64,7 @@
 
 namespace torpor {
 
-class HostAsyncEngine;  // the asynchronous mode's streams and events (src/driver)
+class HostAsyncEngine;  // the asynchronous mode's streams and events (src/driver/host/async_engine.hpp)
 
 struct HostDriverOptions {
   int devices = 8;
@@ -247,6 +247,9 @@ class HostDriver final : public Driver {
   void delay_stream(Stream s, std::chrono::microseconds pause);
 
  private:
+  // Completed in src/driver/host/state.hpp, the internal header of the files of src/driver/host/
+  // (one concern each: devices, VMM, sharing, fabric, multicast, host memory, streams, in-flight
+  // ranges, hash).
   struct Memory;
   struct Multicast;
   struct HandleEntry {

@@ -16,6 +16,7 @@
 
 #include <stddef.h> /* NOLINT(modernize-deprecated-headers): a C header */
 
+#include "torpor/backend.h"
 #include "torpor/status.h"
 #include "torpor/version.h"
 
@@ -36,12 +37,6 @@ typedef enum torpor_class {
   TORPOR_CLASS_STATE = 1,     /* must survive bit-exact: always offloaded */
   TORPOR_CLASS_CACHE = 2      /* recomputable: always discarded */
 } torpor_class;
-
-typedef enum torpor_backend {
-  TORPOR_BACKEND_AUTO = 0,
-  TORPOR_BACKEND_HOST = 1,
-  TORPOR_BACKEND_CUDA = 2
-} torpor_backend;
 
 typedef enum torpor_fill { TORPOR_FILL_NONE = 0, TORPOR_FILL_ZERO = 1, TORPOR_FILL_POISON = 2 } torpor_fill;
 

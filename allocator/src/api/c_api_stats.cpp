@@ -48,7 +48,7 @@ torpor_status torpor_last_report_json(torpor_pool_t pool, char* buffer, size_t c
 const char* torpor_pool_backend(torpor_pool_t pool) {
   try {
     auto p = find_pool(pool);
-    if (p) return p->driver.backend == Backend::cuda ? "cuda" : "host";
+    if (p) return to_string(p->driver.backend).data();  // the backend table's names are literals
   } catch (...) {  // NOLINT(bugprone-empty-catch): reported below, as a handle that is not live
   }
   set_last_error("torpor_pool_backend: pool handle is not a live pool");

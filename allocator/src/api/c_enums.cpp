@@ -38,12 +38,8 @@ constexpr auto handle_kind_names = std::to_array<EnumName<int>>(
 }  // namespace
 
 std::optional<Backend> backend_of(int backend) noexcept {
-  switch (backend) {
-    case TORPOR_BACKEND_AUTO: return Backend::automatic;
-    case TORPOR_BACKEND_HOST: return Backend::host;
-    case TORPOR_BACKEND_CUDA: return Backend::cuda;
-    default: return std::nullopt;
-  }
+  const BackendEntry* b = backend_entry_of_c(backend);
+  return b ? std::optional<Backend>(b->value) : std::nullopt;
 }
 
 std::optional<MemoryClass> memory_class_of(int memory_class) noexcept {

@@ -11,13 +11,14 @@
 #include <limits>
 #include <utility>
 
+#include "torpor/backend_table.hpp"
 #include "torpor/error.hpp"
 
 namespace torpor::options {
 namespace {
 
 constexpr std::array<std::string_view, 5> log_levels = {"off", "error", "warn", "info", "debug"};
-constexpr std::array<std::string_view, 3> backends = {"auto", "host", "cuda"};
+constexpr auto backend_description = spoken_backends("backend: ", "; any case");
 constexpr std::array<std::string_view, 2> host_modes = {"sync", "async"};
 // torch_memory_saver's get_bool_env_var (csrc/utils.h at 4a43c97) takes these, in two cases each.
 constexpr std::array<std::string_view, 6> tms_switch_values = {"1", "true", "yes", "0", "false", "no"};
@@ -40,9 +41,7 @@ constexpr std::int64_t max_world_size = 65536;
 constexpr std::array<Option, 34> rows = {{
   {id::log, "TORPOR_LOG", "warn", "log level: off, error, warn, info or debug (any case)",
    kind::choice, 0, 0, log_levels},
-  {id::backend, "TORPOR_BACKEND", "auto",
-   "backend: auto (cuda when a GPU with VMM support is usable, else host), host or cuda (any case)",
-   kind::choice, 0, 0, backends},
+  {id::backend, "TORPOR_BACKEND", "auto", backend_description.view(), kind::choice, 0, 0, backend_names},
   {id::host_devices, "TORPOR_HOST_DEVICES", "8", "the host backend's number of emulated devices",
    kind::integer, 1, max_host_devices},
   {id::host_device_memory, "TORPOR_HOST_DEVICE_MEMORY", "16G",

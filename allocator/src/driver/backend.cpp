@@ -1,3 +1,9 @@
+// Choosing a backend (torpor/backend.hpp): the backends' names come from backend_table.hpp;
+// open_driver tries cuda (CudaDriver::open, then VMM support on device 0) unless host was asked
+// for, and keeps the reason for its choice, so `torpor probe` and errors can say why. A cuda
+// backend that was asked for and cannot be used is an error naming the cause, never a silent
+// fall back to host. shared_driver keeps one driver per backend for the whole process, never
+// destroyed (pools may still use it while static destructors run).
 #include "torpor/backend.hpp"
 
 #include <fmt/core.h>
@@ -18,16 +24,20 @@ namespace torpor {
 
 namespace {
 
-constexpr auto backend_names =
-    std::to_array<EnumName<Backend>>({{Backend::automatic, "auto"}, {Backend::host, "host"}, {Backend::cuda, "cuda"}});
+// backend_table's names as an enum name table, for to_string and parse_backend.
+constexpr auto backend_enum_names = [] {
+  EnumNames<Backend, backend_table.size()> names{};
+  for (std::size_t i = 0; i < backend_table.size(); ++i) names[i] = {backend_table[i].value, backend_table[i].name};
+  return names;
+}();
 
 }  // namespace
 
-std::string_view to_string(Backend b) noexcept { return name_of(backend_names, b); }
+std::string_view to_string(Backend b) noexcept { return name_of(backend_enum_names, b); }
 
 Backend parse_backend(std::string_view name) {
   if (name.empty()) return Backend::automatic;
-  return parse_named(backend_names, name, "backend");
+  return parse_named(backend_enum_names, name, "backend");
 }
 
 Backend backend_from_env() { return parse_backend(options::backend()); }

@@ -1,7 +1,9 @@
 // CudaDriver: the Driver seam over the CUDA driver API. libcuda.so.1 is opened with dlopen
 // and every entry point is resolved through cuGetProcAddress at run time, so a torpor binary
 // starts on a machine without a GPU and says why it cannot use one (see backend.hpp).
-// This header does not include cuda.h; only cuda_driver.cpp does.
+// This header does not include cuda.h; only the files of driver/cuda/ do, one concern each
+// (devices, VMM, sharing and fabric, multicast, host memory, streams, hash) over the loaded
+// library, Impl (driver/cuda/library.hpp).
 #pragma once
 
 #include <memory>
@@ -87,7 +89,7 @@ class CudaDriver final : public Driver {
   void event_synchronize(Event e) override;
   void hash(std::span<const HashRange> ranges, Hash128* out, Stream s) override;
 
-  struct Impl;
+  struct Impl;  // the loaded library: driver/cuda/library.hpp
 
  private:
   explicit CudaDriver(std::unique_ptr<Impl> impl);

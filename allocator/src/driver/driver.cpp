@@ -1,6 +1,9 @@
-// Default implementations of the optional parts of the driver seam: each says "not supported"
-// (driver_error, CUDA_ERROR_NOT_SUPPORTED) naming the backend, as a driver without the call would.
-// Callers ask capabilities() first; the error is for the one that did not.
+// The seam's own code, whatever the backend: the names of its enums (capabilities, handle
+// kinds, fabric probe causes, and DriverCall's: the kinds of call the fault-injecting driver
+// fails), the sentence a fabric probe says, and the default implementations of the optional parts
+// of the seam: each says "not supported" (driver_error, CUDA_ERROR_NOT_SUPPORTED) naming the
+// backend, as a driver without the call would. Callers ask capabilities() first; the error is for
+// the one that did not.
 #include "torpor/driver.hpp"
 
 #include <fmt/core.h>
@@ -55,6 +58,46 @@ std::string_view to_string(FabricProbe::Cause c) noexcept {
     case FabricProbe::Cause::no_imex_channel: return "no IMEX channel";
     case FabricProbe::Cause::not_permitted: return "not permitted";
     case FabricProbe::Cause::failed: return "failed";
+  }
+  return "?";
+}
+
+std::string_view to_string(DriverCall c) noexcept {
+  switch (c) {
+    case DriverCall::reserve: return "reserve";
+    case DriverCall::free_reservation: return "free_reservation";
+    case DriverCall::create: return "create";
+    case DriverCall::release: return "release";
+    case DriverCall::map: return "map";
+    case DriverCall::unmap: return "unmap";
+    case DriverCall::set_access: return "set_access";
+    case DriverCall::export_handle: return "export_handle";
+    case DriverCall::import_handle: return "import_handle";
+    case DriverCall::host_alloc: return "host_alloc";
+    case DriverCall::host_free: return "host_free";
+    case DriverCall::stream_create: return "stream_create";
+    case DriverCall::stream_destroy: return "stream_destroy";
+    case DriverCall::copy: return "copy";
+    case DriverCall::fill: return "fill";
+    case DriverCall::stream_synchronize: return "stream_synchronize";
+    case DriverCall::device_synchronize: return "device_synchronize";
+    case DriverCall::event_create: return "event_create";
+    case DriverCall::event_destroy: return "event_destroy";
+    case DriverCall::event_record: return "event_record";
+    case DriverCall::stream_wait_event: return "stream_wait_event";
+    case DriverCall::event_synchronize: return "event_synchronize";
+    case DriverCall::multicast_create: return "multicast_create";
+    case DriverCall::multicast_add_device: return "multicast_add_device";
+    case DriverCall::multicast_bind: return "multicast_bind";
+    case DriverCall::multicast_unbind: return "multicast_unbind";
+    case DriverCall::multicast_release: return "multicast_release";
+    case DriverCall::hash: return "hash";
+    case DriverCall::multicast_granularity: return "multicast_granularity";
+    case DriverCall::multicast_export: return "multicast_export";
+    case DriverCall::multicast_import: return "multicast_import";
+    case DriverCall::host_register: return "host_register";
+    case DriverCall::host_unregister: return "host_unregister";
+    case DriverCall::count_: break;
   }
   return "?";
 }

@@ -1,3 +1,4 @@
+// FaultInjectingDriver; the design note is in torpor/testing/fault_injecting_driver.hpp.
 #include "torpor/testing/fault_injecting_driver.hpp"
 
 #include <fmt/core.h>

@@ -1,5 +1,5 @@
 // Content hash of a byte range: 128 bits, computed on the device at HBM speed (the CUDA
-// kernel in src/content_hash.cu) or on the CPU (HostDriver, tests), with identical results.
+// kernel in src/driver/cuda/content_hash.cu) or on the CPU (HostDriver, tests), with identical results.
 //
 // Definition. Split the range into 8-byte little-endian words w_0 .. w_{m-1} (the last one
 // zero-padded). Each word is mixed with its index by two different bijective 64-bit mixers

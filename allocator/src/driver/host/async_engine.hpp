@@ -9,7 +9,7 @@
 // This is what makes ordering bugs (unmapping memory a queued copy still reads, reading bytes a
 // queued copy has not written yet) fail on a CPU machine. HostDriver keeps the memory side: it
 // registers the ranges each queued operation touches and refuses to unmap or free them while the
-// operation is pending (host_driver.cpp); the engine knows only streams, events and work.
+// operation is pending (in_flight.cpp); the engine knows only streams, events and work.
 //
 // Invariants (under mu_):
 //   - a stream's operations run one at a time on its worker, in submission order; completed

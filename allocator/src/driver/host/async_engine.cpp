@@ -1,5 +1,5 @@
-// HostAsyncEngine; the design note and invariants are in host_driver_async.hpp.
-#include "driver/host_driver_async.hpp"
+// HostAsyncEngine; the design note and invariants are in async_engine.hpp.
+#include "driver/host/async_engine.hpp"
 
 #include <fmt/core.h>
 
